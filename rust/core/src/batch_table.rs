@@ -1,0 +1,228 @@
+//! Persistent decode-step buffers: block tables, context lengths and slot mapping for the
+//! running batch, kept at fixed addresses and updated in place.
+//!
+//! A model runner (and a captured CUDA graph) reads these buffers every step. Rebuilding a
+//! padded table per step writes `rows × max_blocks` entries; appending one token changes at
+//! most one block id, one length and one slot per row, and that is all this writes. A row
+//! whose sequence was changed by other calls since (noticed through the sequence's version)
+//! is rewritten whole, so the buffers never go stale.
+
+use hashbrown::HashMap;
+
+use crate::block_pool::NULL_BLOCK;
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::KvCache;
+
+/// Slot mapping entry of a row with no new token: kernels skip negative slots.
+pub const PAD_SLOT: i32 = -1;
+
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    seq_id: u64,
+    /// Where the sequence sat in the cache's slab when last seen (a hint, checked on use).
+    slab: u32,
+    /// The sequence's version when this row was last written.
+    version: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct BatchTable {
+    max_blocks_per_seq: usize,
+    rows: Vec<Row>,
+    row_of: HashMap<u64, u32>,
+    block_tables: Box<[i32]>,
+    context_lens: Box<[i32]>,
+    slot_mapping: Box<[i32]>,
+}
+
+impl BatchTable {
+    pub fn new(max_seqs: usize, max_blocks_per_seq: usize) -> CoreResult<Self> {
+        if max_seqs == 0 || max_blocks_per_seq == 0 {
+            return Err(CoreError::invalid(format!(
+                "max_seqs and max_blocks_per_seq must be at least 1, got {max_seqs} and {max_blocks_per_seq}"
+            )));
+        }
+        let cells = max_seqs
+            .checked_mul(max_blocks_per_seq)
+            .filter(|&cells| cells <= i32::MAX as usize)
+            .ok_or_else(|| {
+                CoreError::invalid(format!(
+                    "a {max_seqs} × {max_blocks_per_seq} block table is too large (over 2**31 entries)"
+                ))
+            })?;
+        let mut row_of = HashMap::new();
+        row_of.reserve(max_seqs);
+        Ok(BatchTable {
+            max_blocks_per_seq,
+            rows: Vec::with_capacity(max_seqs),
+            row_of,
+            block_tables: vec![NULL_BLOCK as i32; cells].into_boxed_slice(),
+            context_lens: vec![0; max_seqs].into_boxed_slice(),
+            slot_mapping: vec![PAD_SLOT; max_seqs].into_boxed_slice(),
+        })
+    }
+
+    pub fn max_seqs(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_blocks_per_seq
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    pub fn contains(&self, seq_id: u64) -> bool {
+        self.row_of.contains_key(&seq_id)
+    }
+
+    /// Sequence ids by row.
+    pub fn seq_ids(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.rows.iter().map(|row| row.seq_id)
+    }
+
+    /// `[max_seqs, max_blocks_per_seq]`, row-major, padded with the null block.
+    pub fn block_tables(&self) -> &[i32] {
+        &self.block_tables
+    }
+
+    /// `[max_seqs]`; 0 for unused rows.
+    pub fn context_lens(&self) -> &[i32] {
+        &self.context_lens
+    }
+
+    /// `[max_seqs]`: the slot of each row's last appended token; [`PAD_SLOT`] where none.
+    pub fn slot_mapping(&self) -> &[i32] {
+        &self.slot_mapping
+    }
+
+    fn check_width(&self, seq_id: u64, num_blocks: usize) -> CoreResult<()> {
+        if num_blocks > self.max_blocks_per_seq {
+            return Err(CoreError::invalid(format!(
+                "sequence {seq_id} needs {num_blocks} blocks; the batch table holds {} per row",
+                self.max_blocks_per_seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds a running sequence as the next row.
+    pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
+        if self.row_of.contains_key(&seq_id) {
+            return Err(CoreError::invalid(format!("sequence {seq_id} is already in the batch table")));
+        }
+        if self.rows.len() == self.max_seqs() {
+            return Err(CoreError::invalid(format!("the batch table is full ({} rows)", self.max_seqs())));
+        }
+        let slab = cache.slab_of(seq_id)?;
+        self.check_width(seq_id, cache.sequences[slab as usize].blocks.len())?;
+        let row = self.rows.len();
+        self.rows.push(Row { seq_id, slab, version: 0 });
+        self.row_of.insert(seq_id, row as u32);
+        self.rewrite_row(row, cache);
+        self.slot_mapping[row] = PAD_SLOT;
+        Ok(())
+    }
+
+    /// Removes a sequence's row; the last row moves into the hole.
+    pub fn remove(&mut self, seq_id: u64) -> CoreResult<()> {
+        let row = self.row_of.remove(&seq_id).ok_or_else(|| {
+            CoreError::invalid(format!("sequence {seq_id} is not in the batch table"))
+        })? as usize;
+        let last = self.rows.len() - 1;
+        let width = self.max_blocks_per_seq;
+        if row != last {
+            self.block_tables.copy_within(last * width..(last + 1) * width, row * width);
+            self.context_lens[row] = self.context_lens[last];
+            self.slot_mapping[row] = self.slot_mapping[last];
+            self.row_of.insert(self.rows[last].seq_id, row as u32);
+        }
+        self.rows.swap_remove(row);
+        self.block_tables[last * width..(last + 1) * width].fill(NULL_BLOCK as i32);
+        self.context_lens[last] = 0;
+        self.slot_mapping[last] = PAD_SLOT;
+        Ok(())
+    }
+
+    /// Removes every row.
+    pub fn clear(&mut self) {
+        let used = self.rows.len();
+        self.block_tables[..used * self.max_blocks_per_seq].fill(NULL_BLOCK as i32);
+        self.context_lens[..used].fill(0);
+        self.slot_mapping[..used].fill(PAD_SLOT);
+        self.rows.clear();
+        self.row_of.clear();
+    }
+
+    fn rewrite_row(&mut self, row: usize, cache: &KvCache) {
+        let seq = &cache.sequences[self.rows[row].slab as usize];
+        let width = self.max_blocks_per_seq;
+        let cells = &mut self.block_tables[row * width..(row + 1) * width];
+        cells.fill(NULL_BLOCK as i32);
+        for (cell, &block) in cells.iter_mut().zip(&seq.blocks) {
+            *cell = block as i32;
+        }
+        self.context_lens[row] = seq.num_tokens as i32;
+        self.rows[row].version = seq.version;
+    }
+
+    /// The slab of row `row`'s sequence, refreshing the hint if the sequence moved.
+    fn locate(&mut self, row: usize, cache: &KvCache) -> CoreResult<u32> {
+        let Row { seq_id, slab, .. } = self.rows[row];
+        let seq = &cache.sequences[slab as usize];
+        if seq.live && seq.seq_id == seq_id {
+            return Ok(slab);
+        }
+        let slab = cache.slab_of(seq_id)?;
+        self.rows[row].slab = slab;
+        Ok(slab)
+    }
+
+    /// Appends one token to every row's sequence (`token_ids[row]` when given) and updates
+    /// the buffers in place. All-or-nothing: if any row cannot grow, nothing changes.
+    pub fn append_tokens(&mut self, cache: &mut KvCache, token_ids: Option<&[u32]>) -> CoreResult<()> {
+        if let Some(ids) = token_ids {
+            if ids.len() != self.rows.len() {
+                return Err(CoreError::invalid(format!(
+                    "token_ids holds {} ids for {} rows",
+                    ids.len(),
+                    self.rows.len()
+                )));
+            }
+        }
+        let block_size = cache.block_size();
+        let mut needed = 0;
+        for row in 0..self.rows.len() {
+            let slab = self.locate(row, cache)?;
+            let seq = &cache.sequences[slab as usize];
+            self.check_width(seq.seq_id, (seq.num_tokens + 1).div_ceil(block_size))?;
+            needed += cache.blocks_for_append(slab, 1)?;
+        }
+        cache.check_budget(needed)?;
+        let width = self.max_blocks_per_seq;
+        for row in 0..self.rows.len() {
+            let Row { slab, version, .. } = self.rows[row];
+            let stale = cache.sequences[slab as usize].version != version;
+            let mut slot = PAD_SLOT;
+            let ids = token_ids.map(|ids| std::slice::from_ref(&ids[row]));
+            cache.append_to(slab, 1, ids, |_, new_slot| slot = new_slot)?;
+            self.slot_mapping[row] = slot;
+            if stale {
+                self.rewrite_row(row, cache);
+                continue;
+            }
+            let seq = &cache.sequences[slab as usize];
+            let last = seq.blocks.len() - 1;
+            self.block_tables[row * width + last] = seq.blocks[last] as i32;
+            self.context_lens[row] = seq.num_tokens as i32;
+            self.rows[row].version = seq.version;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,337 @@
+//! Fixed-size KV-cache blocks: who owns each block, which are free, which are cached.
+//!
+//! Every block other than the null block is in exactly one state:
+//! - *in use*: reference count > 0 (held by that many sequences), not in the free queue;
+//! - *cached*: reference count 0, in the free queue, still registered under its prefix hash,
+//!   so a later request with the same prefix takes it back (evictable, least recently used
+//!   first);
+//! - *free*: reference count 0, in the free queue, no contents worth keeping.
+//!
+//! Free blocks sit at the head of the queue and cached ones behind them in LRU order, so an
+//! allocation takes a worthless block before it evicts a cached one. Allocation, release and a
+//! cache hit are O(1) and allocate no memory.
+
+use crate::block_hash::BlockHash;
+use crate::error::{CoreError, CoreResult};
+use crate::free_queue::FreeQueue;
+use crate::prefix_table::PrefixTable;
+
+/// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
+/// past a sequence's last block reads valid (if meaningless) memory.
+pub const NULL_BLOCK: u32 = 0;
+
+/// Largest token count (blocks × block size) for which every slot id fits an int32.
+pub const MAX_SLOTS: usize = i32::MAX as usize + 1;
+
+/// Prefix-cache counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheCounters {
+    /// Full blocks looked up by `alloc_sequence` with token ids.
+    pub queries: u64,
+    /// Of those, blocks found in the cache.
+    pub hits: u64,
+    /// Cached blocks reused for other contents.
+    pub evictions: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    block_size: usize,
+    ref_counts: Vec<u32>,
+    free_queue: FreeQueue,
+    /// Hash of every block registered in `prefix_table`; meaningless for the others.
+    block_hashes: Vec<BlockHash>,
+    is_cached: Vec<bool>,
+    prefix_table: PrefixTable,
+    num_evictable: usize,
+    enable_prefix_caching: bool,
+    counters: PrefixCacheCounters,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> CoreResult<Self> {
+        if num_blocks < 2 {
+            return Err(CoreError::invalid(format!(
+                "num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}"
+            )));
+        }
+        if block_size == 0 {
+            return Err(CoreError::invalid("block_size must be at least 1, got 0"));
+        }
+        if num_blocks.checked_mul(block_size).is_none_or(|slots| slots > MAX_SLOTS) {
+            return Err(CoreError::invalid(format!(
+                "num_blocks × block_size = {num_blocks} × {block_size} exceeds 2**31 slots: \
+                 slot ids would not fit the int32 slot mapping kernels read"
+            )));
+        }
+        let mut free_queue = FreeQueue::new(num_blocks);
+        for block in 1..num_blocks as u32 {
+            free_queue.push_back(block);
+        }
+        let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
+        Ok(BlockPool {
+            block_size,
+            ref_counts: vec![0; num_blocks],
+            free_queue,
+            block_hashes: vec![BlockHash::default(); table_blocks],
+            is_cached: vec![false; table_blocks],
+            prefix_table: PrefixTable::new(table_blocks),
+            num_evictable: 0,
+            enable_prefix_caching,
+            counters: PrefixCacheCounters::default(),
+        })
+    }
+
+    #[inline]
+    pub fn num_blocks(&self) -> usize {
+        self.ref_counts.len()
+    }
+
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn enable_prefix_caching(&self) -> bool {
+        self.enable_prefix_caching
+    }
+
+    /// Blocks an allocation can take now: free plus cached-but-unused (evictable).
+    #[inline]
+    pub fn num_free(&self) -> usize {
+        self.free_queue.len()
+    }
+
+    /// Cached blocks that no sequence uses.
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable
+    }
+
+    /// Blocks registered in the prefix cache, in use or not.
+    pub fn num_registered(&self) -> usize {
+        self.prefix_table.len()
+    }
+
+    pub fn counters(&self) -> PrefixCacheCounters {
+        self.counters
+    }
+
+    #[inline]
+    pub fn ref_count(&self, block: u32) -> u32 {
+        self.ref_counts[block as usize]
+    }
+
+    #[inline]
+    fn is_cached(&self, block: u32) -> bool {
+        self.enable_prefix_caching && self.is_cached[block as usize]
+    }
+
+    /// Takes the least valuable block (a free one, else the least recently used cached one)
+    /// and hands it out with one reference. `None` when the queue is empty.
+    #[inline]
+    pub fn allocate(&mut self) -> Option<u32> {
+        let block = self.free_queue.pop_front()?;
+        if self.is_cached(block) {
+            self.prefix_table.remove(block, &self.block_hashes);
+            self.is_cached[block as usize] = false;
+            self.num_evictable -= 1;
+            self.counters.evictions += 1;
+        }
+        self.ref_counts[block as usize] = 1;
+        Some(block)
+    }
+
+    /// Adds a reference to a block already in use (a fork).
+    #[inline]
+    pub fn share(&mut self, block: u32) {
+        debug_assert!(self.ref_counts[block as usize] > 0);
+        self.ref_counts[block as usize] += 1;
+    }
+
+    /// Drops one reference. A block nobody uses any more goes back to the queue: to the tail
+    /// if it is cached (reused last), to the head otherwise (reused first).
+    #[inline]
+    pub fn release(&mut self, block: u32) {
+        let count = &mut self.ref_counts[block as usize];
+        debug_assert!(*count > 0, "release of unused block {block}");
+        *count -= 1;
+        if *count == 0 {
+            if self.is_cached(block) {
+                self.free_queue.push_back(block);
+                self.num_evictable += 1;
+            } else {
+                self.free_queue.push_front(block);
+            }
+        }
+    }
+
+    /// The cached block holding `hash`, without taking it.
+    #[inline]
+    pub fn lookup(&self, hash: BlockHash) -> Option<u32> {
+        if !self.enable_prefix_caching {
+            return None;
+        }
+        self.prefix_table.find(hash, &self.block_hashes)
+    }
+
+    /// Takes a reference on a block found by `lookup`, taking it out of the queue if unused.
+    #[inline]
+    pub fn take_hit(&mut self, block: u32) {
+        if self.ref_counts[block as usize] == 0 {
+            self.free_queue.remove(block);
+            self.num_evictable -= 1;
+        }
+        self.ref_counts[block as usize] += 1;
+    }
+
+    pub(crate) fn record_lookups(&mut self, queries: usize, hits: usize) {
+        self.counters.queries += queries as u64;
+        self.counters.hits += hits as u64;
+    }
+
+    /// Registers a full, in-use block under `hash`. Does nothing when caching is off, when the
+    /// block is registered already, or when another block holds the same contents (the first
+    /// one stays the cached copy).
+    #[inline]
+    pub fn register(&mut self, block: u32, hash: BlockHash) {
+        if !self.enable_prefix_caching || self.is_cached[block as usize] {
+            return;
+        }
+        if self.prefix_table.find(hash, &self.block_hashes).is_some() {
+            return;
+        }
+        self.block_hashes[block as usize] = hash;
+        self.is_cached[block as usize] = true;
+        self.prefix_table.insert(block, hash);
+    }
+
+    /// Forgets every cached block that no sequence uses; they become plain free blocks.
+    /// Returns how many were dropped.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        if !self.enable_prefix_caching {
+            return 0;
+        }
+        let mut dropped = 0;
+        for block in 1..self.num_blocks() as u32 {
+            if self.is_cached[block as usize] && self.ref_counts[block as usize] == 0 {
+                self.prefix_table.remove(block, &self.block_hashes);
+                self.is_cached[block as usize] = false;
+                // Move it ahead of the cached blocks, where free blocks live.
+                self.free_queue.remove(block);
+                self.free_queue.push_front(block);
+                dropped += 1;
+            }
+        }
+        self.num_evictable -= dropped;
+        dropped
+    }
+
+    /// Bytes of host memory this pool's bookkeeping holds.
+    pub fn heap_bytes(&self) -> usize {
+        self.ref_counts.capacity() * 4
+            + self.free_queue.heap_bytes()
+            + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
+            + self.is_cached.capacity()
+            + self.prefix_table.heap_bytes()
+    }
+
+    /// Checks every structural invariant; `holders[b]` is how many sequences hold block `b`.
+    pub fn check_invariants(&self, holders: &[u32]) -> Result<(), String> {
+        let num_blocks = self.num_blocks();
+        if self.ref_counts[NULL_BLOCK as usize] != 0 || self.free_queue.contains(NULL_BLOCK) {
+            return Err("the null block is referenced or queued".into());
+        }
+        let mut seen = vec![false; num_blocks];
+        let mut queued = 0;
+        for block in self.free_queue.iter() {
+            if seen[block as usize] {
+                return Err(format!("block {block} is in the free queue twice"));
+            }
+            seen[block as usize] = true;
+            queued += 1;
+        }
+        if queued != self.free_queue.len() {
+            return Err(format!("free queue holds {queued} blocks but counts {}", self.free_queue.len()));
+        }
+        let mut evictable = 0;
+        let mut registered = 0;
+        for block in 1..num_blocks as u32 {
+            let count = self.ref_counts[block as usize];
+            if count != holders[block as usize] {
+                return Err(format!(
+                    "block {block} has reference count {count} but {} sequences hold it",
+                    holders[block as usize]
+                ));
+            }
+            if (count == 0) != seen[block as usize] {
+                return Err(format!("block {block}: reference count {count}, queued {}", seen[block as usize]));
+            }
+            if self.is_cached(block) {
+                registered += 1;
+                if self.prefix_table.find(self.block_hashes[block as usize], &self.block_hashes) != Some(block) {
+                    return Err(format!("cached block {block} is not findable by its hash"));
+                }
+                if count == 0 {
+                    evictable += 1;
+                }
+            }
+        }
+        if evictable != self.num_evictable {
+            return Err(format!("{evictable} evictable blocks, counter says {}", self.num_evictable));
+        }
+        if registered != self.prefix_table.len() {
+            return Err(format!("{registered} cached blocks, prefix table holds {}", self.prefix_table.len()));
+        }
+        // Free blocks come before cached ones in the queue.
+        let mut in_cached_part = false;
+        for block in self.free_queue.iter() {
+            match (self.is_cached(block), in_cached_part) {
+                (true, _) => in_cached_part = true,
+                (false, true) => return Err(format!("free block {block} queued behind a cached block")),
+                (false, false) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_prefers_free_blocks_then_lru_cached() {
+        let mut pool = BlockPool::new(5, 4, true).unwrap();
+        let blocks: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
+        assert_eq!(blocks, [1, 2, 3, 4]);
+        assert_eq!(pool.allocate(), None);
+        let (h1, h2) = (BlockHash(11), BlockHash(22));
+        pool.register(1, h1);
+        pool.register(2, h2);
+        pool.release(2); // cached, older
+        pool.release(1); // cached, newer
+        pool.release(3); // free
+        assert_eq!(pool.num_free(), 3);
+        assert_eq!(pool.num_evictable(), 2);
+        assert_eq!(pool.allocate(), Some(3));
+        assert_eq!(pool.lookup(h1), Some(1));
+        assert_eq!(pool.allocate(), Some(2)); // evicts the least recently used
+        assert_eq!(pool.lookup(h2), None);
+        assert_eq!(pool.counters().evictions, 1);
+        pool.take_hit(1);
+        assert_eq!(pool.ref_count(1), 1);
+        assert_eq!(pool.num_free(), 0);
+        let mut holders = vec![0; 5];
+        for block in [1, 2, 3, 4] {
+            holders[block] = 1;
+        }
+        pool.check_invariants(&holders).unwrap();
+    }
+
+    #[test]
+    fn rejects_impossible_sizes() {
+        assert!(BlockPool::new(1, 16, true).is_err());
+        assert!(BlockPool::new(16, 0, true).is_err());
+        assert!(BlockPool::new(1 << 28, 16, true).is_err());
+    }
+}

@@ -1,0 +1,42 @@
+//! The one error type of the core. The Python binding maps each variant to exactly one
+//! exception class, so the variant is the contract and the message is for people.
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreError {
+    /// Not enough free plus evictable blocks for the whole request.
+    OutOfBlocks { needed: usize, available: usize },
+    /// No sequence with this id.
+    UnknownSequence(u64),
+    /// A sequence with this id exists already.
+    DuplicateSequence(u64),
+    /// An argument that can never be valid (a count out of range, a malformed shape, a
+    /// batch that names a sequence twice, ...).
+    InvalidArgument(String),
+}
+
+pub type CoreResult<T> = Result<T, CoreError>;
+
+impl CoreError {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        CoreError::InvalidArgument(message.into())
+    }
+}
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CoreError::OutOfBlocks { needed, available } => write!(
+                f,
+                "out of KV-cache blocks: the request needs {needed} more block(s), \
+                 {available} are free or evictable"
+            ),
+            CoreError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
+            CoreError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
+            CoreError::InvalidArgument(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for CoreError {}

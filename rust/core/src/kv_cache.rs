@@ -1,0 +1,728 @@
+//! Sequences mapped onto blocks: allocation with prefix reuse, batched append, fork with
+//! copy-on-write, and the block tables and slot mappings that paged-attention kernels read.
+//!
+//! Every public call checks all of its arguments and its block budget before it changes
+//! anything, so a call that fails leaves the cache exactly as it was. Sequences live in a slab
+//! whose vectors keep their capacity when a sequence ends, so steady-state churn allocates
+//! nothing.
+
+use hashbrown::HashMap;
+
+use crate::block_hash::BlockHash;
+use crate::block_pool::{BlockPool, PrefixCacheCounters, NULL_BLOCK};
+use crate::error::{CoreError, CoreResult};
+use crate::layout::KvLayout;
+
+/// What `alloc_sequence` is given: a token count, or the token ids themselves (which lets
+/// full blocks be found in, and added to, the prefix cache).
+#[derive(Debug, Clone, Copy)]
+pub enum Tokens<'a> {
+    Count(usize),
+    Ids(&'a [u32]),
+}
+
+impl Tokens<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Count(count) => *count,
+            Tokens::Ids(ids) => ids.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sequence {
+    pub(crate) seq_id: u64,
+    pub(crate) live: bool,
+    pub(crate) num_tokens: usize,
+    pub(crate) blocks: Vec<u32>,
+    /// Whether every token id of the sequence is known, so its full blocks can be named.
+    hashable: bool,
+    /// Hash of the last full block, or the chain's root while there is none.
+    last_hash: BlockHash,
+    /// Token ids of the partly filled last block (only while `hashable`).
+    partial_tokens: Vec<u32>,
+    /// Equal to the cache's `batch_epoch` while the current batch names this sequence.
+    batch_stamp: u64,
+    /// Changes whenever the block list or length changes; unique across the cache's life.
+    pub(crate) version: u64,
+}
+
+/// Counters and sizes reported by [`KvCache::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvCacheStats {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub blocks_used: usize,
+    pub blocks_free: usize,
+    pub blocks_cached: usize,
+    pub num_sequences: usize,
+    pub num_tokens: usize,
+    pub allocated_slots: usize,
+    pub used_slots: usize,
+    pub fragmentation: f64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_query_tokens: u64,
+    pub prefix_cache_hit_tokens: u64,
+    pub evictions: u64,
+    pub pending_copies: usize,
+    pub bytes_per_block: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    block_pool: BlockPool,
+    layout: KvLayout,
+    bytes_per_block: usize,
+    pub(crate) sequences: Vec<Sequence>,
+    vacant: Vec<u32>,
+    index: HashMap<u64, u32>,
+    pending_copies: Vec<[u32; 2]>,
+    batch_epoch: u64,
+    next_version: u64,
+    query_tokens: u64,
+    hit_tokens: u64,
+    // Reused per call so that hot paths allocate nothing.
+    scratch_hashes: Vec<BlockHash>,
+    scratch_blocks: Vec<u32>,
+    scratch_slabs: Vec<u32>,
+}
+
+impl KvCache {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        layout: KvLayout,
+        enable_prefix_caching: bool,
+    ) -> CoreResult<Self> {
+        layout.validate()?;
+        let block_pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching)?;
+        let bytes_per_block = layout.bytes_per_block(block_size).ok_or_else(|| {
+            CoreError::invalid("bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows")
+        })?;
+        Ok(KvCache {
+            block_pool,
+            layout,
+            bytes_per_block,
+            sequences: Vec::new(),
+            vacant: Vec::new(),
+            index: HashMap::new(),
+            pending_copies: Vec::new(),
+            batch_epoch: 0,
+            next_version: 1,
+            query_tokens: 0,
+            hit_tokens: 0,
+            scratch_hashes: Vec::new(),
+            scratch_blocks: Vec::new(),
+            scratch_slabs: Vec::new(),
+        })
+    }
+
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_pool.block_size()
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.block_pool.num_blocks()
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    pub fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+
+    pub fn enable_prefix_caching(&self) -> bool {
+        self.block_pool.enable_prefix_caching()
+    }
+
+    /// Blocks an allocation can take now (free plus evictable cached blocks).
+    pub fn num_free_blocks(&self) -> usize {
+        self.block_pool.num_free()
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn contains(&self, seq_id: u64) -> bool {
+        self.index.contains_key(&seq_id)
+    }
+
+    /// Most tokens one sequence can ever hold: every block but the null block.
+    pub fn max_seq_tokens(&self) -> usize {
+        (self.num_blocks() - 1) * self.block_size()
+    }
+
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.block_pool
+    }
+
+    /// Ids of the live sequences, in no particular order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
+    #[inline]
+    pub(crate) fn slab_of(&self, seq_id: u64) -> CoreResult<u32> {
+        self.index.get(&seq_id).copied().ok_or(CoreError::UnknownSequence(seq_id))
+    }
+
+    #[inline]
+    fn sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
+        Ok(&self.sequences[self.slab_of(seq_id)? as usize])
+    }
+
+    pub fn seq_len(&self, seq_id: u64) -> CoreResult<usize> {
+        Ok(self.sequence(seq_id)?.num_tokens)
+    }
+
+    /// The blocks of one sequence, in token order.
+    pub fn block_table(&self, seq_id: u64) -> CoreResult<&[u32]> {
+        Ok(&self.sequence(seq_id)?.blocks)
+    }
+
+    fn check_token_count(&self, count: usize, what: &str) -> CoreResult<()> {
+        if count == 0 {
+            return Err(CoreError::invalid(format!("{what} must be at least 1, got 0")));
+        }
+        if count > self.max_seq_tokens() {
+            return Err(CoreError::invalid(format!(
+                "{what} = {count} can never fit: the pool holds at most {} tokens per sequence \
+                 ({} usable blocks of {})",
+                self.max_seq_tokens(),
+                self.num_blocks() - 1,
+                self.block_size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Looks up the cached prefix of `tokens`: fills `scratch_hashes` with the hash of every
+    /// full block and `scratch_blocks` with the leading cache hits. Returns (queries, hits in
+    /// the free queue). Changes nothing else.
+    fn match_prefix(&mut self, tokens: Tokens<'_>, cache_salt: Option<&[u8]>) -> (usize, usize) {
+        self.scratch_hashes.clear();
+        self.scratch_blocks.clear();
+        let Tokens::Ids(ids) = tokens else { return (0, 0) };
+        if !self.block_pool.enable_prefix_caching() {
+            return (0, 0);
+        }
+        let block_size = self.block_size();
+        // As in vLLM, the last prompt token is always computed, so a prompt that is an exact
+        // multiple of the block size does not get its last block from the cache.
+        let queries = (ids.len() - 1) / block_size;
+        let mut parent = BlockHash::root(cache_salt);
+        let mut hits_queued = 0;
+        let mut matching = true;
+        for chunk in ids.chunks_exact(block_size) {
+            parent = parent.chain(chunk);
+            self.scratch_hashes.push(parent);
+            if matching && self.scratch_blocks.len() < queries {
+                match self.block_pool.lookup(parent) {
+                    Some(block) => {
+                        hits_queued += usize::from(self.block_pool.ref_count(block) == 0);
+                        self.scratch_blocks.push(block);
+                    }
+                    None => matching = false,
+                }
+            }
+        }
+        (queries, hits_queued)
+    }
+
+    /// Whether `alloc_sequence` would succeed now for a new sequence with these tokens.
+    pub fn can_allocate(&mut self, tokens: Tokens<'_>, cache_salt: Option<&[u8]>) -> CoreResult<bool> {
+        self.check_token_count(tokens.len(), "token count")?;
+        let (_, hits_queued) = self.match_prefix(tokens, cache_salt);
+        let fresh = tokens.len().div_ceil(self.block_size()) - self.scratch_blocks.len();
+        Ok(fresh + hits_queued <= self.block_pool.num_free())
+    }
+
+    /// Gives a new sequence the blocks for `tokens`, reusing cached full blocks when token ids
+    /// are given. Returns how many leading tokens are already in the cache.
+    pub fn alloc_sequence(
+        &mut self,
+        seq_id: u64,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<usize> {
+        if self.index.contains_key(&seq_id) {
+            return Err(CoreError::DuplicateSequence(seq_id));
+        }
+        let num_tokens = tokens.len();
+        self.check_token_count(num_tokens, "token count")?;
+        let block_size = self.block_size();
+        let num_blocks = num_tokens.div_ceil(block_size);
+        let (queries, hits_queued) = self.match_prefix(tokens, cache_salt);
+        let hits = self.scratch_blocks.len();
+        let needed = num_blocks - hits + hits_queued;
+        if needed > self.block_pool.num_free() {
+            return Err(CoreError::OutOfBlocks { needed, available: self.block_pool.num_free() });
+        }
+
+        // Checked: from here on nothing can fail.
+        if let Tokens::Ids(_) = tokens {
+            self.block_pool.record_lookups(queries, hits);
+            self.query_tokens += (queries * block_size) as u64;
+            self.hit_tokens += (hits * block_size) as u64;
+        }
+        let slab = self.vacant_slab();
+        let version = self.bump_version();
+        let KvCache { sequences, block_pool, scratch_hashes, scratch_blocks, .. } = self;
+        let seq = &mut sequences[slab as usize];
+        seq.seq_id = seq_id;
+        seq.live = true;
+        seq.num_tokens = num_tokens;
+        seq.version = version;
+        seq.blocks.clear();
+        for &block in scratch_blocks.iter() {
+            block_pool.take_hit(block);
+            seq.blocks.push(block);
+        }
+        for _ in hits..num_blocks {
+            seq.blocks.push(allocate_checked(block_pool)?);
+        }
+        seq.partial_tokens.clear();
+        match tokens {
+            Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
+                for (&block, &hash) in seq.blocks.iter().zip(scratch_hashes.iter()).skip(hits) {
+                    block_pool.register(block, hash);
+                }
+                seq.hashable = true;
+                seq.last_hash = scratch_hashes.last().copied().unwrap_or(BlockHash::root(cache_salt));
+                seq.partial_tokens.extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
+            }
+            _ => seq.hashable = false,
+        }
+        self.index.insert(seq_id, slab);
+        Ok(hits * block_size)
+    }
+
+    fn vacant_slab(&mut self) -> u32 {
+        self.vacant.pop().unwrap_or_else(|| {
+            self.sequences.push(Sequence::default());
+            (self.sequences.len() - 1) as u32
+        })
+    }
+
+    fn bump_version(&mut self) -> u64 {
+        let version = self.next_version;
+        self.next_version += 1;
+        version
+    }
+
+    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
+    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.batch_epoch += 1;
+        self.scratch_slabs.clear();
+        for &seq_id in seq_ids {
+            let slab = self.slab_of(seq_id)?;
+            let seq = &mut self.sequences[slab as usize];
+            if seq.batch_stamp == self.batch_epoch {
+                return Err(CoreError::invalid(format!("sequence {seq_id} appears twice in the batch")));
+            }
+            seq.batch_stamp = self.batch_epoch;
+            self.scratch_slabs.push(slab);
+        }
+        Ok(())
+    }
+
+    /// New blocks that appending `n` tokens to the sequence in `slab` takes, including the
+    /// copy-on-write replacement of a shared, partly filled last block.
+    pub(crate) fn blocks_for_append(&self, slab: u32, n: usize) -> CoreResult<usize> {
+        let seq = &self.sequences[slab as usize];
+        let block_size = self.block_size();
+        let total = seq.num_tokens + n;
+        if total > self.max_seq_tokens() {
+            return Err(CoreError::invalid(format!(
+                "sequence {} would hold {total} tokens; the pool holds at most {} per sequence",
+                seq.seq_id,
+                self.max_seq_tokens()
+            )));
+        }
+        let grow = total.div_ceil(block_size) - seq.blocks.len();
+        let copy_on_write = seq.num_tokens % block_size != 0
+            && seq.blocks.last().is_some_and(|&last| self.block_pool.ref_count(last) > 1);
+        Ok(grow + usize::from(copy_on_write))
+    }
+
+    pub(crate) fn check_budget(&self, needed: usize) -> CoreResult<()> {
+        let available = self.block_pool.num_free();
+        if needed > available {
+            return Err(CoreError::OutOfBlocks { needed, available });
+        }
+        Ok(())
+    }
+
+    /// Appends `n` tokens to every sequence of the batch and writes their slots, sequence by
+    /// sequence, into `slots` (which it clears first). `token_ids`, when given, holds `n` ids
+    /// per sequence in the same order and lets filled blocks join the prefix cache.
+    /// All-or-nothing.
+    pub fn append_tokens(
+        &mut self,
+        seq_ids: &[u64],
+        n: usize,
+        token_ids: Option<&[u32]>,
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        if n == 0 {
+            return Err(CoreError::invalid("n must be at least 1, got 0"));
+        }
+        let total = seq_ids
+            .len()
+            .checked_mul(n)
+            .ok_or_else(|| CoreError::invalid("batch × n overflows"))?;
+        if let Some(ids) = token_ids {
+            if ids.len() != total {
+                return Err(CoreError::invalid(format!(
+                    "token_ids holds {} ids; {} sequences × n={n} need {total}",
+                    ids.len(),
+                    seq_ids.len()
+                )));
+            }
+        }
+        self.resolve_batch(seq_ids)?;
+        let slabs = std::mem::take(&mut self.scratch_slabs);
+        let result = self.append_resolved(&slabs, n, token_ids, slots);
+        self.scratch_slabs = slabs;
+        result
+    }
+
+    fn append_resolved(
+        &mut self,
+        slabs: &[u32],
+        n: usize,
+        token_ids: Option<&[u32]>,
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        let mut needed = 0;
+        for &slab in slabs {
+            needed += self.blocks_for_append(slab, n)?;
+        }
+        self.check_budget(needed)?;
+        slots.clear();
+        slots.resize(slabs.len() * n, 0);
+        for (i, (&slab, out)) in slabs.iter().zip(slots.chunks_exact_mut(n)).enumerate() {
+            let ids = token_ids.map(|ids| &ids[i * n..(i + 1) * n]);
+            self.append_to(slab, n, ids, |t, slot| out[t] = slot)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `n` tokens to one sequence whose budget was checked; `emit(t, slot)` receives
+    /// the slot of the t-th new token.
+    #[inline]
+    pub(crate) fn append_to(
+        &mut self,
+        slab: u32,
+        n: usize,
+        token_ids: Option<&[u32]>,
+        mut emit: impl FnMut(usize, i32),
+    ) -> CoreResult<()> {
+        let version = self.bump_version();
+        let block_size = self.block_size();
+        let KvCache { sequences, block_pool, pending_copies, .. } = self;
+        let seq = &mut sequences[slab as usize];
+        if seq.num_tokens % block_size != 0 {
+            if let Some(last) = seq.blocks.last_mut() {
+                if block_pool.ref_count(*last) > 1 {
+                    let copy = allocate_checked(block_pool)?;
+                    pending_copies.push([*last, copy]);
+                    block_pool.release(*last);
+                    *last = copy;
+                }
+            }
+        }
+        if token_ids.is_none() && seq.hashable {
+            seq.hashable = false;
+            seq.partial_tokens.clear();
+        }
+        for t in 0..n {
+            let position = seq.num_tokens + t;
+            let offset = position % block_size;
+            if offset == 0 {
+                seq.blocks.push(allocate_checked(block_pool)?);
+            }
+            let block = seq.blocks[position / block_size];
+            emit(t, (block as usize * block_size + offset) as i32);
+            if let (Some(ids), true) = (token_ids, seq.hashable) {
+                seq.partial_tokens.push(ids[t]);
+                if seq.partial_tokens.len() == block_size {
+                    seq.last_hash = seq.last_hash.chain(&seq.partial_tokens);
+                    block_pool.register(block, seq.last_hash);
+                    seq.partial_tokens.clear();
+                }
+            }
+        }
+        seq.num_tokens += n;
+        seq.version = version;
+        Ok(())
+    }
+
+    /// Slots of tokens `[starts[i], ends[i])` of each sequence, concatenated in batch order.
+    pub fn slot_mapping(
+        &self,
+        seq_ids: &[u64],
+        starts: &[i64],
+        ends: &[i64],
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        if starts.len() != seq_ids.len() || ends.len() != seq_ids.len() {
+            return Err(CoreError::invalid(format!(
+                "seq_ids, starts and ends must have the same length, got {}, {} and {}",
+                seq_ids.len(),
+                starts.len(),
+                ends.len()
+            )));
+        }
+        let mut total = 0usize;
+        for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
+            let len = self.seq_len(seq_id)?;
+            if start < 0 || start > end || end > len as i64 {
+                return Err(CoreError::invalid(format!(
+                    "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
+                )));
+            }
+            total += (end - start) as usize;
+        }
+        slots.clear();
+        slots.reserve(total);
+        let block_size = self.block_size();
+        for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
+            let blocks = &self.sequence(seq_id)?.blocks;
+            slots.extend((start as usize..end as usize).map(|position| {
+                (blocks[position / block_size] as usize * block_size + position % block_size) as i32
+            }));
+        }
+        Ok(())
+    }
+
+    /// Makes `child_id` share every block of `parent_id`; the first append into a shared,
+    /// partly filled block copies it (see [`KvCache::take_pending_copies`]).
+    pub fn fork(&mut self, parent_id: u64, child_id: u64) -> CoreResult<()> {
+        let parent_slab = self.slab_of(parent_id)?;
+        if self.index.contains_key(&child_id) {
+            return Err(CoreError::DuplicateSequence(child_id));
+        }
+        let child_slab = self.vacant_slab();
+        let version = self.bump_version();
+        let (parent, child) = two_mut(&mut self.sequences, parent_slab as usize, child_slab as usize);
+        child.seq_id = child_id;
+        child.live = true;
+        child.num_tokens = parent.num_tokens;
+        child.version = version;
+        child.hashable = parent.hashable;
+        child.last_hash = parent.last_hash;
+        child.blocks.clear();
+        child.blocks.extend_from_slice(&parent.blocks);
+        child.partial_tokens.clear();
+        child.partial_tokens.extend_from_slice(&parent.partial_tokens);
+        for &block in &child.blocks {
+            self.block_pool.share(block);
+        }
+        self.index.insert(child_id, child_slab);
+        Ok(())
+    }
+
+    /// Ends a sequence. Its blocks are released last-first, so that when they are cached
+    /// the tail of a prefix is evicted before its head.
+    pub fn free_sequence(&mut self, seq_id: u64) -> CoreResult<()> {
+        let slab = self.index.remove(&seq_id).ok_or(CoreError::UnknownSequence(seq_id))?;
+        let seq = &mut self.sequences[slab as usize];
+        for &block in seq.blocks.iter().rev() {
+            self.block_pool.release(block);
+        }
+        seq.blocks.clear();
+        seq.partial_tokens.clear();
+        seq.live = false;
+        seq.num_tokens = 0;
+        self.vacant.push(slab);
+        Ok(())
+    }
+
+    /// Copy-on-write pairs (source block, destination block) recorded since the last call;
+    /// whoever moves the bytes executes them before the next kernel reads the destinations.
+    pub fn take_pending_copies(&mut self, out: &mut Vec<[u32; 2]>) {
+        out.clear();
+        out.append(&mut self.pending_copies);
+    }
+
+    pub fn num_pending_copies(&self) -> usize {
+        self.pending_copies.len()
+    }
+
+    /// Padded block tables, row-major `[batch, max blocks in the batch]`. Returns the width.
+    pub fn block_tables(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<usize> {
+        let mut width = 0;
+        for &seq_id in seq_ids {
+            width = width.max(self.sequence(seq_id)?.blocks.len());
+        }
+        out.clear();
+        out.resize(seq_ids.len() * width, NULL_BLOCK as i32);
+        if width > 0 {
+            for (&seq_id, row) in seq_ids.iter().zip(out.chunks_exact_mut(width)) {
+                let blocks = &self.sequence(seq_id)?.blocks;
+                for (cell, &block) in row.iter_mut().zip(blocks) {
+                    *cell = block as i32;
+                }
+            }
+        }
+        Ok(width)
+    }
+
+    pub fn context_lens(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<()> {
+        out.clear();
+        out.reserve(seq_ids.len());
+        for &seq_id in seq_ids {
+            out.push(self.seq_len(seq_id)? as i32);
+        }
+        Ok(())
+    }
+
+    /// FlashInfer's CSR page table: `indptr[i]..indptr[i+1]` indexes sequence i's blocks in
+    /// `indices`; `last_page_len[i]` is how many slots of its last block hold tokens.
+    pub fn page_table_csr(
+        &self,
+        seq_ids: &[u64],
+        indptr: &mut Vec<i32>,
+        indices: &mut Vec<i32>,
+        last_page_len: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        let mut total = 0usize;
+        for &seq_id in seq_ids {
+            total += self.sequence(seq_id)?.blocks.len();
+        }
+        indptr.clear();
+        indices.clear();
+        last_page_len.clear();
+        indptr.reserve(seq_ids.len() + 1);
+        indices.reserve(total);
+        last_page_len.reserve(seq_ids.len());
+        indptr.push(0);
+        let block_size = self.block_size();
+        for &seq_id in seq_ids {
+            let seq = self.sequence(seq_id)?;
+            indices.extend(seq.blocks.iter().map(|&block| block as i32));
+            indptr.push(indices.len() as i32);
+            last_page_len.push(((seq.num_tokens - 1) % block_size + 1) as i32);
+        }
+        Ok(())
+    }
+
+    /// Drops every cached block that no sequence uses. Returns how many.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.block_pool.reset_prefix_cache()
+    }
+
+    pub fn stats(&self) -> KvCacheStats {
+        let block_size = self.block_size();
+        let pool = &self.block_pool;
+        let blocks_used = self.num_blocks() - 1 - pool.num_free();
+        let allocated_slots = blocks_used * block_size;
+        // A partly filled block shared by forks counts once: sort the (block, fill) pairs.
+        let mut partial: Vec<(u32, usize)> = self
+            .index
+            .values()
+            .map(|&slab| &self.sequences[slab as usize])
+            .filter(|seq| seq.num_tokens % block_size != 0)
+            .map(|seq| (*seq.blocks.last().unwrap_or(&NULL_BLOCK), seq.num_tokens % block_size))
+            .collect();
+        partial.sort_unstable();
+        partial.dedup();
+        let unused_slots: usize = partial.iter().map(|&(_, fill)| block_size - fill).sum();
+        let used_slots = allocated_slots - unused_slots;
+        let PrefixCacheCounters { queries, hits, evictions } = pool.counters();
+        KvCacheStats {
+            num_blocks: self.num_blocks(),
+            block_size,
+            blocks_used,
+            blocks_free: pool.num_free() - pool.num_evictable(),
+            blocks_cached: pool.num_evictable(),
+            num_sequences: self.index.len(),
+            num_tokens: self.index.values().map(|&slab| self.sequences[slab as usize].num_tokens).sum(),
+            allocated_slots,
+            used_slots,
+            fragmentation: if allocated_slots == 0 {
+                0.0
+            } else {
+                unused_slots as f64 / allocated_slots as f64
+            },
+            prefix_cache_queries: queries,
+            prefix_cache_hits: hits,
+            prefix_cache_query_tokens: self.query_tokens,
+            prefix_cache_hit_tokens: self.hit_tokens,
+            evictions,
+            pending_copies: self.pending_copies.len(),
+            bytes_per_block: self.bytes_per_block,
+        }
+    }
+
+    /// Host memory held by the bookkeeping: the block pool plus the sequence slab and index
+    /// (excluding the block lists themselves, which are 4 bytes per block held).
+    pub fn heap_bytes(&self) -> (usize, usize) {
+        let per_sequence = self.sequences.capacity() * std::mem::size_of::<Sequence>()
+            + self.sequences.iter().map(|seq| seq.partial_tokens.capacity() * 4).sum::<usize>()
+            + self.vacant.capacity() * 4
+            + self.index.allocation_size();
+        (self.block_pool.heap_bytes(), per_sequence)
+    }
+
+    /// Verifies every invariant of the cache and its block pool (for tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let block_size = self.block_size();
+        let mut holders = vec![0u32; self.num_blocks()];
+        for (&seq_id, &slab) in &self.index {
+            let seq = &self.sequences[slab as usize];
+            if !seq.live || seq.seq_id != seq_id {
+                return Err(format!("index entry {seq_id} points at slab {slab} holding {}", seq.seq_id));
+            }
+            if seq.num_tokens == 0 || seq.blocks.len() != seq.num_tokens.div_ceil(block_size) {
+                return Err(format!(
+                    "sequence {seq_id}: {} tokens in {} blocks",
+                    seq.num_tokens,
+                    seq.blocks.len()
+                ));
+            }
+            if seq.hashable && seq.partial_tokens.len() != seq.num_tokens % block_size {
+                return Err(format!("sequence {seq_id}: partial block ids out of step"));
+            }
+            for &block in &seq.blocks {
+                if block == NULL_BLOCK || block as usize >= self.num_blocks() {
+                    return Err(format!("sequence {seq_id} holds invalid block {block}"));
+                }
+                holders[block as usize] += 1;
+            }
+        }
+        let live = self.sequences.iter().filter(|seq| seq.live).count();
+        if live != self.index.len() || live + self.vacant.len() != self.sequences.len() {
+            return Err("sequence slab and index disagree".into());
+        }
+        self.block_pool.check_invariants(&holders)
+    }
+}
+
+#[inline]
+fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
+    // Callers check the budget first; this is a guard, not a code path.
+    block_pool.allocate().ok_or(CoreError::OutOfBlocks { needed: 1, available: 0 })
+}
+
+fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    debug_assert_ne!(a, b);
+    if a < b {
+        let (low, high) = items.split_at_mut(b);
+        (&mut low[a], &mut high[0])
+    } else {
+        let (low, high) = items.split_at_mut(a);
+        (&mut high[0], &mut low[b])
+    }
+}

@@ -1,0 +1,27 @@
+//! atb-mem core: the KV-cache memory layer of an LLM inference server, without Python.
+//!
+//! - [`BlockPool`]: fixed-size blocks with reference counts, an O(1) free queue and an LRU
+//!   prefix cache of full blocks named by chained 128-bit hashes.
+//! - [`KvCache`]: sequences mapped onto those blocks; batched append, fork with copy-on-write,
+//!   block tables, slot mappings and FlashInfer's CSR page table.
+//! - [`BatchTable`]: the persistent decode-step buffers a model runner keeps (and a CUDA graph
+//!   needs at fixed addresses), updated in place.
+//!
+//! The core manages indices, never bytes: whatever must move (copy-on-write) comes back as
+//! (source, destination) block pairs for the caller's backing to execute.
+
+pub mod batch_table;
+pub mod block_hash;
+pub mod block_pool;
+pub mod error;
+pub mod free_queue;
+pub mod kv_cache;
+pub mod layout;
+pub mod prefix_table;
+
+pub use batch_table::BatchTable;
+pub use block_hash::BlockHash;
+pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
+pub use error::{CoreError, CoreResult};
+pub use kv_cache::{KvCache, KvCacheStats, Tokens};
+pub use layout::{KvDtype, KvLayout};

@@ -1,0 +1,256 @@
+//! Random operation sequences checked against a reference model.
+//!
+//! The model keeps, for every live sequence, the token value at each position, and simulates
+//! the KV memory itself: a map from slot to the token value written there. After each step the
+//! cache's invariants must hold and every token of every sequence must be readable through the
+//! cache's slots. That catches two sequences writing one slot, a prefix hit that serves the
+//! wrong contents, and a copy-on-write that loses or leaks tokens. A failing call must leave
+//! the cache exactly as it was.
+
+use std::collections::HashMap;
+
+use atb_mem_core::{BatchTable, CoreError, KvCache, KvLayout, Tokens};
+use proptest::prelude::*;
+
+const BLOCK_SIZE: usize = 3;
+const NUM_BLOCKS: usize = 24;
+const VOCAB: u32 = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    AllocCount { id: u64, count: usize },
+    AllocIds { id: u64, ids: Vec<u32>, salted: bool },
+    Append { ids: Vec<u64>, n: usize, with_token_ids: bool },
+    Fork { parent: u64, child: u64 },
+    Free { id: u64 },
+    BatchAdd { id: u64 },
+    BatchRemove { id: u64 },
+    BatchAppend { with_token_ids: bool },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let id = 0u64..8;
+    prop_oneof![
+        (id.clone(), 0usize..12).prop_map(|(id, count)| Op::AllocCount { id, count }),
+        (id.clone(), prop::collection::vec(0..VOCAB, 0..12), any::<bool>())
+            .prop_map(|(id, ids, salted)| Op::AllocIds { id, ids, salted }),
+        (prop::collection::vec(id.clone(), 0..4), 0usize..5, any::<bool>())
+            .prop_map(|(ids, n, with_token_ids)| Op::Append { ids, n, with_token_ids }),
+        (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        id.clone().prop_map(|id| Op::Free { id }),
+        id.clone().prop_map(|id| Op::BatchAdd { id }),
+        id.prop_map(|id| Op::BatchRemove { id }),
+        any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
+    ]
+}
+
+#[derive(Default)]
+struct Model {
+    tokens: HashMap<u64, Vec<u64>>,
+    memory: HashMap<i32, u64>,
+    next_synthetic: u64,
+}
+
+impl Model {
+    fn synthetic(&mut self) -> u64 {
+        self.next_synthetic += 1;
+        (1 << 40) + self.next_synthetic
+    }
+
+    fn apply_copies(&mut self, cache: &mut KvCache) {
+        let mut copies = Vec::new();
+        cache.take_pending_copies(&mut copies);
+        for [src, dst] in copies {
+            for offset in 0..BLOCK_SIZE as i32 {
+                let bs = BLOCK_SIZE as i32;
+                match self.memory.get(&(src as i32 * bs + offset)).copied() {
+                    Some(value) => self.memory.insert(dst as i32 * bs + offset, value),
+                    None => self.memory.remove(&(dst as i32 * bs + offset)),
+                };
+            }
+        }
+    }
+
+    fn check(&self, cache: &KvCache) {
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.num_sequences(), self.tokens.len());
+        for (&id, tokens) in &self.tokens {
+            assert_eq!(cache.seq_len(id).unwrap(), tokens.len());
+            let mut slots = Vec::new();
+            cache.slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots).unwrap();
+            for (position, slot) in slots.iter().enumerate() {
+                assert_eq!(self.memory.get(slot), Some(&tokens[position]), "seq {id} position {position}");
+            }
+        }
+    }
+}
+
+type Snapshot = (String, Vec<(u64, usize, Vec<u32>)>, usize, String);
+
+fn snapshot(cache: &KvCache, batch: &BatchTable) -> Snapshot {
+    let mut seqs: Vec<_> = cache
+        .seq_ids()
+        .map(|id| (id, cache.seq_len(id).unwrap(), cache.block_table(id).unwrap().to_vec()))
+        .collect();
+    seqs.sort();
+    let batch_state = format!(
+        "{:?} {:?} {:?} {:?}",
+        batch.seq_ids().collect::<Vec<_>>(),
+        batch.block_tables(),
+        batch.context_lens(),
+        batch.slot_mapping()
+    );
+    (format!("{:?}", cache.stats()), seqs, cache.num_pending_copies(), batch_state)
+}
+
+/// Rows are brought up to date by the table's own append; unused rows are always padding.
+fn check_batch(cache: &KvCache, batch: &BatchTable, rows_fresh: bool) {
+    let width = batch.max_blocks_per_seq();
+    for (row, id) in batch.seq_ids().enumerate().filter(|_| rows_fresh) {
+        let Ok(blocks) = cache.block_table(id) else { continue };
+        let cells = &batch.block_tables()[row * width..(row + 1) * width];
+        for (column, &cell) in cells.iter().enumerate() {
+            assert_eq!(cell, blocks.get(column).map_or(0, |&block| block as i32), "row {row}");
+        }
+        assert_eq!(batch.context_lens()[row], cache.seq_len(id).unwrap() as i32);
+    }
+    for row in batch.len()..batch.max_seqs() {
+        assert_eq!(batch.context_lens()[row], 0);
+        assert!(batch.block_tables()[row * width..(row + 1) * width].iter().all(|&cell| cell == 0));
+    }
+}
+
+fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
+    let mut cache = KvCache::new(NUM_BLOCKS, BLOCK_SIZE, KvLayout::default(), enable_prefix_caching).unwrap();
+    let mut batch = BatchTable::new(4, 5).unwrap();
+    let mut model = Model::default();
+    for op in ops {
+        let before = snapshot(&cache, &batch);
+        let result: Result<(), CoreError> = match &op {
+            Op::AllocCount { id, count } => cache.alloc_sequence(*id, Tokens::Count(*count), None).map(|cached| {
+                assert_eq!(cached, 0);
+                let values: Vec<u64> = (0..*count).map(|_| model.synthetic()).collect();
+                model.tokens.insert(*id, values);
+            }),
+            Op::AllocIds { id, ids, salted } => {
+                let salt = salted.then_some(&b"tenant"[..]);
+                let predicted = (!ids.is_empty() && !cache.contains(*id))
+                    .then(|| cache.can_allocate(Tokens::Ids(ids), salt).unwrap());
+                let result = cache.alloc_sequence(*id, Tokens::Ids(ids), salt);
+                if let Some(predicted) = predicted {
+                    assert_eq!(predicted, result.is_ok(), "can_allocate disagrees with alloc_sequence");
+                }
+                result.map(|cached| {
+                    assert!(cached < ids.len() && cached % BLOCK_SIZE == 0);
+                    assert!(enable_prefix_caching || cached == 0);
+                    model.tokens.insert(*id, ids.iter().map(|&t| t as u64).collect());
+                    model.check_prefix(&cache, *id, cached);
+                })
+            }
+            Op::Append { ids, n, with_token_ids } => {
+                let token_ids: Vec<u32> = (0..ids.len() * n).map(|i| (i as u32 * 7 + 1) % VOCAB).collect();
+                let token_ids = with_token_ids.then_some(&token_ids[..]);
+                let mut slots = Vec::new();
+                cache.append_tokens(ids, *n, token_ids, &mut slots).map(|()| {
+                    assert_eq!(slots.len(), ids.len() * n);
+                    for (i, id) in ids.iter().enumerate() {
+                        for t in 0..*n {
+                            let value = match token_ids {
+                                Some(token_ids) => token_ids[i * n + t] as u64,
+                                None => model.synthetic(),
+                            };
+                            model.tokens.get_mut(id).unwrap().push(value);
+                        }
+                    }
+                    model.apply_copies(&mut cache);
+                    for (i, id) in ids.iter().enumerate() {
+                        let tokens = &model.tokens[id];
+                        for t in 0..*n {
+                            let value = tokens[tokens.len() - n + t];
+                            model.memory.insert(slots[i * n + t], value);
+                        }
+                    }
+                })
+            }
+            Op::Fork { parent, child } => cache.fork(*parent, *child).map(|()| {
+                let tokens = model.tokens[parent].clone();
+                model.tokens.insert(*child, tokens);
+            }),
+            Op::Free { id } => {
+                let result = cache.free_sequence(*id);
+                if result.is_ok() {
+                    model.tokens.remove(id);
+                    let _ = batch.remove(*id);
+                }
+                result
+            }
+            Op::BatchAdd { id } => batch.add(&cache, *id),
+            Op::BatchRemove { id } => batch.remove(*id),
+            Op::BatchAppend { with_token_ids } => {
+                let row_ids: Vec<u64> = batch.seq_ids().collect();
+                let token_ids: Vec<u32> = (0..row_ids.len() as u32).map(|i| i % VOCAB).collect();
+                let token_ids = with_token_ids.then_some(&token_ids[..]);
+                let result = batch.append_tokens(&mut cache, token_ids);
+                if result.is_ok() {
+                    for (row, id) in row_ids.iter().enumerate() {
+                        let value = token_ids.map_or_else(|| model.synthetic(), |ids| ids[row] as u64);
+                        model.tokens.get_mut(id).unwrap().push(value);
+                    }
+                    model.apply_copies(&mut cache);
+                    for (row, id) in row_ids.iter().enumerate() {
+                        let slot = batch.slot_mapping()[row];
+                        model.memory.insert(slot, *model.tokens[id].last().unwrap());
+                    }
+                }
+                result
+            }
+        };
+        match &result {
+            Ok(()) => {
+                if let Op::AllocCount { id, .. } | Op::AllocIds { id, .. } | Op::Fork { child: id, .. } = &op {
+                    model.write_all(&cache, *id);
+                }
+            }
+            Err(error) => {
+                assert_eq!(before, snapshot(&cache, &batch), "{op:?} failed with {error} but changed state");
+            }
+        }
+        model.check(&cache);
+        check_batch(&cache, &batch, matches!(op, Op::BatchAppend { .. }) && result.is_ok());
+    }
+}
+
+impl Model {
+    /// A prefix hit must serve exactly the tokens the new sequence asked for.
+    fn check_prefix(&self, cache: &KvCache, id: u64, cached: usize) {
+        let mut slots = Vec::new();
+        cache.slot_mapping(&[id], &[0], &[cached as i64], &mut slots).unwrap();
+        for (position, slot) in slots.iter().enumerate() {
+            assert_eq!(self.memory.get(slot), Some(&self.tokens[&id][position]), "prefix hit at {position}");
+        }
+    }
+
+    /// Writes a sequence's tokens into its slots, as a prefill (or nothing, for a fork) would.
+    fn write_all(&mut self, cache: &KvCache, id: u64) {
+        let tokens = &self.tokens[&id];
+        let mut slots = Vec::new();
+        cache.slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots).unwrap();
+        for (slot, &value) in slots.iter().zip(tokens) {
+            self.memory.insert(*slot, value);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matches_model_with_prefix_caching(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, true);
+    }
+
+    #[test]
+    fn matches_model_without_prefix_caching(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, false);
+    }
+}
