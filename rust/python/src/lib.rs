@@ -1,11 +1,19 @@
-use numpy::{PyArray1, IntoPyArray};
+//! Python bindings of atb-mem: argument conversion, locking and error mapping around the
+//! Rust core. No policy lives here.
+
+mod convert;
+mod errors;
+mod kv_cache;
+
 use pyo3::prelude::*;
 
-#[pyfunction]
-fn f<'py>(py: Python<'py>) -> Bound<'py, PyArray1<i32>> { vec![1i32, 2].into_pyarray(py) }
-
 #[pymodule]
-fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(f, m)?)?;
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(module)?;
+    module.add_class::<kv_cache::PyKvCachePool>()?;
+    module.add_class::<kv_cache::PyBatchTable>()?;
+    module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
+    module.add("PAD_SLOT", atb_mem_core::batch_table::PAD_SLOT)?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,36 @@
+"""atb-mem: the KV-cache memory layer of an LLM inference server.
+
+Fixed-size KV-cache blocks handed to sequences on demand (paged attention), with prefix
+caching, copy-on-write forks, and block tables / slot mappings in the layout ATB's
+PagedAttention and vLLM's kernels read. The core is Rust; this package is its Python face.
+"""
+
+from atb_mem._core import (
+    NULL_BLOCK,
+    PAD_SLOT,
+    AtbMemError,
+    BatchTable,
+    DuplicateSequenceError,
+    InvalidHandleError,
+    OutOfMemoryError,
+    QueueFullError,
+    RequestTimeoutError,
+    UnknownSequenceError,
+    __version__,
+)
+from atb_mem.kv_cache import KVCachePool
+
+__all__ = [
+    "NULL_BLOCK",
+    "PAD_SLOT",
+    "AtbMemError",
+    "BatchTable",
+    "DuplicateSequenceError",
+    "InvalidHandleError",
+    "KVCachePool",
+    "OutOfMemoryError",
+    "QueueFullError",
+    "RequestTimeoutError",
+    "UnknownSequenceError",
+    "__version__",
+]

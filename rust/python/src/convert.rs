@@ -1,0 +1,298 @@
+//! Python arguments into core types: every check of type and range a caller can get wrong,
+//! with a message that names the argument. Numpy arrays of the natural dtype are borrowed,
+//! not copied.
+
+use numpy::{PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyList, PyTuple};
+
+use crate::errors::{type_error, value_error};
+
+const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|name| name.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    match obj.repr() {
+        Ok(repr) => {
+            let repr = repr.to_string();
+            if repr.len() > 60 { format!("{}...", &repr[..60]) } else { repr }
+        }
+        Err(_) => type_name(obj),
+    }
+}
+
+/// A Python int (or numpy integer scalar) as i64; bools are not integers here.
+fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Result<i64, ()>> {
+    if obj.is_instance_of::<PyBool>() {
+        return None;
+    }
+    match obj.extract::<i64>() {
+        Ok(value) => Some(Ok(value)),
+        // An int too large for i64 is still an int: out of range, not the wrong type.
+        Err(error) if error.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => Some(Err(())),
+        Err(_) => None,
+    }
+}
+
+pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    match exact_int(obj) {
+        Some(Ok(value)) if value >= 0 => Ok(value as u64),
+        _ => Err(type_error(format!("{what} must be {SEQ_ID_RANGE}, got {}", describe(obj)))),
+    }
+}
+
+/// A count argument: an int in `[minimum, i64::MAX]`.
+pub fn count(obj: &Bound<'_, PyAny>, what: &str, minimum: i64) -> PyResult<usize> {
+    match exact_int(obj) {
+        Some(Ok(value)) if value >= minimum => Ok(value as usize),
+        Some(_) => Err(value_error(format!("{what} must be at least {minimum}, got {}", describe(obj)))),
+        None => Err(type_error(format!("{what} must be an int, got {}", describe(obj)))),
+    }
+}
+
+fn as_array<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyUntypedArray>> {
+    obj.cast::<PyUntypedArray>().ok().cloned()
+}
+
+fn integer_kind(array: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<()> {
+    let dtype = array.dtype();
+    match dtype.kind() {
+        b'i' | b'u' => Ok(()),
+        _ => Err(type_error(format!("{what} must be integers, got a {} array", describe(dtype.as_any())))),
+    }
+}
+
+/// Converts a numpy integer array of any dtype and layout to a 1-D contiguous array of `T`.
+fn converted<'py>(array: &Bound<'py, PyUntypedArray>, dtype: &str) -> PyResult<Bound<'py, PyAny>> {
+    let numpy = array.py().import("numpy")?;
+    numpy.call_method1("ascontiguousarray", (array.reshape_flat()?, numpy.getattr(dtype)?))
+}
+
+trait ReshapeFlat<'py> {
+    fn reshape_flat(&self) -> PyResult<Bound<'py, PyAny>>;
+}
+
+impl<'py> ReshapeFlat<'py> for Bound<'py, PyUntypedArray> {
+    fn reshape_flat(&self) -> PyResult<Bound<'py, PyAny>> {
+        self.call_method1("reshape", (-1,))
+    }
+}
+
+/// Sequence ids: a list/tuple of ints or a 1-D numpy integer array (int64 and uint64 are
+/// borrowed without a copy).
+pub enum SeqIds<'py> {
+    Owned(Vec<u64>),
+    Signed(PyReadonlyArray1<'py, i64>),
+    Unsigned(PyReadonlyArray1<'py, u64>),
+}
+
+impl SeqIds<'_> {
+    pub fn as_slice(&self) -> &[u64] {
+        match self {
+            SeqIds::Owned(ids) => ids,
+            // Checked contiguous and non-negative at construction, so the reinterpretation is
+            // exact.
+            SeqIds::Signed(array) => {
+                let ids = array.as_slice().unwrap_or_default();
+                // SAFETY: i64 and u64 have the same size and alignment; every value is >= 0.
+                unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u64>(), ids.len()) }
+            }
+            SeqIds::Unsigned(array) => array.as_slice().unwrap_or_default(),
+        }
+    }
+}
+
+pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>> {
+    if let Some(array) = as_array(obj) {
+        if array.ndim() != 1 {
+            return Err(value_error(format!("{what} must be 1-D, got shape {:?}", array.shape())));
+        }
+        integer_kind(&array, what)?;
+        let out_of_range = || type_error(format!("{what} must hold ints in [0, 2**63)"));
+        if let Ok(signed) = array.cast::<numpy::PyArray1<i64>>() {
+            let readonly = signed.try_readonly()?;
+            if let Ok(ids) = readonly.as_slice() {
+                if ids.iter().any(|&id| id < 0) {
+                    return Err(out_of_range());
+                }
+                return Ok(SeqIds::Signed(readonly));
+            }
+        }
+        if let Ok(unsigned) = array.cast::<numpy::PyArray1<u64>>() {
+            let readonly = unsigned.try_readonly()?;
+            if let Ok(ids) = readonly.as_slice() {
+                if ids.iter().any(|&id| id > i64::MAX as u64) {
+                    return Err(out_of_range());
+                }
+                return Ok(SeqIds::Unsigned(readonly));
+            }
+        }
+        let wide = converted(&array, "int64")?;
+        let wide = wide.cast::<numpy::PyArray1<i64>>()?.try_readonly()?;
+        let ids = wide.as_slice()?;
+        if ids.iter().any(|&id| id < 0) {
+            return Err(out_of_range());
+        }
+        return Ok(SeqIds::Owned(ids.iter().map(|&id| id as u64).collect()));
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().map(|item| seq_id(&item, what)).collect::<PyResult<_>>().map(SeqIds::Owned);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().map(|item| seq_id(&item, what)).collect::<PyResult<_>>().map(SeqIds::Owned);
+    }
+    Err(type_error(format!(
+        "{what} must be a list of ints or a 1-D numpy integer array, got {}",
+        type_name(obj)
+    )))
+}
+
+/// Token ids: a list/tuple of ints or a numpy integer array, each in `[0, 2**32)`. int32 and
+/// uint32 arrays are borrowed without a copy.
+pub enum TokenIds<'py> {
+    Owned(Vec<u32>),
+    Signed(PyReadonlyArray1<'py, i32>),
+    Unsigned(PyReadonlyArray1<'py, u32>),
+}
+
+impl TokenIds<'_> {
+    pub fn as_slice(&self) -> &[u32] {
+        match self {
+            TokenIds::Owned(ids) => ids,
+            TokenIds::Signed(array) => {
+                let ids = array.as_slice().unwrap_or_default();
+                // SAFETY: i32 and u32 have the same size and alignment; every value is >= 0.
+                unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u32>(), ids.len()) }
+            }
+            TokenIds::Unsigned(array) => array.as_slice().unwrap_or_default(),
+        }
+    }
+}
+
+fn token_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    match exact_int(obj) {
+        Some(Ok(value)) if (0..=u32::MAX as i64).contains(&value) => Ok(value as u32),
+        Some(_) => Err(value_error(format!("{what} must be in [0, 2**32), got {}", describe(obj)))),
+        None => Err(type_error(format!("{what} must be ints, got {}", describe(obj)))),
+    }
+}
+
+/// `shape`, when given, is the array shape a 2-D input must have (it is then flattened).
+pub fn token_ids<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    shape: Option<[usize; 2]>,
+) -> PyResult<TokenIds<'py>> {
+    let array = match as_array(obj) {
+        Some(array) => array,
+        None if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() => {
+            let flat = obj.try_iter()?.all(|item| item.is_ok_and(|item| !item.is_instance_of::<PyList>()));
+            if flat {
+                return obj
+                    .try_iter()?
+                    .map(|item| token_id(&item?, what))
+                    .collect::<PyResult<_>>()
+                    .map(TokenIds::Owned);
+            }
+            // Nested lists: let numpy build the array, then check it like any other.
+            let array = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
+            array.cast_into::<PyUntypedArray>()?
+        }
+        None => {
+            return Err(type_error(format!(
+                "{what} must be a list of ints or a numpy integer array, got {}",
+                type_name(obj)
+            )))
+        }
+    };
+    let dims = array.shape().to_vec();
+    match (dims.len(), shape) {
+        (1, _) => {}
+        (2, Some([rows, columns])) if dims == [rows, columns] => {}
+        (_, Some([rows, columns])) => {
+            return Err(value_error(format!(
+                "{what} must have shape ({rows}, {columns}) or ({},), got {dims:?}",
+                rows * columns
+            )))
+        }
+        (_, None) => return Err(value_error(format!("{what} must be 1-D, got shape {dims:?}"))),
+    }
+    integer_kind(&array, what)?;
+    let out_of_range = || value_error(format!("{what} must be in [0, 2**32)"));
+    if dims.len() == 1 {
+        if let Ok(signed) = array.cast::<numpy::PyArray1<i32>>() {
+            let readonly = signed.try_readonly()?;
+            if let Ok(ids) = readonly.as_slice() {
+                if ids.iter().any(|&id| id < 0) {
+                    return Err(out_of_range());
+                }
+                return Ok(TokenIds::Signed(readonly));
+            }
+        }
+        if let Ok(unsigned) = array.cast::<numpy::PyArray1<u32>>() {
+            let readonly = unsigned.try_readonly()?;
+            if readonly.as_slice().is_ok() {
+                return Ok(TokenIds::Unsigned(readonly));
+            }
+        }
+    }
+    // Other integer dtypes, non-contiguous or 2-D arrays: widen, check, narrow.
+    if array.dtype().kind() == b'u' && array.dtype().itemsize() == 8 {
+        let wide = converted(&array, "uint64")?;
+        let wide = wide.cast::<numpy::PyArray1<u64>>()?.try_readonly()?;
+        let ids = wide.as_slice()?;
+        if ids.iter().any(|&id| id > u32::MAX as u64) {
+            return Err(out_of_range());
+        }
+        return Ok(TokenIds::Owned(ids.iter().map(|&id| id as u32).collect()));
+    }
+    let wide = converted(&array, "int64")?;
+    let wide = wide.cast::<numpy::PyArray1<i64>>()?.try_readonly()?;
+    let ids = wide.as_slice()?;
+    if ids.iter().any(|&id| !(0..=u32::MAX as i64).contains(&id)) {
+        return Err(out_of_range());
+    }
+    Ok(TokenIds::Owned(ids.iter().map(|&id| id as u32).collect()))
+}
+
+/// Token positions (`starts`/`ends`): a list of ints or a 1-D numpy integer array.
+pub fn positions(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    if let Some(array) = as_array(obj) {
+        if array.ndim() != 1 {
+            return Err(value_error(format!("{what} must be 1-D, got shape {:?}", array.shape())));
+        }
+        integer_kind(&array, what)?;
+        let wide = converted(&array, "int64")?;
+        let wide = wide.cast::<numpy::PyArray1<i64>>()?.try_readonly()?;
+        return Ok(wide.as_slice()?.to_vec());
+    }
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return obj
+            .try_iter()?
+            .map(|item| {
+                let item = item?;
+                match exact_int(&item) {
+                    Some(Ok(value)) => Ok(value),
+                    Some(Err(())) => Err(value_error(format!("{what} out of range: {}", describe(&item)))),
+                    None => Err(type_error(format!("{what} must be ints, got {}", describe(&item)))),
+                }
+            })
+            .collect();
+    }
+    Err(type_error(format!("{what} must be a list of ints or a 1-D numpy integer array, got {}", type_name(obj))))
+}
+
+/// `cache_salt`: str or bytes.
+pub fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+    let Some(obj) = obj.filter(|obj| !obj.is_none()) else { return Ok(None) };
+    if let Ok(text) = obj.cast::<pyo3::types::PyString>() {
+        return Ok(Some(text.to_str()?.as_bytes().to_vec()));
+    }
+    if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
+        return Ok(Some(bytes.as_bytes().to_vec()));
+    }
+    Err(type_error(format!("cache_salt must be str or bytes, got {}", type_name(obj))))
+}
