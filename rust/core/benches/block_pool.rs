@@ -1,1 +1,53 @@
-fn main(){}
+//! Core micro-benchmarks: `cargo bench -p atb-mem-core`.
+
+use std::hint::black_box;
+
+use atb_mem_core::{BlockHash, BlockPool, KvCache, KvLayout, Tokens};
+use criterion::{criterion_group, criterion_main, Criterion};
+
+fn block_allocate_free(c: &mut Criterion) {
+    let mut pool = BlockPool::new(65_536, 16, true).unwrap();
+    c.bench_function("block_pool/allocate+release", |b| {
+        b.iter(|| {
+            let block = pool.allocate().unwrap();
+            pool.release(black_box(block));
+        })
+    });
+    // With half the pool cached, allocation evicts: the prefix table is updated too.
+    let mut pool = BlockPool::new(65_536, 16, true).unwrap();
+    let blocks: Vec<u32> = (0..65_535).map(|_| pool.allocate().unwrap()).collect();
+    for (i, &block) in blocks.iter().enumerate() {
+        if i % 2 == 0 {
+            pool.register(block, BlockHash::root(None).chain(&[i as u32]));
+        }
+    }
+    for block in blocks {
+        pool.release(block);
+    }
+    c.bench_function("block_pool/allocate+release, evicting", |b| {
+        let mut i = 1u32 << 20;
+        b.iter(|| {
+            let block = pool.allocate().unwrap();
+            i += 1;
+            pool.register(block, BlockHash::root(None).chain(&[i]));
+            pool.release(black_box(block));
+        })
+    });
+}
+
+fn sequence_churn(c: &mut Criterion) {
+    let mut cache = KvCache::new(65_536, 16, KvLayout::default(), true).unwrap();
+    c.bench_function("kv_cache/alloc_sequence+free_sequence (16 tokens)", |b| {
+        b.iter(|| {
+            cache.alloc_sequence(black_box(7), Tokens::Count(16), None).unwrap();
+            cache.free_sequence(black_box(7)).unwrap();
+        })
+    });
+    c.bench_function("block_hash/chain (16 tokens)", |b| {
+        let tokens: Vec<u32> = (0..16).collect();
+        b.iter(|| black_box(BlockHash::root(None)).chain(black_box(&tokens)))
+    });
+}
+
+criterion_group!(benches, block_allocate_free, sequence_churn);
+criterion_main!(benches);

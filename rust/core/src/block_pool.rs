@@ -305,7 +305,7 @@ mod tests {
         let blocks: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
         assert_eq!(blocks, [1, 2, 3, 4]);
         assert_eq!(pool.allocate(), None);
-        let (h1, h2) = (BlockHash(11), BlockHash(22));
+        let (h1, h2) = (BlockHash([11, 0]), BlockHash([22, 0]));
         pool.register(1, h1);
         pool.register(2, h2);
         pool.release(2); // cached, older

@@ -34,6 +34,9 @@ impl Tokens<'_> {
     }
 }
 
+/// Bytes of one sequence's fixed state (for memory accounting).
+pub const SEQUENCE_BYTES: usize = std::mem::size_of::<Sequence>();
+
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
     pub(crate) seq_id: u64,
@@ -46,9 +49,8 @@ pub(crate) struct Sequence {
     last_hash: BlockHash,
     /// Token ids of the partly filled last block (only while `hashable`).
     partial_tokens: Vec<u32>,
-    /// Equal to the cache's `batch_epoch` while the current batch names this sequence.
-    batch_stamp: u64,
-    /// Changes whenever the block list or length changes; unique across the cache's life.
+    /// Changes whenever the block list or length changes (and when a batch names the
+    /// sequence); unique across the cache's life.
     pub(crate) version: u64,
 }
 
@@ -83,7 +85,6 @@ pub struct KvCache {
     vacant: Vec<u32>,
     index: HashMap<u64, u32>,
     pending_copies: Vec<[u32; 2]>,
-    batch_epoch: u64,
     next_version: u64,
     query_tokens: u64,
     hit_tokens: u64,
@@ -113,7 +114,6 @@ impl KvCache {
             vacant: Vec::new(),
             index: HashMap::new(),
             pending_copies: Vec::new(),
-            batch_epoch: 0,
             next_version: 1,
             query_tokens: 0,
             hit_tokens: 0,
@@ -321,16 +321,19 @@ impl KvCache {
     }
 
     /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
+    ///
+    /// Each named sequence gets a fresh version; one whose version is already from this
+    /// batch was named before. (A failed batch thus leaves new versions behind: that only
+    /// makes a batch table rewrite those rows, and changes nothing observable.)
     fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
-        self.batch_epoch += 1;
+        let batch_start = self.next_version;
         self.scratch_slabs.clear();
         for &seq_id in seq_ids {
             let slab = self.slab_of(seq_id)?;
-            let seq = &mut self.sequences[slab as usize];
-            if seq.batch_stamp == self.batch_epoch {
+            if self.sequences[slab as usize].version >= batch_start {
                 return Err(CoreError::invalid(format!("sequence {seq_id} appears twice in the batch")));
             }
-            seq.batch_stamp = self.batch_epoch;
+            self.sequences[slab as usize].version = self.bump_version();
             self.scratch_slabs.push(slab);
         }
         Ok(())

@@ -25,7 +25,7 @@ impl PrefixTable {
 
     #[inline]
     fn home(&self, hash: BlockHash) -> usize {
-        (hash.0 as u64 as usize) & self.mask
+        (hash.0[0] as usize) & self.mask
     }
 
     pub fn len(&self) -> usize {
@@ -105,7 +105,7 @@ mod tests {
     fn insert_find_remove_with_colliding_homes() {
         // 8 blocks → 16 slots; hashes that all share a home slot force long runs.
         let hashes: Vec<BlockHash> =
-            (0..8u128).map(|i| BlockHash((i << 64) | 3 | ((i % 2) << 4))).collect();
+            (0..8u64).map(|i| BlockHash([3 | ((i % 2) << 4), i])).collect();
         let mut table = PrefixTable::new(8);
         for block in 0..8 {
             table.insert(block, hashes[block as usize]);

@@ -1,0 +1,155 @@
+"""Type stubs of the Rust extension ``atb_mem._core`` (kept in sync by tests/test_stubs.py)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+NULL_BLOCK: int
+"""Block 0: owned by no sequence; block tables are padded with it."""
+PAD_SLOT: int
+"""-1: slot-mapping entry of a batch-table row with no new token (kernels skip it)."""
+
+Int32Array = npt.NDArray[np.int32]
+SeqIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+TokenIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+class AtbMemError(Exception):
+    """Base class of every error atb-mem raises."""
+
+class OutOfMemoryError(AtbMemError, MemoryError):
+    """The pool or the KV-cache blocks are exhausted."""
+
+class UnknownSequenceError(AtbMemError, KeyError):
+    """No sequence has this id."""
+
+class DuplicateSequenceError(AtbMemError, ValueError):
+    """A sequence with this id exists already."""
+
+class InvalidHandleError(AtbMemError, ValueError):
+    """A double free, or a stale or foreign handle."""
+
+class QueueFullError(AtbMemError, RuntimeError):
+    """The request queue is full."""
+
+class RequestTimeoutError(AtbMemError, TimeoutError):
+    """A request waited longer than its timeout."""
+
+class KVCachePool:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots (block 0 reserved).
+
+    Thread-safe: every method takes the pool's lock; large batch calls release the GIL.
+    A call that raises leaves the pool exactly as it was.
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: str | Any | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> KVCachePool: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K plus V across all layers for one block."""
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free plus evictable cached blocks."""
+    def alloc_sequence(
+        self, seq_id: int, tokens: int | TokenIdsLike, *, cache_salt: str | bytes | None = None
+    ) -> int:
+        """Allocates blocks for a new sequence; returns how many leading tokens are cached.
+
+        ``tokens`` is a count or the token ids (which enable prefix reuse). The last token is
+        never served from the cache. All-or-nothing: raises OutOfMemoryError and changes
+        nothing when free plus evictable blocks do not suffice.
+        """
+    def can_allocate(
+        self, tokens: int | TokenIdsLike, *, cache_salt: str | bytes | None = None
+    ) -> bool: ...
+    def seq_len(self, seq_id: int) -> int: ...
+    def __contains__(self, seq_id: int) -> bool: ...
+    def __len__(self) -> int: ...
+    def seq_ids(self) -> list[int]:
+        """Ids of the live sequences, sorted."""
+    def append_tokens(
+        self, seq_ids: SeqIdsLike, n: int | None = None, token_ids: TokenIdsLike | None = None
+    ) -> Int32Array:
+        """Appends ``n`` tokens to each sequence; returns their slots, sequence by sequence.
+
+        ``token_ids`` (``[batch, n]`` or flat) lets blocks that fill up join the prefix cache.
+        All-or-nothing for the whole batch.
+        """
+    def slot_mapping(
+        self, seq_ids: SeqIdsLike, starts: Sequence[int] | npt.NDArray[np.integer[Any]],
+        ends: Sequence[int] | npt.NDArray[np.integer[Any]],
+    ) -> Int32Array:
+        """Slots of tokens ``[starts[i], ends[i])`` of each sequence, concatenated."""
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent; appends copy on write."""
+    def free_sequence(self, seq_id: int) -> None: ...
+    def take_pending_copies(self) -> Int32Array:
+        """Copy-on-write pairs since the last call: int32 ``[k, 2]`` of (src, dst) blocks."""
+    def block_tables(self, seq_ids: SeqIdsLike) -> Int32Array:
+        """int32 ``[batch, max_blocks]`` padded with block 0."""
+    def block_table(self, seq_id: int) -> Int32Array:
+        """int32 blocks of one sequence, in token order."""
+    def context_lens(self, seq_ids: SeqIdsLike) -> Int32Array: ...
+    def page_table_csr(self, seq_ids: SeqIdsLike) -> tuple[Int32Array, Int32Array, Int32Array]:
+        """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)``, all int32."""
+    def batch_table(self, max_seqs: int, max_blocks_per_seq: int) -> BatchTable: ...
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block no sequence uses; returns how many."""
+    def stats(self) -> dict[str, int | float]: ...
+    def _check_invariants(self) -> None:
+        """Raises AssertionError naming the first broken internal invariant."""
+
+class BatchTable:
+    """Persistent decode-step buffers of the running batch, updated in place.
+
+    ``block_tables``, ``context_lens`` and ``slot_mapping`` are read-only numpy views over
+    memory the core owns; their addresses never change. Rows ``[0, len(table))`` are live.
+    """
+
+    def add(self, seq_id: int) -> None: ...
+    def remove(self, seq_id: int) -> None:
+        """Removes a row; the last row moves into the hole."""
+    def clear(self) -> None: ...
+    def append_tokens(self, token_ids: TokenIdsLike | None = None) -> None:
+        """Appends one token to every row; writes only the entries that change."""
+    def __len__(self) -> int: ...
+    def __contains__(self, seq_id: int) -> bool: ...
+    @property
+    def seq_ids(self) -> list[int]: ...
+    @property
+    def max_seqs(self) -> int: ...
+    @property
+    def max_blocks_per_seq(self) -> int: ...
+    @property
+    def pool(self) -> KVCachePool: ...
+    @property
+    def block_tables(self) -> Int32Array: ...
+    @property
+    def context_lens(self) -> Int32Array: ...
+    @property
+    def slot_mapping(self) -> Int32Array: ...
