@@ -1,6 +1,6 @@
 """Workloads W1–W3 of issue 2 (pytest-benchmark).
 
-    python -m pytest benches --benchmark-only --benchmark-columns=median,min,max,rounds
+    python -m pytest benches --benchmark-enable --benchmark-only --benchmark-columns=median,rounds
 
 Each test prints its per-operation figure (median over rounds). A pool of 65,536 blocks of
 16 tokens, numpy seed 20240607.

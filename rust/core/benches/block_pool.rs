@@ -39,7 +39,9 @@ fn sequence_churn(c: &mut Criterion) {
     let mut cache = KvCache::new(65_536, 16, KvLayout::default(), true).unwrap();
     c.bench_function("kv_cache/alloc_sequence+free_sequence (16 tokens)", |b| {
         b.iter(|| {
-            cache.alloc_sequence(black_box(7), Tokens::Count(16), None).unwrap();
+            cache
+                .alloc_sequence(black_box(7), Tokens::Count(16), None)
+                .unwrap();
             cache.free_sequence(black_box(7)).unwrap();
         })
     });

@@ -115,15 +115,24 @@ impl BatchTable {
     /// Adds a running sequence as the next row.
     pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
         if self.row_of.contains_key(&seq_id) {
-            return Err(CoreError::invalid(format!("sequence {seq_id} is already in the batch table")));
+            return Err(CoreError::invalid(format!(
+                "sequence {seq_id} is already in the batch table"
+            )));
         }
         if self.rows.len() == self.max_seqs() {
-            return Err(CoreError::invalid(format!("the batch table is full ({} rows)", self.max_seqs())));
+            return Err(CoreError::invalid(format!(
+                "the batch table is full ({} rows)",
+                self.max_seqs()
+            )));
         }
         let slab = cache.slab_of(seq_id)?;
         self.check_width(seq_id, cache.sequences[slab as usize].blocks.len())?;
         let row = self.rows.len();
-        self.rows.push(Row { seq_id, slab, version: 0 });
+        self.rows.push(Row {
+            seq_id,
+            slab,
+            version: 0,
+        });
         self.row_of.insert(seq_id, row as u32);
         self.rewrite_row(row, cache);
         self.slot_mapping[row] = PAD_SLOT;
@@ -138,7 +147,8 @@ impl BatchTable {
         let last = self.rows.len() - 1;
         let width = self.max_blocks_per_seq;
         if row != last {
-            self.block_tables.copy_within(last * width..(last + 1) * width, row * width);
+            self.block_tables
+                .copy_within(last * width..(last + 1) * width, row * width);
             self.context_lens[row] = self.context_lens[last];
             self.slot_mapping[row] = self.slot_mapping[last];
             self.row_of.insert(self.rows[last].seq_id, row as u32);
@@ -186,7 +196,11 @@ impl BatchTable {
 
     /// Appends one token to every row's sequence (`token_ids[row]` when given) and updates
     /// the buffers in place. All-or-nothing: if any row cannot grow, nothing changes.
-    pub fn append_tokens(&mut self, cache: &mut KvCache, token_ids: Option<&[u32]>) -> CoreResult<()> {
+    pub fn append_tokens(
+        &mut self,
+        cache: &mut KvCache,
+        token_ids: Option<&[u32]>,
+    ) -> CoreResult<()> {
         if let Some(ids) = token_ids {
             if ids.len() != self.rows.len() {
                 return Err(CoreError::invalid(format!(

@@ -39,7 +39,8 @@ impl BlockHash {
     #[inline]
     fn from_digest(digest: blake3::Hash) -> BlockHash {
         let bytes = digest.as_bytes();
-        let word = |i: usize| u64::from_le_bytes(bytes[i * 8..(i + 1) * 8].try_into().unwrap_or_default());
+        let word =
+            |i: usize| u64::from_le_bytes(bytes[i * 8..(i + 1) * 8].try_into().unwrap_or_default());
         BlockHash([word(0), word(1)])
     }
 }
@@ -49,11 +50,18 @@ impl BlockHash {
 #[inline]
 fn token_bytes(token_ids: &[u32]) -> &[u8] {
     // SAFETY: u32 has no padding and every byte pattern is a valid u8.
-    unsafe { std::slice::from_raw_parts(token_ids.as_ptr().cast::<u8>(), std::mem::size_of_val(token_ids)) }
+    unsafe {
+        std::slice::from_raw_parts(
+            token_ids.as_ptr().cast::<u8>(),
+            std::mem::size_of_val(token_ids),
+        )
+    }
 }
 
 #[cfg(not(target_endian = "little"))]
-compile_error!("atb-mem-core hashes token ids in memory order and supports little-endian targets only");
+compile_error!(
+    "atb-mem-core hashes token ids in memory order and supports little-endian targets only"
+);
 
 #[cfg(test)]
 mod tests {
@@ -72,6 +80,9 @@ mod tests {
         assert_ne!(salted.chain(&tokens), a);
         assert_ne!(salted, BlockHash::root(Some(b"tenant-b")));
         // Token boundaries matter: [1, 2] then [3] is not [1] then [2, 3].
-        assert_ne!(root.chain(&[1, 2]).chain(&[3]), root.chain(&[1]).chain(&[2, 3]));
+        assert_ne!(
+            root.chain(&[1, 2]).chain(&[3]),
+            root.chain(&[1]).chain(&[2, 3])
+        );
     }
 }

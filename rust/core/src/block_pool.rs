@@ -49,7 +49,11 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> CoreResult<Self> {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+    ) -> CoreResult<Self> {
         if num_blocks < 2 {
             return Err(CoreError::invalid(format!(
                 "num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}"
@@ -58,7 +62,10 @@ impl BlockPool {
         if block_size == 0 {
             return Err(CoreError::invalid("block_size must be at least 1, got 0"));
         }
-        if num_blocks.checked_mul(block_size).is_none_or(|slots| slots > MAX_SLOTS) {
+        if num_blocks
+            .checked_mul(block_size)
+            .is_none_or(|slots| slots > MAX_SLOTS)
+        {
             return Err(CoreError::invalid(format!(
                 "num_blocks × block_size = {num_blocks} × {block_size} exceeds 2**31 slots: \
                  slot ids would not fit the int32 slot mapping kernels read"
@@ -251,7 +258,10 @@ impl BlockPool {
             queued += 1;
         }
         if queued != self.free_queue.len() {
-            return Err(format!("free queue holds {queued} blocks but counts {}", self.free_queue.len()));
+            return Err(format!(
+                "free queue holds {queued} blocks but counts {}",
+                self.free_queue.len()
+            ));
         }
         let mut evictable = 0;
         let mut registered = 0;
@@ -264,11 +274,18 @@ impl BlockPool {
                 ));
             }
             if (count == 0) != seen[block as usize] {
-                return Err(format!("block {block}: reference count {count}, queued {}", seen[block as usize]));
+                return Err(format!(
+                    "block {block}: reference count {count}, queued {}",
+                    seen[block as usize]
+                ));
             }
             if self.is_cached(block) {
                 registered += 1;
-                if self.prefix_table.find(self.block_hashes[block as usize], &self.block_hashes) != Some(block) {
+                if self
+                    .prefix_table
+                    .find(self.block_hashes[block as usize], &self.block_hashes)
+                    != Some(block)
+                {
                     return Err(format!("cached block {block} is not findable by its hash"));
                 }
                 if count == 0 {
@@ -277,17 +294,25 @@ impl BlockPool {
             }
         }
         if evictable != self.num_evictable {
-            return Err(format!("{evictable} evictable blocks, counter says {}", self.num_evictable));
+            return Err(format!(
+                "{evictable} evictable blocks, counter says {}",
+                self.num_evictable
+            ));
         }
         if registered != self.prefix_table.len() {
-            return Err(format!("{registered} cached blocks, prefix table holds {}", self.prefix_table.len()));
+            return Err(format!(
+                "{registered} cached blocks, prefix table holds {}",
+                self.prefix_table.len()
+            ));
         }
         // Free blocks come before cached ones in the queue.
         let mut in_cached_part = false;
         for block in self.free_queue.iter() {
             match (self.is_cached(block), in_cached_part) {
                 (true, _) => in_cached_part = true,
-                (false, true) => return Err(format!("free block {block} queued behind a cached block")),
+                (false, true) => {
+                    return Err(format!("free block {block} queued behind a cached block"))
+                }
                 (false, false) => {}
             }
         }

@@ -104,7 +104,9 @@ impl KvCache {
         layout.validate()?;
         let block_pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching)?;
         let bytes_per_block = layout.bytes_per_block(block_size).ok_or_else(|| {
-            CoreError::invalid("bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows")
+            CoreError::invalid(
+                "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
+            )
         })?;
         Ok(KvCache {
             block_pool,
@@ -173,7 +175,10 @@ impl KvCache {
 
     #[inline]
     pub(crate) fn slab_of(&self, seq_id: u64) -> CoreResult<u32> {
-        self.index.get(&seq_id).copied().ok_or(CoreError::UnknownSequence(seq_id))
+        self.index
+            .get(&seq_id)
+            .copied()
+            .ok_or(CoreError::UnknownSequence(seq_id))
     }
 
     #[inline]
@@ -192,7 +197,9 @@ impl KvCache {
 
     fn check_token_count(&self, count: usize, what: &str) -> CoreResult<()> {
         if count == 0 {
-            return Err(CoreError::invalid(format!("{what} must be at least 1, got 0")));
+            return Err(CoreError::invalid(format!(
+                "{what} must be at least 1, got 0"
+            )));
         }
         if count > self.max_seq_tokens() {
             return Err(CoreError::invalid(format!(
@@ -212,7 +219,9 @@ impl KvCache {
     fn match_prefix(&mut self, tokens: Tokens<'_>, cache_salt: Option<&[u8]>) -> (usize, usize) {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
-        let Tokens::Ids(ids) = tokens else { return (0, 0) };
+        let Tokens::Ids(ids) = tokens else {
+            return (0, 0);
+        };
         if !self.block_pool.enable_prefix_caching() {
             return (0, 0);
         }
@@ -240,7 +249,11 @@ impl KvCache {
     }
 
     /// Whether `alloc_sequence` would succeed now for a new sequence with these tokens.
-    pub fn can_allocate(&mut self, tokens: Tokens<'_>, cache_salt: Option<&[u8]>) -> CoreResult<bool> {
+    pub fn can_allocate(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<bool> {
         self.check_token_count(tokens.len(), "token count")?;
         let (_, hits_queued) = self.match_prefix(tokens, cache_salt);
         let fresh = tokens.len().div_ceil(self.block_size()) - self.scratch_blocks.len();
@@ -266,7 +279,10 @@ impl KvCache {
         let hits = self.scratch_blocks.len();
         let needed = num_blocks - hits + hits_queued;
         if needed > self.block_pool.num_free() {
-            return Err(CoreError::OutOfBlocks { needed, available: self.block_pool.num_free() });
+            return Err(CoreError::OutOfBlocks {
+                needed,
+                available: self.block_pool.num_free(),
+            });
         }
 
         // Checked: from here on nothing can fail.
@@ -277,7 +293,13 @@ impl KvCache {
         }
         let slab = self.vacant_slab();
         let version = self.bump_version();
-        let KvCache { sequences, block_pool, scratch_hashes, scratch_blocks, .. } = self;
+        let KvCache {
+            sequences,
+            block_pool,
+            scratch_hashes,
+            scratch_blocks,
+            ..
+        } = self;
         let seq = &mut sequences[slab as usize];
         seq.seq_id = seq_id;
         seq.live = true;
@@ -298,8 +320,12 @@ impl KvCache {
                     block_pool.register(block, hash);
                 }
                 seq.hashable = true;
-                seq.last_hash = scratch_hashes.last().copied().unwrap_or(BlockHash::root(cache_salt));
-                seq.partial_tokens.extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
+                seq.last_hash = scratch_hashes
+                    .last()
+                    .copied()
+                    .unwrap_or(BlockHash::root(cache_salt));
+                seq.partial_tokens
+                    .extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
             }
             _ => seq.hashable = false,
         }
@@ -331,7 +357,9 @@ impl KvCache {
         for &seq_id in seq_ids {
             let slab = self.slab_of(seq_id)?;
             if self.sequences[slab as usize].version >= batch_start {
-                return Err(CoreError::invalid(format!("sequence {seq_id} appears twice in the batch")));
+                return Err(CoreError::invalid(format!(
+                    "sequence {seq_id} appears twice in the batch"
+                )));
             }
             self.sequences[slab as usize].version = self.bump_version();
             self.scratch_slabs.push(slab);
@@ -354,7 +382,10 @@ impl KvCache {
         }
         let grow = total.div_ceil(block_size) - seq.blocks.len();
         let copy_on_write = seq.num_tokens % block_size != 0
-            && seq.blocks.last().is_some_and(|&last| self.block_pool.ref_count(last) > 1);
+            && seq
+                .blocks
+                .last()
+                .is_some_and(|&last| self.block_pool.ref_count(last) > 1);
         Ok(grow + usize::from(copy_on_write))
     }
 
@@ -433,7 +464,12 @@ impl KvCache {
     ) -> CoreResult<()> {
         let version = self.bump_version();
         let block_size = self.block_size();
-        let KvCache { sequences, block_pool, pending_copies, .. } = self;
+        let KvCache {
+            sequences,
+            block_pool,
+            pending_copies,
+            ..
+        } = self;
         let seq = &mut sequences[slab as usize];
         if seq.num_tokens % block_size != 0 {
             if let Some(last) = seq.blocks.last_mut() {
@@ -518,7 +554,11 @@ impl KvCache {
         }
         let child_slab = self.vacant_slab();
         let version = self.bump_version();
-        let (parent, child) = two_mut(&mut self.sequences, parent_slab as usize, child_slab as usize);
+        let (parent, child) = two_mut(
+            &mut self.sequences,
+            parent_slab as usize,
+            child_slab as usize,
+        );
         child.seq_id = child_id;
         child.live = true;
         child.num_tokens = parent.num_tokens;
@@ -528,7 +568,9 @@ impl KvCache {
         child.blocks.clear();
         child.blocks.extend_from_slice(&parent.blocks);
         child.partial_tokens.clear();
-        child.partial_tokens.extend_from_slice(&parent.partial_tokens);
+        child
+            .partial_tokens
+            .extend_from_slice(&parent.partial_tokens);
         for &block in &child.blocks {
             self.block_pool.share(block);
         }
@@ -539,7 +581,10 @@ impl KvCache {
     /// Ends a sequence. Its blocks are released last-first, so that when they are cached
     /// the tail of a prefix is evicted before its head.
     pub fn free_sequence(&mut self, seq_id: u64) -> CoreResult<()> {
-        let slab = self.index.remove(&seq_id).ok_or(CoreError::UnknownSequence(seq_id))?;
+        let slab = self
+            .index
+            .remove(&seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?;
         let seq = &mut self.sequences[slab as usize];
         for &block in seq.blocks.iter().rev() {
             self.block_pool.release(block);
@@ -637,13 +682,22 @@ impl KvCache {
             .values()
             .map(|&slab| &self.sequences[slab as usize])
             .filter(|seq| seq.num_tokens % block_size != 0)
-            .map(|seq| (*seq.blocks.last().unwrap_or(&NULL_BLOCK), seq.num_tokens % block_size))
+            .map(|seq| {
+                (
+                    *seq.blocks.last().unwrap_or(&NULL_BLOCK),
+                    seq.num_tokens % block_size,
+                )
+            })
             .collect();
         partial.sort_unstable();
         partial.dedup();
         let unused_slots: usize = partial.iter().map(|&(_, fill)| block_size - fill).sum();
         let used_slots = allocated_slots - unused_slots;
-        let PrefixCacheCounters { queries, hits, evictions } = pool.counters();
+        let PrefixCacheCounters {
+            queries,
+            hits,
+            evictions,
+        } = pool.counters();
         KvCacheStats {
             num_blocks: self.num_blocks(),
             block_size,
@@ -651,7 +705,11 @@ impl KvCache {
             blocks_free: pool.num_free() - pool.num_evictable(),
             blocks_cached: pool.num_evictable(),
             num_sequences: self.index.len(),
-            num_tokens: self.index.values().map(|&slab| self.sequences[slab as usize].num_tokens).sum(),
+            num_tokens: self
+                .index
+                .values()
+                .map(|&slab| self.sequences[slab as usize].num_tokens)
+                .sum(),
             allocated_slots,
             used_slots,
             fragmentation: if allocated_slots == 0 {
@@ -673,7 +731,11 @@ impl KvCache {
     /// (excluding the block lists themselves, which are 4 bytes per block held).
     pub fn heap_bytes(&self) -> (usize, usize) {
         let per_sequence = self.sequences.capacity() * std::mem::size_of::<Sequence>()
-            + self.sequences.iter().map(|seq| seq.partial_tokens.capacity() * 4).sum::<usize>()
+            + self
+                .sequences
+                .iter()
+                .map(|seq| seq.partial_tokens.capacity() * 4)
+                .sum::<usize>()
             + self.vacant.capacity() * 4
             + self.index.allocation_size();
         (self.block_pool.heap_bytes(), per_sequence)
@@ -686,7 +748,10 @@ impl KvCache {
         for (&seq_id, &slab) in &self.index {
             let seq = &self.sequences[slab as usize];
             if !seq.live || seq.seq_id != seq_id {
-                return Err(format!("index entry {seq_id} points at slab {slab} holding {}", seq.seq_id));
+                return Err(format!(
+                    "index entry {seq_id} points at slab {slab} holding {}",
+                    seq.seq_id
+                ));
             }
             if seq.num_tokens == 0 || seq.blocks.len() != seq.num_tokens.div_ceil(block_size) {
                 return Err(format!(
@@ -716,7 +781,10 @@ impl KvCache {
 #[inline]
 fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
     // Callers check the budget first; this is a guard, not a code path.
-    block_pool.allocate().ok_or(CoreError::OutOfBlocks { needed: 1, available: 0 })
+    block_pool.allocate().ok_or(CoreError::OutOfBlocks {
+        needed: 1,
+        available: 0,
+    })
 }
 
 fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {

@@ -54,17 +54,26 @@ pub struct KvLayout {
 
 impl Default for KvLayout {
     fn default() -> Self {
-        KvLayout { num_layers: 1, num_kv_heads: 1, head_dim: 1, dtype: KvDtype::Float16 }
+        KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 1,
+            dtype: KvDtype::Float16,
+        }
     }
 }
 
 impl KvLayout {
     pub fn validate(&self) -> CoreResult<()> {
-        for (name, value) in
-            [("num_layers", self.num_layers), ("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)]
-        {
+        for (name, value) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+        ] {
             if value == 0 {
-                return Err(CoreError::invalid(format!("{name} must be at least 1, got 0")));
+                return Err(CoreError::invalid(format!(
+                    "{name} must be at least 1, got 0"
+                )));
             }
         }
         Ok(())
@@ -72,8 +81,14 @@ impl KvLayout {
 
     /// Bytes of K plus V for one block across all layers, `None` on overflow.
     pub fn bytes_per_block(&self, block_size: usize) -> Option<usize> {
-        [self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype.itemsize()]
-            .into_iter()
-            .try_fold(2usize, |acc, factor| acc.checked_mul(factor))
+        [
+            self.num_layers,
+            block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype.itemsize(),
+        ]
+        .into_iter()
+        .try_fold(2usize, |acc, factor| acc.checked_mul(factor))
     }
 }

@@ -20,7 +20,11 @@ pub struct PrefixTable {
 impl PrefixTable {
     pub fn new(num_blocks: usize) -> Self {
         let num_slots = (2 * num_blocks).max(16).next_power_of_two();
-        PrefixTable { slots: vec![EMPTY; num_slots], mask: num_slots - 1, len: 0 }
+        PrefixTable {
+            slots: vec![EMPTY; num_slots],
+            mask: num_slots - 1,
+            len: 0,
+        }
     }
 
     #[inline]
@@ -104,8 +108,9 @@ mod tests {
     #[test]
     fn insert_find_remove_with_colliding_homes() {
         // 8 blocks → 16 slots; hashes that all share a home slot force long runs.
-        let hashes: Vec<BlockHash> =
-            (0..8u64).map(|i| BlockHash([3 | ((i % 2) << 4), i])).collect();
+        let hashes: Vec<BlockHash> = (0..8u64)
+            .map(|i| BlockHash([3 | ((i % 2) << 4), i]))
+            .collect();
         let mut table = PrefixTable::new(8);
         for block in 0..8 {
             table.insert(block, hashes[block as usize]);

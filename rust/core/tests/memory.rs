@@ -24,7 +24,10 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE_BYTES.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -44,7 +47,13 @@ fn bookkeeping_bytes_per_block_and_per_sequence() {
     let block_size = 16;
     for enable_prefix_caching in [true, false] {
         let before = live();
-        let mut cache = KvCache::new(NUM_BLOCKS, block_size, KvLayout::default(), enable_prefix_caching).unwrap();
+        let mut cache = KvCache::new(
+            NUM_BLOCKS,
+            block_size,
+            KvLayout::default(),
+            enable_prefix_caching,
+        )
+        .unwrap();
         let per_block = (live() - before) as f64 / NUM_BLOCKS as f64;
 
         // Sequences of 5 blocks plus a partial one, allocated with token ids so that the
@@ -55,9 +64,13 @@ fn bookkeeping_bytes_per_block_and_per_sequence() {
         let before_seqs = live();
         for seq_id in 0..NUM_SEQS as u64 {
             prompt[0] = seq_id as u32;
-            cache.alloc_sequence(seq_id, Tokens::Ids(&prompt), None).unwrap();
+            cache
+                .alloc_sequence(seq_id, Tokens::Ids(&prompt), None)
+                .unwrap();
         }
-        let block_lists: usize = (0..NUM_SEQS as u64).map(|id| cache.block_table(id).unwrap().len() * 4).sum();
+        let block_lists: usize = (0..NUM_SEQS as u64)
+            .map(|id| cache.block_table(id).unwrap().len() * 4)
+            .sum();
         // The slab reserves by doubling; count what it actually holds per sequence.
         let per_sequence = ((live() - before_seqs) as f64 - block_lists as f64) / NUM_SEQS as f64;
         println!(
@@ -65,11 +78,17 @@ fn bookkeeping_bytes_per_block_and_per_sequence() {
              {per_sequence:.1} bytes per sequence beyond its block list"
         );
         assert!(per_block <= 48.0, "{per_block} bytes per block");
-        println!("  of which size_of::<Sequence>() = {}", atb_mem_core::kv_cache::SEQUENCE_BYTES);
+        println!(
+            "  of which size_of::<Sequence>() = {}",
+            atb_mem_core::kv_cache::SEQUENCE_BYTES
+        );
         // Measured 172 and 156 (the slab and index grow by doubling, so part of this is
         // reserve); without prefix caching a sequence keeps no token ids.
         let per_sequence_limit = if enable_prefix_caching { 180.0 } else { 160.0 };
-        assert!(per_sequence <= per_sequence_limit, "{per_sequence} bytes per sequence");
+        assert!(
+            per_sequence <= per_sequence_limit,
+            "{per_sequence} bytes per sequence"
+        );
         cache.check_invariants().unwrap();
     }
 }

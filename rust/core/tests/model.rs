@@ -18,24 +18,58 @@ const VOCAB: u32 = 3;
 
 #[derive(Debug, Clone)]
 enum Op {
-    AllocCount { id: u64, count: usize },
-    AllocIds { id: u64, ids: Vec<u32>, salted: bool },
-    Append { ids: Vec<u64>, n: usize, with_token_ids: bool },
-    Fork { parent: u64, child: u64 },
-    Free { id: u64 },
-    BatchAdd { id: u64 },
-    BatchRemove { id: u64 },
-    BatchAppend { with_token_ids: bool },
+    AllocCount {
+        id: u64,
+        count: usize,
+    },
+    AllocIds {
+        id: u64,
+        ids: Vec<u32>,
+        salted: bool,
+    },
+    Append {
+        ids: Vec<u64>,
+        n: usize,
+        with_token_ids: bool,
+    },
+    Fork {
+        parent: u64,
+        child: u64,
+    },
+    Free {
+        id: u64,
+    },
+    BatchAdd {
+        id: u64,
+    },
+    BatchRemove {
+        id: u64,
+    },
+    BatchAppend {
+        with_token_ids: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     let id = 0u64..8;
     prop_oneof![
         (id.clone(), 0usize..12).prop_map(|(id, count)| Op::AllocCount { id, count }),
-        (id.clone(), prop::collection::vec(0..VOCAB, 0..12), any::<bool>())
+        (
+            id.clone(),
+            prop::collection::vec(0..VOCAB, 0..12),
+            any::<bool>()
+        )
             .prop_map(|(id, ids, salted)| Op::AllocIds { id, ids, salted }),
-        (prop::collection::vec(id.clone(), 0..4), 0usize..5, any::<bool>())
-            .prop_map(|(ids, n, with_token_ids)| Op::Append { ids, n, with_token_ids }),
+        (
+            prop::collection::vec(id.clone(), 0..4),
+            0usize..5,
+            any::<bool>()
+        )
+            .prop_map(|(ids, n, with_token_ids)| Op::Append {
+                ids,
+                n,
+                with_token_ids
+            }),
         (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         id.clone().prop_map(|id| Op::Free { id }),
         id.clone().prop_map(|id| Op::BatchAdd { id }),
@@ -77,9 +111,15 @@ impl Model {
         for (&id, tokens) in &self.tokens {
             assert_eq!(cache.seq_len(id).unwrap(), tokens.len());
             let mut slots = Vec::new();
-            cache.slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots).unwrap();
+            cache
+                .slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots)
+                .unwrap();
             for (position, slot) in slots.iter().enumerate() {
-                assert_eq!(self.memory.get(slot), Some(&tokens[position]), "seq {id} position {position}");
+                assert_eq!(
+                    self.memory.get(slot),
+                    Some(&tokens[position]),
+                    "seq {id} position {position}"
+                );
             }
         }
     }
@@ -90,7 +130,13 @@ type Snapshot = (String, Vec<(u64, usize, Vec<u32>)>, usize, String);
 fn snapshot(cache: &KvCache, batch: &BatchTable) -> Snapshot {
     let mut seqs: Vec<_> = cache
         .seq_ids()
-        .map(|id| (id, cache.seq_len(id).unwrap(), cache.block_table(id).unwrap().to_vec()))
+        .map(|id| {
+            (
+                id,
+                cache.seq_len(id).unwrap(),
+                cache.block_table(id).unwrap().to_vec(),
+            )
+        })
         .collect();
     seqs.sort();
     let batch_state = format!(
@@ -100,77 +146,112 @@ fn snapshot(cache: &KvCache, batch: &BatchTable) -> Snapshot {
         batch.context_lens(),
         batch.slot_mapping()
     );
-    (format!("{:?}", cache.stats()), seqs, cache.num_pending_copies(), batch_state)
+    (
+        format!("{:?}", cache.stats()),
+        seqs,
+        cache.num_pending_copies(),
+        batch_state,
+    )
 }
 
 /// Rows are brought up to date by the table's own append; unused rows are always padding.
 fn check_batch(cache: &KvCache, batch: &BatchTable, rows_fresh: bool) {
     let width = batch.max_blocks_per_seq();
     for (row, id) in batch.seq_ids().enumerate().filter(|_| rows_fresh) {
-        let Ok(blocks) = cache.block_table(id) else { continue };
+        let Ok(blocks) = cache.block_table(id) else {
+            continue;
+        };
         let cells = &batch.block_tables()[row * width..(row + 1) * width];
         for (column, &cell) in cells.iter().enumerate() {
-            assert_eq!(cell, blocks.get(column).map_or(0, |&block| block as i32), "row {row}");
+            assert_eq!(
+                cell,
+                blocks.get(column).map_or(0, |&block| block as i32),
+                "row {row}"
+            );
         }
         assert_eq!(batch.context_lens()[row], cache.seq_len(id).unwrap() as i32);
     }
     for row in batch.len()..batch.max_seqs() {
         assert_eq!(batch.context_lens()[row], 0);
-        assert!(batch.block_tables()[row * width..(row + 1) * width].iter().all(|&cell| cell == 0));
+        assert!(batch.block_tables()[row * width..(row + 1) * width]
+            .iter()
+            .all(|&cell| cell == 0));
     }
 }
 
 fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
-    let mut cache = KvCache::new(NUM_BLOCKS, BLOCK_SIZE, KvLayout::default(), enable_prefix_caching).unwrap();
+    let mut cache = KvCache::new(
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        KvLayout::default(),
+        enable_prefix_caching,
+    )
+    .unwrap();
     let mut batch = BatchTable::new(4, 5).unwrap();
     let mut model = Model::default();
     for op in ops {
         let before = snapshot(&cache, &batch);
         let result: Result<(), CoreError> = match &op {
-            Op::AllocCount { id, count } => cache.alloc_sequence(*id, Tokens::Count(*count), None).map(|cached| {
-                assert_eq!(cached, 0);
-                let values: Vec<u64> = (0..*count).map(|_| model.synthetic()).collect();
-                model.tokens.insert(*id, values);
-            }),
+            Op::AllocCount { id, count } => cache
+                .alloc_sequence(*id, Tokens::Count(*count), None)
+                .map(|cached| {
+                    assert_eq!(cached, 0);
+                    let values: Vec<u64> = (0..*count).map(|_| model.synthetic()).collect();
+                    model.tokens.insert(*id, values);
+                }),
             Op::AllocIds { id, ids, salted } => {
                 let salt = salted.then_some(&b"tenant"[..]);
                 let predicted = (!ids.is_empty() && !cache.contains(*id))
                     .then(|| cache.can_allocate(Tokens::Ids(ids), salt).unwrap());
                 let result = cache.alloc_sequence(*id, Tokens::Ids(ids), salt);
                 if let Some(predicted) = predicted {
-                    assert_eq!(predicted, result.is_ok(), "can_allocate disagrees with alloc_sequence");
+                    assert_eq!(
+                        predicted,
+                        result.is_ok(),
+                        "can_allocate disagrees with alloc_sequence"
+                    );
                 }
                 result.map(|cached| {
                     assert!(cached < ids.len() && cached % BLOCK_SIZE == 0);
                     assert!(enable_prefix_caching || cached == 0);
-                    model.tokens.insert(*id, ids.iter().map(|&t| t as u64).collect());
+                    model
+                        .tokens
+                        .insert(*id, ids.iter().map(|&t| t as u64).collect());
                     model.check_prefix(&cache, *id, cached);
                 })
             }
-            Op::Append { ids, n, with_token_ids } => {
-                let token_ids: Vec<u32> = (0..ids.len() * n).map(|i| (i as u32 * 7 + 1) % VOCAB).collect();
+            Op::Append {
+                ids,
+                n,
+                with_token_ids,
+            } => {
+                let token_ids: Vec<u32> = (0..ids.len() * n)
+                    .map(|i| (i as u32 * 7 + 1) % VOCAB)
+                    .collect();
                 let token_ids = with_token_ids.then_some(&token_ids[..]);
                 let mut slots = Vec::new();
-                cache.append_tokens(ids, *n, token_ids, &mut slots).map(|()| {
-                    assert_eq!(slots.len(), ids.len() * n);
-                    for (i, id) in ids.iter().enumerate() {
-                        for t in 0..*n {
-                            let value = match token_ids {
-                                Some(token_ids) => token_ids[i * n + t] as u64,
-                                None => model.synthetic(),
-                            };
-                            model.tokens.get_mut(id).unwrap().push(value);
+                cache
+                    .append_tokens(ids, *n, token_ids, &mut slots)
+                    .map(|()| {
+                        assert_eq!(slots.len(), ids.len() * n);
+                        for (i, id) in ids.iter().enumerate() {
+                            for t in 0..*n {
+                                let value = match token_ids {
+                                    Some(token_ids) => token_ids[i * n + t] as u64,
+                                    None => model.synthetic(),
+                                };
+                                model.tokens.get_mut(id).unwrap().push(value);
+                            }
                         }
-                    }
-                    model.apply_copies(&mut cache);
-                    for (i, id) in ids.iter().enumerate() {
-                        let tokens = &model.tokens[id];
-                        for t in 0..*n {
-                            let value = tokens[tokens.len() - n + t];
-                            model.memory.insert(slots[i * n + t], value);
+                        model.apply_copies(&mut cache);
+                        for (i, id) in ids.iter().enumerate() {
+                            let tokens = &model.tokens[id];
+                            for t in 0..*n {
+                                let value = tokens[tokens.len() - n + t];
+                                model.memory.insert(slots[i * n + t], value);
+                            }
                         }
-                    }
-                })
+                    })
             }
             Op::Fork { parent, child } => cache.fork(*parent, *child).map(|()| {
                 let tokens = model.tokens[parent].clone();
@@ -193,7 +274,8 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                 let result = batch.append_tokens(&mut cache, token_ids);
                 if result.is_ok() {
                     for (row, id) in row_ids.iter().enumerate() {
-                        let value = token_ids.map_or_else(|| model.synthetic(), |ids| ids[row] as u64);
+                        let value =
+                            token_ids.map_or_else(|| model.synthetic(), |ids| ids[row] as u64);
                         model.tokens.get_mut(id).unwrap().push(value);
                     }
                     model.apply_copies(&mut cache);
@@ -207,16 +289,27 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
         };
         match &result {
             Ok(()) => {
-                if let Op::AllocCount { id, .. } | Op::AllocIds { id, .. } | Op::Fork { child: id, .. } = &op {
+                if let Op::AllocCount { id, .. }
+                | Op::AllocIds { id, .. }
+                | Op::Fork { child: id, .. } = &op
+                {
                     model.write_all(&cache, *id);
                 }
             }
             Err(error) => {
-                assert_eq!(before, snapshot(&cache, &batch), "{op:?} failed with {error} but changed state");
+                assert_eq!(
+                    before,
+                    snapshot(&cache, &batch),
+                    "{op:?} failed with {error} but changed state"
+                );
             }
         }
         model.check(&cache);
-        check_batch(&cache, &batch, matches!(op, Op::BatchAppend { .. }) && result.is_ok());
+        check_batch(
+            &cache,
+            &batch,
+            matches!(op, Op::BatchAppend { .. }) && result.is_ok(),
+        );
     }
 }
 
@@ -224,9 +317,15 @@ impl Model {
     /// A prefix hit must serve exactly the tokens the new sequence asked for.
     fn check_prefix(&self, cache: &KvCache, id: u64, cached: usize) {
         let mut slots = Vec::new();
-        cache.slot_mapping(&[id], &[0], &[cached as i64], &mut slots).unwrap();
+        cache
+            .slot_mapping(&[id], &[0], &[cached as i64], &mut slots)
+            .unwrap();
         for (position, slot) in slots.iter().enumerate() {
-            assert_eq!(self.memory.get(slot), Some(&self.tokens[&id][position]), "prefix hit at {position}");
+            assert_eq!(
+                self.memory.get(slot),
+                Some(&self.tokens[&id][position]),
+                "prefix hit at {position}"
+            );
         }
     }
 
@@ -234,7 +333,9 @@ impl Model {
     fn write_all(&mut self, cache: &KvCache, id: u64) {
         let tokens = &self.tokens[&id];
         let mut slots = Vec::new();
-        cache.slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots).unwrap();
+        cache
+            .slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots)
+            .unwrap();
         for (slot, &value) in slots.iter().zip(tokens) {
             self.memory.insert(*slot, value);
         }

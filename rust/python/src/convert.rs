@@ -2,7 +2,9 @@
 //! with a message that names the argument. Numpy arrays of the natural dtype are borrowed,
 //! not copied.
 
-use numpy::{PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
@@ -11,14 +13,21 @@ use crate::errors::{type_error, value_error};
 const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|name| name.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|name| name.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match obj.repr() {
         Ok(repr) => {
             let repr = repr.to_string();
-            if repr.len() > 60 { format!("{}...", &repr[..60]) } else { repr }
+            if repr.len() > 60 {
+                format!("{}...", &repr[..60])
+            } else {
+                repr
+            }
         }
         Err(_) => type_name(obj),
     }
@@ -32,7 +41,9 @@ fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Result<i64, ()>> {
     match obj.extract::<i64>() {
         Ok(value) => Some(Ok(value)),
         // An int too large for i64 is still an int: out of range, not the wrong type.
-        Err(error) if error.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => Some(Err(())),
+        Err(error) if error.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+            Some(Err(()))
+        }
         Err(_) => None,
     }
 }
@@ -40,7 +51,10 @@ fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Result<i64, ()>> {
 pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     match exact_int(obj) {
         Some(Ok(value)) if value >= 0 => Ok(value as u64),
-        _ => Err(type_error(format!("{what} must be {SEQ_ID_RANGE}, got {}", describe(obj)))),
+        _ => Err(type_error(format!(
+            "{what} must be {SEQ_ID_RANGE}, got {}",
+            describe(obj)
+        ))),
     }
 }
 
@@ -48,8 +62,14 @@ pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 pub fn count(obj: &Bound<'_, PyAny>, what: &str, minimum: i64) -> PyResult<usize> {
     match exact_int(obj) {
         Some(Ok(value)) if value >= minimum => Ok(value as usize),
-        Some(_) => Err(value_error(format!("{what} must be at least {minimum}, got {}", describe(obj)))),
-        None => Err(type_error(format!("{what} must be an int, got {}", describe(obj)))),
+        Some(_) => Err(value_error(format!(
+            "{what} must be at least {minimum}, got {}",
+            describe(obj)
+        ))),
+        None => Err(type_error(format!(
+            "{what} must be an int, got {}",
+            describe(obj)
+        ))),
     }
 }
 
@@ -61,14 +81,20 @@ fn integer_kind(array: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<()> {
     let dtype = array.dtype();
     match dtype.kind() {
         b'i' | b'u' => Ok(()),
-        _ => Err(type_error(format!("{what} must be integers, got a {} array", describe(dtype.as_any())))),
+        _ => Err(type_error(format!(
+            "{what} must be integers, got a {} array",
+            describe(dtype.as_any())
+        ))),
     }
 }
 
 /// Converts a numpy integer array of any dtype and layout to a 1-D contiguous array of `T`.
 fn converted<'py>(array: &Bound<'py, PyUntypedArray>, dtype: &str) -> PyResult<Bound<'py, PyAny>> {
     let numpy = array.py().import("numpy")?;
-    numpy.call_method1("ascontiguousarray", (array.reshape_flat()?, numpy.getattr(dtype)?))
+    numpy.call_method1(
+        "ascontiguousarray",
+        (array.reshape_flat()?, numpy.getattr(dtype)?),
+    )
 }
 
 trait ReshapeFlat<'py> {
@@ -108,7 +134,10 @@ impl SeqIds<'_> {
 pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>> {
     if let Some(array) = as_array(obj) {
         if array.ndim() != 1 {
-            return Err(value_error(format!("{what} must be 1-D, got shape {:?}", array.shape())));
+            return Err(value_error(format!(
+                "{what} must be 1-D, got shape {:?}",
+                array.shape()
+            )));
         }
         integer_kind(&array, what)?;
         let out_of_range = || type_error(format!("{what} must hold ints in [0, 2**63)"));
@@ -139,10 +168,18 @@ pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>
         return Ok(SeqIds::Owned(ids.iter().map(|&id| id as u64).collect()));
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|item| seq_id(&item, what)).collect::<PyResult<_>>().map(SeqIds::Owned);
+        return list
+            .iter()
+            .map(|item| seq_id(&item, what))
+            .collect::<PyResult<_>>()
+            .map(SeqIds::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().map(|item| seq_id(&item, what)).collect::<PyResult<_>>().map(SeqIds::Owned);
+        return tuple
+            .iter()
+            .map(|item| seq_id(&item, what))
+            .collect::<PyResult<_>>()
+            .map(SeqIds::Owned);
     }
     Err(type_error(format!(
         "{what} must be a list of ints or a 1-D numpy integer array, got {}",
@@ -175,8 +212,14 @@ impl TokenIds<'_> {
 fn token_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
     match exact_int(obj) {
         Some(Ok(value)) if (0..=u32::MAX as i64).contains(&value) => Ok(value as u32),
-        Some(_) => Err(value_error(format!("{what} must be in [0, 2**32), got {}", describe(obj)))),
-        None => Err(type_error(format!("{what} must be ints, got {}", describe(obj)))),
+        Some(_) => Err(value_error(format!(
+            "{what} must be in [0, 2**32), got {}",
+            describe(obj)
+        ))),
+        None => Err(type_error(format!(
+            "{what} must be ints, got {}",
+            describe(obj)
+        ))),
     }
 }
 
@@ -189,7 +232,9 @@ pub fn token_ids<'py>(
     let array = match as_array(obj) {
         Some(array) => array,
         None if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() => {
-            let flat = obj.try_iter()?.all(|item| item.is_ok_and(|item| !item.is_instance_of::<PyList>()));
+            let flat = obj
+                .try_iter()?
+                .all(|item| item.is_ok_and(|item| !item.is_instance_of::<PyList>()));
             if flat {
                 return obj
                     .try_iter()?
@@ -218,7 +263,11 @@ pub fn token_ids<'py>(
                 rows * columns
             )))
         }
-        (_, None) => return Err(value_error(format!("{what} must be 1-D, got shape {dims:?}"))),
+        (_, None) => {
+            return Err(value_error(format!(
+                "{what} must be 1-D, got shape {dims:?}"
+            )))
+        }
     }
     integer_kind(&array, what)?;
     let out_of_range = || value_error(format!("{what} must be in [0, 2**32)"));
@@ -262,7 +311,10 @@ pub fn token_ids<'py>(
 pub fn positions(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
     if let Some(array) = as_array(obj) {
         if array.ndim() != 1 {
-            return Err(value_error(format!("{what} must be 1-D, got shape {:?}", array.shape())));
+            return Err(value_error(format!(
+                "{what} must be 1-D, got shape {:?}",
+                array.shape()
+            )));
         }
         integer_kind(&array, what)?;
         let wide = converted(&array, "int64")?;
@@ -276,23 +328,37 @@ pub fn positions(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
                 let item = item?;
                 match exact_int(&item) {
                     Some(Ok(value)) => Ok(value),
-                    Some(Err(())) => Err(value_error(format!("{what} out of range: {}", describe(&item)))),
-                    None => Err(type_error(format!("{what} must be ints, got {}", describe(&item)))),
+                    Some(Err(())) => Err(value_error(format!(
+                        "{what} out of range: {}",
+                        describe(&item)
+                    ))),
+                    None => Err(type_error(format!(
+                        "{what} must be ints, got {}",
+                        describe(&item)
+                    ))),
                 }
             })
             .collect();
     }
-    Err(type_error(format!("{what} must be a list of ints or a 1-D numpy integer array, got {}", type_name(obj))))
+    Err(type_error(format!(
+        "{what} must be a list of ints or a 1-D numpy integer array, got {}",
+        type_name(obj)
+    )))
 }
 
 /// `cache_salt`: str or bytes.
 pub fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
-    let Some(obj) = obj.filter(|obj| !obj.is_none()) else { return Ok(None) };
+    let Some(obj) = obj.filter(|obj| !obj.is_none()) else {
+        return Ok(None);
+    };
     if let Ok(text) = obj.cast::<pyo3::types::PyString>() {
         return Ok(Some(text.to_str()?.as_bytes().to_vec()));
     }
     if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
         return Ok(Some(bytes.as_bytes().to_vec()));
     }
-    Err(type_error(format!("cache_salt must be str or bytes, got {}", type_name(obj))))
+    Err(type_error(format!(
+        "cache_salt must be str or bytes, got {}",
+        type_name(obj)
+    )))
 }

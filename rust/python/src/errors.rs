@@ -44,18 +44,54 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
         vec![py.get_type::<pyo3::exceptions::PyException>().into_any()],
         "Base class of every error atb-mem raises.",
     )?;
-    let builtin = |name: &str| -> PyResult<Bound<'_, PyAny>> { py.import("builtins")?.getattr(name) };
+    let builtin =
+        |name: &str| -> PyResult<Bound<'_, PyAny>> { py.import("builtins")?.getattr(name) };
     let classes: [(&PyOnceLock<Py<PyType>>, &str, &str, &str); 6] = [
-        (&OUT_OF_MEMORY_ERROR, "OutOfMemoryError", "MemoryError", "The pool or the KV-cache blocks are exhausted."),
-        (&UNKNOWN_SEQUENCE_ERROR, "UnknownSequenceError", "KeyError", "No sequence has this id."),
-        (&DUPLICATE_SEQUENCE_ERROR, "DuplicateSequenceError", "ValueError", "A sequence with this id exists already."),
-        (&INVALID_HANDLE_ERROR, "InvalidHandleError", "ValueError", "A double free, or a stale or foreign handle."),
-        (&QUEUE_FULL_ERROR, "QueueFullError", "RuntimeError", "The request queue is full."),
-        (&REQUEST_TIMEOUT_ERROR, "RequestTimeoutError", "TimeoutError", "A request waited longer than its timeout."),
+        (
+            &OUT_OF_MEMORY_ERROR,
+            "OutOfMemoryError",
+            "MemoryError",
+            "The pool or the KV-cache blocks are exhausted.",
+        ),
+        (
+            &UNKNOWN_SEQUENCE_ERROR,
+            "UnknownSequenceError",
+            "KeyError",
+            "No sequence has this id.",
+        ),
+        (
+            &DUPLICATE_SEQUENCE_ERROR,
+            "DuplicateSequenceError",
+            "ValueError",
+            "A sequence with this id exists already.",
+        ),
+        (
+            &INVALID_HANDLE_ERROR,
+            "InvalidHandleError",
+            "ValueError",
+            "A double free, or a stale or foreign handle.",
+        ),
+        (
+            &QUEUE_FULL_ERROR,
+            "QueueFullError",
+            "RuntimeError",
+            "The request queue is full.",
+        ),
+        (
+            &REQUEST_TIMEOUT_ERROR,
+            "RequestTimeoutError",
+            "TimeoutError",
+            "A request waited longer than its timeout.",
+        ),
     ];
     module.add("AtbMemError", &root)?;
     for (cell, name, builtin_base, doc) in classes {
-        let class = make_class(py, name, vec![root.clone().into_any(), builtin(builtin_base)?], doc)?;
+        let class = make_class(
+            py,
+            name,
+            vec![root.clone().into_any(), builtin(builtin_base)?],
+            doc,
+        )?;
         module.add(name, &class)?;
         let _ = cell.set(py, class.unbind());
     }

@@ -17,7 +17,9 @@ const DETACH_ABOVE: usize = 4096;
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The core never panics while holding the lock, so a poisoned lock still holds a
     // consistent value.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
@@ -33,7 +35,12 @@ impl PyKvCachePool {
     }
 
     /// Runs `work` on the locked cache, releasing the GIL when `size` is large.
-    fn run<R: Send>(&self, py: Python<'_>, size: usize, work: impl FnOnce(&mut KvCache) -> R + Send) -> R {
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        work: impl FnOnce(&mut KvCache) -> R + Send,
+    ) -> R {
         if size > DETACH_ABOVE {
             py.detach(|| work(&mut self.lock()))
         } else {
@@ -43,23 +50,33 @@ impl PyKvCachePool {
 }
 
 fn tokens_arg<'py>(tokens: &Bound<'py, PyAny>) -> PyResult<Result<usize, convert::TokenIds<'py>>> {
-    if tokens.is_instance_of::<pyo3::types::PyInt>() || tokens.hasattr("__index__")? && !tokens.hasattr("shape")? {
+    if tokens.is_instance_of::<pyo3::types::PyInt>()
+        || tokens.hasattr("__index__")? && !tokens.hasattr("shape")?
+    {
         return convert::count(tokens, "tokens", 1).map(Ok);
     }
     convert::token_ids(tokens, "tokens", None).map(Err)
 }
 
-fn with_tokens<R>(arg: &Result<usize, convert::TokenIds<'_>>, f: impl FnOnce(Tokens<'_>) -> R) -> R {
+fn with_tokens<R>(
+    arg: &Result<usize, convert::TokenIds<'_>>,
+    f: impl FnOnce(Tokens<'_>) -> R,
+) -> R {
     match arg {
         Ok(count) => f(Tokens::Count(*count)),
         Err(ids) => f(Tokens::Ids(ids.as_slice())),
     }
 }
 
-fn to_2d<'py>(py: Python<'py>, cells: Vec<i32>, width: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let rows = if width == 0 { 0 } else { cells.len() / width };
-    let rows = if width == 0 { cells.len().max(rows) } else { rows };
-    let array = Array2::from_shape_vec((rows, width), cells).map_err(|e| type_error(e.to_string()))?;
+/// Row-major cells as a `[rows, width]` array, without copying them.
+fn to_2d(
+    py: Python<'_>,
+    cells: Vec<i32>,
+    rows: usize,
+    width: usize,
+) -> PyResult<Bound<'_, PyArray2<i32>>> {
+    let array =
+        Array2::from_shape_vec((rows, width), cells).map_err(|e| type_error(e.to_string()))?;
     Ok(array.into_pyarray(py))
 }
 
@@ -104,8 +121,11 @@ impl PyKvCachePool {
         };
         let num_blocks = convert::count(num_blocks, "num_blocks", 2)?;
         let block_size = convert::count(block_size, "block_size", 1)?;
-        let cache = KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
-        Ok(PyKvCachePool { cache: Mutex::new(cache) })
+        let cache =
+            KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
+        Ok(PyKvCachePool {
+            cache: Mutex::new(cache),
+        })
     }
 
     #[getter]
@@ -167,7 +187,9 @@ impl PyKvCachePool {
         let salt = convert::cache_salt(cache_salt)?;
         let size = tokens.as_ref().err().map_or(0, |ids| ids.as_slice().len());
         with_tokens(&tokens, |tokens| {
-            self.run(py, size, |cache| cache.alloc_sequence(seq_id, tokens, salt.as_deref()))
+            self.run(py, size, |cache| {
+                cache.alloc_sequence(seq_id, tokens, salt.as_deref())
+            })
         })
         .into_py_result()
     }
@@ -182,8 +204,12 @@ impl PyKvCachePool {
         let tokens = tokens_arg(tokens)?;
         let salt = convert::cache_salt(cache_salt)?;
         let size = tokens.as_ref().err().map_or(0, |ids| ids.as_slice().len());
-        with_tokens(&tokens, |tokens| self.run(py, size, |cache| cache.can_allocate(tokens, salt.as_deref())))
-            .into_py_result()
+        with_tokens(&tokens, |tokens| {
+            self.run(py, size, |cache| {
+                cache.can_allocate(tokens, salt.as_deref())
+            })
+        })
+        .into_py_result()
     }
 
     fn seq_len(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -227,8 +253,10 @@ impl PyKvCachePool {
         };
         let token_slice = token_ids.as_ref().map(|ids| ids.as_slice());
         let mut slots = Vec::new();
-        self.run(py, ids.len().saturating_mul(n), |cache| cache.append_tokens(ids, n, token_slice, &mut slots))
-            .into_py_result()?;
+        self.run(py, ids.len().saturating_mul(n), |cache| {
+            cache.append_tokens(ids, n, token_slice, &mut slots)
+        })
+        .into_py_result()?;
         Ok(slots.into_pyarray(py))
     }
 
@@ -243,10 +271,16 @@ impl PyKvCachePool {
         let starts = convert::positions(starts, "starts")?;
         let ends = convert::positions(ends, "ends")?;
         let ids = seq_ids.as_slice();
-        let size: i64 = starts.iter().zip(&ends).map(|(start, end)| (end - start).max(0)).sum();
+        let size: i64 = starts
+            .iter()
+            .zip(&ends)
+            .map(|(start, end)| (end - start).max(0))
+            .sum();
         let mut slots = Vec::new();
-        self.run(py, size as usize, |cache| cache.slot_mapping(ids, &starts, &ends, &mut slots))
-            .into_py_result()?;
+        self.run(py, size as usize, |cache| {
+            cache.slot_mapping(ids, &starts, &ends, &mut slots)
+        })
+        .into_py_result()?;
         Ok(slots.into_pyarray(py))
     }
 
@@ -265,32 +299,57 @@ impl PyKvCachePool {
     fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let mut pairs = Vec::new();
         self.lock().take_pending_copies(&mut pairs);
-        let cells = pairs.into_iter().flat_map(|[src, dst]| [src as i32, dst as i32]).collect();
-        to_2d(py, cells, 2)
+        let rows = pairs.len();
+        let cells = pairs
+            .into_iter()
+            .flat_map(|[src, dst]| [src as i32, dst as i32])
+            .collect();
+        to_2d(py, cells, rows, 2)
     }
 
-    fn block_tables<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
         let ids = seq_ids.as_slice();
         let mut cells = Vec::new();
-        let width = self.run(py, ids.len() * 16, |cache| cache.block_tables(ids, &mut cells)).into_py_result()?;
-        let array = Array2::from_shape_vec((ids.len(), width), cells).map_err(|e| type_error(e.to_string()))?;
-        Ok(array.into_pyarray(py))
+        let width = self
+            .run(py, ids.len() * 16, |cache| {
+                cache.block_tables(ids, &mut cells)
+            })
+            .into_py_result()?;
+        to_2d(py, cells, ids.len(), width)
     }
 
     /// The blocks of one sequence, int32, in token order.
-    fn block_table<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        let blocks: Vec<i32> =
-            self.lock().block_table(seq_id).into_py_result()?.iter().map(|&block| block as i32).collect();
+        let blocks: Vec<i32> = self
+            .lock()
+            .block_table(seq_id)
+            .into_py_result()?
+            .iter()
+            .map(|&block| block as i32)
+            .collect();
         Ok(blocks.into_pyarray(py))
     }
 
-    fn context_lens<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn context_lens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
         let ids = seq_ids.as_slice();
         let mut lens = Vec::new();
-        self.run(py, ids.len(), |cache| cache.context_lens(ids, &mut lens)).into_py_result()?;
+        self.run(py, ids.len(), |cache| cache.context_lens(ids, &mut lens))
+            .into_py_result()?;
         Ok(lens.into_pyarray(py))
     }
 
@@ -300,7 +359,11 @@ impl PyKvCachePool {
         &self,
         py: Python<'py>,
         seq_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+    )> {
         let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
         let ids = seq_ids.as_slice();
         let (mut indptr, mut indices, mut last_page_len) = (Vec::new(), Vec::new(), Vec::new());
@@ -308,7 +371,11 @@ impl PyKvCachePool {
             cache.page_table_csr(ids, &mut indptr, &mut indices, &mut last_page_len)
         })
         .into_py_result()?;
-        Ok((indptr.into_pyarray(py), indices.into_pyarray(py), last_page_len.into_pyarray(py)))
+        Ok((
+            indptr.into_pyarray(py),
+            indices.into_pyarray(py),
+            last_page_len.into_pyarray(py),
+        ))
     }
 
     /// Persistent decode-step buffers for up to `max_seqs` running sequences.
@@ -320,7 +387,10 @@ impl PyKvCachePool {
         let max_seqs = convert::count(max_seqs, "max_seqs", 1)?;
         let max_blocks_per_seq = convert::count(max_blocks_per_seq, "max_blocks_per_seq", 1)?;
         let table = BatchTable::new(max_seqs, max_blocks_per_seq).into_py_result()?;
-        Ok(PyBatchTable { pool: slf.clone().unbind(), table: Mutex::new(table) })
+        Ok(PyBatchTable {
+            pool: slf.clone().unbind(),
+            table: Mutex::new(table),
+        })
     }
 
     /// Drops every cached block no sequence uses; returns how many.
@@ -356,13 +426,18 @@ impl PyKvCachePool {
         dict.set_item("evictions", stats.evictions)?;
         dict.set_item("pending_copies", stats.pending_copies)?;
         dict.set_item("bytes_per_block", stats.bytes_per_block)?;
-        dict.set_item("bytes_total", stats.bytes_per_block as u128 * stats.num_blocks as u128)?;
+        dict.set_item(
+            "bytes_total",
+            stats.bytes_per_block as u128 * stats.num_blocks as u128,
+        )?;
         Ok(dict)
     }
 
     /// Checks every internal invariant; raises AssertionError naming the first broken one.
     fn _check_invariants(&self) -> PyResult<()> {
-        self.lock().check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+        self.lock()
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     fn __repr__(&self) -> String {
@@ -440,7 +515,12 @@ impl PyBatchTable {
             let mut cache = self.pool.get().lock();
             self.lock().append_tokens(&mut cache, ids)
         };
-        if rows > DETACH_ABOVE { py.detach(work) } else { work() }.into_py_result()
+        if rows > DETACH_ABOVE {
+            py.detach(work)
+        } else {
+            work()
+        }
+        .into_py_result()
     }
 
     fn __len__(&self) -> usize {
@@ -477,8 +557,11 @@ impl PyBatchTable {
     #[getter]
     fn block_tables<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         Self::view(slf, |table| {
-            ArrayView2::from_shape((table.max_seqs(), table.max_blocks_per_seq()), table.block_tables())
-                .expect("buffer matches its shape")
+            ArrayView2::from_shape(
+                (table.max_seqs(), table.max_blocks_per_seq()),
+                table.block_tables(),
+            )
+            .expect("buffer matches its shape")
         })
     }
 
