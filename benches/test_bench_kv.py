@@ -1,4 +1,4 @@
-"""Workloads W1–W3 of issue 2 (pytest-benchmark).
+"""Workloads W1-W3 of issue 2 (pytest-benchmark).
 
     python -m pytest benches --benchmark-enable --benchmark-only --benchmark-columns=median,rounds
 
