@@ -33,6 +33,8 @@ pub struct BatchTable {
     block_tables: Box<[i32]>,
     context_lens: Box<[i32]>,
     slot_mapping: Box<[i32]>,
+    /// Per-step scratch: each row's slab in the cache.
+    slabs: Vec<u32>,
 }
 
 impl BatchTable {
@@ -59,6 +61,7 @@ impl BatchTable {
             block_tables: vec![NULL_BLOCK as i32; cells].into_boxed_slice(),
             context_lens: vec![0; max_seqs].into_boxed_slice(),
             slot_mapping: vec![PAD_SLOT; max_seqs].into_boxed_slice(),
+            slabs: Vec::with_capacity(max_seqs),
         })
     }
 
@@ -211,14 +214,14 @@ impl BatchTable {
             }
         }
         let block_size = cache.block_size();
-        let mut needed = 0;
+        self.slabs.clear();
         for row in 0..self.rows.len() {
             let slab = self.locate(row, cache)?;
             let seq = &cache.sequences[slab as usize];
             self.check_width(seq.seq_id, (seq.num_tokens + 1).div_ceil(block_size))?;
-            needed += cache.blocks_for_append(slab, 1)?;
+            self.slabs.push(slab);
         }
-        cache.check_budget(needed)?;
+        cache.check_append_budget(&self.slabs, 1)?;
         let width = self.max_blocks_per_seq;
         for row in 0..self.rows.len() {
             let Row { slab, version, .. } = self.rows[row];

@@ -367,29 +367,38 @@ impl KvCache {
         Ok(())
     }
 
-    /// New blocks that appending `n` tokens to the sequence in `slab` takes, including the
-    /// copy-on-write replacement of a shared, partly filled last block.
-    pub(crate) fn blocks_for_append(&self, slab: u32, n: usize) -> CoreResult<usize> {
-        let seq = &self.sequences[slab as usize];
+    /// Checks that appending `n` tokens to each sequence in `slabs` (all distinct) fits, and
+    /// fails with `OutOfBlocks` otherwise. Counts the blocks the sequences grow by, plus the
+    /// copy-on-write replacements of shared, partly filled last blocks: when every holder of
+    /// such a block appends in this batch, the last one to do so keeps the block, so a block
+    /// held by k sequences costs k - 1 copies, not k.
+    pub(crate) fn check_append_budget(&mut self, slabs: &[u32], n: usize) -> CoreResult<()> {
         let block_size = self.block_size();
-        let total = seq.num_tokens + n;
-        if total > self.max_seq_tokens() {
-            return Err(CoreError::invalid(format!(
-                "sequence {} would hold {total} tokens; the pool holds at most {} per sequence",
-                seq.seq_id,
-                self.max_seq_tokens()
-            )));
+        let mut needed = 0;
+        self.scratch_blocks.clear();
+        for &slab in slabs {
+            let seq = &self.sequences[slab as usize];
+            let total = seq.num_tokens + n;
+            if total > self.max_seq_tokens() {
+                return Err(CoreError::invalid(format!(
+                    "sequence {} would hold {total} tokens; the pool holds at most {} per sequence",
+                    seq.seq_id,
+                    self.max_seq_tokens()
+                )));
+            }
+            needed += total.div_ceil(block_size) - seq.blocks.len();
+            if let (true, Some(&last)) = (seq.num_tokens % block_size != 0, seq.blocks.last()) {
+                if self.block_pool.ref_count(last) > 1 {
+                    self.scratch_blocks.push(last);
+                }
+            }
         }
-        let grow = total.div_ceil(block_size) - seq.blocks.len();
-        let copy_on_write = seq.num_tokens % block_size != 0
-            && seq
-                .blocks
-                .last()
-                .is_some_and(|&last| self.block_pool.ref_count(last) > 1);
-        Ok(grow + usize::from(copy_on_write))
-    }
-
-    pub(crate) fn check_budget(&self, needed: usize) -> CoreResult<()> {
+        self.scratch_blocks.sort_unstable();
+        for holders in self.scratch_blocks.chunk_by(|a, b| a == b) {
+            let every_holder_appends =
+                holders.len() == self.block_pool.ref_count(holders[0]) as usize;
+            needed += holders.len() - usize::from(every_holder_appends);
+        }
         let available = self.block_pool.num_free();
         if needed > available {
             return Err(CoreError::OutOfBlocks { needed, available });
@@ -438,11 +447,7 @@ impl KvCache {
         token_ids: Option<&[u32]>,
         slots: &mut Vec<i32>,
     ) -> CoreResult<()> {
-        let mut needed = 0;
-        for &slab in slabs {
-            needed += self.blocks_for_append(slab, n)?;
-        }
-        self.check_budget(needed)?;
+        self.check_append_budget(slabs, n)?;
         slots.clear();
         slots.resize(slabs.len() * n, 0);
         for (i, (&slab, out)) in slabs.iter().zip(slots.chunks_exact_mut(n)).enumerate() {

@@ -302,6 +302,9 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                     snapshot(&cache, &batch),
                     "{op:?} failed with {error} but changed state"
                 );
+                if let CoreError::OutOfBlocks { .. } = error {
+                    assert_out_of_blocks_is_warranted(&cache, &batch, &op);
+                }
             }
         }
         model.check(&cache);
@@ -311,6 +314,20 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
             matches!(op, Op::BatchAppend { .. }) && result.is_ok(),
         );
     }
+}
+
+/// A batch append that runs out of blocks must really not fit: appending to its sequences one
+/// at a time (on a copy) must run out too.
+fn assert_out_of_blocks_is_warranted(cache: &KvCache, batch: &BatchTable, op: &Op) {
+    let (ids, n): (Vec<u64>, usize) = match op {
+        Op::Append { ids, n, .. } => (ids.clone(), *n),
+        Op::BatchAppend { .. } => (batch.seq_ids().collect(), 1),
+        _ => return,
+    };
+    let mut probe = cache.clone();
+    let mut slots = Vec::new();
+    let all_fit = ids.iter().all(|&id| probe.append_tokens(&[id], n, None, &mut slots).is_ok());
+    assert!(!all_fit, "{op:?} ran out of blocks, but its appends fit one by one");
 }
 
 impl Model {
@@ -353,5 +370,39 @@ proptest! {
     #[test]
     fn matches_model_without_prefix_caching(ops in prop::collection::vec(op(), 1..60)) {
         run(ops, false);
+    }
+}
+
+/// Three sequences share a partly filled block and all append in one batch: two copies are
+/// needed (the last appender keeps the block), so the batch fits in exactly two free blocks.
+#[test]
+fn shared_block_is_copied_once_per_extra_holder() {
+    for through_batch_table in [false, true] {
+        let mut cache = KvCache::new(4, 4, KvLayout::default(), true).unwrap();
+        cache.alloc_sequence(1, Tokens::Count(2), None).unwrap();
+        cache.fork(1, 2).unwrap();
+        cache.fork(1, 3).unwrap();
+        assert_eq!(cache.num_free_blocks(), 2);
+        if through_batch_table {
+            let mut batch = BatchTable::new(3, 2).unwrap();
+            for id in [1, 2, 3] {
+                batch.add(&cache, id).unwrap();
+            }
+            batch.append_tokens(&mut cache, None).unwrap();
+        } else {
+            cache.append_tokens(&[1, 2, 3], 1, None, &mut Vec::new()).unwrap();
+        }
+        let mut copies = Vec::new();
+        cache.take_pending_copies(&mut copies);
+        assert_eq!(copies.len(), 2);
+        assert_eq!(cache.num_free_blocks(), 0);
+        cache.check_invariants().unwrap();
+        // With one holder not appending, every appender needs its own copy: 2 blocks for 2.
+        let mut cache = KvCache::new(4, 4, KvLayout::default(), true).unwrap();
+        cache.alloc_sequence(1, Tokens::Count(2), None).unwrap();
+        cache.fork(1, 2).unwrap();
+        cache.fork(1, 3).unwrap();
+        cache.append_tokens(&[2, 3], 1, None, &mut Vec::new()).unwrap();
+        assert_eq!(cache.num_free_blocks(), 0);
     }
 }
