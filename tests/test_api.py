@@ -244,3 +244,11 @@ def test_large_batches_release_the_gil_and_stay_correct() -> None:
     assert len(np.unique(slots)) == 5000
     assert kv.block_tables(ids).shape == (5000, 1)
     kv._check_invariants()
+
+
+def test_numpy_scalars_are_ints(pool: atb_mem.KVCachePool) -> None:
+    assert pool.alloc_sequence(np.int64(5), np.int32(3)) == 0
+    assert pool.seq_len(np.uint16(5)) == 3
+    pool.append_tokens([np.int64(5)], n=np.int8(2))
+    assert pool.seq_len(5) == 5
+    assert pool.alloc_sequence(6, (1, 2, 3)) == 0  # a tuple of ids

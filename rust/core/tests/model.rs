@@ -326,8 +326,13 @@ fn assert_out_of_blocks_is_warranted(cache: &KvCache, batch: &BatchTable, op: &O
     };
     let mut probe = cache.clone();
     let mut slots = Vec::new();
-    let all_fit = ids.iter().all(|&id| probe.append_tokens(&[id], n, None, &mut slots).is_ok());
-    assert!(!all_fit, "{op:?} ran out of blocks, but its appends fit one by one");
+    let all_fit = ids
+        .iter()
+        .all(|&id| probe.append_tokens(&[id], n, None, &mut slots).is_ok());
+    assert!(
+        !all_fit,
+        "{op:?} ran out of blocks, but its appends fit one by one"
+    );
 }
 
 impl Model {
@@ -390,7 +395,9 @@ fn shared_block_is_copied_once_per_extra_holder() {
             }
             batch.append_tokens(&mut cache, None).unwrap();
         } else {
-            cache.append_tokens(&[1, 2, 3], 1, None, &mut Vec::new()).unwrap();
+            cache
+                .append_tokens(&[1, 2, 3], 1, None, &mut Vec::new())
+                .unwrap();
         }
         let mut copies = Vec::new();
         cache.take_pending_copies(&mut copies);
@@ -402,7 +409,9 @@ fn shared_block_is_copied_once_per_extra_holder() {
         cache.alloc_sequence(1, Tokens::Count(2), None).unwrap();
         cache.fork(1, 2).unwrap();
         cache.fork(1, 3).unwrap();
-        cache.append_tokens(&[2, 3], 1, None, &mut Vec::new()).unwrap();
+        cache
+            .append_tokens(&[2, 3], 1, None, &mut Vec::new())
+            .unwrap();
         assert_eq!(cache.num_free_blocks(), 0);
     }
 }

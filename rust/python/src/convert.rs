@@ -12,7 +12,7 @@ use crate::errors::{type_error, value_error};
 
 const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|name| name.to_string())
@@ -46,6 +46,16 @@ fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Result<i64, ()>> {
         }
         Err(_) => None,
     }
+}
+
+/// An int or numpy integer scalar (not a bool), whatever its value.
+pub fn is_int(obj: &Bound<'_, PyAny>) -> bool {
+    exact_int(obj).is_some()
+}
+
+/// A list, a tuple or a numpy array.
+pub fn is_sequence_like(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() || as_array(obj).is_some()
 }
 
 pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
@@ -232,15 +242,18 @@ pub fn token_ids<'py>(
     let array = match as_array(obj) {
         Some(array) => array,
         None if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() => {
-            let flat = obj
-                .try_iter()?
-                .all(|item| item.is_ok_and(|item| !item.is_instance_of::<PyList>()));
-            if flat {
-                return obj
-                    .try_iter()?
-                    .map(|item| token_id(&item?, what))
-                    .collect::<PyResult<_>>()
-                    .map(TokenIds::Owned);
+            let mut ids = Vec::with_capacity(obj.len()?);
+            let mut nested = false;
+            for item in obj.try_iter()? {
+                let item = item?;
+                if item.is_instance_of::<PyList>() || item.is_instance_of::<PyTuple>() {
+                    nested = true;
+                    break;
+                }
+                ids.push(token_id(&item, what)?);
+            }
+            if !nested {
+                return Ok(TokenIds::Owned(ids));
             }
             // Nested lists: let numpy build the array, then check it like any other.
             let array = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;

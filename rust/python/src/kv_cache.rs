@@ -49,13 +49,19 @@ impl PyKvCachePool {
     }
 }
 
+/// `tokens`: a count (an int), or token ids (a list/tuple or a numpy integer array).
 fn tokens_arg<'py>(tokens: &Bound<'py, PyAny>) -> PyResult<Result<usize, convert::TokenIds<'py>>> {
-    if tokens.is_instance_of::<pyo3::types::PyInt>()
-        || tokens.hasattr("__index__")? && !tokens.hasattr("shape")?
-    {
+    if convert::is_sequence_like(tokens) {
+        return convert::token_ids(tokens, "tokens", None).map(Err);
+    }
+    if convert::is_int(tokens) {
         return convert::count(tokens, "tokens", 1).map(Ok);
     }
-    convert::token_ids(tokens, "tokens", None).map(Err)
+    Err(type_error(format!(
+        "tokens must be a token count (int) or token ids (a list or 1-D numpy integer array), \
+         got {}",
+        convert::type_name(tokens)
+    )))
 }
 
 fn with_tokens<R>(
