@@ -1,20 +1,36 @@
-"""The README's example is part of the test suite."""
+"""The README's example is part of the test suite, and is the quickstart script verbatim."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def readme_example() -> str:
+    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+    assert len(blocks) == 1, "the README has exactly one Python example"
+    return blocks[0]
 
 
 def test_readme_example_runs() -> None:
-    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
-    assert len(blocks) == 1, "the README has exactly one Python example"
-    exec(compile(blocks[0], str(README), "exec"), {"__name__": "__readme__"})
+    exec(compile(readme_example(), str(README), "exec"), {"__name__": "__readme__"})
+
+
+def test_quickstart_is_the_readme_example() -> None:
+    assert readme_example() in QUICKSTART.read_text()
+    result = subprocess.run([sys.executable, str(QUICKSTART)], capture_output=True, text=True,
+                            check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "[68 67]" in result.stdout
 
 
 def test_readme_names_the_commands() -> None:
     text = README.read_text()
-    assert "pip install ." in text
+    assert "pip install . && python examples/quickstart.py" in text
     assert "python -m pytest" in text and "cargo test -p atb-mem-core" in text
