@@ -5,12 +5,15 @@ caching, copy-on-write forks, and block tables / slot mappings in the layout ATB
 PagedAttention and vLLM's kernels read. The core is Rust; this package is its Python face.
 """
 
+from atb_mem import acl
 from atb_mem._core import (
     NULL_BLOCK,
     PAD_SLOT,
+    Allocation,
     AtbMemError,
     BatchTable,
     DuplicateSequenceError,
+    HostRegion,
     InvalidHandleError,
     OutOfMemoryError,
     QueueFullError,
@@ -19,18 +22,23 @@ from atb_mem._core import (
     __version__,
 )
 from atb_mem.kv_cache import KVCachePool
+from atb_mem.mem_pool import MemPool
 
 __all__ = [
     "NULL_BLOCK",
     "PAD_SLOT",
+    "Allocation",
     "AtbMemError",
     "BatchTable",
     "DuplicateSequenceError",
+    "HostRegion",
     "InvalidHandleError",
     "KVCachePool",
+    "MemPool",
     "OutOfMemoryError",
     "QueueFullError",
     "RequestTimeoutError",
     "UnknownSequenceError",
     "__version__",
+    "acl",
 ]

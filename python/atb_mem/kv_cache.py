@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from atb_mem import _core
+from atb_mem.mem_pool import MemPool
 
 __all__ = ["KVCachePool"]
 
@@ -30,7 +31,49 @@ class KVCachePool(_core.KVCachePool):
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for every method.
     """
 
-    __slots__ = ()
+    __slots__ = ("_mem_pool", "_region")
+
+    def __new__(cls, num_blocks: int, block_size: int, *, pool: MemPool | None = None,
+                **kwargs: Any) -> KVCachePool:
+        """``pool``: a ``MemPool`` to take the block region from, as one allocation of
+        ``num_blocks * bytes_per_block`` bytes, given back by ``close()``."""
+        if pool is not None and not isinstance(pool, _core.MemPool):
+            raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
+        self = super().__new__(cls, num_blocks, block_size, **kwargs)
+        self._mem_pool = pool
+        self._region = None
+        if pool is not None:
+            self._region = pool.malloc(self.num_blocks * self.bytes_per_block)
+        return self
+
+    @property
+    def mem_pool(self) -> MemPool | None:
+        """The ``MemPool`` the block region came from, if any."""
+        return getattr(self, "_mem_pool", None)
+
+    @property
+    def region(self) -> _core.Allocation | None:
+        """The block region's allocation in ``mem_pool`` (None when closed or pool-less)."""
+        return getattr(self, "_region", None)
+
+    def close(self) -> None:
+        """Gives the block region back to its ``MemPool``. Idempotent."""
+        region, self._region = getattr(self, "_region", None), None
+        pool = getattr(self, "_mem_pool", None)
+        if region is not None and pool is not None and not pool.closed:
+            pool.free(region)
+
+    def __enter__(self) -> KVCachePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # the pool may be gone at interpreter exit
+            pass
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> KVCachePool:

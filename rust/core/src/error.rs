@@ -11,6 +11,15 @@ pub enum CoreError {
     UnknownSequence(u64),
     /// A sequence with this id exists already.
     DuplicateSequence(u64),
+    /// The byte pool has no free range large enough (or no room for another allocation).
+    PoolExhausted {
+        requested: u64,
+        free: u64,
+        largest_free: u64,
+        too_many_allocations: Option<u32>,
+    },
+    /// A double free, or a stale or foreign allocation handle.
+    InvalidHandle(String),
     /// An argument that can never be valid (a count out of range, a malformed shape, a
     /// batch that names a sequence twice, ...).
     InvalidArgument(String),
@@ -32,6 +41,26 @@ impl fmt::Display for CoreError {
                 "out of KV-cache blocks: the request needs {needed} more block(s), \
                  {available} are free or evictable"
             ),
+            CoreError::PoolExhausted {
+                requested,
+                free,
+                largest_free,
+                too_many_allocations: None,
+            } => write!(
+                f,
+                "MemPool out of memory: requested {requested} bytes, {free} bytes free, \
+                 largest free range {largest_free} bytes"
+            ),
+            CoreError::PoolExhausted {
+                requested,
+                too_many_allocations: Some(limit),
+                ..
+            } => write!(
+                f,
+                "MemPool out of allocations: requested {requested} bytes, but {limit} allocations \
+                 (max_allocations) are live"
+            ),
+            CoreError::InvalidHandle(message) => write!(f, "invalid allocation handle: {message}"),
             CoreError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
             CoreError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
             CoreError::InvalidArgument(message) => f.write_str(message),

@@ -17,7 +17,9 @@ pub mod error;
 pub mod free_queue;
 pub mod kv_cache;
 pub mod layout;
+pub mod mem_pool;
 pub mod prefix_table;
+pub mod range_allocator;
 
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
@@ -25,3 +27,5 @@ pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
 pub use error::{CoreError, CoreResult};
 pub use kv_cache::{KvCache, KvCacheStats, Tokens};
 pub use layout::{KvDtype, KvLayout};
+pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};
+pub use range_allocator::RangeAllocator;

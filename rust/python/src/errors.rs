@@ -122,11 +122,18 @@ impl<T> IntoPyResult<T> for Result<T, CoreError> {
 pub fn to_py_err(error: CoreError) -> PyErr {
     let message = error.to_string();
     match error {
-        CoreError::OutOfBlocks { .. } => raise(&OUT_OF_MEMORY_ERROR, message),
+        CoreError::OutOfBlocks { .. } | CoreError::PoolExhausted { .. } => {
+            raise(&OUT_OF_MEMORY_ERROR, message)
+        }
+        CoreError::InvalidHandle(_) => raise(&INVALID_HANDLE_ERROR, message),
         CoreError::UnknownSequence(_) => raise(&UNKNOWN_SEQUENCE_ERROR, message),
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
         CoreError::InvalidArgument(_) => PyValueError::new_err(message),
     }
+}
+
+pub fn invalid_handle(message: impl Into<String>) -> PyErr {
+    raise(&INVALID_HANDLE_ERROR, message.into())
 }
 
 pub fn type_error(message: impl Into<String>) -> PyErr {

@@ -4,6 +4,7 @@
 mod convert;
 mod errors;
 mod kv_cache;
+mod mem_pool;
 
 use pyo3::prelude::*;
 
@@ -12,6 +13,9 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
     module.add_class::<kv_cache::PyKvCachePool>()?;
     module.add_class::<kv_cache::PyBatchTable>()?;
+    module.add_class::<mem_pool::PyMemPool>()?;
+    module.add_class::<mem_pool::PyAllocation>()?;
+    module.add_class::<mem_pool::HostRegion>()?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
     module.add("PAD_SLOT", atb_mem_core::batch_table::PAD_SLOT)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;

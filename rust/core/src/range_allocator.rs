@@ -1,0 +1,678 @@
+//! O(1) allocation of `[offset, offset + size)` ranges in one region, with all metadata
+//! outside the region (so it serves device memory the host cannot touch).
+//!
+//! Two-level segregated fit (TLSF), in the shape of Sebastian Aaltonen's OffsetAllocator:
+//! free ranges sit in 512 bins indexed by a small float of their size (5-bit exponent, 3-bit
+//! mantissa, widened here to 64-bit sizes), with a 64-bit bitmap of non-empty top-level bins
+//! and an 8-bit bitmap per top level. Allocation rounds the request up to a bin and takes the
+//! first range from the first non-empty bin at or above it: two bit scans. If that finds
+//! nothing, the bin just below is searched range by range, so the allocator fails only when no
+//! free range is large enough. Freeing merges with free neighbours at once.
+//!
+//! Every range, used or free, is a node in a fixed store, linked to its address-order
+//! neighbours; a node's size is implied by where the next node starts, so a node is 32 bytes.
+//! Sizes and offsets are in units chosen by the caller (the pool's alignment).
+
+const MANTISSA_BITS: u32 = 3;
+const MANTISSA_VALUE: u64 = 1 << MANTISSA_BITS;
+const MANTISSA_MASK: u64 = MANTISSA_VALUE - 1;
+const NUM_TOP_BINS: usize = 64;
+const LEAF_BINS: usize = 8;
+const NUM_BINS: usize = NUM_TOP_BINS * LEAF_BINS;
+const NIL: u32 = u32::MAX;
+
+/// The bin whose ranges are all at least `size`.
+fn bin_round_up(size: u64) -> usize {
+    if size < MANTISSA_VALUE {
+        return size as usize;
+    }
+    let highest_bit = 63 - size.leading_zeros();
+    let mantissa_start = highest_bit - MANTISSA_BITS;
+    let exponent = (mantissa_start + 1) as u64;
+    let mut mantissa = (size >> mantissa_start) & MANTISSA_MASK;
+    if size & ((1u64 << mantissa_start) - 1) != 0 {
+        mantissa += 1;
+    }
+    // A mantissa overflow carries into the exponent, as it should.
+    ((exponent << MANTISSA_BITS) + mantissa) as usize
+}
+
+/// The bin a free range of `size` belongs to: the largest whose lower bound is ≤ `size`.
+fn bin_round_down(size: u64) -> usize {
+    if size < MANTISSA_VALUE {
+        return size as usize;
+    }
+    let highest_bit = 63 - size.leading_zeros();
+    let mantissa_start = highest_bit - MANTISSA_BITS;
+    let exponent = (mantissa_start + 1) as u64;
+    let mantissa = (size >> mantissa_start) & MANTISSA_MASK;
+    ((exponent << MANTISSA_BITS) | mantissa) as usize
+}
+
+/// Smallest size in `bin`.
+#[cfg(test)]
+fn bin_lower_bound(bin: usize) -> u64 {
+    let (exponent, mantissa) = ((bin as u64) >> MANTISSA_BITS, (bin as u64) & MANTISSA_MASK);
+    if exponent == 0 {
+        mantissa
+    } else {
+        (mantissa | MANTISSA_VALUE) << (exponent - 1)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    offset: u64,
+    bin_prev: u32,
+    bin_next: u32,
+    neighbor_prev: u32,
+    neighbor_next: u32,
+    /// `generation << 1 | used`. The generation changes whenever a used range is freed, so
+    /// a handle (node, generation) names one allocation only.
+    state: u32,
+}
+
+impl Node {
+    const SPARE: Node = Node {
+        offset: 0,
+        bin_prev: NIL,
+        bin_next: NIL,
+        neighbor_prev: NIL,
+        neighbor_next: NIL,
+        state: 0,
+    };
+
+    fn used(&self) -> bool {
+        self.state & 1 == 1
+    }
+
+    fn generation(&self) -> u32 {
+        self.state >> 1
+    }
+}
+
+/// Why an allocation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocFailure {
+    /// No free range is large enough.
+    NoRange,
+    /// The node store is full: `max_allocations` ranges are live.
+    TooManyAllocations,
+}
+
+/// A live range: where it is and the handle that frees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    pub offset: u64,
+    pub size: u64,
+    pub node: u32,
+    pub generation: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RangeAllocator {
+    nodes: Vec<Node>,
+    spare_nodes: Vec<u32>,
+    bin_heads: Vec<u32>,
+    leaf_masks: [u8; NUM_TOP_BINS],
+    top_mask: u64,
+    /// End of the managed range; below `capacity` after a trim.
+    end: u64,
+    capacity: u64,
+    /// The node at the highest offset (`NIL` when `end` is 0).
+    last_node: u32,
+    max_allocations: u32,
+    num_used: u32,
+    num_free_ranges: u32,
+    free_units: u64,
+}
+
+impl RangeAllocator {
+    /// Manages `[0, capacity)` for up to `max_allocations` live ranges. The node store is
+    /// sized so that this many ranges always fit, whatever the fragmentation.
+    pub fn new(capacity: u64, max_allocations: u32) -> Self {
+        let num_nodes = 2 * max_allocations as usize + 1;
+        let mut allocator = RangeAllocator {
+            nodes: vec![Node::SPARE; num_nodes],
+            spare_nodes: Vec::with_capacity(num_nodes),
+            bin_heads: vec![NIL; NUM_BINS],
+            leaf_masks: [0; NUM_TOP_BINS],
+            top_mask: 0,
+            end: 0,
+            capacity,
+            last_node: NIL,
+            max_allocations,
+            num_used: 0,
+            num_free_ranges: 0,
+            free_units: 0,
+        };
+        allocator.reset();
+        allocator
+    }
+
+    /// Frees every range at once; every outstanding handle becomes stale.
+    pub fn reset(&mut self) {
+        for node in &mut self.nodes {
+            let generation =
+                node.generation().wrapping_add(u32::from(node.used())) & (u32::MAX >> 1);
+            *node = Node {
+                state: generation << 1,
+                ..Node::SPARE
+            };
+        }
+        self.spare_nodes.clear();
+        self.spare_nodes.extend((0..self.nodes.len() as u32).rev());
+        self.bin_heads.fill(NIL);
+        self.leaf_masks = [0; NUM_TOP_BINS];
+        self.top_mask = 0;
+        self.end = 0;
+        self.last_node = NIL;
+        self.num_used = 0;
+        self.num_free_ranges = 0;
+        self.free_units = 0;
+        self.set_end(self.capacity);
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// End of the managed range (the capacity, unless trimmed).
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    pub fn free_units(&self) -> u64 {
+        self.free_units
+    }
+
+    pub fn num_used(&self) -> u32 {
+        self.num_used
+    }
+
+    pub fn num_free_ranges(&self) -> u32 {
+        self.num_free_ranges
+    }
+
+    pub fn max_allocations(&self) -> u32 {
+        self.max_allocations
+    }
+
+    #[inline]
+    fn size_of(&self, node: u32) -> u64 {
+        let next = self.nodes[node as usize].neighbor_next;
+        let end = if next == NIL {
+            self.end
+        } else {
+            self.nodes[next as usize].offset
+        };
+        end - self.nodes[node as usize].offset
+    }
+
+    #[inline]
+    fn insert_into_bin(&mut self, node: u32) {
+        let bin = bin_round_down(self.size_of(node));
+        let head = self.bin_heads[bin];
+        self.nodes[node as usize].bin_prev = NIL;
+        self.nodes[node as usize].bin_next = head;
+        if head != NIL {
+            self.nodes[head as usize].bin_prev = node;
+        }
+        self.bin_heads[bin] = node;
+        let (top, leaf) = (bin / LEAF_BINS, bin % LEAF_BINS);
+        self.leaf_masks[top] |= 1 << leaf;
+        self.top_mask |= 1 << top;
+        self.free_units += self.size_of(node);
+        self.num_free_ranges += 1;
+    }
+
+    #[inline]
+    fn remove_from_bin(&mut self, node: u32) {
+        let bin = bin_round_down(self.size_of(node));
+        let Node {
+            bin_prev, bin_next, ..
+        } = self.nodes[node as usize];
+        if bin_prev == NIL {
+            self.bin_heads[bin] = bin_next;
+            if bin_next == NIL {
+                let (top, leaf) = (bin / LEAF_BINS, bin % LEAF_BINS);
+                self.leaf_masks[top] &= !(1 << leaf);
+                if self.leaf_masks[top] == 0 {
+                    self.top_mask &= !(1 << top);
+                }
+            }
+        } else {
+            self.nodes[bin_prev as usize].bin_next = bin_next;
+        }
+        if bin_next != NIL {
+            self.nodes[bin_next as usize].bin_prev = bin_prev;
+        }
+        self.free_units -= self.size_of(node);
+        self.num_free_ranges -= 1;
+    }
+
+    /// The first non-empty bin whose ranges all hold `size`, by two bit scans.
+    #[inline]
+    fn find_bin(&self, size: u64) -> Option<usize> {
+        let wanted = bin_round_up(size);
+        if wanted >= NUM_BINS {
+            return None;
+        }
+        let (top, leaf) = (wanted / LEAF_BINS, wanted % LEAF_BINS);
+        let leaves = self.leaf_masks[top] & (0xFFu8 << leaf);
+        if leaves != 0 {
+            return Some(top * LEAF_BINS + leaves.trailing_zeros() as usize);
+        }
+        let tops = if top + 1 >= NUM_TOP_BINS {
+            0
+        } else {
+            self.top_mask & (u64::MAX << (top + 1))
+        };
+        if tops == 0 {
+            return None;
+        }
+        let top = tops.trailing_zeros() as usize;
+        Some(top * LEAF_BINS + self.leaf_masks[top].trailing_zeros() as usize)
+    }
+
+    /// A free range of at least `size` in the bin just below the rounded-up one, where
+    /// ranges may or may not be large enough.
+    fn search_lower_bin(&self, size: u64) -> Option<u32> {
+        let mut node = self.bin_heads[bin_round_down(size)];
+        while node != NIL {
+            if self.size_of(node) >= size {
+                return Some(node);
+            }
+            node = self.nodes[node as usize].bin_next;
+        }
+        None
+    }
+
+    /// Allocates `size` (> 0) units.
+    #[inline]
+    pub fn allocate(&mut self, size: u64) -> Result<Range, AllocFailure> {
+        debug_assert!(size > 0);
+        if self.num_used == self.max_allocations {
+            return Err(AllocFailure::TooManyAllocations);
+        }
+        let node = match self.find_bin(size) {
+            Some(bin) => self.bin_heads[bin],
+            None => self.search_lower_bin(size).ok_or(AllocFailure::NoRange)?,
+        };
+        self.remove_from_bin(node);
+        let node_size = self.size_of(node);
+        let generation = self.nodes[node as usize].generation();
+        self.nodes[node as usize].state = generation << 1 | 1;
+        self.num_used += 1;
+        if node_size > size {
+            // The node store holds 2 × max_allocations + 1 nodes and at most one free range
+            // sits between two used ones, so a spare node is always there.
+            let Some(rest) = self.spare_nodes.pop() else {
+                unreachable_spare();
+                return Err(AllocFailure::TooManyAllocations);
+            };
+            let Node {
+                offset,
+                neighbor_next: next,
+                ..
+            } = self.nodes[node as usize];
+            let rest_node = &mut self.nodes[rest as usize];
+            rest_node.offset = offset + size;
+            rest_node.neighbor_prev = node;
+            rest_node.neighbor_next = next;
+            rest_node.state &= !1;
+            if next == NIL {
+                self.last_node = rest;
+            } else {
+                self.nodes[next as usize].neighbor_prev = rest;
+            }
+            self.nodes[node as usize].neighbor_next = rest;
+            self.insert_into_bin(rest);
+        }
+        Ok(Range {
+            offset: self.nodes[node as usize].offset,
+            size,
+            node,
+            generation,
+        })
+    }
+
+    /// The live range named by a handle, if the handle is current.
+    #[inline]
+    pub fn get(&self, node: u32, generation: u32) -> Option<Range> {
+        let entry = self.nodes.get(node as usize)?;
+        (entry.used() && entry.generation() == generation).then(|| Range {
+            offset: entry.offset,
+            size: self.size_of(node),
+            node,
+            generation,
+        })
+    }
+
+    /// The live range at `node`, whatever its generation.
+    pub fn live_range(&self, node: u32) -> Option<Range> {
+        let generation = self.nodes.get(node as usize)?.generation();
+        self.get(node, generation)
+    }
+
+    /// Frees a live range; `false` (and no change) if the handle is not current.
+    #[inline]
+    pub fn free(&mut self, node: u32, generation: u32) -> bool {
+        if self.get(node, generation).is_none() {
+            return false;
+        }
+        self.nodes[node as usize].state = (generation.wrapping_add(1) & (u32::MAX >> 1)) << 1;
+        self.num_used -= 1;
+        let prev = self.nodes[node as usize].neighbor_prev;
+        if prev != NIL && !self.nodes[prev as usize].used() {
+            self.remove_from_bin(prev);
+            let Node {
+                offset,
+                neighbor_prev,
+                ..
+            } = self.nodes[prev as usize];
+            self.nodes[node as usize].offset = offset;
+            self.nodes[node as usize].neighbor_prev = neighbor_prev;
+            if neighbor_prev != NIL {
+                self.nodes[neighbor_prev as usize].neighbor_next = node;
+            }
+            self.release_node(prev);
+        }
+        let next = self.nodes[node as usize].neighbor_next;
+        if next != NIL && !self.nodes[next as usize].used() {
+            self.remove_from_bin(next);
+            let after = self.nodes[next as usize].neighbor_next;
+            self.nodes[node as usize].neighbor_next = after;
+            if after == NIL {
+                self.last_node = node;
+            } else {
+                self.nodes[after as usize].neighbor_prev = node;
+            }
+            self.release_node(next);
+        }
+        self.insert_into_bin(node);
+        true
+    }
+
+    fn release_node(&mut self, node: u32) {
+        let state = self.nodes[node as usize].state & !1;
+        self.nodes[node as usize] = Node {
+            state,
+            ..Node::SPARE
+        };
+        self.spare_nodes.push(node);
+    }
+
+    /// Moves the end of the managed range. Shrinking succeeds only over free space at the
+    /// end; returns the new end.
+    pub fn set_end(&mut self, new_end: u64) -> u64 {
+        let new_end = new_end.min(self.capacity);
+        if new_end < self.end {
+            let last = self.last_node;
+            if last == NIL || self.nodes[last as usize].used() {
+                return self.end;
+            }
+            let new_end = new_end.max(self.nodes[last as usize].offset);
+            self.remove_from_bin(last);
+            self.end = new_end;
+            if self.nodes[last as usize].offset == new_end {
+                let prev = self.nodes[last as usize].neighbor_prev;
+                if prev != NIL {
+                    self.nodes[prev as usize].neighbor_next = NIL;
+                }
+                self.last_node = prev;
+                self.release_node(last);
+            } else {
+                self.insert_into_bin(last);
+            }
+        } else if new_end > self.end {
+            let last = self.last_node;
+            if last != NIL && !self.nodes[last as usize].used() {
+                self.remove_from_bin(last);
+                self.end = new_end;
+                self.insert_into_bin(last);
+            } else {
+                let Some(node) = self.spare_nodes.pop() else {
+                    unreachable_spare();
+                    return self.end;
+                };
+                let state = self.nodes[node as usize].state & !1;
+                self.nodes[node as usize] = Node {
+                    offset: self.end,
+                    neighbor_prev: last,
+                    state,
+                    ..Node::SPARE
+                };
+                if last != NIL {
+                    self.nodes[last as usize].neighbor_next = node;
+                }
+                self.last_node = node;
+                self.end = new_end;
+                self.insert_into_bin(node);
+            }
+        }
+        self.end
+    }
+
+    /// Every range in address order: (offset, size, used).
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u64, bool)> + '_ {
+        let mut first = self.last_node;
+        while first != NIL && self.nodes[first as usize].neighbor_prev != NIL {
+            first = self.nodes[first as usize].neighbor_prev;
+        }
+        let mut cursor = first;
+        std::iter::from_fn(move || {
+            if cursor == NIL {
+                return None;
+            }
+            let node = cursor;
+            cursor = self.nodes[node as usize].neighbor_next;
+            Some((
+                self.nodes[node as usize].offset,
+                self.size_of(node),
+                self.nodes[node as usize].used(),
+            ))
+        })
+    }
+
+    /// Live ranges with their handles, in address order.
+    pub fn live_ranges(&self) -> Vec<Range> {
+        let mut live = Vec::with_capacity(self.num_used as usize);
+        let mut node = self.last_node;
+        while node != NIL {
+            let entry = self.nodes[node as usize];
+            if entry.used() {
+                live.push(Range {
+                    offset: entry.offset,
+                    size: self.size_of(node),
+                    node,
+                    generation: entry.generation(),
+                });
+            }
+            node = entry.neighbor_prev;
+        }
+        live.reverse();
+        live
+    }
+
+    /// The largest free range, exactly: the highest non-empty bin, searched range by range.
+    pub fn largest_free(&self) -> u64 {
+        if self.top_mask == 0 {
+            return 0;
+        }
+        let top = 63 - self.top_mask.leading_zeros() as usize;
+        let bin = top * LEAF_BINS + 7 - self.leaf_masks[top].leading_zeros() as usize;
+        let mut largest = 0;
+        let mut node = self.bin_heads[bin];
+        while node != NIL {
+            largest = largest.max(self.size_of(node));
+            node = self.nodes[node as usize].bin_next;
+        }
+        largest
+    }
+
+    /// Σ fᵢ² over free ranges (for Sawicki's fragmentation metric).
+    pub fn free_sum_of_squares(&self) -> f64 {
+        self.ranges()
+            .filter(|&(_, _, used)| !used)
+            .map(|(_, size, _)| (size as f64).powi(2))
+            .sum()
+    }
+
+    /// Host bytes of the allocator's own bookkeeping.
+    pub fn heap_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.spare_nodes.capacity() * 4
+            + self.bin_heads.capacity() * 4
+    }
+
+    /// Checks every structural invariant (for tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut expected_offset = 0;
+        let mut previous_free = false;
+        let (mut used, mut free_ranges, mut free_units) = (0, 0, 0);
+        for (offset, size, is_used) in self.ranges() {
+            if offset != expected_offset || size == 0 {
+                return Err(format!(
+                    "range at {offset} (size {size}) does not follow {expected_offset}"
+                ));
+            }
+            if !is_used && previous_free {
+                return Err(format!("two adjacent free ranges at {offset}"));
+            }
+            previous_free = !is_used;
+            expected_offset = offset + size;
+            if is_used {
+                used += 1;
+            } else {
+                free_ranges += 1;
+                free_units += size;
+            }
+        }
+        if expected_offset != self.end {
+            return Err(format!("ranges end at {expected_offset}, not {}", self.end));
+        }
+        let mut binned = 0;
+        for (bin, &head) in self.bin_heads.iter().enumerate() {
+            let (top, leaf) = (bin / LEAF_BINS, bin % LEAF_BINS);
+            if (head != NIL) != (self.leaf_masks[top] & (1 << leaf) != 0) {
+                return Err(format!("bin {bin} and its bitmap disagree"));
+            }
+            let mut node = head;
+            while node != NIL {
+                if self.nodes[node as usize].used() || bin_round_down(self.size_of(node)) != bin {
+                    return Err(format!("node {node} is in the wrong bin {bin}"));
+                }
+                binned += 1;
+                node = self.nodes[node as usize].bin_next;
+            }
+        }
+        for top in 0..NUM_TOP_BINS {
+            if (self.leaf_masks[top] != 0) != (self.top_mask & (1 << top) != 0) {
+                return Err(format!("top bin {top} and its bitmap disagree"));
+            }
+        }
+        if (used, free_ranges, free_units) != (self.num_used, self.num_free_ranges, self.free_units)
+            || binned != free_ranges
+        {
+            return Err("range counters disagree with the ranges".into());
+        }
+        if self.spare_nodes.len() + (used + free_ranges) as usize != self.nodes.len() {
+            return Err("node store leaks nodes".into());
+        }
+        Ok(())
+    }
+}
+
+#[cold]
+fn unreachable_spare() {
+    debug_assert!(false, "node store exhausted below max_allocations");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_bracket_sizes() {
+        for size in (1..5000u64).chain([1 << 20, (1 << 40) + 12345, u64::MAX >> 2]) {
+            let up = bin_round_up(size);
+            let down = bin_round_down(size);
+            assert!(bin_lower_bound(up) >= size, "size {size}");
+            assert!(bin_lower_bound(down) <= size && down <= up);
+            if down + 1 < NUM_BINS {
+                assert!(bin_lower_bound(down + 1) > size);
+            }
+        }
+    }
+
+    #[test]
+    fn split_merge_and_stale_handles() {
+        let mut ranges = RangeAllocator::new(100, 8);
+        let a = ranges.allocate(10).unwrap();
+        let b = ranges.allocate(20).unwrap();
+        let c = ranges.allocate(30).unwrap();
+        assert_eq!((a.offset, b.offset, c.offset), (0, 10, 30));
+        assert_eq!(ranges.free_units(), 40);
+        assert!(ranges.free(b.node, b.generation));
+        assert!(!ranges.free(b.node, b.generation), "double free");
+        assert_eq!(ranges.largest_free(), 40);
+        assert!(ranges.free(a.node, a.generation));
+        assert_eq!(
+            ranges.ranges().collect::<Vec<_>>(),
+            [(0, 30, false), (30, 30, true), (60, 40, false)]
+        );
+        assert!(ranges.free(c.node, c.generation));
+        assert_eq!(ranges.ranges().collect::<Vec<_>>(), [(0, 100, false)]);
+        ranges.check_invariants().unwrap();
+        // The largest range is found even when it shares a bin with smaller ones.
+        let d = ranges.allocate(100).unwrap();
+        assert_eq!(ranges.allocate(1), Err(AllocFailure::NoRange));
+        assert!(ranges.free(d.node, d.generation));
+    }
+
+    #[test]
+    fn exact_fit_in_a_coarse_bin() {
+        // 1000 and 1001 share a bin; a request of 1001 must find the 1001-unit range.
+        let mut ranges = RangeAllocator::new(1000 + 1 + 1001, 8);
+        let a = ranges.allocate(1000).unwrap();
+        let gap = ranges.allocate(1).unwrap();
+        let b = ranges.allocate(1001).unwrap();
+        ranges.free(a.node, a.generation);
+        ranges.free(b.node, b.generation);
+        let _ = gap;
+        assert_eq!(ranges.allocate(1001).unwrap().offset, 1001);
+        ranges.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn trim_and_regrow_the_end() {
+        let mut ranges = RangeAllocator::new(100, 4);
+        let a = ranges.allocate(30).unwrap();
+        assert_eq!(ranges.set_end(10), 30);
+        assert_eq!(ranges.free_units(), 0);
+        assert_eq!(ranges.allocate(1), Err(AllocFailure::NoRange));
+        assert_eq!(ranges.set_end(100), 100);
+        assert_eq!(ranges.free_units(), 70);
+        ranges.free(a.node, a.generation);
+        assert_eq!(ranges.set_end(0), 0);
+        assert_eq!(ranges.ranges().count(), 0);
+        ranges.check_invariants().unwrap();
+        assert_eq!(ranges.set_end(100), 100);
+        ranges.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn node_store_limits_live_ranges() {
+        let mut ranges = RangeAllocator::new(100, 2);
+        let a = ranges.allocate(1).unwrap();
+        ranges.allocate(1).unwrap();
+        assert_eq!(ranges.allocate(1), Err(AllocFailure::TooManyAllocations));
+        ranges.free(a.node, a.generation);
+        ranges.allocate(1).unwrap();
+        ranges.check_invariants().unwrap();
+        ranges.reset();
+        assert_eq!(ranges.get(a.node, a.generation), None);
+        assert_eq!(ranges.free_units(), 100);
+    }
+}
