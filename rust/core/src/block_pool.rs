@@ -14,7 +14,7 @@
 use crate::block_hash::BlockHash;
 use crate::error::{CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
-use crate::prefix_table::PrefixTable;
+use crate::index_table::IndexTable;
 
 /// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
 /// past a sequence's last block reads valid (if meaningless) memory.
@@ -42,7 +42,7 @@ pub struct BlockPool {
     /// Hash of every block registered in `prefix_table`; meaningless for the others.
     block_hashes: Vec<BlockHash>,
     is_cached: Vec<bool>,
-    prefix_table: PrefixTable,
+    prefix_table: IndexTable,
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
@@ -82,11 +82,29 @@ impl BlockPool {
             free_queue,
             block_hashes: vec![BlockHash::default(); table_blocks],
             is_cached: vec![false; table_blocks],
-            prefix_table: PrefixTable::new(table_blocks),
+            prefix_table: IndexTable::new(table_blocks),
             num_evictable: 0,
             enable_prefix_caching,
             counters: PrefixCacheCounters::default(),
         })
+    }
+
+    /// The registered block holding `hash`.
+    #[inline]
+    fn find_cached(&self, hash: BlockHash) -> Option<u32> {
+        let hashes = &self.block_hashes;
+        self.prefix_table
+            .find(hash.0[0], |block| hashes[block as usize] == hash)
+    }
+
+    #[inline]
+    fn unregister(&mut self, block: u32) {
+        let hashes = &self.block_hashes;
+        self.prefix_table
+            .remove(block, hashes[block as usize].0[0], |other| {
+                hashes[other as usize].0[0]
+            });
+        self.is_cached[block as usize] = false;
     }
 
     #[inline]
@@ -139,8 +157,7 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Option<u32> {
         let block = self.free_queue.pop_front()?;
         if self.is_cached(block) {
-            self.prefix_table.remove(block, &self.block_hashes);
-            self.is_cached[block as usize] = false;
+            self.unregister(block);
             self.num_evictable -= 1;
             self.counters.evictions += 1;
         }
@@ -178,7 +195,7 @@ impl BlockPool {
         if !self.enable_prefix_caching {
             return None;
         }
-        self.prefix_table.find(hash, &self.block_hashes)
+        self.find_cached(hash)
     }
 
     /// Takes a reference on a block found by `lookup`, taking it out of the queue if unused.
@@ -204,12 +221,12 @@ impl BlockPool {
         if !self.enable_prefix_caching || self.is_cached[block as usize] {
             return;
         }
-        if self.prefix_table.find(hash, &self.block_hashes).is_some() {
+        if self.find_cached(hash).is_some() {
             return;
         }
         self.block_hashes[block as usize] = hash;
         self.is_cached[block as usize] = true;
-        self.prefix_table.insert(block, hash);
+        self.prefix_table.insert(block, hash.0[0]);
     }
 
     /// Forgets every cached block that no sequence uses; they become plain free blocks.
@@ -221,8 +238,7 @@ impl BlockPool {
         let mut dropped = 0;
         for block in 1..self.num_blocks() as u32 {
             if self.is_cached[block as usize] && self.ref_counts[block as usize] == 0 {
-                self.prefix_table.remove(block, &self.block_hashes);
-                self.is_cached[block as usize] = false;
+                self.unregister(block);
                 // Move it ahead of the cached blocks, where free blocks live.
                 self.free_queue.remove(block);
                 self.free_queue.push_front(block);
@@ -281,11 +297,7 @@ impl BlockPool {
             }
             if self.is_cached(block) {
                 registered += 1;
-                if self
-                    .prefix_table
-                    .find(self.block_hashes[block as usize], &self.block_hashes)
-                    != Some(block)
-                {
+                if self.find_cached(self.block_hashes[block as usize]) != Some(block) {
                     return Err(format!("cached block {block} is not findable by its hash"));
                 }
                 if count == 0 {

@@ -15,10 +15,10 @@ pub mod block_hash;
 pub mod block_pool;
 pub mod error;
 pub mod free_queue;
+pub mod index_table;
 pub mod kv_cache;
 pub mod layout;
 pub mod mem_pool;
-pub mod prefix_table;
 pub mod range_allocator;
 
 pub use batch_table::BatchTable;

@@ -7,8 +7,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use hashbrown::HashMap;
-
 use crate::error::{CoreError, CoreResult};
 use crate::range_allocator::{AllocFailure, RangeAllocator};
 
@@ -88,8 +86,6 @@ pub struct MemPool {
     alignment: u64,
     policy: AlignmentPolicy,
     ranges: RangeAllocator,
-    /// Offset → (node, requested bytes) of live allocations, for `free` by pointer.
-    by_offset: HashMap<u64, (u32, u64)>,
     allocated_bytes: u64,
     allocated_bytes_peak: u64,
     requested_bytes: u64,
@@ -131,8 +127,6 @@ impl MemPool {
                 "max_allocations must be in [1, 2**31 - 1), got {max_allocations}"
             )));
         }
-        let mut by_offset = HashMap::new();
-        by_offset.reserve(max_allocations.min(1 << 16) as usize);
         let units = capacity / alignment;
         Ok(MemPool {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -140,7 +134,6 @@ impl MemPool {
             alignment,
             policy,
             ranges: RangeAllocator::new(units, max_allocations),
-            by_offset,
             allocated_bytes: 0,
             allocated_bytes_peak: 0,
             requested_bytes: 0,
@@ -228,7 +221,10 @@ impl MemPool {
         };
         let offset = range.offset * self.alignment;
         let bytes = units * self.alignment;
-        self.by_offset.insert(offset, (range.node, size));
+        // Rounding adds less than alignment + 64 bytes, and alignment ≤ capacity ≤ 2**48 …
+        // but a u32 holds the slack only below 4 GiB alignments; clamp (stats only).
+        self.ranges
+            .set_tag(range.node, u32::try_from(bytes - size).unwrap_or(u32::MAX));
         self.allocated_bytes += bytes;
         self.allocated_bytes_peak = self.allocated_bytes_peak.max(self.allocated_bytes);
         self.requested_bytes += size;
@@ -266,36 +262,32 @@ impl MemPool {
     /// Frees by handle.
     pub fn free(&mut self, pool_id: u64, node: u32, generation: u32) -> CoreResult<u64> {
         let allocation = self.get(pool_id, node, generation)?;
-        self.release(allocation.offset, node, generation);
+        self.release(node, generation);
         Ok(allocation.size)
     }
 
     /// Frees the allocation that starts at `offset`.
     pub fn free_offset(&mut self, offset: u64) -> CoreResult<u64> {
-        let Some(&(node, _)) = self.by_offset.get(&offset) else {
-            return Err(CoreError::InvalidHandle(format!(
-                "no live allocation starts at offset {offset} (double free, or not from this pool)"
-            )));
-        };
-        let range = self
-            .ranges
-            .live_range(node)
-            .ok_or_else(|| CoreError::InvalidHandle("stale offset".into()))?;
-        self.release(offset, node, range.generation);
+        let range = (offset % self.alignment == 0)
+            .then(|| self.ranges.find_used_at(offset / self.alignment))
+            .flatten()
+            .ok_or_else(|| {
+                CoreError::InvalidHandle(format!(
+                    "no live allocation starts at offset {offset} (double free, or not from this pool)"
+                ))
+            })?;
+        self.release(range.node, range.generation);
         Ok(range.size * self.alignment)
     }
 
-    fn release(&mut self, offset: u64, node: u32, generation: u32) {
+    fn release(&mut self, node: u32, generation: u32) {
         let size = self
             .ranges
             .get(node, generation)
             .map_or(0, |range| range.size)
             * self.alignment;
+        let requested = size - u64::from(self.ranges.tag(node)).min(size);
         if self.ranges.free(node, generation) {
-            let requested = self
-                .by_offset
-                .remove(&offset)
-                .map_or(0, |(_, requested)| requested);
             self.allocated_bytes -= size;
             self.requested_bytes -= requested;
             self.num_frees += 1;
@@ -306,7 +298,6 @@ impl MemPool {
     pub fn reset(&mut self) {
         self.num_frees += self.ranges.num_used() as u64;
         self.ranges.reset();
-        self.by_offset.clear();
         self.allocated_bytes = 0;
         self.requested_bytes = 0;
     }
@@ -342,12 +333,9 @@ impl MemPool {
             .live_ranges()
             .into_iter()
             .map(|range| {
-                let offset = range.offset * self.alignment;
-                let requested = self
-                    .by_offset
-                    .get(&offset)
-                    .map_or(0, |&(_, requested)| requested);
-                (offset, range.size * self.alignment, requested)
+                let size = range.size * self.alignment;
+                let requested = size - u64::from(self.ranges.tag(range.node)).min(size);
+                (range.offset * self.alignment, size, requested)
             })
             .collect()
     }
@@ -395,33 +383,19 @@ impl MemPool {
         }
     }
 
-    /// Host bytes of bookkeeping: the range allocator's node store and the offset index.
+    /// Host bytes of bookkeeping: the range allocator's node store and offset index.
     pub fn heap_bytes(&self) -> usize {
-        self.ranges.heap_bytes() + self.by_offset.allocation_size()
+        self.ranges.heap_bytes()
     }
 
     pub fn check_invariants(&self) -> Result<(), String> {
         self.ranges.check_invariants()?;
-        let live = self.ranges.live_ranges();
-        if live.len() != self.by_offset.len() {
-            return Err(format!(
-                "{} live ranges, {} indexed offsets",
-                live.len(),
-                self.by_offset.len()
-            ));
-        }
-        let mut allocated = 0;
-        for range in live {
-            if self
-                .by_offset
-                .get(&(range.offset * self.alignment))
-                .map(|&(node, _)| node)
-                != Some(range.node)
-            {
-                return Err(format!("live range at {} is not indexed", range.offset));
-            }
-            allocated += range.size * self.alignment;
-        }
+        let allocated: u64 = self
+            .ranges
+            .live_ranges()
+            .iter()
+            .map(|range| range.size * self.alignment)
+            .sum();
         if allocated != self.allocated_bytes {
             return Err(format!(
                 "{allocated} bytes live, counter says {}",

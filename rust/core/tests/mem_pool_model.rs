@@ -49,6 +49,17 @@ fn check(pool: &MemPool, live: &[PoolAllocation]) {
         assert!(offset + size <= pool.reserved_bytes());
     }
     let stats = pool.stats();
+    let snapshot = pool.snapshot();
+    assert!(snapshot
+        .iter()
+        .all(|&(_, size, requested)| 0 < requested && requested <= size));
+    assert_eq!(
+        stats.requested_bytes,
+        snapshot
+            .iter()
+            .map(|&(_, _, requested)| requested)
+            .sum::<u64>()
+    );
     let used: u64 = sorted.iter().map(|&(_, size)| size).sum();
     assert_eq!(stats.allocated_bytes, used);
     assert_eq!(used + stats.free_bytes, pool.reserved_bytes());
@@ -94,6 +105,11 @@ fn run(capacity: u64, alignment: u64, policy: AlignmentPolicy, ops: Vec<Op>) {
                 Ok(allocation) => {
                     assert!(allocation.size >= size);
                     assert_eq!(allocation.size, pool.rounded_size(size));
+                    let entry = pool
+                        .snapshot()
+                        .into_iter()
+                        .find(|&(offset, _, _)| offset == allocation.offset);
+                    assert_eq!(entry, Some((allocation.offset, allocation.size, size)));
                     live.push(allocation);
                 }
                 Err(CoreError::PoolExhausted {

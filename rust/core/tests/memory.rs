@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use atb_mem_core::{KvCache, KvLayout, Tokens};
+use atb_mem_core::{AlignmentPolicy, KvCache, KvLayout, MemPool, Tokens};
 
 struct Counting;
 
@@ -41,7 +41,32 @@ fn live() -> isize {
 
 // One test function, so that no other test allocates while this one counts.
 #[test]
-fn bookkeeping_bytes_per_block_and_per_sequence() {
+fn bookkeeping_bytes() {
+    kv_cache_bytes_per_block_and_per_sequence();
+    mem_pool_bytes_per_allocation();
+}
+
+/// A pool holding its maximum of live allocations: the node store (sized for any
+/// fragmentation) plus the offset index, per allocation.
+fn mem_pool_bytes_per_allocation() {
+    const MAX_ALLOCATIONS: u32 = 1 << 16;
+    let before = live();
+    let mut pool = MemPool::new(1 << 30, 64, AlignmentPolicy::Default, MAX_ALLOCATIONS).unwrap();
+    for _ in 0..MAX_ALLOCATIONS {
+        pool.malloc(4096).unwrap();
+    }
+    let per_allocation = (live() - before) as f64 / MAX_ALLOCATIONS as f64;
+    println!("MemPool: {per_allocation:.1} bytes of bookkeeping per live allocation (at max_allocations)");
+    // Two 32-byte nodes per allocation (the worst case of alternating free and used ranges)
+    // plus the offset index.
+    assert!(
+        per_allocation <= 100.0,
+        "{per_allocation} bytes per allocation"
+    );
+    pool.check_invariants().unwrap();
+}
+
+fn kv_cache_bytes_per_block_and_per_sequence() {
     const NUM_BLOCKS: usize = 1_000_000;
     const NUM_SEQS: usize = 100_000;
     let block_size = 16;

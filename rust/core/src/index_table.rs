@@ -1,0 +1,139 @@
+//! A hash index of ids whose keys live elsewhere: open addressing with linear probing over a
+//! fixed array of `u32` ids.
+//!
+//! The caller keeps each id's key (a block's prefix hash, a range's offset) in its own arrays
+//! and hands this table the key's hash plus a way to compare; the table stores only ids, so a
+//! slot costs 4 bytes. It never grows: it has at least twice as many slots as the ids it may
+//! hold. Deletion shifts the following run back (no tombstones), so lookups do not slow down
+//! with churn.
+
+const EMPTY: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+pub struct IndexTable {
+    slots: Vec<u32>,
+    mask: usize,
+    len: usize,
+}
+
+impl IndexTable {
+    /// A table for up to `max_ids` ids.
+    pub fn new(max_ids: usize) -> Self {
+        let num_slots = (2 * max_ids).max(16).next_power_of_two();
+        IndexTable {
+            slots: vec![EMPTY; num_slots],
+            mask: num_slots - 1,
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn home(&self, hash: u64) -> usize {
+        hash as usize & self.mask
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The id whose key hashes to `hash` and satisfies `is_key`.
+    #[inline]
+    pub fn find(&self, hash: u64, is_key: impl Fn(u32) -> bool) -> Option<u32> {
+        let mut slot = self.home(hash);
+        loop {
+            let id = self.slots[slot];
+            if id == EMPTY {
+                return None;
+            }
+            if is_key(id) {
+                return Some(id);
+            }
+            slot = (slot + 1) & self.mask;
+        }
+    }
+
+    /// Adds `id`, whose key hashes to `hash` and is not present yet.
+    #[inline]
+    pub fn insert(&mut self, id: u32, hash: u64) {
+        debug_assert!(self.len < self.slots.len() / 2 + 1);
+        let mut slot = self.home(hash);
+        while self.slots[slot] != EMPTY {
+            slot = (slot + 1) & self.mask;
+        }
+        self.slots[slot] = id;
+        self.len += 1;
+    }
+
+    /// Removes `id`, present under `hash`; `hash_of` gives the hash of any id in the table.
+    #[inline]
+    pub fn remove(&mut self, id: u32, hash: u64, hash_of: impl Fn(u32) -> u64) {
+        let mut hole = self.home(hash);
+        while self.slots[hole] != id {
+            debug_assert_ne!(self.slots[hole], EMPTY, "id not in the table");
+            hole = (hole + 1) & self.mask;
+        }
+        // Backward-shift deletion: move each later entry of the run into the hole when the
+        // hole lies on its probe path (between its home slot and where it sits now).
+        let mut next = (hole + 1) & self.mask;
+        loop {
+            let moving = self.slots[next];
+            if moving == EMPTY {
+                break;
+            }
+            let home = self.home(hash_of(moving));
+            let distance_to_hole = hole.wrapping_sub(home) & self.mask;
+            let distance_to_next = next.wrapping_sub(home) & self.mask;
+            if distance_to_hole < distance_to_next {
+                self.slots[hole] = moving;
+                hole = next;
+            }
+            next = (next + 1) & self.mask;
+        }
+        self.slots[hole] = EMPTY;
+        self.len -= 1;
+    }
+
+    /// Forgets every id.
+    pub fn clear(&mut self) {
+        self.slots.fill(EMPTY);
+        self.len = 0;
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<u32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_find_remove_with_colliding_homes() {
+        // 8 ids → 16 slots; keys that share home slots force long runs that wrap around.
+        let keys: Vec<u64> = (0..8u64).map(|i| (i << 32) | 15 | ((i % 2) << 4)).collect();
+        let hash = |id: u32| keys[id as usize];
+        let mut table = IndexTable::new(8);
+        for id in 0..8 {
+            table.insert(id, hash(id));
+        }
+        for id in 0..8u32 {
+            assert_eq!(
+                table.find(hash(id), |other| keys[other as usize] == keys[id as usize]),
+                Some(id)
+            );
+        }
+        for id in [0u32, 5, 2] {
+            table.remove(id, hash(id), hash);
+            assert_eq!(table.find(hash(id), |other| other == id), None);
+        }
+        for id in [1u32, 3, 4, 6, 7] {
+            assert_eq!(table.find(hash(id), |other| other == id), Some(id));
+        }
+        assert_eq!(table.len(), 5);
+    }
+}
