@@ -38,3 +38,14 @@ for seq_id in (1, 2, 3):
     batch.remove(seq_id) if seq_id in batch else None
     kv.free_sequence(seq_id)
 print(kv.stats()["prefix_cache_hit_rate"], kv.num_free_blocks)
+
+# One region reserved up front serves the KV blocks and other buffers (acl-like malloc/free).
+pool = atb_mem.MemPool(64 << 20, alignment=64)
+workspace = pool.malloc(256 * 1024)                   # -> Allocation(.offset, .size, .ptr)
+pool.view(workspace, "float16")[:4] = 1.0             # numpy view of its bytes, no copy
+layer_cache = atb_mem.KVCachePool(num_blocks=64, block_size=16, num_layers=2,
+                                  num_kv_heads=8, head_dim=128, pool=pool)
+print(pool.memory_summary())
+layer_cache.close()                                   # gives its region back
+pool.free(workspace)
+assert pool.stats()["allocated_bytes.current"] == 0

@@ -153,3 +153,90 @@ class BatchTable:
     def context_lens(self) -> Int32Array: ...
     @property
     def slot_mapping(self) -> Int32Array: ...
+
+class HostRegion:
+    """One aligned, zeroed host allocation: the bytes of a host-backed ``MemPool``.
+
+    The backing protocol: ``ptr`` (base address), ``nbytes`` and
+    ``view(offset, nbytes, dtype, shape)``. Any object with these can back a pool.
+    """
+
+    def __new__(cls, nbytes: int, alignment: int | None = None) -> HostRegion: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def view(
+        self, offset: int, nbytes: int, dtype: Any, shape: int | Sequence[int] | None = None
+    ) -> npt.NDArray[Any]:
+        """A numpy array over bytes ``[offset, offset + nbytes)`` that keeps the region alive."""
+
+class Allocation:
+    """A live allocation from a ``MemPool``: bytes ``[offset, offset + size)`` at ``ptr``."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int:
+        """Usable bytes: the request rounded up by the pool's policy and alignment."""
+    @property
+    def ptr(self) -> int:
+        """The pool's base address plus ``offset`` (the offset itself without a backing)."""
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class MemPool:
+    """A preallocated byte pool with O(1) ``malloc``/``free`` of any size inside it.
+
+    Thread-safe. A call that raises leaves the pool exactly as it was. After ``close()`` every
+    call raises ``InvalidHandleError``.
+    """
+
+    def __new__(
+        cls,
+        capacity: int,
+        *,
+        alignment: int | None = None,
+        policy: str | None = None,
+        backing: Any = "host",
+        max_allocations: int | None = None,
+    ) -> MemPool: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def alignment(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def backing(self) -> Any:
+        """The object that owns the bytes (a ``HostRegion`` by default; None offsets-only)."""
+    @property
+    def base_ptr(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def rounded_size(self, size: int) -> int:
+        """Bytes ``malloc(size)`` takes from the pool."""
+    def malloc(self, size: int) -> Allocation:
+        """Raises OutOfMemoryError (naming the request, free bytes and largest free range)."""
+    def free(self, allocation_or_ptr: Allocation | int) -> None:
+        """A double free, stale or foreign handle raises InvalidHandleError."""
+    def owns(self, allocation: Allocation) -> bool:
+        """Whether ``allocation`` is live in this pool."""
+    def view(
+        self, allocation: Allocation, dtype: Any, shape: int | Sequence[int] | None = None
+    ) -> Any:
+        """The allocation's bytes as ``dtype`` (and ``shape``), without a copy."""
+    def reset(self) -> None:
+        """Frees every allocation; outstanding handles become stale."""
+    def trim_to(self, min_bytes_to_keep: int) -> int:
+        """Releases the free tail beyond ``min_bytes_to_keep``; returns the bytes released."""
+    def close(self) -> None:
+        """Frees everything and drops the pool's reference to its bytes."""
+    def stats(self) -> dict[str, int | float | str]:
+        """torch-style keys: ``allocated_bytes.current``, ``reserved_bytes.peak``, ..."""
+    def snapshot(self) -> list[dict[str, int]]:
+        """Live allocations in address order: offset, size, requested, ptr."""
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """Free ranges in address order: (offset, size)."""
+    def _check_invariants(self) -> None: ...
+    def __len__(self) -> int: ...
