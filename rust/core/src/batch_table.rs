@@ -129,6 +129,11 @@ impl BatchTable {
             )));
         }
         let slab = cache.slab_of(seq_id)?;
+        if cache.sequences[slab as usize].swapped {
+            return Err(CoreError::invalid(format!(
+                "sequence {seq_id} is swapped out; swap_in() it first"
+            )));
+        }
         self.check_width(seq_id, cache.sequences[slab as usize].blocks.len())?;
         let row = self.rows.len();
         self.rows.push(Row {

@@ -7,6 +7,8 @@ use std::fmt;
 pub enum CoreError {
     /// Not enough free plus evictable blocks for the whole request.
     OutOfBlocks { needed: usize, available: usize },
+    /// Not enough free host blocks to swap the sequences out.
+    OutOfHostBlocks { needed: usize, available: usize },
     /// No sequence with this id.
     UnknownSequence(u64),
     /// A sequence with this id exists already.
@@ -61,6 +63,10 @@ impl fmt::Display for CoreError {
                  (max_allocations) are live"
             ),
             CoreError::InvalidHandle(message) => write!(f, "invalid allocation handle: {message}"),
+            CoreError::OutOfHostBlocks { needed, available } => write!(
+                f,
+                "out of host blocks: swapping out needs {needed} host block(s), {available} are free"
+            ),
             CoreError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
             CoreError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
             CoreError::InvalidArgument(message) => f.write_str(message),

@@ -42,7 +42,10 @@ pub(crate) struct Sequence {
     pub(crate) seq_id: u64,
     pub(crate) live: bool,
     pub(crate) num_tokens: usize,
+    /// Device blocks, or host blocks while `swapped`.
     pub(crate) blocks: Vec<u32>,
+    /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
+    pub(crate) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
     hashable: bool,
     /// Hash of the last full block, or the chain's root while there is none.
@@ -74,11 +77,17 @@ pub struct KvCacheStats {
     pub evictions: u64,
     pub pending_copies: usize,
     pub bytes_per_block: usize,
+    /// Usable host blocks (0 without a host tier).
+    pub host_blocks: usize,
+    pub host_blocks_used: usize,
+    pub num_swapped: usize,
 }
 
 #[derive(Debug, Clone)]
 pub struct KvCache {
     block_pool: BlockPool,
+    /// Host tier for swapped-out sequences (block 0 unused there too).
+    host_pool: Option<BlockPool>,
     layout: KvLayout,
     bytes_per_block: usize,
     pub(crate) sequences: Vec<Sequence>,
@@ -92,7 +101,11 @@ pub struct KvCache {
     scratch_hashes: Vec<BlockHash>,
     scratch_blocks: Vec<u32>,
     scratch_slabs: Vec<u32>,
+    /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
+    scratch_moves: Vec<u32>,
 }
+
+const NO_BLOCK: u32 = u32::MAX;
 
 impl KvCache {
     pub fn new(
@@ -110,6 +123,7 @@ impl KvCache {
         })?;
         Ok(KvCache {
             block_pool,
+            host_pool: None,
             layout,
             bytes_per_block,
             sequences: Vec::new(),
@@ -122,6 +136,7 @@ impl KvCache {
             scratch_hashes: Vec::new(),
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
+            scratch_moves: Vec::new(),
         })
     }
 
@@ -186,11 +201,25 @@ impl KvCache {
         Ok(&self.sequences[self.slab_of(seq_id)? as usize])
     }
 
+    /// A sequence whose blocks are on the device (not swapped out).
+    #[inline]
+    fn device_sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
+        let seq = self.sequence(seq_id)?;
+        if seq.swapped {
+            return Err(swapped_out(seq_id));
+        }
+        Ok(seq)
+    }
+
+    pub fn is_swapped(&self, seq_id: u64) -> CoreResult<bool> {
+        Ok(self.sequence(seq_id)?.swapped)
+    }
+
     pub fn seq_len(&self, seq_id: u64) -> CoreResult<usize> {
         Ok(self.sequence(seq_id)?.num_tokens)
     }
 
-    /// The blocks of one sequence, in token order.
+    /// The blocks of one sequence, in token order (host blocks while it is swapped out).
     pub fn block_table(&self, seq_id: u64) -> CoreResult<&[u32]> {
         Ok(&self.sequence(seq_id)?.blocks)
     }
@@ -303,6 +332,7 @@ impl KvCache {
         let seq = &mut sequences[slab as usize];
         seq.seq_id = seq_id;
         seq.live = true;
+        seq.swapped = false;
         seq.num_tokens = num_tokens;
         seq.version = version;
         seq.blocks.clear();
@@ -378,6 +408,9 @@ impl KvCache {
         self.scratch_blocks.clear();
         for &slab in slabs {
             let seq = &self.sequences[slab as usize];
+            if seq.swapped {
+                return Err(swapped_out(seq.seq_id));
+            }
             let total = seq.num_tokens + n;
             if total > self.max_seq_tokens() {
                 return Err(CoreError::invalid(format!(
@@ -530,7 +563,7 @@ impl KvCache {
         }
         let mut total = 0usize;
         for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
-            let len = self.seq_len(seq_id)?;
+            let len = self.device_sequence(seq_id)?.num_tokens;
             if start < 0 || start > end || end > len as i64 {
                 return Err(CoreError::invalid(format!(
                     "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
@@ -554,6 +587,7 @@ impl KvCache {
     /// partly filled block copies it (see [`KvCache::take_pending_copies`]).
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> CoreResult<()> {
         let parent_slab = self.slab_of(parent_id)?;
+        self.device_sequence(parent_id)?;
         if self.index.contains_key(&child_id) {
             return Err(CoreError::DuplicateSequence(child_id));
         }
@@ -566,6 +600,7 @@ impl KvCache {
         );
         child.seq_id = child_id;
         child.live = true;
+        child.swapped = false;
         child.num_tokens = parent.num_tokens;
         child.version = version;
         child.hashable = parent.hashable;
@@ -591,9 +626,14 @@ impl KvCache {
             .remove(&seq_id)
             .ok_or(CoreError::UnknownSequence(seq_id))?;
         let seq = &mut self.sequences[slab as usize];
+        let pool = match (seq.swapped, self.host_pool.as_mut()) {
+            (true, Some(host_pool)) => host_pool,
+            _ => &mut self.block_pool,
+        };
         for &block in seq.blocks.iter().rev() {
-            self.block_pool.release(block);
+            pool.release(block);
         }
+        seq.swapped = false;
         seq.blocks.clear();
         seq.partial_tokens.clear();
         seq.live = false;
@@ -617,7 +657,7 @@ impl KvCache {
     pub fn block_tables(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<usize> {
         let mut width = 0;
         for &seq_id in seq_ids {
-            width = width.max(self.sequence(seq_id)?.blocks.len());
+            width = width.max(self.device_sequence(seq_id)?.blocks.len());
         }
         out.clear();
         out.resize(seq_ids.len() * width, NULL_BLOCK as i32);
@@ -652,7 +692,7 @@ impl KvCache {
     ) -> CoreResult<()> {
         let mut total = 0usize;
         for &seq_id in seq_ids {
-            total += self.sequence(seq_id)?.blocks.len();
+            total += self.device_sequence(seq_id)?.blocks.len();
         }
         indptr.clear();
         indices.clear();
@@ -686,7 +726,7 @@ impl KvCache {
             .index
             .values()
             .map(|&slab| &self.sequences[slab as usize])
-            .filter(|seq| seq.num_tokens % block_size != 0)
+            .filter(|seq| !seq.swapped && seq.num_tokens % block_size != 0)
             .map(|seq| {
                 (
                     *seq.blocks.last().unwrap_or(&NULL_BLOCK),
@@ -729,6 +769,13 @@ impl KvCache {
             evictions,
             pending_copies: self.pending_copies.len(),
             bytes_per_block: self.bytes_per_block,
+            host_blocks: self.num_host_blocks(),
+            host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
+            num_swapped: self
+                .index
+                .values()
+                .filter(|&&slab| self.sequences[slab as usize].swapped)
+                .count(),
         }
     }
 
@@ -746,10 +793,147 @@ impl KvCache {
         (self.block_pool.heap_bytes(), per_sequence)
     }
 
+    /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to.
+    pub fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
+        if self.host_pool.is_some() || !self.index.is_empty() {
+            return Err(CoreError::invalid(
+                "the host tier is set once, before any sequence exists",
+            ));
+        }
+        if num_host_blocks == 0 {
+            return Err(CoreError::invalid(
+                "num_host_blocks must be at least 1, got 0",
+            ));
+        }
+        let host_pool = BlockPool::new(num_host_blocks + 1, self.block_size(), false)?;
+        self.scratch_moves = vec![NO_BLOCK; self.num_blocks().max(num_host_blocks + 1)];
+        self.host_pool = Some(host_pool);
+        Ok(())
+    }
+
+    /// Usable host blocks (0 without a host tier).
+    pub fn num_host_blocks(&self) -> usize {
+        self.host_pool
+            .as_ref()
+            .map_or(0, |pool| pool.num_blocks() - 1)
+    }
+
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host_pool.as_ref().map_or(0, BlockPool::num_free)
+    }
+
+    /// Moves the sequences' blocks to the host tier and frees their device blocks. Writes the
+    /// (device block, host block) copies to execute into `moves`; a block the sequences share
+    /// is moved once. All-or-nothing.
+    pub fn swap_out(&mut self, seq_ids: &[u64], moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
+        self.swap(seq_ids, true, moves)
+    }
+
+    /// Brings swapped-out sequences back into free device blocks (evicting cached ones if
+    /// need be). Writes the (host block, device block) copies into `moves`. All-or-nothing.
+    pub fn swap_in(&mut self, seq_ids: &[u64], moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
+        self.swap(seq_ids, false, moves)
+    }
+
+    fn swap(&mut self, seq_ids: &[u64], out: bool, moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
+        if self.host_pool.is_none() {
+            return Err(CoreError::invalid(
+                "this KV cache has no host tier: construct it with num_host_blocks",
+            ));
+        }
+        self.resolve_batch(seq_ids)?;
+        let slabs = std::mem::take(&mut self.scratch_slabs);
+        let result = self.swap_resolved(&slabs, out, moves);
+        self.scratch_slabs = slabs;
+        result
+    }
+
+    fn swap_resolved(
+        &mut self,
+        slabs: &[u32],
+        out: bool,
+        moves: &mut Vec<[u32; 2]>,
+    ) -> CoreResult<()> {
+        let KvCache {
+            sequences,
+            block_pool,
+            host_pool,
+            scratch_moves,
+            ..
+        } = self;
+        let Some(host_pool) = host_pool.as_mut() else {
+            return Ok(());
+        };
+        let (source, destination) = if out {
+            (block_pool, host_pool)
+        } else {
+            (host_pool, block_pool)
+        };
+        for &slab in slabs {
+            let seq = &sequences[slab as usize];
+            if seq.swapped == out {
+                return Err(if out {
+                    swapped_out(seq.seq_id)
+                } else {
+                    CoreError::invalid(format!("sequence {} is not swapped out", seq.seq_id))
+                });
+            }
+        }
+        // Count the distinct source blocks (each is copied once) before changing anything.
+        let mut needed = 0;
+        for &slab in slabs {
+            for &block in &sequences[slab as usize].blocks {
+                if scratch_moves[block as usize] == NO_BLOCK {
+                    scratch_moves[block as usize] = 0;
+                    needed += 1;
+                }
+            }
+        }
+        for &slab in slabs {
+            for &block in &sequences[slab as usize].blocks {
+                scratch_moves[block as usize] = NO_BLOCK;
+            }
+        }
+        let available = destination.num_free();
+        if needed > available {
+            return Err(if out {
+                CoreError::OutOfHostBlocks { needed, available }
+            } else {
+                CoreError::OutOfBlocks { needed, available }
+            });
+        }
+        moves.clear();
+        for &slab in slabs {
+            let seq = &mut sequences[slab as usize];
+            for block in seq.blocks.iter_mut().rev() {
+                let moved = match scratch_moves[*block as usize] {
+                    NO_BLOCK => {
+                        let moved = allocate_checked(destination)?;
+                        scratch_moves[*block as usize] = moved;
+                        moves.push([*block, moved]);
+                        moved
+                    }
+                    moved => {
+                        destination.share(moved);
+                        moved
+                    }
+                };
+                source.release(*block);
+                *block = moved;
+            }
+            seq.swapped = out;
+        }
+        for &[src, _] in moves.iter() {
+            scratch_moves[src as usize] = NO_BLOCK;
+        }
+        Ok(())
+    }
+
     /// Verifies every invariant of the cache and its block pool (for tests).
     pub fn check_invariants(&self) -> Result<(), String> {
         let block_size = self.block_size();
         let mut holders = vec![0u32; self.num_blocks()];
+        let mut host_holders = vec![0u32; self.num_host_blocks() + 1];
         for (&seq_id, &slab) in &self.index {
             let seq = &self.sequences[slab as usize];
             if !seq.live || seq.seq_id != seq_id {
@@ -768,19 +952,38 @@ impl KvCache {
             if seq.hashable && seq.partial_tokens.len() != seq.num_tokens % block_size {
                 return Err(format!("sequence {seq_id}: partial block ids out of step"));
             }
+            let tier = if seq.swapped {
+                &mut host_holders
+            } else {
+                &mut holders
+            };
             for &block in &seq.blocks {
-                if block == NULL_BLOCK || block as usize >= self.num_blocks() {
+                if block == NULL_BLOCK || block as usize >= tier.len() {
                     return Err(format!("sequence {seq_id} holds invalid block {block}"));
                 }
-                holders[block as usize] += 1;
+                tier[block as usize] += 1;
             }
         }
         let live = self.sequences.iter().filter(|seq| seq.live).count();
         if live != self.index.len() || live + self.vacant.len() != self.sequences.len() {
             return Err("sequence slab and index disagree".into());
         }
+        if let Some(host_pool) = &self.host_pool {
+            host_pool
+                .check_invariants(&host_holders)
+                .map_err(|error| format!("host tier: {error}"))?;
+        }
+        if self.scratch_moves.iter().any(|&moved| moved != NO_BLOCK) {
+            return Err("swap scratch left dirty".into());
+        }
         self.block_pool.check_invariants(&holders)
     }
+}
+
+fn swapped_out(seq_id: u64) -> CoreError {
+    CoreError::invalid(format!(
+        "sequence {seq_id} is swapped out; swap_in() it first"
+    ))
 }
 
 #[inline]

@@ -15,6 +15,7 @@ use proptest::prelude::*;
 const BLOCK_SIZE: usize = 3;
 const NUM_BLOCKS: usize = 24;
 const VOCAB: u32 = 3;
+const HOST_BLOCKS: usize = 10;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -48,6 +49,12 @@ enum Op {
     BatchAppend {
         with_token_ids: bool,
     },
+    SwapOut {
+        ids: Vec<u64>,
+    },
+    SwapIn {
+        ids: Vec<u64>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -75,13 +82,16 @@ fn op() -> impl Strategy<Value = Op> {
         id.clone().prop_map(|id| Op::BatchAdd { id }),
         id.prop_map(|id| Op::BatchRemove { id }),
         any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
+        prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapOut { ids }),
+        prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapIn { ids }),
     ]
 }
 
 #[derive(Default)]
 struct Model {
     tokens: HashMap<u64, Vec<u64>>,
-    memory: HashMap<i32, u64>,
+    /// (on the host tier, slot) → token value.
+    memory: HashMap<(bool, i32), u64>,
     next_synthetic: u64,
 }
 
@@ -94,12 +104,23 @@ impl Model {
     fn apply_copies(&mut self, cache: &mut KvCache) {
         let mut copies = Vec::new();
         cache.take_pending_copies(&mut copies);
-        for [src, dst] in copies {
-            for offset in 0..BLOCK_SIZE as i32 {
-                let bs = BLOCK_SIZE as i32;
-                match self.memory.get(&(src as i32 * bs + offset)).copied() {
-                    Some(value) => self.memory.insert(dst as i32 * bs + offset, value),
-                    None => self.memory.remove(&(dst as i32 * bs + offset)),
+        self.copy_blocks(&copies, false, false);
+    }
+
+    /// Executes block copies between tiers, as a backing would.
+    fn copy_blocks(&mut self, pairs: &[[u32; 2]], from_host: bool, to_host: bool) {
+        let bs = BLOCK_SIZE as i32;
+        for &[src, dst] in pairs {
+            for offset in 0..bs {
+                match self
+                    .memory
+                    .get(&(from_host, src as i32 * bs + offset))
+                    .copied()
+                {
+                    Some(value) => self
+                        .memory
+                        .insert((to_host, dst as i32 * bs + offset), value),
+                    None => self.memory.remove(&(to_host, dst as i32 * bs + offset)),
                 };
             }
         }
@@ -110,14 +131,14 @@ impl Model {
         assert_eq!(cache.num_sequences(), self.tokens.len());
         for (&id, tokens) in &self.tokens {
             assert_eq!(cache.seq_len(id).unwrap(), tokens.len());
-            let mut slots = Vec::new();
-            cache
-                .slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots)
-                .unwrap();
-            for (position, slot) in slots.iter().enumerate() {
+            let on_host = cache.is_swapped(id).unwrap();
+            let blocks = cache.block_table(id).unwrap();
+            for (position, value) in tokens.iter().enumerate() {
+                let slot = (blocks[position / BLOCK_SIZE] as usize * BLOCK_SIZE
+                    + position % BLOCK_SIZE) as i32;
                 assert_eq!(
-                    self.memory.get(slot),
-                    Some(&tokens[position]),
+                    self.memory.get(&(on_host, slot)),
+                    Some(value),
                     "seq {id} position {position}"
                 );
             }
@@ -133,7 +154,7 @@ fn snapshot(cache: &KvCache, batch: &BatchTable) -> Snapshot {
         .map(|id| {
             (
                 id,
-                cache.seq_len(id).unwrap(),
+                cache.seq_len(id).unwrap() * 2 + usize::from(cache.is_swapped(id).unwrap()),
                 cache.block_table(id).unwrap().to_vec(),
             )
         })
@@ -187,6 +208,7 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
         enable_prefix_caching,
     )
     .unwrap();
+    cache.enable_host_tier(HOST_BLOCKS).unwrap();
     let mut batch = BatchTable::new(4, 5).unwrap();
     let mut model = Model::default();
     for op in ops {
@@ -248,7 +270,7 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                             let tokens = &model.tokens[id];
                             for t in 0..*n {
                                 let value = tokens[tokens.len() - n + t];
-                                model.memory.insert(slots[i * n + t], value);
+                                model.memory.insert((false, slots[i * n + t]), value);
                             }
                         }
                     })
@@ -281,8 +303,27 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                     model.apply_copies(&mut cache);
                     for (row, id) in row_ids.iter().enumerate() {
                         let slot = batch.slot_mapping()[row];
-                        model.memory.insert(slot, *model.tokens[id].last().unwrap());
+                        model
+                            .memory
+                            .insert((false, slot), *model.tokens[id].last().unwrap());
                     }
+                }
+                result
+            }
+            Op::SwapOut { ids } | Op::SwapIn { ids } => {
+                let out = matches!(op, Op::SwapOut { .. });
+                // A pending copy must land before its source moves; a backing executes them first.
+                model.apply_copies(&mut cache);
+                let before = snapshot(&cache, &batch);
+                let mut moves = Vec::new();
+                let result = if out {
+                    cache.swap_out(ids, &mut moves)
+                } else {
+                    cache.swap_in(ids, &mut moves)
+                };
+                match &result {
+                    Ok(()) => model.copy_blocks(&moves, !out, out),
+                    Err(_) => assert_eq!(before, snapshot(&cache, &batch)),
                 }
                 result
             }
@@ -344,7 +385,7 @@ impl Model {
             .unwrap();
         for (position, slot) in slots.iter().enumerate() {
             assert_eq!(
-                self.memory.get(slot),
+                self.memory.get(&(false, *slot)),
                 Some(&self.tokens[&id][position]),
                 "prefix hit at {position}"
             );
@@ -359,7 +400,7 @@ impl Model {
             .slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots)
             .unwrap();
         for (slot, &value) in slots.iter().zip(tokens) {
-            self.memory.insert(*slot, value);
+            self.memory.insert((false, *slot), value);
         }
     }
 }

@@ -122,9 +122,9 @@ impl<T> IntoPyResult<T> for Result<T, CoreError> {
 pub fn to_py_err(error: CoreError) -> PyErr {
     let message = error.to_string();
     match error {
-        CoreError::OutOfBlocks { .. } | CoreError::PoolExhausted { .. } => {
-            raise(&OUT_OF_MEMORY_ERROR, message)
-        }
+        CoreError::OutOfBlocks { .. }
+        | CoreError::OutOfHostBlocks { .. }
+        | CoreError::PoolExhausted { .. } => raise(&OUT_OF_MEMORY_ERROR, message),
         CoreError::InvalidHandle(_) => raise(&INVALID_HANDLE_ERROR, message),
         CoreError::UnknownSequence(_) => raise(&UNKNOWN_SEQUENCE_ERROR, message),
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
