@@ -15,7 +15,8 @@ STUB = Path(atb_mem.__file__).with_name("_core.pyi")
 TYPE_ALIASES = {"Int32Array", "SeqIdsLike", "TokenIdsLike"}
 # Slots every pyclass carries that the stub need not repeat.
 IMPLICIT = {"__doc__", "__module__", "__new__", "__repr__", "__dict__", "__weakref__",
-            "__init__", "__hash__", "__getattribute__", "__delattr__", "__setattr__"}
+            "__init__", "__hash__", "__getattribute__", "__delattr__", "__setattr__",
+            "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"}
 
 
 def stub_tree() -> ast.Module:
@@ -43,7 +44,8 @@ def test_module_names_match() -> None:
     assert runtime - {"_core"} == stub_names - TYPE_ALIASES
 
 
-@pytest.mark.parametrize("name", ["KVCachePool", "BatchTable"])
+@pytest.mark.parametrize("name", ["KVCachePool", "BatchTable", "MemPool", "Allocation",
+                                  "HostRegion"])
 def test_class_members_and_signatures_match(name: str) -> None:
     stub = stub_classes()[name]
     runtime_class = getattr(_core, name)
@@ -67,9 +69,10 @@ def test_class_members_and_signatures_match(name: str) -> None:
             assert runtime_params == params, node.name
 
 
-def test_constructor_signature_matches() -> None:
-    stub = stub_classes()["KVCachePool"]
+@pytest.mark.parametrize("name", ["KVCachePool", "MemPool", "HostRegion"])
+def test_constructor_signature_matches(name: str) -> None:
+    stub = stub_classes()[name]
     new = next(n for n in stub.body if isinstance(n, ast.FunctionDef) and n.name == "__new__")
     stub_params = [a.arg for a in new.args.args[1:] + new.args.kwonlyargs]
-    runtime_params = list(inspect.signature(_core.KVCachePool).parameters)
+    runtime_params = list(inspect.signature(getattr(_core, name)).parameters)
     assert runtime_params == stub_params

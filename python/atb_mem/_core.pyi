@@ -54,6 +54,7 @@ class KVCachePool:
         head_dim: int | None = None,
         dtype: str | Any | None = None,
         enable_prefix_caching: bool = True,
+        num_host_blocks: int | None = None,
     ) -> KVCachePool: ...
     @property
     def num_blocks(self) -> int: ...
@@ -118,6 +119,19 @@ class KVCachePool:
     def page_table_csr(self, seq_ids: SeqIdsLike) -> tuple[Int32Array, Int32Array, Int32Array]:
         """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)``, all int32."""
     def batch_table(self, max_seqs: int, max_blocks_per_seq: int) -> BatchTable: ...
+    @property
+    def num_host_blocks(self) -> int:
+        """Usable blocks of the host tier (0 without one)."""
+    @property
+    def num_free_host_blocks(self) -> int: ...
+    def is_swapped(self, seq_id: int) -> bool: ...
+    def swap_out(self, seq_ids: SeqIdsLike) -> Int32Array:
+        """Moves the sequences to the host tier; returns int32 ``[k, 2]`` (device, host)
+        block copies to execute, a shared block listed once. All-or-nothing."""
+    def swap_in(self, seq_ids: SeqIdsLike) -> Int32Array:
+        """Brings swapped-out sequences back; returns int32 ``[k, 2]`` (host, device) copies."""
+    def check_slots(self, slots: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
+        """Raises ValueError unless every slot (negative = padding) is in a held block."""
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""
     def stats(self) -> dict[str, int | float]: ...

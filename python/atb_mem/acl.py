@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from atb_mem._core import InvalidHandleError
 from atb_mem.mem_pool import MemPool
 
 __all__ = [
@@ -49,9 +50,11 @@ _STAT_OF_ATTR = {
 }
 
 
-def _check_pool(pool: object) -> MemPool:
+def _check_pool(pool: object, *, open_only: bool = True) -> MemPool:
     if not isinstance(pool, MemPool):
         raise TypeError(f"expected a pool from aclrtMemPoolCreate, got {type(pool).__name__}")
+    if open_only and pool.closed:
+        raise InvalidHandleError("the pool was destroyed (aclrtMemPoolDestroy)")
     return pool
 
 
@@ -83,7 +86,7 @@ def aclrtMemPoolFree(pool: MemPool, ptr: int) -> None:
 
 def aclrtMemPoolDestroy(pool: MemPool) -> None:
     """Frees every allocation and releases the pool; later calls on it raise."""
-    _check_pool(pool).close()
+    _check_pool(pool, open_only=False).close()  # idempotent, like close()
 
 
 def aclrtMemPoolTrimTo(pool: MemPool, min_bytes_to_keep: int) -> None:

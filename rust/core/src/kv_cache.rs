@@ -793,6 +793,24 @@ impl KvCache {
         (self.block_pool.heap_bytes(), per_sequence)
     }
 
+    /// Checks that every slot a kernel is about to write lies in a block some sequence holds
+    /// (negative slots are padding and skipped).
+    pub fn check_slots(&self, slots: &[i32]) -> CoreResult<()> {
+        let block_size = self.block_size();
+        for &slot in slots.iter().filter(|&&slot| slot >= 0) {
+            let block = slot as usize / block_size;
+            if block >= self.num_blocks()
+                || block == NULL_BLOCK as usize
+                || self.block_pool.ref_count(block as u32) == 0
+            {
+                return Err(CoreError::invalid(format!(
+                    "slot {slot} is in block {block}, which no sequence holds: refusing to write there"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to.
     pub fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
         if self.host_pool.is_some() || !self.index.is_empty() {

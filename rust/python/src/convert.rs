@@ -72,8 +72,12 @@ pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 pub fn count(obj: &Bound<'_, PyAny>, what: &str, minimum: i64) -> PyResult<usize> {
     match exact_int(obj) {
         Some(Ok(value)) if value >= minimum => Ok(value as usize),
-        Some(_) => Err(value_error(format!(
+        Some(Ok(_)) => Err(value_error(format!(
             "{what} must be at least {minimum}, got {}",
+            describe(obj)
+        ))),
+        Some(Err(())) => Err(value_error(format!(
+            "{what} is too large: {} does not fit 64 bits",
             describe(obj)
         ))),
         None => Err(type_error(format!(

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
 use crate::convert;
-use crate::errors::{type_error, IntoPyResult};
+use crate::errors::{type_error, value_error, IntoPyResult};
 
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 const DETACH_ABOVE: usize = 4096;
@@ -86,11 +86,20 @@ fn to_2d(
     Ok(array.into_pyarray(py))
 }
 
+fn pairs_to_array(py: Python<'_>, pairs: Vec<[u32; 2]>) -> PyResult<Bound<'_, PyArray2<i32>>> {
+    let rows = pairs.len();
+    let cells = pairs
+        .into_iter()
+        .flat_map(|[src, dst]| [src as i32, dst as i32])
+        .collect();
+    to_2d(py, cells, rows, 2)
+}
+
 #[pymethods]
 impl PyKvCachePool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
-                        dtype=None, enable_prefix_caching=true))]
+                        dtype=None, enable_prefix_caching=true, num_host_blocks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -100,6 +109,7 @@ impl PyKvCachePool {
         head_dim: Option<&Bound<'_, PyAny>>,
         dtype: Option<&Bound<'_, PyAny>>,
         enable_prefix_caching: bool,
+        num_host_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let dim = |value: Option<&Bound<'_, PyAny>>, name: &str| match value {
             Some(value) => convert::count(value, name, 1),
@@ -127,8 +137,12 @@ impl PyKvCachePool {
         };
         let num_blocks = convert::count(num_blocks, "num_blocks", 2)?;
         let block_size = convert::count(block_size, "block_size", 1)?;
-        let cache =
+        let mut cache =
             KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
+        if let Some(num_host_blocks) = num_host_blocks.filter(|value| !value.is_none()) {
+            let num_host_blocks = convert::count(num_host_blocks, "num_host_blocks", 1)?;
+            cache.enable_host_tier(num_host_blocks).into_py_result()?;
+        }
         Ok(PyKvCachePool {
             cache: Mutex::new(cache),
         })
@@ -305,12 +319,7 @@ impl PyKvCachePool {
     fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let mut pairs = Vec::new();
         self.lock().take_pending_copies(&mut pairs);
-        let rows = pairs.len();
-        let cells = pairs
-            .into_iter()
-            .flat_map(|[src, dst]| [src as i32, dst as i32])
-            .collect();
-        to_2d(py, cells, rows, 2)
+        pairs_to_array(py, pairs)
     }
 
     fn block_tables<'py>(
@@ -399,6 +408,66 @@ impl PyKvCachePool {
         })
     }
 
+    /// Usable host blocks (0 without a host tier).
+    #[getter]
+    fn num_host_blocks(&self) -> usize {
+        self.lock().num_host_blocks()
+    }
+
+    #[getter]
+    fn num_free_host_blocks(&self) -> usize {
+        self.lock().num_free_host_blocks()
+    }
+
+    fn is_swapped(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        self.lock().is_swapped(seq_id).into_py_result()
+    }
+
+    /// Moves the sequences to the host tier; returns the (device block, host block) copies
+    /// to execute, int32 `[k, 2]` (a block the sequences share is listed once).
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
+        let mut moves = Vec::new();
+        self.lock()
+            .swap_out(seq_ids.as_slice(), &mut moves)
+            .into_py_result()?;
+        pairs_to_array(py, moves)
+    }
+
+    /// Brings swapped-out sequences back; returns the (host block, device block) copies.
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
+        let mut moves = Vec::new();
+        self.lock()
+            .swap_in(seq_ids.as_slice(), &mut moves)
+            .into_py_result()?;
+        pairs_to_array(py, moves)
+    }
+
+    /// Raises ValueError unless every slot (negative ones are padding) lies in a block some
+    /// sequence holds.
+    fn check_slots(&self, py: Python<'_>, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slots = convert::positions(slots, "slots")?;
+        let narrow: Vec<i32> = slots
+            .iter()
+            .map(|&slot| {
+                i32::try_from(slot)
+                    .map_err(|_| value_error(format!("slot {slot} does not fit int32")))
+            })
+            .collect::<PyResult<_>>()?;
+        self.run(py, narrow.len(), |cache| cache.check_slots(&narrow))
+            .into_py_result()
+    }
+
     /// Drops every cached block no sequence uses; returns how many.
     fn reset_prefix_cache(&self) -> usize {
         self.lock().reset_prefix_cache()
@@ -436,6 +505,9 @@ impl PyKvCachePool {
             "bytes_total",
             stats.bytes_per_block as u128 * stats.num_blocks as u128,
         )?;
+        dict.set_item("host_blocks", stats.host_blocks)?;
+        dict.set_item("host_blocks_used", stats.host_blocks_used)?;
+        dict.set_item("num_swapped", stats.num_swapped)?;
         Ok(dict)
     }
 

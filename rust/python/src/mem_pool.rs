@@ -20,10 +20,17 @@ use crate::convert;
 use crate::errors::{invalid_handle, type_error, value_error, IntoPyResult};
 
 /// One aligned, zeroed host allocation: the bytes of a host-backed pool.
+///
+/// Allocated with calloc's alignment (so large regions come zeroed from the OS, page by page
+/// as they are first touched, rather than written up front) and aligned by hand.
 #[pyclass(frozen, name = "HostRegion", module = "atb_mem._core")]
 pub struct HostRegion {
-    ptr: NonNull<u8>,
+    /// Start of the underlying allocation.
+    base: NonNull<u8>,
     layout: Layout,
+    /// `base` rounded up to the requested alignment.
+    aligned: NonNull<u8>,
+    nbytes: usize,
 }
 
 // SAFETY: the region is plain memory owned by this object; access to its bytes goes through
@@ -33,8 +40,8 @@ unsafe impl Sync for HostRegion {}
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: allocated in `allocate` with this layout, freed once.
+        unsafe { dealloc(self.base.as_ptr(), self.layout) }
     }
 }
 
@@ -45,16 +52,26 @@ impl HostRegion {
                 "alignment must be a power of two, got {alignment}"
             )));
         }
-        let layout = Layout::from_size_align(nbytes, alignment.max(64)).map_err(|_| {
-            value_error(format!(
-                "cannot lay out {nbytes} bytes aligned to {alignment}"
-            ))
-        })?;
+        let alignment = alignment.max(64);
+        let total = nbytes
+            .checked_add(alignment)
+            .ok_or_else(|| value_error(format!("cannot allocate {nbytes} bytes")))?;
+        // An alignment of 16 or less is what calloc gives, so `alloc_zeroed` uses calloc.
+        let layout = Layout::from_size_align(total, 16)
+            .map_err(|_| value_error(format!("cannot lay out {nbytes} bytes")))?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
+        let base = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
             PyMemoryError::new_err(format!("could not allocate {nbytes} bytes of host memory"))
         })?;
-        Ok(HostRegion { ptr, layout })
+        let padding = base.as_ptr().align_offset(alignment);
+        // SAFETY: padding < alignment, and the allocation has `alignment` spare bytes.
+        let aligned = unsafe { NonNull::new_unchecked(base.as_ptr().add(padding)) };
+        Ok(HostRegion {
+            base,
+            layout,
+            aligned,
+            nbytes,
+        })
     }
 }
 
@@ -74,12 +91,12 @@ impl HostRegion {
     /// Base address of the region.
     #[getter]
     fn ptr(&self) -> usize {
-        self.ptr.as_ptr() as usize
+        self.aligned.as_ptr() as usize
     }
 
     #[getter]
     fn nbytes(&self) -> usize {
-        self.layout.size()
+        self.nbytes
     }
 
     /// A numpy array over bytes `[offset, offset + nbytes)`, without a copy; it keeps the
@@ -95,16 +112,17 @@ impl HostRegion {
         let region = slf.get();
         if offset
             .checked_add(nbytes)
-            .is_none_or(|end| end > region.layout.size())
+            .is_none_or(|end| end > region.nbytes)
         {
             return Err(value_error(format!(
                 "bytes [{offset}, {offset}+{nbytes}) are outside the {}-byte region",
-                region.layout.size()
+                region.nbytes
             )));
         }
         // SAFETY: in bounds (checked above) and initialised (the region is zeroed at birth);
         // the array keeps `slf`, the owner of the memory, alive.
-        let bytes = unsafe { std::slice::from_raw_parts(region.ptr.as_ptr().add(offset), nbytes) };
+        let bytes =
+            unsafe { std::slice::from_raw_parts(region.aligned.as_ptr().add(offset), nbytes) };
         let array = unsafe {
             PyArray1::borrow_from_array(&ArrayView1::from(bytes), slf.clone().into_any())
         };
@@ -118,8 +136,8 @@ impl HostRegion {
     fn __repr__(&self) -> String {
         format!(
             "HostRegion(nbytes={}, ptr=0x{:x})",
-            self.layout.size(),
-            self.ptr.as_ptr() as usize
+            self.nbytes,
+            self.aligned.as_ptr() as usize
         )
     }
 }
@@ -257,7 +275,15 @@ impl PyMemPool {
         backing: BackingArg,
         max_allocations: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let capacity = convert::count(capacity, "capacity", 1)? as u64;
+        let capacity = match convert::count(capacity, "capacity", 1) {
+            Ok(capacity) => capacity as u64,
+            Err(_) if convert::is_int(capacity) => {
+                return Err(value_error(format!(
+                    "capacity must be in [1, 2**48] bytes, got {capacity}"
+                )))
+            }
+            Err(error) => return Err(error),
+        };
         let alignment = match alignment {
             Some(alignment) => convert::count(alignment, "alignment", 1)? as u64,
             None => 64,
@@ -374,7 +400,7 @@ impl PyMemPool {
             .extract()
             .map_err(|_| invalid_handle("pointer out of range"))?;
         let offset = u64::try_from(ptr - self.base_ptr as i128)
-            .map_err(|_| invalid_handle(format!("pointer 0x{ptr:x} is not in this pool")))?;
+            .map_err(|_| invalid_handle(format!("pointer {ptr} is not in this pool")))?;
         self.lock()?
             .pool
             .free_offset(offset)
@@ -384,6 +410,7 @@ impl PyMemPool {
 
     /// Whether an `Allocation` is live in this pool.
     fn owns(&self, allocation: &Bound<'_, PyAny>) -> PyResult<bool> {
+        drop(self.lock()?); // a closed pool raises, as every call does
         match self.resolve(allocation) {
             Ok(_) => Ok(true),
             Err(error)
