@@ -844,9 +844,11 @@ def test_kv_cache_pool_context_manager_and_gc() -> None:
     del kv2
     gc.collect()
     assert len(mem) == 0
-    pool_less = atb_mem.KVCachePool(8, 4)
+    pool_less = atb_mem.KVCachePool(8, 4, device=None)  # bookkeeping only, no bytes
     assert pool_less.mem_pool is None and pool_less.region is None
     pool_less.close()
+    private = atb_mem.KVCachePool(8, 4)  # host bytes from a private pool of exactly that size
+    assert private.mem_pool is not None and private.mem_pool.capacity == private.region.size
     # Closing a KV cache whose MemPool is already closed is fine.
     kv3 = atb_mem.KVCachePool(8, 4, pool=mem)
     mem.close()

@@ -5,7 +5,7 @@ caching, copy-on-write forks, and block tables / slot mappings in the layout ATB
 PagedAttention and vLLM's kernels read. The core is Rust; this package is its Python face.
 """
 
-from atb_mem import acl
+from atb_mem import acl, attention, backends
 from atb_mem._core import (
     NULL_BLOCK,
     PAD_SLOT,
@@ -23,6 +23,7 @@ from atb_mem._core import (
 )
 from atb_mem.kv_cache import KVCachePool
 from atb_mem.mem_pool import MemPool
+from atb_mem.planning import KVCachePlan, plan_kv_cache
 
 __all__ = [
     "NULL_BLOCK",
@@ -33,6 +34,7 @@ __all__ = [
     "DuplicateSequenceError",
     "HostRegion",
     "InvalidHandleError",
+    "KVCachePlan",
     "KVCachePool",
     "MemPool",
     "OutOfMemoryError",
@@ -41,4 +43,7 @@ __all__ = [
     "UnknownSequenceError",
     "__version__",
     "acl",
+    "attention",
+    "backends",
+    "plan_kv_cache",
 ]

@@ -440,8 +440,18 @@ impl PyMemPool {
             .ok_or_else(|| {
                 value_error("an offsets-only pool (backing=None) has no bytes to view")
             })?;
-        let dtype = py.import("numpy")?.call_method1("dtype", (dtype,))?;
-        let itemsize: u64 = dtype.getattr("itemsize")?.extract()?;
+        // A backing that knows its own dtypes (torch) sizes them; numpy sizes the rest.
+        let (dtype, itemsize): (Bound<'py, PyAny>, u64) = if backing.bind(py).hasattr("itemsize")? {
+            let itemsize = backing
+                .bind(py)
+                .call_method1("itemsize", (dtype,))?
+                .extract()?;
+            (dtype.clone(), itemsize)
+        } else {
+            let dtype = py.import("numpy")?.call_method1("dtype", (dtype,))?;
+            let itemsize = dtype.getattr("itemsize")?.extract()?;
+            (dtype, itemsize)
+        };
         let shape = match shape.filter(|shape| !shape.is_none()) {
             None => PyTuple::new(py, [live.size / itemsize.max(1)])?,
             Some(shape) if convert::is_int(shape) => PyTuple::new(py, [shape])?,

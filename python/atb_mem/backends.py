@@ -1,0 +1,196 @@
+"""Where KV-cache bytes live: host memory through numpy (the default), or one torch tensor on
+``cpu``, ``cuda[:N]`` or ``npu[:N]`` (torch-npu).
+
+A backend owns nothing itself; it knows how to make a region of bytes for a ``MemPool``
+(``HostRegion`` or ``TorchRegion``), the dtypes, and the few array operations the KV cache
+needs, each one batched call whatever the number of blocks:
+
+- ``copy_blocks(dst, dst_blocks, src, src_blocks)``: one indexed copy along the block axis,
+  across tiers (device ↔ host) or within one;
+- ``scatter(cache, slots, values)``: ATB's ReshapeAndCache, values into token slots.
+
+torch is imported only when a torch device is asked for; ``"npu"`` imports torch_npu.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from atb_mem import _core
+
+__all__ = ["NumpyBackend", "TorchBackend", "TorchRegion", "backend_for"]
+
+# numpy has no bfloat16: the host backing holds its bits as uint16 words (view them with
+# ml_dtypes' bfloat16, or use a torch device).
+_NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+                 "int8": np.int8}
+
+
+class NumpyBackend:
+    """Host memory as numpy arrays."""
+
+    name = "numpy"
+    device = "host"
+
+    def region(self, nbytes: int) -> _core.HostRegion:
+        return _core.HostRegion(nbytes, 4096)
+
+    def dtype(self, name: str) -> Any:
+        if name not in _NUMPY_DTYPES:
+            raise ValueError(f"dtype {name!r} has no numpy type on the host backing")
+        return np.dtype(_NUMPY_DTYPES[name])
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def is_tensor(self, value: object) -> bool:
+        return isinstance(value, np.ndarray)
+
+    def indices(self, values: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(values, dtype=np.int64)
+
+    def to_numpy(self, values: Any) -> np.ndarray:
+        return np.asarray(values)
+
+    def copy_blocks(self, dst: np.ndarray, dst_blocks: np.ndarray, src: np.ndarray,
+                    src_blocks: np.ndarray) -> None:
+        # Fancy indexing on the right makes a copy first, so overlapping sets are safe.
+        dst[:, :, dst_blocks] = src[:, :, src_blocks]
+
+    def scatter(self, cache: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
+        cache[slots] = values
+
+    def synchronize(self) -> None:
+        pass
+
+
+class TorchRegion:
+    """A MemPool backing made of one torch uint8 tensor on a device.
+
+    The backing protocol: ``ptr`` (base address), ``nbytes``, ``view(offset, nbytes, dtype,
+    shape)`` returning a tensor over those bytes, and ``itemsize(dtype)``.
+    """
+
+    def __init__(self, nbytes: int, device: str = "cpu") -> None:
+        torch = _import_torch(device)
+        # Zeroed once at start-up, like the host backing: stale bytes in a padded block can
+        # otherwise turn into NaNs in kernels that read past a sequence.
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.device = str(self.tensor.device)
+
+    @property
+    def ptr(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel())
+
+    def itemsize(self, dtype: Any) -> int:
+        return int(_torch_dtype(dtype).itemsize)
+
+    def view(self, offset: int, nbytes: int, dtype: Any, shape: Any = None) -> Any:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"bytes [{offset}, {offset}+{nbytes}) are outside the region")
+        flat = self.tensor[offset:offset + nbytes].view(_torch_dtype(dtype))
+        return flat if shape is None else flat.view(tuple(shape))
+
+    def __repr__(self) -> str:
+        return f"TorchRegion(nbytes={self.nbytes}, device={self.device!r})"
+
+
+class TorchBackend:
+    """One torch tensor on ``cpu``, ``cuda[:N]`` or ``npu[:N]``."""
+
+    name = "torch"
+
+    def __init__(self, device: str) -> None:
+        self.torch = _import_torch(device)
+        self.device = str(self.torch.device(device))
+
+    def region(self, nbytes: int) -> TorchRegion:
+        return TorchRegion(nbytes, self.device)
+
+    def dtype(self, name: str) -> Any:
+        return _torch_dtype(name)
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        # Pinned host memory lets device copies run asynchronously (CUDA only).
+        pin = self.device.startswith("cuda")
+        return self.torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+    def is_tensor(self, value: object) -> bool:
+        return isinstance(value, self.torch.Tensor)
+
+    def indices(self, values: np.ndarray, device: str | None = None) -> Any:
+        return self.torch.as_tensor(np.asarray(values, dtype=np.int64), device=device or "cpu")
+
+    def to_numpy(self, values: Any) -> np.ndarray:
+        if isinstance(values, self.torch.Tensor):
+            return values.detach().to("cpu").numpy()
+        return np.asarray(values)
+
+    def copy_blocks(self, dst: Any, dst_blocks: np.ndarray, src: Any,
+                    src_blocks: np.ndarray) -> None:
+        src_index = self.indices(src_blocks, str(src.device))
+        dst_index = self.indices(dst_blocks, str(dst.device))
+        moved = src.index_select(2, src_index)
+        if moved.device != dst.device:
+            moved = moved.to(dst.device, non_blocking=True)
+        dst.index_copy_(2, dst_index, moved)
+
+    def scatter(self, cache: Any, slots: Any, values: Any) -> None:
+        cache.index_copy_(0, slots, values)
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize(self.device)
+        elif self.device.startswith("npu"):
+            self.torch.npu.synchronize()
+
+
+def _import_torch(device: str) -> Any:
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(
+            f"device {device!r} needs PyTorch: pip install 'atb-mem[torch]'"
+        ) from error
+    if str(device).startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        except ImportError as error:
+            raise ImportError(
+                f"device {device!r} needs torch-npu (Ascend): pip install torch-npu, "
+                "matching your torch and CANN versions"
+            ) from error
+    return torch
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
+    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+             "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32,
+             "int64": torch.int64, "float64": torch.float64}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {dtype!r} for a torch backing")
+    return table[name]
+
+
+def backend_for(device: str) -> NumpyBackend | TorchBackend:
+    """``"host"`` → numpy; ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"`` → torch."""
+    if not isinstance(device, str):
+        device = str(device)  # a torch.device
+    if device == "host":
+        return NumpyBackend()
+    if device == "cpu" or device.split(":")[0] in ("cuda", "npu"):
+        return TorchBackend(device)
+    raise ValueError(
+        f"unknown device {device!r}: expected 'host', 'cpu', 'cuda', 'cuda:N', 'npu' or 'npu:N'"
+    )

@@ -1,0 +1,85 @@
+"""Sizing the KV cache from memory figures (the seeds' `gpu_memory_utilization` formulas)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["KVCachePlan", "plan_kv_cache"]
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The result of :func:`plan_kv_cache`; every figure in bytes or blocks."""
+
+    num_blocks: int
+    bytes_per_block: int
+    max_num_seqs: int
+    usable_bytes: int
+    bytes_per_seq: int
+    blocks_per_seq: int
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization: float = 0.85,
+                  block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: str, max_model_len: int, safety: float = 0.9) -> KVCachePlan:
+    """Sizes a KV cache.
+
+    The arithmetic:
+
+    - ``usable = total_bytes × gpu_memory_utilization − model_bytes``: what the cache may use
+      once the weights are loaded;
+    - ``bytes_per_block = 2 (K and V) × num_layers × block_size × num_kv_heads × head_dim ×
+      itemsize(dtype)``;
+    - ``num_blocks = ⌊usable / bytes_per_block⌋`` (block 0, the null block, included);
+    - ``blocks_per_seq = ⌈max_model_len / block_size⌉`` and ``bytes_per_seq = blocks_per_seq ×
+      bytes_per_block``: one sequence at the maximum length;
+    - ``max_num_seqs = ⌊usable / bytes_per_seq × safety⌋``: how many such sequences fit, with a
+      margin for activations and fragmentation.
+
+    Refuses (``ValueError``) a utilization or safety outside (0, 1], a model that does not fit
+    in ``total × utilization``, and a cache that cannot hold one max-length sequence besides
+    the null block.
+    """
+    for name, value in (("total_bytes", total_bytes), ("model_bytes", model_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 bytes, got {value!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if not 0 < safety <= 1:
+        raise ValueError(f"safety must be in (0, 1], got {safety}")
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(_ITEMSIZE)}")
+    dims = {name: _positive_int(name, value) for name, value in (
+        ("block_size", block_size), ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim), ("max_model_len", max_model_len))}
+    budget = int(total_bytes * gpu_memory_utilization)
+    if model_bytes >= budget:
+        raise ValueError(
+            f"the model ({model_bytes} bytes) does not fit in {gpu_memory_utilization:.0%} of "
+            f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
+        )
+    usable = budget - model_bytes
+    bytes_per_block = (2 * dims["num_layers"] * dims["block_size"] * dims["num_kv_heads"]
+                       * dims["head_dim"] * _ITEMSIZE[dtype])
+    num_blocks = usable // bytes_per_block
+    blocks_per_seq = math.ceil(dims["max_model_len"] / dims["block_size"])
+    bytes_per_seq = blocks_per_seq * bytes_per_block
+    if num_blocks - 1 < blocks_per_seq:
+        raise ValueError(
+            f"{usable} usable bytes make {num_blocks} blocks of {bytes_per_block} bytes, "
+            f"fewer than one {dims['max_model_len']}-token sequence needs ({blocks_per_seq} "
+            "blocks plus the null block)"
+        )
+    max_num_seqs = max(1, math.floor(usable / bytes_per_seq * safety))
+    return KVCachePlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block,
+                       max_num_seqs=max_num_seqs, usable_bytes=usable,
+                       bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq)

@@ -1,0 +1,324 @@
+"""KV bytes on host memory (numpy) and CPU torch: views, write_kv, copy-on-write, swapping,
+and the reference paged attention checked against dense attention on random data."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import atb_mem
+from atb_mem.attention import dense_attention, paged_attention
+
+
+def require_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        if os.environ.get("ATB_MEM_REQUIRE_TORCH"):
+            pytest.fail("torch is required here (ATB_MEM_REQUIRE_TORCH is set) but missing")
+        pytest.skip("torch is not installed")
+    return torch
+
+
+DEVICES = ["host", "cpu"]
+TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 3e-2}
+
+
+def make_pool(device: str, dtype: str = "float32", **kwargs: Any) -> atb_mem.KVCachePool:
+    if device != "host":
+        require_torch()
+    options = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": dtype} | kwargs
+    return atb_mem.KVCachePool(64, 4, device=device, **options)
+
+
+def random_kv(pool: atb_mem.KVCachePool, n: int, rng: np.random.Generator) -> tuple[Any, Any]:
+    shape = (n, pool.num_kv_heads, pool.head_dim)
+    key = rng.standard_normal(shape).astype(np.float32) + 0.5  # never zeros
+    value = rng.standard_normal(shape).astype(np.float32) - 0.5
+    return convert(pool, key), convert(pool, value)
+
+
+def convert(pool: atb_mem.KVCachePool, array: np.ndarray) -> Any:
+    if pool.device == "host":
+        return array.astype(pool.kv_cache.dtype)
+    torch = require_torch()
+    return torch.from_numpy(array).to(dtype=pool.kv_cache.dtype, device=pool.kv_cache.device)
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value.astype(np.float32)
+    return value.detach().float().cpu().numpy()
+
+
+def read_tokens(pool: atb_mem.KVCachePool, layer: int, seq_id: int) -> tuple[Any, Any]:
+    """The sequence's K/V in token order, read back through its slots."""
+    slots = pool.slot_mapping([seq_id], [0], [pool.seq_len(seq_id)])
+    flat = (-1, pool.num_kv_heads, pool.head_dim)
+    keys = as_numpy(pool.key_cache(layer).reshape(flat))[slots]
+    values = as_numpy(pool.value_cache(layer).reshape(flat))[slots]
+    return keys, values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_share_one_region(device: str) -> None:
+    pool = make_pool(device)
+    kv = pool.kv_cache
+    assert tuple(kv.shape) == (2, 2, 64, 4, 2, 8)
+    assert tuple(pool.key_cache(1).shape) == (64, 4, 2, 8)
+    pool.key_cache(1)[3, 2, 1, 5] = 7.0
+    assert float(kv[1, 0, 3, 2, 1, 5]) == 7.0
+    assert pool.region.size == pool.num_blocks * pool.bytes_per_block
+    assert pool.stats()["bytes_device"] == pool.region.size
+    with pytest.raises(ValueError, match="out of range"):
+        pool.value_cache(2)
+    with pytest.raises(TypeError, match="layer"):
+        pool.key_cache(1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_scatters_into_slots(device: str) -> None:
+    rng = np.random.default_rng(1)
+    pool = make_pool(device)
+    pool.alloc_sequence(1, 6)
+    pool.alloc_sequence(2, 3)
+    slots = pool.slot_mapping([1, 2], [0, 0], [6, 3])
+    key, value = random_kv(pool, 9, rng)
+    pool.write_kv(1, slots, key, value)
+    keys, values = read_tokens(pool, 1, 2)
+    np.testing.assert_array_equal(keys, as_numpy(key)[6:])
+    np.testing.assert_array_equal(values, as_numpy(value)[6:])
+    assert not as_numpy(pool.key_cache(0)).any()  # the other layer is untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_skips_padding_and_refuses_unheld_slots(device: str) -> None:
+    rng = np.random.default_rng(2)
+    pool = make_pool(device)
+    pool.alloc_sequence(1, 2)
+    slots = pool.slot_mapping([1], [0], [2])
+    key, value = random_kv(pool, 3, rng)
+    pool.write_kv(0, np.array([slots[0], -1, slots[1]], dtype=np.int32), key, value)
+    keys, _ = read_tokens(pool, 0, 1)
+    np.testing.assert_array_equal(keys, as_numpy(key)[[0, 2]])
+    before = as_numpy(pool.kv_cache).copy()
+    unheld = (pool.block_table(1)[0] + 1) * pool.block_size  # the next block: nobody's
+    bad_calls = [
+        (lambda: pool.write_kv(0, np.array([unheld, -1, 0]), key, value), ValueError, "holds"),
+        (lambda: pool.write_kv(0, np.array([10**6, -1, 1]), key, value), ValueError, "holds"),
+        (lambda: pool.write_kv(0, slots, key, value), ValueError, "shape"),
+        (lambda: pool.write_kv(0, np.zeros(3), key, value), TypeError, "integer"),
+        (lambda: pool.write_kv(0, np.zeros(3, np.int32), as_numpy(key).tolist(), value),
+         TypeError, "array"),
+        (lambda: pool.write_kv(5, np.zeros(3, np.int32), key, value), ValueError, "range"),
+    ]
+    for call, error, match in bad_calls:
+        with pytest.raises(error, match=match):
+            call()
+        np.testing.assert_array_equal(as_numpy(pool.kv_cache), before)
+
+
+def test_write_kv_checks_dtype_and_device() -> None:
+    torch = require_torch()
+    pool = make_pool("cpu", dtype="float16")
+    pool.alloc_sequence(1, 2)
+    slots = pool.slot_mapping([1], [0], [2])
+    wrong = torch.ones(2, 2, 8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        pool.write_kv(0, slots, wrong, wrong)
+    with pytest.raises(TypeError, match="torch"):
+        pool.write_kv(0, slots, np.ones((2, 2, 8), np.float16), np.ones((2, 2, 8), np.float16))
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("host", "float32"), ("host", "float16"),
+                                               ("cpu", "float32"), ("cpu", "float16"),
+                                               ("cpu", "bfloat16")])
+def test_paged_attention_matches_dense(device: str, dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    pool = make_pool(device, dtype=dtype, num_kv_heads=2, head_dim=16)
+    lengths = [1, 4, 5, 13, 30]
+    history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for seq_id, length in enumerate(lengths):
+        pool.alloc_sequence(seq_id, length)
+        slots = pool.slot_mapping([seq_id], [0], [length])
+        key, value = random_kv(pool, length, rng)
+        pool.write_kv(1, slots, key, value)
+        history[seq_id] = (as_numpy(key), as_numpy(value))
+    check_attention(pool, history, lengths, rng, dtype)
+
+
+def check_attention(pool: atb_mem.KVCachePool, history: dict[int, tuple[Any, Any]],
+                    lengths: list[int], rng: np.random.Generator, dtype: str) -> None:
+    seq_ids = list(history)
+    heads = 8  # grouped-query: 8 query heads share 2 KV heads
+    query = rng.standard_normal((len(seq_ids), heads, pool.head_dim)).astype(np.float32)
+    tables, lens = pool.block_tables(seq_ids), pool.context_lens(seq_ids)
+    assert lens.tolist() == lengths
+    out = paged_attention(convert(pool, query), pool.key_cache(1), pool.value_cache(1),
+                          tables, lens)
+    rounded = as_numpy(convert(pool, query))
+    expected = dense_attention(rounded, [history[s][0] for s in seq_ids],
+                               [history[s][1] for s in seq_ids])
+    np.testing.assert_allclose(as_numpy(out), expected, rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype])
+    if pool.device != "host":
+        torch = require_torch()
+        for row, seq_id in enumerate(seq_ids):
+            keys, values = (torch.from_numpy(t).transpose(0, 1) for t in history[seq_id])
+            q = torch.from_numpy(rounded[row]).unsqueeze(1)        # [heads, 1, d]
+            group = heads // pool.num_kv_heads
+            sdpa = torch.nn.functional.scaled_dot_product_attention(
+                q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0))
+            np.testing.assert_allclose(as_numpy(out)[row], sdpa.squeeze(1).numpy(),
+                                       rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_after_fork_and_copy_on_write(device: str) -> None:
+    rng = np.random.default_rng(4)
+    pool = make_pool(device, head_dim=16)
+    pool.alloc_sequence(1, 6)  # the second block is partly filled
+    key, value = random_kv(pool, 6, rng)
+    pool.write_kv(1, pool.slot_mapping([1], [0], [6]), key, value)
+    prefix = (as_numpy(key), as_numpy(value))
+    pool.fork(1, 2)
+    history = {}
+    for seq_id in (1, 2):  # each branch samples its own next token
+        slots = pool.append_tokens([seq_id])
+        assert pool.apply_pending_copies() == (1 if seq_id == 1 else 0)
+        new_key, new_value = random_kv(pool, 1, rng)
+        pool.write_kv(1, slots, new_key, new_value)
+        history[seq_id] = (np.concatenate([prefix[0], as_numpy(new_key)]),
+                           np.concatenate([prefix[1], as_numpy(new_value)]))
+    assert pool.block_table(1)[1] != pool.block_table(2)[1]
+    check_attention(pool, history, [7, 7], rng, "float32")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_out_and_in_keeps_the_bytes(device: str) -> None:
+    rng = np.random.default_rng(5)
+    pool = make_pool(device, head_dim=16, num_host_blocks=16)
+    history = {}
+    for seq_id, length in ((1, 9), (2, 5)):
+        pool.alloc_sequence(seq_id, length)
+        key, value = random_kv(pool, length, rng)
+        pool.write_kv(1, pool.slot_mapping([seq_id], [0], [length]), key, value)
+        history[seq_id] = (as_numpy(key), as_numpy(value))
+    pool.fork(1, 3)
+    history[3] = history[1]
+    device_before = pool.num_free_blocks
+    moves = pool.swap_out([1, 3])
+    assert moves.shape == (3, 2)  # 3 blocks shared by 1 and 3, each moved once
+    assert pool.num_free_blocks == device_before + 3
+    assert pool.is_swapped(1) and pool.is_swapped(3)
+    with pytest.raises(ValueError, match="swapped out"):
+        pool.append_tokens([1])
+    with pytest.raises(ValueError, match="swapped out"):
+        pool.block_tables([3])
+    # Reuse the freed device blocks for something else, so the data must come back by copy.
+    pool.alloc_sequence(9, 12)
+    pool.write_kv(1, pool.slot_mapping([9], [0], [12]), *random_kv(pool, 12, rng))
+    pool.free_sequence(9)
+    moves = pool.swap_in([3, 1])
+    assert moves.shape == (3, 2)
+    assert not pool.is_swapped(1)
+    assert pool.block_table(1).tolist() == pool.block_table(3).tolist()
+    check_attention(pool, {s: history[s] for s in (1, 2, 3)}, [9, 5, 9], rng, "float32")
+    pool._check_invariants()
+
+
+def test_swap_errors_change_nothing() -> None:
+    pool = make_pool("host", num_host_blocks=2)
+    pool.alloc_sequence(1, 9)  # 3 blocks
+    pool.alloc_sequence(2, 4)
+    before = (pool.stats(), pool.block_table(1).tolist(), pool.num_free_host_blocks)
+    with pytest.raises(atb_mem.OutOfMemoryError, match="host"):
+        pool.swap_out([1])
+    with pytest.raises(ValueError, match="not swapped out"):
+        pool.swap_in([2])
+    with pytest.raises(ValueError, match="twice"):
+        pool.swap_out([2, 2])
+    with pytest.raises(atb_mem.UnknownSequenceError):
+        pool.swap_out([2, 7])
+    assert (pool.stats(), pool.block_table(1).tolist(), pool.num_free_host_blocks) == before
+    with pytest.raises(ValueError, match="host tier"):
+        make_pool("host").swap_out([])
+
+
+def test_int8_and_bfloat16() -> None:
+    pool = make_pool("host", dtype="int8")
+    assert pool.kv_cache.dtype == np.int8
+    # numpy has no bfloat16: the host holds its 16-bit words.
+    assert make_pool("host", dtype="bfloat16").kv_cache.dtype == np.uint16
+    torch = require_torch()
+    assert make_pool("cpu", dtype="bfloat16").kv_cache.dtype == torch.bfloat16
+
+
+def test_bytes_come_from_a_given_mem_pool() -> None:
+    torch = require_torch()
+    host_pool = atb_mem.MemPool(1 << 20)
+    pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8, pool=host_pool)
+    assert pool.device == "host" and isinstance(pool.kv_cache, np.ndarray)
+    device_pool = atb_mem.MemPool(1 << 20, backing=atb_mem.backends.TorchRegion(1 << 20, "cpu"))
+    workspace = device_pool.malloc(4096)
+    pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8,
+                               dtype="bfloat16", pool=device_pool)
+    assert pool.device == "cpu" and pool.kv_cache.dtype == torch.bfloat16
+    assert pool.region.offset >= workspace.size
+    assert device_pool.view(workspace, torch.float32).shape == (1024,)
+    pool.close()
+    assert len(device_pool) == 1
+    with pytest.raises(ValueError, match="offsets-only"):
+        atb_mem.KVCachePool(16, 4, pool=atb_mem.MemPool(1 << 20, backing=None))
+
+
+def test_device_none_has_no_bytes_and_unknown_devices_fail() -> None:
+    pool = atb_mem.KVCachePool(16, 4, device=None)
+    assert pool.device is None and pool.region is None
+    with pytest.raises(ValueError, match="no bytes"):
+        pool.key_cache(0)
+    with pytest.raises(ValueError, match="unknown device"):
+        atb_mem.KVCachePool(16, 4, device="tpu")
+
+
+def test_plan_kv_cache_arithmetic_and_refusals() -> None:
+    gib = 1 << 30
+    plan = atb_mem.plan_kv_cache(80 * gib, 16 * gib, gpu_memory_utilization=0.9,
+                                 block_size=16, num_layers=32, num_kv_heads=8, head_dim=128,
+                                 dtype="float16", max_model_len=8192)
+    assert plan.bytes_per_block == 2 * 32 * 16 * 8 * 128 * 2
+    usable = int(80 * gib * 0.9) - 16 * gib
+    assert plan.usable_bytes == usable
+    assert plan.num_blocks == usable // plan.bytes_per_block
+    assert plan.blocks_per_seq == 512
+    assert plan.max_num_seqs == int(usable / (512 * plan.bytes_per_block) * 0.9)
+    base = {"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
+            "dtype": "float16", "max_model_len": 8192}
+    for args, kwargs, match in [
+        ((80 * gib, 16 * gib), {"gpu_memory_utilization": 0.0}, "utilization"),
+        ((80 * gib, 16 * gib), {"gpu_memory_utilization": 1.5}, "utilization"),
+        ((80 * gib, 90 * gib), {}, "does not fit"),
+        ((17 * gib, 16 * gib), {"gpu_memory_utilization": 1.0}, "fewer than one"),
+        ((80 * gib, 16 * gib), {"safety": 0}, "safety"),
+        ((80 * gib, 16 * gib), {"dtype": "float8"}, "dtype"),
+        ((80 * gib, -1), {}, "model_bytes"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            atb_mem.plan_kv_cache(*args, **(base | kwargs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_device_sizes_the_pool(device: str) -> None:
+    if device != "host":
+        require_torch()
+    pool = atb_mem.KVCachePool.from_device(
+        device, gpu_memory_utilization=0.001, model_bytes=0, block_size=16, num_layers=2,
+        num_kv_heads=2, head_dim=64, dtype="float16", max_model_len=256)
+    plan_blocks = int(pool.bytes_per_block)
+    assert pool.num_blocks > 256 // 16
+    assert pool.num_blocks * plan_blocks <= os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE") * 0.001 + plan_blocks
+    assert pool.device == device
