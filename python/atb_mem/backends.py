@@ -7,7 +7,12 @@ needs, each one batched call whatever the number of blocks:
 
 - ``copy_blocks(dst, dst_blocks, src, src_blocks)``: one indexed copy along the block axis,
   across tiers (device ↔ host) or within one;
-- ``scatter(cache, slots, values)``: ATB's ReshapeAndCache, values into token slots.
+- ``scatter(cache, slots, values)``: ATB's ReshapeAndCache, values into token slots
+  (negative slots are padding).
+
+Host memory (numpy, and CPU torch through numpy views of the same bytes) moves through the
+extension's ``memcpy`` kernels, which copy each byte once; device memory through torch's
+indexed copies.
 
 torch is imported only when a torch device is asked for; ``"npu"`` imports torch_npu.
 """
@@ -56,11 +61,16 @@ class NumpyBackend:
 
     def copy_blocks(self, dst: np.ndarray, dst_blocks: np.ndarray, src: np.ndarray,
                     src_blocks: np.ndarray) -> None:
-        # Fancy indexing on the right makes a copy first, so overlapping sets are safe.
-        dst[:, :, dst_blocks] = src[:, :, src_blocks]
+        _host_copy_blocks(_bytes_of(dst), dst.shape, None if src is dst else _bytes_of(src),
+                          src.shape, dst.itemsize, dst_blocks, src_blocks)
 
-    def scatter(self, cache: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
-        cache[slots] = values
+    def bytes_of(self, tensor: np.ndarray) -> np.ndarray:
+        return _bytes_of(np.ascontiguousarray(tensor))
+
+    def scatter_kv(self, kv: np.ndarray, kv_bytes: np.ndarray, layer: int, slots: np.ndarray,
+                   key: np.ndarray, value: np.ndarray) -> None:
+        _host_scatter_kv(kv_bytes, tuple(kv.shape), kv.itemsize, layer, slots,
+                         self.bytes_of(key), self.bytes_of(value))
 
     def synchronize(self) -> None:
         pass
@@ -132,8 +142,23 @@ class TorchBackend:
             return values.detach().to("cpu").numpy()
         return np.asarray(values)
 
+    def _on_host(self, tensor: Any) -> bool:
+        return tensor.device.type == "cpu"
+
+    def bytes_of(self, tensor: Any) -> np.ndarray | None:
+        """The tensor's bytes as a flat numpy uint8 array (no copy); None off the host."""
+        if not self._on_host(tensor):
+            return None
+        return tensor.contiguous().view(self.torch.uint8).numpy().reshape(-1)
+
+
     def copy_blocks(self, dst: Any, dst_blocks: np.ndarray, src: Any,
                     src_blocks: np.ndarray) -> None:
+        if self._on_host(dst) and self._on_host(src):
+            _host_copy_blocks(self.bytes_of(dst), tuple(dst.shape),
+                              None if src is dst else self.bytes_of(src), tuple(src.shape),
+                              dst.element_size(), dst_blocks, src_blocks)
+            return
         src_index = self.indices(src_blocks, str(src.device))
         dst_index = self.indices(dst_blocks, str(dst.device))
         moved = src.index_select(2, src_index)
@@ -141,14 +166,53 @@ class TorchBackend:
             moved = moved.to(dst.device, non_blocking=True)
         dst.index_copy_(2, dst_index, moved)
 
-    def scatter(self, cache: Any, slots: Any, values: Any) -> None:
-        cache.index_copy_(0, slots, values)
+    def scatter_kv(self, kv: Any, kv_bytes: np.ndarray | None, layer: int, slots: np.ndarray,
+                   key: Any, value: Any) -> None:
+        if kv_bytes is not None:
+            _host_scatter_kv(kv_bytes, tuple(kv.shape), kv.element_size(), layer, slots,
+                             self.bytes_of(key), self.bytes_of(value))
+            return
+        keep = np.flatnonzero(slots >= 0)
+        index = self.indices(slots[keep], str(kv.device))
+        flat = (-1, kv.shape[4], kv.shape[5])
+        for half, values in ((0, key), (1, value)):
+            if len(keep) != len(slots):
+                values = values.index_select(0, self.indices(keep, str(kv.device)))
+            kv[layer, half].view(flat).index_copy_(0, index, values)
 
     def synchronize(self) -> None:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize(self.device)
         elif self.device.startswith("npu"):
             self.torch.npu.synchronize()
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """A contiguous array's bytes as a flat uint8 view (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("KV tensors must be contiguous")
+    return array.reshape(-1).view(np.uint8)
+
+
+def _host_copy_blocks(dst: np.ndarray, dst_shape: tuple[int, ...], src: np.ndarray | None,
+                      src_shape: tuple[int, ...], itemsize: int, dst_blocks: np.ndarray,
+                      src_blocks: np.ndarray) -> None:
+    """Tiers shaped ``[layers, 2, blocks, *block]``: copy whole blocks for every layer."""
+    chunk = int(np.prod(dst_shape[3:])) * itemsize
+    pairs = np.stack([np.asarray(src_blocks), np.asarray(dst_blocks)], axis=1).astype(np.int32)
+    _core.copy_blocks(dst, dst_shape[2], src, src_shape[2], chunk, pairs)
+
+
+def _host_scatter_kv(kv_bytes: np.ndarray, kv_shape: tuple[int, ...], itemsize: int,
+                     layer: int, slots: np.ndarray, key: np.ndarray, value: np.ndarray) -> None:
+    """Tiers shaped ``[layers, 2, blocks, block_size, heads, head_dim]``: one layer's K and V
+    rows (a row is one token's heads × head_dim) from ``key``/``value`` into ``slots``."""
+    layers, _, blocks, block_size, heads, head_dim = kv_shape
+    row_bytes = heads * head_dim * itemsize
+    half_bytes = blocks * block_size * row_bytes
+    offsets = (2 * layer * half_bytes, (2 * layer + 1) * half_bytes)
+    _core.scatter_rows(kv_bytes, row_bytes, blocks * block_size, slots,
+                       [(offsets[0], key), (offsets[1], value)])
 
 
 def _import_torch(device: str) -> Any:

@@ -53,7 +53,7 @@ class KVCachePool(_core.KVCachePool):
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
     """
 
-    __slots__ = ("_backend", "_host_kv", "_kv", "_mem_pool", "_own_pool", "_region")
+    __slots__ = ("_backend", "_host_kv", "_kv", "_kv_bytes", "_mem_pool", "_own_pool", "_region")
 
     def __new__(cls, num_blocks: int, block_size: int, *, device: Any = _DEFAULT_DEVICE,
                 pool: MemPool | None = None, num_host_blocks: int | None = None,
@@ -67,6 +67,7 @@ class KVCachePool(_core.KVCachePool):
         self._region = None
         self._backend = None
         self._kv = None
+        self._kv_bytes = None
         self._host_kv = None
         if pool is None and device is None:
             return self
@@ -83,6 +84,9 @@ class KVCachePool(_core.KVCachePool):
         self._mem_pool = pool
         self._backend = backend
         self._kv = pool.view(self._region, dtype, self._shape(self.num_blocks))
+        # The region's bytes as one flat uint8 view, for the host copy kernels (None on a
+        # device the host cannot address).
+        self._kv_bytes = backend.bytes_of(self._kv)
         if num_host_blocks is not None:
             self._host_kv = backend.host_tensor(self._shape(self.num_host_blocks + 1), dtype)
         return self
@@ -163,17 +167,8 @@ class KVCachePool(_core.KVCachePool):
             if backend.name == "torch" and tensor.device != kv.device:
                 raise ValueError(f"{name} is on {tensor.device}; the cache is on {kv.device}")
         self.check_slots(slots)
-        keep = slots >= 0
-        if not keep.all():
-            slots = slots[keep]
-            mask = keep if backend.name == "numpy" else backend.indices(
-                np.flatnonzero(keep), str(kv.device))
-            key, value = key[mask], value[mask]
-        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        index = slots.astype(np.int64) if backend.name == "numpy" else backend.indices(
-            slots, str(kv.device))
-        for half, tensor in ((0, key), (1, value)):
-            backend.scatter(kv[layer, half].reshape(flat), index, tensor)
+        backend.scatter_kv(kv, self._kv_bytes, layer, slots.astype(np.int64, copy=False), key,
+                           value)
 
     def apply_pending_copies(self) -> int:
         """Executes the copy-on-write pairs from forks, for every layer in one indexed copy.
@@ -220,6 +215,7 @@ class KVCachePool(_core.KVCachePool):
         if own is not None:
             own.close()
         self._kv = None
+        self._kv_bytes = None
         self._host_kv = None
 
     def __enter__(self) -> KVCachePool:

@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod host_copy;
 mod kv_cache;
 mod mem_pool;
 
@@ -16,6 +17,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<mem_pool::PyMemPool>()?;
     module.add_class::<mem_pool::PyAllocation>()?;
     module.add_class::<mem_pool::HostRegion>()?;
+    module.add_function(wrap_pyfunction!(host_copy::scatter_rows, module)?)?;
+    module.add_function(wrap_pyfunction!(host_copy::copy_blocks, module)?)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
     module.add("PAD_SLOT", atb_mem_core::batch_table::PAD_SLOT)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
