@@ -23,13 +23,15 @@ def require_torch() -> Any:
     return torch
 
 
-DEVICES = ["host", "cpu"]
+DEVICES = ["host", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 3e-2}
 
 
 def make_pool(device: str, dtype: str = "float32", **kwargs: Any) -> atb_mem.KVCachePool:
     if device != "host":
-        require_torch()
+        torch = require_torch()
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.fail("the cuda tests were asked for (-m cuda) but CUDA is not available")
     options = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": dtype} | kwargs
     return atb_mem.KVCachePool(64, 4, device=device, **options)
 
@@ -133,9 +135,12 @@ def test_write_kv_checks_dtype_and_device() -> None:
         pool.write_kv(0, slots, np.ones((2, 2, 8), np.float16), np.ones((2, 2, 8), np.float16))
 
 
-@pytest.mark.parametrize(("device", "dtype"), [("host", "float32"), ("host", "float16"),
-                                               ("cpu", "float32"), ("cpu", "float16"),
-                                               ("cpu", "bfloat16")])
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("host", "float32"), ("host", "float16"), ("cpu", "float32"), ("cpu", "float16"),
+    ("cpu", "bfloat16"),
+    pytest.param("cuda", "float16", marks=pytest.mark.cuda),
+    pytest.param("cuda", "bfloat16", marks=pytest.mark.cuda),
+])
 def test_paged_attention_matches_dense(device: str, dtype: str) -> None:
     rng = np.random.default_rng(3)
     pool = make_pool(device, dtype=dtype, num_kv_heads=2, head_dim=16)
@@ -313,12 +318,20 @@ def test_plan_kv_cache_arithmetic_and_refusals() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_device_sizes_the_pool(device: str) -> None:
     if device != "host":
-        require_torch()
+        make_pool(device)  # checks torch (and CUDA) are there
+    from atb_mem.kv_cache import device_memory
+
+    free, total = device_memory(device)
+    assert 0 < free <= total
     pool = atb_mem.KVCachePool.from_device(
         device, gpu_memory_utilization=0.001, model_bytes=0, block_size=16, num_layers=2,
         num_kv_heads=2, head_dim=64, dtype="float16", max_model_len=256)
-    plan_blocks = int(pool.bytes_per_block)
-    assert pool.num_blocks > 256 // 16
-    assert pool.num_blocks * plan_blocks <= os.sysconf("SC_PHYS_PAGES") * os.sysconf(
-        "SC_PAGE_SIZE") * 0.001 + plan_blocks
-    assert pool.device == device
+    plan = atb_mem.plan_kv_cache(total, 0, gpu_memory_utilization=0.001, block_size=16,
+                                 num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16",
+                                 max_model_len=256)
+    assert pool.num_blocks == min(plan.num_blocks, free // plan.bytes_per_block)
+    assert pool.bytes_per_block == plan.bytes_per_block
+    assert pool.device.startswith(device)
+    with pytest.raises(ValueError, match="does not fit"):
+        atb_mem.KVCachePool.from_device(device, model_bytes=total, block_size=16, num_layers=2,
+                                        num_kv_heads=2, head_dim=64, max_model_len=256)

@@ -34,7 +34,7 @@ def test_py_typed_marker_ships() -> None:
 def test_module_names_match() -> None:
     stub_names = set(TYPE_ALIASES)
     for node in stub_tree().body:
-        if isinstance(node, ast.ClassDef):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef):
             stub_names.add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             stub_names.add(node.target.id)

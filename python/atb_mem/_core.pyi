@@ -254,3 +254,26 @@ class MemPool:
         """Free ranges in address order: (offset, size)."""
     def _check_invariants(self) -> None: ...
     def __len__(self) -> int: ...
+
+def scatter_rows(
+    dst: npt.NDArray[np.uint8],
+    row_bytes: int,
+    rows_per_source: int,
+    rows: npt.NDArray[np.int64],
+    sources: list[tuple[int, npt.NDArray[np.uint8]]],
+) -> None:
+    """Host ReshapeAndCache: for each ``(offset, src)``, ``dst`` from ``offset`` on is rows of
+    ``row_bytes`` and row ``rows[i]`` gets ``src``'s i-th row (negative rows are padding).
+    Bounds-checked; used by the host backings' ``write_kv``."""
+
+def copy_blocks(
+    dst: npt.NDArray[np.uint8],
+    dst_blocks: int,
+    src: npt.NDArray[np.uint8] | None,
+    src_blocks: int,
+    chunk_bytes: int,
+    pairs: npt.NDArray[np.int32],
+) -> None:
+    """Host block copies between tiers laid out ``[groups, blocks, chunk_bytes]``: for every
+    group, block ``pairs[i, 1]`` of ``dst`` gets block ``pairs[i, 0]`` of ``src`` (of ``dst``
+    itself when ``src`` is None). Bounds-checked."""

@@ -207,7 +207,7 @@ def _host_scatter_kv(kv_bytes: np.ndarray, kv_shape: tuple[int, ...], itemsize: 
                      layer: int, slots: np.ndarray, key: np.ndarray, value: np.ndarray) -> None:
     """Tiers shaped ``[layers, 2, blocks, block_size, heads, head_dim]``: one layer's K and V
     rows (a row is one token's heads × head_dim) from ``key``/``value`` into ``slots``."""
-    layers, _, blocks, block_size, heads, head_dim = kv_shape
+    _, _, blocks, block_size, heads, head_dim = kv_shape
     row_bytes = heads * head_dim * itemsize
     half_bytes = blocks * block_size * row_bytes
     offsets = (2 * layer * half_bytes, (2 * layer + 1) * half_bytes)
