@@ -335,3 +335,14 @@ def test_from_device_sizes_the_pool(device: str) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         atb_mem.KVCachePool.from_device(device, model_bytes=total, block_size=16, num_layers=2,
                                         num_kv_heads=2, head_dim=64, max_model_len=256)
+
+
+def test_npu_without_torch_npu_says_what_to_install() -> None:
+    require_torch()
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install torch-npu"):
+            atb_mem.KVCachePool(16, 4, device="npu:0")
+    else:
+        pytest.fail("this test expects a machine without torch-npu")
