@@ -21,6 +21,7 @@ from atb_mem._core import (
     UnknownSequenceError,
     __version__,
 )
+from atb_mem.batching import Batch, DynamicBatchScheduler
 from atb_mem.kv_cache import KVCachePool
 from atb_mem.mem_pool import MemPool
 from atb_mem.planning import KVCachePlan, plan_kv_cache
@@ -30,8 +31,10 @@ __all__ = [
     "PAD_SLOT",
     "Allocation",
     "AtbMemError",
+    "Batch",
     "BatchTable",
     "DuplicateSequenceError",
+    "DynamicBatchScheduler",
     "HostRegion",
     "InvalidHandleError",
     "KVCachePlan",

@@ -277,3 +277,39 @@ def copy_blocks(
     """Host block copies between tiers laid out ``[groups, blocks, chunk_bytes]``: for every
     group, block ``pairs[i, 1]`` of ``dst`` gets block ``pairs[i, 0]`` of ``src`` (of ``dst``
     itself when ``src`` is None). Bounds-checked."""
+
+class RequestBatcher:
+    """Deterministic request-batching policy behind ``DynamicBatchScheduler`` (times in ns)."""
+
+    def __new__(
+        cls,
+        max_batch_size: int,
+        timeout_ns: int,
+        preferred_batch_sizes: list[int],
+        max_queue_size: int | None,
+        priority_levels: int,
+        default_timeout_ns: int | None,
+        timeout_action: str,
+    ) -> RequestBatcher: ...
+    def config(self) -> dict[str, Any]: ...
+    def set_config(
+        self,
+        max_batch_size: int,
+        timeout_ns: int,
+        preferred_batch_sizes: list[int],
+        max_queue_size: int | None,
+        priority_levels: int,
+        default_timeout_ns: int | None,
+        timeout_action: str,
+    ) -> dict[str, Any]:
+        """Validated first; returns the previous configuration."""
+    def submit(
+        self, request_id: int, priority: int, now_ns: int, timeout_ns: int | None = None
+    ) -> None:
+        """QueueFullError when full; DuplicateSequenceError for an id already queued."""
+    def cancel(self, request_id: int) -> bool: ...
+    def poll(self, now_ns: int) -> tuple[list[int], list[int], int | None]:
+        """(batch ids, expired ids, next wake-up in ns or None)."""
+    def drain(self) -> list[int]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, request_id: int) -> bool: ...

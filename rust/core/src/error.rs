@@ -22,6 +22,8 @@ pub enum CoreError {
     },
     /// A double free, or a stale or foreign allocation handle.
     InvalidHandle(String),
+    /// The request queue holds its maximum already.
+    QueueFull { capacity: usize },
     /// An argument that can never be valid (a count out of range, a malformed shape, a
     /// batch that names a sequence twice, ...).
     InvalidArgument(String),
@@ -67,6 +69,9 @@ impl fmt::Display for CoreError {
                 f,
                 "out of host blocks: swapping out needs {needed} host block(s), {available} are free"
             ),
+            CoreError::QueueFull { capacity } => {
+                write!(f, "the request queue is full ({capacity} requests waiting)")
+            }
             CoreError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
             CoreError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
             CoreError::InvalidArgument(message) => f.write_str(message),

@@ -20,6 +20,7 @@ pub mod kv_cache;
 pub mod layout;
 pub mod mem_pool;
 pub mod range_allocator;
+pub mod request_batcher;
 
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
@@ -29,3 +30,4 @@ pub use kv_cache::{KvCache, KvCacheStats, Tokens};
 pub use layout::{KvDtype, KvLayout};
 pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};
 pub use range_allocator::RangeAllocator;
+pub use request_batcher::{BatcherConfig, Poll, RequestBatcher, TimeoutAction};

@@ -121,29 +121,38 @@ impl<'py> ReshapeFlat<'py> for Bound<'py, PyUntypedArray> {
     }
 }
 
-/// Sequence ids: a list/tuple of ints or a 1-D numpy integer array (int64 and uint64 are
-/// borrowed without a copy).
-pub enum SeqIds<'py> {
-    Owned(Vec<u64>),
-    Signed(PyReadonlyArray1<'py, i64>),
-    Unsigned(PyReadonlyArray1<'py, u64>),
+/// Non-negative integers: a list's, copied, or a numpy array's of the signed or unsigned
+/// dtype of the same width, borrowed without a copy.
+pub enum Ints<'py, Signed: numpy::Element, Unsigned: numpy::Element> {
+    Owned(Vec<Unsigned>),
+    Signed(PyReadonlyArray1<'py, Signed>),
+    Unsigned(PyReadonlyArray1<'py, Unsigned>),
 }
 
-impl SeqIds<'_> {
-    pub fn as_slice(&self) -> &[u64] {
+impl<Signed: numpy::Element, Unsigned: numpy::Element> Ints<'_, Signed, Unsigned> {
+    pub fn as_slice(&self) -> &[Unsigned] {
+        const { assert!(std::mem::size_of::<Signed>() == std::mem::size_of::<Unsigned>()) };
         match self {
-            SeqIds::Owned(ids) => ids,
-            // Checked contiguous and non-negative at construction, so the reinterpretation is
-            // exact.
-            SeqIds::Signed(array) => {
-                let ids = array.as_slice().unwrap_or_default();
-                // SAFETY: i64 and u64 have the same size and alignment; every value is >= 0.
-                unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u64>(), ids.len()) }
+            Ints::Owned(values) => values,
+            Ints::Signed(array) => {
+                let values = array.as_slice().unwrap_or_default();
+                // SAFETY: same size and alignment (checked above for size; both are primitive
+                // integers); every value was checked non-negative and the array contiguous when
+                // this was built, so the reinterpretation is exact.
+                unsafe {
+                    std::slice::from_raw_parts(values.as_ptr().cast::<Unsigned>(), values.len())
+                }
             }
-            SeqIds::Unsigned(array) => array.as_slice().unwrap_or_default(),
+            Ints::Unsigned(array) => array.as_slice().unwrap_or_default(),
         }
     }
 }
+
+/// Sequence ids: a list/tuple of ints or a 1-D numpy integer array.
+pub type SeqIds<'py> = Ints<'py, i64, u64>;
+
+/// Token ids, each in `[0, 2**32)`.
+pub type TokenIds<'py> = Ints<'py, i32, u32>;
 
 pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>> {
     if let Some(array) = as_array(obj) {
@@ -161,7 +170,7 @@ pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>
                 if ids.iter().any(|&id| id < 0) {
                     return Err(out_of_range());
                 }
-                return Ok(SeqIds::Signed(readonly));
+                return Ok(Ints::Signed(readonly));
             }
         }
         if let Ok(unsigned) = array.cast::<numpy::PyArray1<u64>>() {
@@ -170,7 +179,7 @@ pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>
                 if ids.iter().any(|&id| id > i64::MAX as u64) {
                     return Err(out_of_range());
                 }
-                return Ok(SeqIds::Unsigned(readonly));
+                return Ok(Ints::Unsigned(readonly));
             }
         }
         let wide = converted(&array, "int64")?;
@@ -179,48 +188,26 @@ pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>
         if ids.iter().any(|&id| id < 0) {
             return Err(out_of_range());
         }
-        return Ok(SeqIds::Owned(ids.iter().map(|&id| id as u64).collect()));
+        return Ok(Ints::Owned(ids.iter().map(|&id| id as u64).collect()));
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return list
             .iter()
             .map(|item| seq_id(&item, what))
             .collect::<PyResult<_>>()
-            .map(SeqIds::Owned);
+            .map(Ints::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         return tuple
             .iter()
             .map(|item| seq_id(&item, what))
             .collect::<PyResult<_>>()
-            .map(SeqIds::Owned);
+            .map(Ints::Owned);
     }
     Err(type_error(format!(
         "{what} must be a list of ints or a 1-D numpy integer array, got {}",
         type_name(obj)
     )))
-}
-
-/// Token ids: a list/tuple of ints or a numpy integer array, each in `[0, 2**32)`. int32 and
-/// uint32 arrays are borrowed without a copy.
-pub enum TokenIds<'py> {
-    Owned(Vec<u32>),
-    Signed(PyReadonlyArray1<'py, i32>),
-    Unsigned(PyReadonlyArray1<'py, u32>),
-}
-
-impl TokenIds<'_> {
-    pub fn as_slice(&self) -> &[u32] {
-        match self {
-            TokenIds::Owned(ids) => ids,
-            TokenIds::Signed(array) => {
-                let ids = array.as_slice().unwrap_or_default();
-                // SAFETY: i32 and u32 have the same size and alignment; every value is >= 0.
-                unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u32>(), ids.len()) }
-            }
-            TokenIds::Unsigned(array) => array.as_slice().unwrap_or_default(),
-        }
-    }
 }
 
 fn token_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
@@ -257,7 +244,7 @@ pub fn token_ids<'py>(
                 ids.push(token_id(&item, what)?);
             }
             if !nested {
-                return Ok(TokenIds::Owned(ids));
+                return Ok(Ints::Owned(ids));
             }
             // Nested lists: let numpy build the array, then check it like any other.
             let array = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
@@ -295,13 +282,13 @@ pub fn token_ids<'py>(
                 if ids.iter().any(|&id| id < 0) {
                     return Err(out_of_range());
                 }
-                return Ok(TokenIds::Signed(readonly));
+                return Ok(Ints::Signed(readonly));
             }
         }
         if let Ok(unsigned) = array.cast::<numpy::PyArray1<u32>>() {
             let readonly = unsigned.try_readonly()?;
             if readonly.as_slice().is_ok() {
-                return Ok(TokenIds::Unsigned(readonly));
+                return Ok(Ints::Unsigned(readonly));
             }
         }
     }
@@ -313,7 +300,7 @@ pub fn token_ids<'py>(
         if ids.iter().any(|&id| id > u32::MAX as u64) {
             return Err(out_of_range());
         }
-        return Ok(TokenIds::Owned(ids.iter().map(|&id| id as u32).collect()));
+        return Ok(Ints::Owned(ids.iter().map(|&id| id as u32).collect()));
     }
     let wide = converted(&array, "int64")?;
     let wide = wide.cast::<numpy::PyArray1<i64>>()?.try_readonly()?;
@@ -321,7 +308,7 @@ pub fn token_ids<'py>(
     if ids.iter().any(|&id| !(0..=u32::MAX as i64).contains(&id)) {
         return Err(out_of_range());
     }
-    Ok(TokenIds::Owned(ids.iter().map(|&id| id as u32).collect()))
+    Ok(Ints::Owned(ids.iter().map(|&id| id as u32).collect()))
 }
 
 /// Token positions (`starts`/`ends`): a list of ints or a 1-D numpy integer array.

@@ -126,6 +126,7 @@ pub fn to_py_err(error: CoreError) -> PyErr {
         | CoreError::OutOfHostBlocks { .. }
         | CoreError::PoolExhausted { .. } => raise(&OUT_OF_MEMORY_ERROR, message),
         CoreError::InvalidHandle(_) => raise(&INVALID_HANDLE_ERROR, message),
+        CoreError::QueueFull { .. } => raise(&QUEUE_FULL_ERROR, message),
         CoreError::UnknownSequence(_) => raise(&UNKNOWN_SEQUENCE_ERROR, message),
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
         CoreError::InvalidArgument(_) => PyValueError::new_err(message),

@@ -1,0 +1,199 @@
+//! `RequestBatcher`: the request-batching policy of `DynamicBatchScheduler` (convert, lock,
+//! call the core, map errors). Time comes in as an argument, in nanoseconds.
+
+use std::sync::{Mutex, MutexGuard};
+
+use atb_mem_core::{BatcherConfig, RequestBatcher, TimeoutAction};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert;
+use crate::errors::{value_error, IntoPyResult};
+
+fn ns(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
+    match obj.filter(|obj| !obj.is_none()) {
+        Some(obj) => Ok(Some(convert::count(obj, what, 0)? as u64)),
+        None => Ok(None),
+    }
+}
+
+fn timeout_action(name: &str) -> PyResult<TimeoutAction> {
+    match name {
+        "reject" => Ok(TimeoutAction::Reject),
+        "delay" => Ok(TimeoutAction::Delay),
+        other => Err(value_error(format!(
+            "timeout_action must be \"reject\" or \"delay\", got {other:?}"
+        ))),
+    }
+}
+
+fn config_dict<'py>(py: Python<'py>, config: &BatcherConfig) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("max_batch_size", config.max_batch_size)?;
+    dict.set_item("timeout_ns", config.timeout_ns)?;
+    dict.set_item(
+        "preferred_batch_sizes",
+        config.preferred_batch_sizes.clone(),
+    )?;
+    dict.set_item("max_queue_size", config.max_queue_size)?;
+    dict.set_item("priority_levels", config.priority_levels)?;
+    dict.set_item("default_timeout_ns", config.default_timeout_ns)?;
+    let action = match config.timeout_action {
+        TimeoutAction::Reject => "reject",
+        TimeoutAction::Delay => "delay",
+    };
+    dict.set_item("timeout_action", action)?;
+    Ok(dict)
+}
+
+/// Deterministic request-batching policy: queues per priority, releases a batch at
+/// `max_batch_size`, at a preferred size, or when the oldest request waited `timeout_ns`.
+#[pyclass(frozen, name = "RequestBatcher", module = "atb_mem._core")]
+pub struct PyRequestBatcher {
+    batcher: Mutex<RequestBatcher>,
+}
+
+impl PyRequestBatcher {
+    fn lock(&self) -> MutexGuard<'_, RequestBatcher> {
+        self.batcher
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_config(
+    max_batch_size: &Bound<'_, PyAny>,
+    timeout_ns: &Bound<'_, PyAny>,
+    preferred_batch_sizes: Vec<Bound<'_, PyAny>>,
+    max_queue_size: Option<&Bound<'_, PyAny>>,
+    priority_levels: &Bound<'_, PyAny>,
+    default_timeout_ns: Option<&Bound<'_, PyAny>>,
+    timeout_action_name: &str,
+) -> PyResult<BatcherConfig> {
+    let mut preferred = preferred_batch_sizes
+        .iter()
+        .map(|size| convert::count(size, "preferred_batch_sizes entries", 1))
+        .collect::<PyResult<Vec<_>>>()?;
+    preferred.sort_unstable();
+    preferred.dedup();
+    Ok(BatcherConfig {
+        max_batch_size: convert::count(max_batch_size, "max_batch_size", 1)?,
+        timeout_ns: convert::count(timeout_ns, "timeout_ns", 0)? as u64,
+        preferred_batch_sizes: preferred,
+        max_queue_size: match max_queue_size.filter(|limit| !limit.is_none()) {
+            Some(limit) => Some(convert::count(limit, "max_queue_size", 1)?),
+            None => None,
+        },
+        priority_levels: convert::count(priority_levels, "priority_levels", 1)?,
+        default_timeout_ns: ns(default_timeout_ns, "default_timeout_ns")?,
+        timeout_action: timeout_action(timeout_action_name)?,
+    })
+}
+
+#[pymethods]
+impl PyRequestBatcher {
+    #[new]
+    #[pyo3(signature = (max_batch_size, timeout_ns, preferred_batch_sizes, max_queue_size,
+                        priority_levels, default_timeout_ns, timeout_action))]
+    fn new(
+        max_batch_size: &Bound<'_, PyAny>,
+        timeout_ns: &Bound<'_, PyAny>,
+        preferred_batch_sizes: Vec<Bound<'_, PyAny>>,
+        max_queue_size: Option<&Bound<'_, PyAny>>,
+        priority_levels: &Bound<'_, PyAny>,
+        default_timeout_ns: Option<&Bound<'_, PyAny>>,
+        timeout_action: &str,
+    ) -> PyResult<Self> {
+        let config = build_config(
+            max_batch_size,
+            timeout_ns,
+            preferred_batch_sizes,
+            max_queue_size,
+            priority_levels,
+            default_timeout_ns,
+            timeout_action,
+        )?;
+        Ok(PyRequestBatcher {
+            batcher: Mutex::new(RequestBatcher::new(config).into_py_result()?),
+        })
+    }
+
+    /// The configuration as a dict.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        config_dict(py, self.lock().config())
+    }
+
+    /// Replaces the configuration (validated first); returns the previous one.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (max_batch_size, timeout_ns, preferred_batch_sizes, max_queue_size,
+                        priority_levels, default_timeout_ns, timeout_action))]
+    fn set_config<'py>(
+        &self,
+        py: Python<'py>,
+        max_batch_size: &Bound<'py, PyAny>,
+        timeout_ns: &Bound<'py, PyAny>,
+        preferred_batch_sizes: Vec<Bound<'py, PyAny>>,
+        max_queue_size: Option<&Bound<'py, PyAny>>,
+        priority_levels: &Bound<'py, PyAny>,
+        default_timeout_ns: Option<&Bound<'py, PyAny>>,
+        timeout_action: &str,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let config = build_config(
+            max_batch_size,
+            timeout_ns,
+            preferred_batch_sizes,
+            max_queue_size,
+            priority_levels,
+            default_timeout_ns,
+            timeout_action,
+        )?;
+        let previous = self.lock().set_config(config).into_py_result()?;
+        config_dict(py, &previous)
+    }
+
+    /// Queues request `request_id`; QueueFullError if the queue is full.
+    #[pyo3(signature = (request_id, priority, now_ns, timeout_ns=None))]
+    fn submit(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        priority: &Bound<'_, PyAny>,
+        now_ns: &Bound<'_, PyAny>,
+        timeout_ns: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let request_id = convert::seq_id(request_id, "request_id")?;
+        let priority = convert::count(priority, "priority", 0)?;
+        let now_ns = convert::count(now_ns, "now_ns", 0)? as u64;
+        let timeout_ns = ns(timeout_ns, "timeout_ns")?;
+        self.lock()
+            .submit(request_id, priority, now_ns, timeout_ns)
+            .into_py_result()
+    }
+
+    /// Takes a request out of the queue; False if it was not queued.
+    fn cancel(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let request_id = convert::seq_id(request_id, "request_id")?;
+        Ok(self.lock().cancel(request_id))
+    }
+
+    /// (batch ids, expired ids, next wake-up in ns or None) at time `now_ns`.
+    fn poll(&self, now_ns: &Bound<'_, PyAny>) -> PyResult<(Vec<u64>, Vec<u64>, Option<u64>)> {
+        let now_ns = convert::count(now_ns, "now_ns", 0)? as u64;
+        let poll = self.lock().poll(now_ns);
+        Ok((poll.batch, poll.expired, poll.next_wakeup_ns))
+    }
+
+    /// Empties the queue; returns the waiting ids by priority then arrival.
+    fn drain(&self) -> Vec<u64> {
+        self.lock().drain()
+    }
+
+    fn __len__(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let request_id = convert::seq_id(request_id, "request_id")?;
+        Ok(self.lock().contains(request_id))
+    }
+}
