@@ -198,7 +198,8 @@ def test_bad_constructor_arguments() -> None:
     for kwargs, error, match in [
         ({"num_blocks": 1, "block_size": 16}, ValueError, "num_blocks"),
         ({"num_blocks": 16, "block_size": 0}, ValueError, "block_size"),
-        ({"num_blocks": 2**28, "block_size": 16}, ValueError, "2\\*\\*31"),
+        ({"num_blocks": 2**26, "block_size": 64}, ValueError, "2\\*\\*31"),
+        ({"num_blocks": 2**28, "block_size": 1}, ValueError, "more than one pool manages"),
         ({"num_blocks": 16.0, "block_size": 16}, TypeError, "num_blocks"),
         ({"num_blocks": 16, "block_size": 16, "dtype": "float8"}, ValueError, "dtype"),
         ({"num_blocks": 16, "block_size": 16, "head_dim": 0}, ValueError, "head_dim"),
@@ -206,3 +207,17 @@ def test_bad_constructor_arguments() -> None:
     ]:
         with pytest.raises(error, match=match):
             atb_mem.KVCachePool(**kwargs)
+
+
+def test_non_ascii_and_huge_arguments_raise_cleanly() -> None:
+    kv = atb_mem.KVCachePool(16, 4)
+    with pytest.raises(TypeError, match="seq_id"):
+        kv.seq_len("é" * 40)
+    with pytest.raises(ValueError, match="out of range"):
+        kv.check_slots(np.array([2**64 - 1], np.uint64))
+    with pytest.raises(ValueError, match="more than one pool manages"):
+        atb_mem.KVCachePool(2**31, 1, device=None)
+    with pytest.raises(ValueError, match="max_allocations"):
+        atb_mem.MemPool(1 << 20, max_allocations=2**31 - 1)
+    with pytest.raises(ValueError, match="too large"):
+        kv.batch_table(2**16, 2**16)

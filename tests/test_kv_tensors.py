@@ -346,3 +346,46 @@ def test_npu_without_torch_npu_says_what_to_install() -> None:
             atb_mem.KVCachePool(16, 4, device="npu:0")
     else:
         pytest.fail("this test expects a machine without torch-npu")
+
+
+def test_write_kv_from_bytes_overlapping_the_cache() -> None:
+    """A key that is itself a view of the cache is read before anything is written."""
+    torch = require_torch()
+    pool = atb_mem.KVCachePool(4, 4, num_layers=1, num_kv_heads=1, head_dim=1,
+                               dtype="float32", device="cpu")
+    pool.alloc_sequence(1, 8)
+    slots = pool.slot_mapping([1], [0], [8])
+    keys = pool.key_cache(0)
+    keys.view(-1)[:] = torch.arange(keys.numel(), dtype=torch.float32)
+    source = keys[1].clone()
+    pool.write_kv(0, slots[1:5], keys[1], torch.zeros(4, 1, 1))
+    written = keys.view(-1)[slots[1:5].tolist()]
+    assert written.tolist() == source.view(-1).tolist()
+
+
+def test_write_kv_takes_grad_tensors_without_building_a_graph() -> None:
+    torch = require_torch()
+    pool = make_pool("cpu")
+    pool.alloc_sequence(1, 2)
+    key = torch.ones(2, 2, 8, requires_grad=True)
+    pool.write_kv(0, pool.slot_mapping([1], [0], [2]), key, key * 2)
+    assert not pool.kv_cache.requires_grad and pool.kv_cache.grad_fn is None
+    first_slot = int(pool.slot_mapping([1], [0], [1])[0])
+    assert float(pool.value_cache(0).reshape(-1, 2, 8)[first_slot][0, 0]) == 2
+
+
+def test_host_copy_kernels_refuse_overflowing_sizes() -> None:
+    from atb_mem import _core
+
+    dst = np.zeros(16, np.uint8)
+    none = np.zeros((0, 2), np.int32)
+    with pytest.raises(ValueError, match="overflows"):
+        _core.copy_blocks(dst, 2**32, None, 0, 2**32, none)
+    with pytest.raises(ValueError):
+        _core.copy_blocks(dst, 1, np.zeros(0, np.uint8), 2**60, 16, np.array([[1, 0]], np.int32))
+    with pytest.raises(ValueError, match="overflows"):
+        _core.scatter_rows(dst, 2**62, 1, np.zeros(8, np.int64), [(0, np.zeros(0, np.uint8))])
+    with pytest.raises(ValueError, match="read-only"):
+        frozen = np.zeros(16, np.uint8)
+        frozen.flags.writeable = False
+        _core.scatter_rows(frozen, 4, 4, np.zeros(1, np.int64), [(0, np.ones(4, np.uint8))])

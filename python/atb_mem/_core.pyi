@@ -109,6 +109,10 @@ class KVCachePool:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; appends copy on write."""
     def free_sequence(self, seq_id: int) -> None: ...
+    def peek_pending_copies(self) -> Int32Array:
+        """The pending copy-on-write pairs, without taking them."""
+    def discard_pending_copies(self, n: int) -> None:
+        """Drops the first ``n`` pending pairs, once they have been executed."""
     def take_pending_copies(self) -> Int32Array:
         """Copy-on-write pairs since the last call: int32 ``[k, 2]`` of (src, dst) blocks."""
     def block_tables(self, seq_ids: SeqIdsLike) -> Int32Array:

@@ -149,7 +149,7 @@ class TorchBackend:
         """The tensor's bytes as a flat numpy uint8 array (no copy); None off the host."""
         if not self._on_host(tensor):
             return None
-        return tensor.contiguous().view(self.torch.uint8).numpy().reshape(-1)
+        return tensor.detach().contiguous().view(self.torch.uint8).numpy().reshape(-1)
 
 
     def copy_blocks(self, dst: Any, dst_blocks: np.ndarray, src: Any,
@@ -161,10 +161,13 @@ class TorchBackend:
             return
         src_index = self.indices(src_blocks, str(src.device))
         dst_index = self.indices(dst_blocks, str(dst.device))
-        moved = src.index_select(2, src_index)
-        if moved.device != dst.device:
-            moved = moved.to(dst.device, non_blocking=True)
-        dst.index_copy_(2, dst_index, moved)
+        with self.torch.no_grad():
+            moved = src.index_select(2, src_index)
+            if moved.device != dst.device:
+                # Host-to-device may overlap with compute; device-to-host must have landed
+                # before the host reads it.
+                moved = moved.to(dst.device, non_blocking=dst.device.type != "cpu")
+            dst.index_copy_(2, dst_index, moved)
 
     def scatter_kv(self, kv: Any, kv_bytes: np.ndarray | None, layer: int, slots: np.ndarray,
                    key: Any, value: Any) -> None:
@@ -175,10 +178,11 @@ class TorchBackend:
         keep = np.flatnonzero(slots >= 0)
         index = self.indices(slots[keep], str(kv.device))
         flat = (-1, kv.shape[4], kv.shape[5])
-        for half, values in ((0, key), (1, value)):
-            if len(keep) != len(slots):
-                values = values.index_select(0, self.indices(keep, str(kv.device)))
-            kv[layer, half].view(flat).index_copy_(0, index, values)
+        with self.torch.no_grad():  # a cache is not part of any autograd graph
+            for half, values in ((0, key), (1, value)):
+                if len(keep) != len(slots):
+                    values = values.index_select(0, self.indices(keep, str(kv.device)))
+                kv[layer, half].view(flat).index_copy_(0, index, values)
 
     def synchronize(self) -> None:
         if self.device.startswith("cuda"):

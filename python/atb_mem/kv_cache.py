@@ -173,9 +173,11 @@ class KVCachePool(_core.KVCachePool):
     def apply_pending_copies(self) -> int:
         """Executes the copy-on-write pairs from forks, for every layer in one indexed copy.
         Returns how many blocks were copied."""
-        pairs = self.take_pending_copies()
+        pairs = self.peek_pending_copies()
         if len(pairs) and self._kv is not None:
             self._backend.copy_blocks(self._kv, pairs[:, 1], self._kv, pairs[:, 0])
+        # Only once the bytes moved: if the copy raised, the pairs are still pending.
+        self.discard_pending_copies(len(pairs))
         return len(pairs)
 
     def swap_out(self, seq_ids: Any) -> np.ndarray:

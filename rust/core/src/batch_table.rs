@@ -46,10 +46,10 @@ impl BatchTable {
         }
         let cells = max_seqs
             .checked_mul(max_blocks_per_seq)
-            .filter(|&cells| cells <= i32::MAX as usize)
+            .filter(|&cells| cells <= 1 << 28)
             .ok_or_else(|| {
                 CoreError::invalid(format!(
-                    "a {max_seqs} × {max_blocks_per_seq} block table is too large (over 2**31 entries)"
+                    "a {max_seqs} × {max_blocks_per_seq} block table is too large (over 2**28 entries)"
                 ))
             })?;
         let mut row_of = HashMap::new();

@@ -23,6 +23,9 @@ pub const NULL_BLOCK: u32 = 0;
 /// Largest token count (blocks × block size) for which every slot id fits an int32.
 pub const MAX_SLOTS: usize = i32::MAX as usize + 1;
 
+/// Most blocks one pool manages (about 5 GiB of bookkeeping; real caches hold far fewer).
+pub const MAX_BLOCKS: usize = 1 << 27;
+
 /// Prefix-cache counters since construction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixCacheCounters {
@@ -61,6 +64,13 @@ impl BlockPool {
         }
         if block_size == 0 {
             return Err(CoreError::invalid("block_size must be at least 1, got 0"));
+        }
+        if num_blocks > MAX_BLOCKS {
+            return Err(CoreError::invalid(format!(
+                "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
+                 bookkeeping alone would take {} GiB of host memory",
+                (num_blocks * 40) >> 30
+            )));
         }
         if num_blocks
             .checked_mul(block_size)

@@ -103,6 +103,8 @@ pub struct KvCache {
     scratch_slabs: Vec<u32>,
     /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
     scratch_moves: Vec<u32>,
+    /// Blocks the last `check_append_budget` found necessary.
+    last_append_need: usize,
 }
 
 const NO_BLOCK: u32 = u32::MAX;
@@ -137,6 +139,7 @@ impl KvCache {
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
             scratch_moves: Vec::new(),
+            last_append_need: 0,
         })
     }
 
@@ -283,10 +286,32 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<bool> {
+        Ok(self.blocks_to_allocate(tokens, cache_salt)? <= self.block_pool.num_free())
+    }
+
+    /// How many blocks of the free queue `alloc_sequence` would take now (fresh blocks plus
+    /// cached hits that no sequence uses).
+    pub fn blocks_to_allocate(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count")?;
         let (_, hits_queued) = self.match_prefix(tokens, cache_salt);
         let fresh = tokens.len().div_ceil(self.block_size()) - self.scratch_blocks.len();
-        Ok(fresh + hits_queued <= self.block_pool.num_free())
+        Ok(fresh + hits_queued)
+    }
+
+    /// How many blocks appending `n` tokens to one sequence would take now.
+    pub fn blocks_to_append(&mut self, seq_id: u64, n: usize) -> CoreResult<usize> {
+        let slab = self.slab_of(seq_id)?;
+        let before = self.block_pool.num_free();
+        match self.check_append_budget(&[slab], n) {
+            Ok(()) | Err(CoreError::OutOfBlocks { .. }) => {}
+            Err(error) => return Err(error),
+        }
+        debug_assert_eq!(before, self.block_pool.num_free());
+        Ok(self.last_append_need)
     }
 
     /// Gives a new sequence the blocks for `tokens`, reusing cached full blocks when token ids
@@ -432,6 +457,7 @@ impl KvCache {
                 holders.len() == self.block_pool.ref_count(holders[0]) as usize;
             needed += holders.len() - usize::from(every_holder_appends);
         }
+        self.last_append_need = needed;
         let available = self.block_pool.num_free();
         if needed > available {
             return Err(CoreError::OutOfBlocks { needed, available });
@@ -647,6 +673,17 @@ impl KvCache {
     pub fn take_pending_copies(&mut self, out: &mut Vec<[u32; 2]>) {
         out.clear();
         out.append(&mut self.pending_copies);
+    }
+
+    /// The copy-on-write pairs not yet taken, without taking them.
+    pub fn pending_copies(&self) -> &[[u32; 2]] {
+        &self.pending_copies
+    }
+
+    /// Drops the first `n` pending pairs (after a caller executed them).
+    pub fn discard_pending_copies(&mut self, n: usize) {
+        let n = n.min(self.pending_copies.len());
+        self.pending_copies.drain(..n);
     }
 
     pub fn num_pending_copies(&self) -> usize {

@@ -13,6 +13,7 @@
 pub mod batch_table;
 pub mod block_hash;
 pub mod block_pool;
+pub mod continuous_scheduler;
 pub mod error;
 pub mod free_queue;
 pub mod index_table;
@@ -25,6 +26,7 @@ pub mod request_batcher;
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
+pub use continuous_scheduler::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
 pub use error::{CoreError, CoreResult};
 pub use kv_cache::{KvCache, KvCacheStats, Tokens};
 pub use layout::{KvDtype, KvLayout};

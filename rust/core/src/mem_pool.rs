@@ -13,6 +13,9 @@ use crate::range_allocator::{AllocFailure, RangeAllocator};
 /// Largest region a pool manages.
 pub const MAX_CAPACITY: u64 = 1 << 48;
 
+/// Most live allocations a pool is sized for (its node store then takes 4 GiB).
+pub const MAX_ALLOCATIONS: u32 = 1 << 26;
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// How a request's size and start are rounded.
@@ -122,9 +125,9 @@ impl MemPool {
                 "alignment {alignment} exceeds the capacity {capacity}"
             )));
         }
-        if max_allocations == 0 || max_allocations > (u32::MAX - 1) / 2 {
+        if max_allocations == 0 || max_allocations > MAX_ALLOCATIONS {
             return Err(CoreError::invalid(format!(
-                "max_allocations must be in [1, 2**31 - 1), got {max_allocations}"
+                "max_allocations must be in [1, 2**26], got {max_allocations}"
             )));
         }
         let units = capacity / alignment;

@@ -23,10 +23,9 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     match obj.repr() {
         Ok(repr) => {
             let repr = repr.to_string();
-            if repr.len() > 60 {
-                format!("{}...", &repr[..60])
-            } else {
-                repr
+            match repr.char_indices().nth(60) {
+                Some((cut, _)) => format!("{}...", &repr[..cut]),
+                None => repr,
             }
         }
         Err(_) => type_name(obj),
@@ -264,7 +263,7 @@ pub fn token_ids<'py>(
         (_, Some([rows, columns])) => {
             return Err(value_error(format!(
                 "{what} must have shape ({rows}, {columns}) or ({},), got {dims:?}",
-                rows * columns
+                rows.saturating_mul(columns)
             )))
         }
         (_, None) => {
@@ -314,6 +313,18 @@ pub fn token_ids<'py>(
 /// Token positions (`starts`/`ends`): a list of ints or a 1-D numpy integer array.
 pub fn positions(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
     if let Some(array) = as_array(obj) {
+        if array.dtype().kind() == b'u' && array.dtype().itemsize() == 8 {
+            let wide = converted(&array, "uint64")?;
+            let wide = wide.cast::<numpy::PyArray1<u64>>()?.try_readonly()?;
+            return wide
+                .as_slice()?
+                .iter()
+                .map(|&value| {
+                    i64::try_from(value)
+                        .map_err(|_| value_error(format!("{what} out of range: {value}")))
+                })
+                .collect();
+        }
         if array.ndim() != 1 {
             return Err(value_error(format!(
                 "{what} must be 1-D, got shape {:?}",

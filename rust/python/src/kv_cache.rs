@@ -294,8 +294,8 @@ impl PyKvCachePool {
         let size: i64 = starts
             .iter()
             .zip(&ends)
-            .map(|(start, end)| (end - start).max(0))
-            .sum();
+            .map(|(start, end)| end.saturating_sub(*start).max(0))
+            .fold(0i64, |total, span| total.saturating_add(span));
         let mut slots = Vec::new();
         self.run(py, size as usize, |cache| {
             cache.slot_mapping(ids, &starts, &ends, &mut slots)
@@ -313,6 +313,19 @@ impl PyKvCachePool {
     fn free_sequence(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
         self.lock().free_sequence(seq_id).into_py_result()
+    }
+
+    /// The pending copy-on-write pairs, without taking them.
+    fn peek_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let pairs = self.lock().pending_copies().to_vec();
+        pairs_to_array(py, pairs)
+    }
+
+    /// Drops the first `n` pending pairs, once a caller has executed them.
+    fn discard_pending_copies(&self, n: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = convert::count(n, "n", 0)?;
+        self.lock().discard_pending_copies(n);
+        Ok(())
     }
 
     /// Copy-on-write pairs recorded since the last call, int32 `[k, 2]` of (src, dst) blocks.

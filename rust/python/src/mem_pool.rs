@@ -63,7 +63,7 @@ impl HostRegion {
         let base = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
             PyMemoryError::new_err(format!("could not allocate {nbytes} bytes of host memory"))
         })?;
-        let padding = base.as_ptr().align_offset(alignment);
+        let padding = (alignment - base.as_ptr() as usize % alignment) % alignment;
         // SAFETY: padding < alignment, and the allocation has `alignment` spare bytes.
         let aligned = unsafe { NonNull::new_unchecked(base.as_ptr().add(padding)) };
         Ok(HostRegion {
@@ -121,11 +121,11 @@ impl HostRegion {
         }
         // SAFETY: in bounds (checked above) and initialised (the region is zeroed at birth);
         // the array keeps `slf`, the owner of the memory, alive.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(region.aligned.as_ptr().add(offset), nbytes) };
-        let array = unsafe {
-            PyArray1::borrow_from_array(&ArrayView1::from(bytes), slf.clone().into_any())
-        };
+        // SAFETY: built from the region's own (mutable) pointer, not from a shared slice, so
+        // numpy may write through it.
+        let view =
+            unsafe { ArrayView1::from_shape_ptr(nbytes, region.aligned.as_ptr().add(offset)) };
+        let array = unsafe { PyArray1::borrow_from_array(&view, slf.clone().into_any()) };
         let typed = array.call_method1("view", (dtype,))?;
         match shape {
             Some(shape) if !shape.is_none() => typed.call_method1("reshape", (shape,)),

@@ -1,0 +1,640 @@
+//! Continuous batching over a [`KvCache`] (what Orca and vLLM's scheduler do), as a
+//! deterministic policy: the caller passes the time and the cache; every decision of a step
+//! comes back as one [`StepPlan`].
+//!
+//! Each step serves, in this order and within `max_num_batched_tokens` and `max_num_seqs`:
+//! 1. running sequences: a decode token each, or the next chunk of an unfinished prefill. A
+//!    decode that needs a block when none is free preempts the newest, lowest-priority running
+//!    sequence (possibly itself): `Recompute` frees its blocks and puts it at the front of the
+//!    queue, `Swap` moves it to the cache's host tier;
+//! 2. swapped-out sequences, swapped back in while blocks (beyond the watermark) allow;
+//! 3. waiting requests, admitted by priority then arrival while their whole prompt's blocks
+//!    (beyond the watermark) are there; prefix-cache hits count as computed.
+//!
+//! Nothing new is admitted while anything waits to resume, so a preempted sequence always
+//! comes back before later arrivals: none starves. Scheduled tokens count as computed when
+//! planned; a sequence whose last token was computed waits for its sampled token
+//! (`on_tokens`) before it is scheduled again.
+
+use std::collections::BTreeSet;
+
+use hashbrown::HashMap;
+
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{KvCache, Tokens};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preemption {
+    Recompute,
+    Swap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub enable_chunked_prefill: bool,
+    pub preemption: Preemption,
+    /// Fraction of the blocks admission and swap-in leave free for running decodes.
+    pub watermark: f64,
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> CoreResult<()> {
+        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            return Err(CoreError::invalid(
+                "max_num_seqs and max_num_batched_tokens must be at least 1",
+            ));
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(CoreError::invalid(format!(
+                "watermark must be in [0, 1), got {}",
+                self.watermark
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+#[derive(Debug, Clone)]
+struct Request {
+    state: State,
+    priority: u32,
+    /// Arrival order; preempted requests get a key ahead of every arrival.
+    queue_key: i64,
+    /// When it was last admitted or resumed, to pick the newest as a preemption victim.
+    admitted: u64,
+    prompt_len: usize,
+    /// Prompt ids, then the sampled ids (empty when the prompt was given as a count).
+    token_ids: Vec<u32>,
+    has_ids: bool,
+    num_outputs: usize,
+    max_new_tokens: usize,
+    /// Tokens whose K/V is computed (or planned this step).
+    num_computed: usize,
+    arrival_ns: u64,
+}
+
+impl Request {
+    fn num_tokens(&self) -> usize {
+        self.prompt_len + self.num_outputs
+    }
+}
+
+/// The decisions of one step. Batch rows are the scheduled sequences, prefills first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub prefill_seq_ids: Vec<u64>,
+    pub prefill_tokens: Vec<i32>,
+    pub decode_seq_ids: Vec<u64>,
+    /// Sequences whose step ends with a sampled token (decodes and finished prefills).
+    pub sample_seq_ids: Vec<u64>,
+    pub preempted_seq_ids: Vec<u64>,
+    pub swap_out: Vec<[u32; 2]>,
+    pub swap_in: Vec<[u32; 2]>,
+    pub copies: Vec<[u32; 2]>,
+    /// Per batch row: tokens computed this step, and K/V length after it.
+    pub query_lens: Vec<i32>,
+    pub context_lens: Vec<i32>,
+    /// `[rows, block_table_width]`, padded with the null block.
+    pub block_tables: Vec<i32>,
+    pub block_table_width: usize,
+    /// Slots of this step's tokens, row by row.
+    pub slot_mapping: Vec<i32>,
+    pub num_batched_tokens: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct ContinuousScheduler {
+    config: SchedulerConfig,
+    requests: HashMap<u64, Request>,
+    waiting: BTreeSet<(u32, i64, u64)>,
+    swapped: BTreeSet<(u32, i64, u64)>,
+    running: Vec<u64>,
+    next_arrival: i64,
+    next_front: i64,
+    next_admission: u64,
+    num_preemptions: u64,
+    scratch_moves: Vec<[u32; 2]>,
+    scratch_slots: Vec<i32>,
+}
+
+impl ContinuousScheduler {
+    pub fn new(config: SchedulerConfig, cache: &KvCache) -> CoreResult<Self> {
+        config.validate()?;
+        if config.preemption == Preemption::Swap && cache.num_host_blocks() == 0 {
+            return Err(CoreError::invalid(
+                "preemption=\"swap\" needs a KV cache with a host tier (num_host_blocks)",
+            ));
+        }
+        Ok(ContinuousScheduler {
+            config,
+            requests: HashMap::new(),
+            waiting: BTreeSet::new(),
+            swapped: BTreeSet::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            next_front: -1,
+            next_admission: 0,
+            num_preemptions: 0,
+            scratch_moves: Vec::new(),
+            scratch_slots: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> SchedulerConfig {
+        self.config
+    }
+
+    /// Validated first; a bad configuration changes nothing. Returns the previous one.
+    pub fn set_config(
+        &mut self,
+        config: SchedulerConfig,
+        cache: &KvCache,
+    ) -> CoreResult<SchedulerConfig> {
+        config.validate()?;
+        if config.preemption == Preemption::Swap && cache.num_host_blocks() == 0 {
+            return Err(CoreError::invalid("preemption=\"swap\" needs a host tier"));
+        }
+        Ok(std::mem::replace(&mut self.config, config))
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_swapped(&self) -> usize {
+        self.swapped.len()
+    }
+
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn contains(&self, seq_id: u64) -> bool {
+        self.requests.contains_key(&seq_id)
+    }
+
+    /// (prompt length, sampled so far, max_new_tokens) of a request.
+    pub fn progress(&self, seq_id: u64) -> CoreResult<(usize, usize, usize)> {
+        let request = self
+            .requests
+            .get(&seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?;
+        Ok((
+            request.prompt_len,
+            request.num_outputs,
+            request.max_new_tokens,
+        ))
+    }
+
+    fn watermark_blocks(&self, cache: &KvCache) -> usize {
+        (self.config.watermark * cache.num_blocks() as f64).ceil() as usize
+    }
+
+    /// Queues a request. Refuses one that could never fit the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_request(
+        &mut self,
+        cache: &KvCache,
+        seq_id: u64,
+        prompt: Tokens<'_>,
+        max_new_tokens: usize,
+        priority: u32,
+        arrival_ns: u64,
+    ) -> CoreResult<()> {
+        if self.requests.contains_key(&seq_id) || cache.contains(seq_id) {
+            return Err(CoreError::DuplicateSequence(seq_id));
+        }
+        if prompt.is_empty() || max_new_tokens == 0 {
+            return Err(CoreError::invalid(
+                "the prompt and max_new_tokens must be at least 1",
+            ));
+        }
+        let longest = prompt.len() + max_new_tokens;
+        let room = (cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache))
+            * cache.block_size();
+        if longest > room {
+            return Err(CoreError::invalid(format!(
+                "request {seq_id} may hold {longest} tokens; with the watermark the cache fits {room}"
+            )));
+        }
+        let token_ids = match prompt {
+            Tokens::Ids(ids) => ids.to_vec(),
+            Tokens::Count(_) => Vec::new(),
+        };
+        let queue_key = self.next_arrival;
+        self.next_arrival += 1;
+        self.requests.insert(
+            seq_id,
+            Request {
+                state: State::Waiting,
+                priority,
+                queue_key,
+                admitted: 0,
+                prompt_len: prompt.len(),
+                has_ids: matches!(prompt, Tokens::Ids(_)),
+                token_ids,
+                num_outputs: 0,
+                max_new_tokens,
+                num_computed: 0,
+                arrival_ns,
+            },
+        );
+        self.waiting.insert((priority, queue_key, seq_id));
+        Ok(())
+    }
+
+    /// Ends a request wherever it is, freeing its blocks.
+    pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
+        let request = self
+            .requests
+            .remove(&seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?;
+        let key = (request.priority, request.queue_key, seq_id);
+        match request.state {
+            State::Waiting => {
+                self.waiting.remove(&key);
+            }
+            State::Swapped => {
+                self.swapped.remove(&key);
+            }
+            State::Running => self.running.retain(|&id| id != seq_id),
+        }
+        if cache.contains(seq_id) {
+            cache.free_sequence(seq_id)?;
+        }
+        Ok(())
+    }
+
+    /// Records the sampled tokens of the sequences the last step planned to sample. A
+    /// sequence that reached `max_new_tokens` (or sampled `eos_token_id`) finishes and its
+    /// blocks are freed; the finished ids are appended to `finished`. All-or-nothing.
+    pub fn on_tokens(
+        &mut self,
+        cache: &mut KvCache,
+        seq_ids: &[u64],
+        token_ids: &[u32],
+        eos_token_id: Option<u32>,
+        finished: &mut Vec<u64>,
+    ) -> CoreResult<()> {
+        if seq_ids.len() != token_ids.len() {
+            return Err(CoreError::invalid(
+                "seq_ids and token_ids must have the same length",
+            ));
+        }
+        for (i, &seq_id) in seq_ids.iter().enumerate() {
+            let request = self
+                .requests
+                .get(&seq_id)
+                .ok_or(CoreError::UnknownSequence(seq_id))?;
+            if request.state != State::Running || request.num_computed != request.num_tokens() {
+                return Err(CoreError::invalid(format!(
+                    "sequence {seq_id} has no token to sample now"
+                )));
+            }
+            if seq_ids[..i].contains(&seq_id) {
+                return Err(CoreError::invalid(format!(
+                    "sequence {seq_id} appears twice"
+                )));
+            }
+        }
+        for (&seq_id, &token) in seq_ids.iter().zip(token_ids) {
+            let Some(request) = self.requests.get_mut(&seq_id) else {
+                continue;
+            };
+            request.num_outputs += 1;
+            if request.has_ids {
+                request.token_ids.push(token);
+            }
+            if request.num_outputs >= request.max_new_tokens || Some(token) == eos_token_id {
+                self.requests.remove(&seq_id);
+                self.running.retain(|&id| id != seq_id);
+                cache.free_sequence(seq_id)?;
+                finished.push(seq_id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans one step at time `now_ns` into `plan` (cleared first).
+    pub fn step(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        let _ = now_ns;
+        *plan = StepPlan {
+            block_tables: std::mem::take(&mut plan.block_tables),
+            ..StepPlan::default()
+        };
+        plan.block_tables.clear();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled: Vec<(u64, usize, bool)> = Vec::new();
+
+        // 1. Running sequences, highest priority and oldest first.
+        let mut order = self.running.clone();
+        order.sort_by_key(|id| {
+            self.requests
+                .get(id)
+                .map(|r| (r.priority, r.admitted))
+                .unwrap_or_default()
+        });
+        for seq_id in order {
+            if budget == 0 {
+                break;
+            }
+            let Some(request) = self.requests.get(&seq_id) else {
+                continue;
+            };
+            if request.state != State::Running || request.num_computed == request.num_tokens() {
+                continue; // preempted this step, or waiting for its sampled token
+            }
+            let remaining = request.num_tokens() - request.num_computed;
+            let prefill = request.num_computed < request.prompt_len.max(request.num_tokens() - 1);
+            if !prefill {
+                // A decode: one more slot, which may need a block.
+                loop {
+                    let needed = cache.blocks_to_append(seq_id, 1)?;
+                    if needed <= cache.num_free_blocks() {
+                        break;
+                    }
+                    let victim = self.pick_victim(seq_id);
+                    self.preempt(cache, victim, plan)?;
+                    if victim == seq_id {
+                        break;
+                    }
+                }
+                if self
+                    .requests
+                    .get(&seq_id)
+                    .is_none_or(|r| r.state != State::Running)
+                {
+                    continue;
+                }
+                cache.append_tokens(&[seq_id], 1, None, &mut self.scratch_slots)?;
+                self.mark_computed(seq_id, 1);
+                scheduled.push((seq_id, 1, false));
+                budget -= 1;
+            } else {
+                let chunk = remaining.min(budget);
+                if chunk < remaining && !self.config.enable_chunked_prefill {
+                    continue;
+                }
+                self.mark_computed(seq_id, chunk);
+                scheduled.push((seq_id, chunk, true));
+                budget -= chunk;
+            }
+        }
+
+        // 2. Swapped-out sequences come back before anything new is admitted.
+        if plan.preempted_seq_ids.is_empty() {
+            while let Some(&(priority, key, seq_id)) = self.swapped.first() {
+                let blocks = cache.block_table(seq_id)?.len();
+                if self.running.len() >= self.config.max_num_seqs
+                    || blocks + self.watermark_blocks(cache) > cache.num_free_blocks()
+                {
+                    break;
+                }
+                self.swapped.remove(&(priority, key, seq_id));
+                cache.swap_in(&[seq_id], &mut self.scratch_moves)?;
+                plan.swap_in.extend_from_slice(&self.scratch_moves);
+                self.resume(seq_id, State::Running);
+            }
+        }
+
+        // 3. Waiting requests, while nothing waits to resume.
+        while plan.preempted_seq_ids.is_empty() && self.swapped.is_empty() && budget > 0 {
+            let Some(&(priority, key, seq_id)) = self.waiting.first() else {
+                break;
+            };
+            if self.running.len() >= self.config.max_num_seqs {
+                break;
+            }
+            let request = &self.requests[&seq_id];
+            let total = request.num_tokens();
+            let tokens = if request.has_ids {
+                Tokens::Ids(&request.token_ids)
+            } else {
+                Tokens::Count(total)
+            };
+            let needed = cache.blocks_to_allocate(tokens, None)?;
+            if needed + self.watermark_blocks(cache) > cache.num_free_blocks() {
+                break;
+            }
+            let cached = cache.alloc_sequence(seq_id, tokens, None)?;
+            self.waiting.remove(&(priority, key, seq_id));
+            self.resume(seq_id, State::Running);
+            let request = self
+                .requests
+                .get_mut(&seq_id)
+                .ok_or(CoreError::UnknownSequence(seq_id))?;
+            request.num_computed = cached;
+            let remaining = total - cached;
+            let chunk = remaining.min(budget);
+            if chunk < remaining && !self.config.enable_chunked_prefill {
+                // Admitted with its blocks; it prefills whole in a later step.
+                continue;
+            }
+            self.mark_computed(seq_id, chunk);
+            scheduled.push((seq_id, chunk, true));
+            budget -= chunk;
+        }
+
+        self.build_plan(cache, &scheduled, plan)
+    }
+
+    fn mark_computed(&mut self, seq_id: u64, tokens: usize) {
+        if let Some(request) = self.requests.get_mut(&seq_id) {
+            request.num_computed += tokens;
+        }
+    }
+
+    fn resume(&mut self, seq_id: u64, state: State) {
+        let admitted = self.next_admission;
+        self.next_admission += 1;
+        if let Some(request) = self.requests.get_mut(&seq_id) {
+            request.state = state;
+            request.admitted = admitted;
+        }
+        self.running.push(seq_id);
+    }
+
+    /// The newest, lowest-priority running sequence.
+    fn pick_victim(&self, fallback: u64) -> u64 {
+        self.running
+            .iter()
+            .copied()
+            .max_by_key(|id| {
+                self.requests
+                    .get(id)
+                    .map(|r| (r.priority, r.admitted))
+                    .unwrap_or_default()
+            })
+            .unwrap_or(fallback)
+    }
+
+    fn preempt(&mut self, cache: &mut KvCache, seq_id: u64, plan: &mut StepPlan) -> CoreResult<()> {
+        self.running.retain(|&id| id != seq_id);
+        self.num_preemptions += 1;
+        plan.preempted_seq_ids.push(seq_id);
+        let Some(request) = self.requests.get_mut(&seq_id) else {
+            return Ok(());
+        };
+        let blocks = cache.block_table(seq_id)?.len();
+        let swap =
+            self.config.preemption == Preemption::Swap && blocks <= cache.num_free_host_blocks();
+        if swap {
+            cache.take_pending_copies(&mut self.scratch_moves);
+            plan.copies.extend_from_slice(&self.scratch_moves);
+            cache.swap_out(&[seq_id], &mut self.scratch_moves)?;
+            plan.swap_out.extend_from_slice(&self.scratch_moves);
+            request.state = State::Swapped;
+            request.queue_key = self.next_front;
+            self.swapped
+                .insert((request.priority, request.queue_key, seq_id));
+        } else {
+            // Recompute: everything known so far becomes the prompt of a fresh prefill.
+            cache.free_sequence(seq_id)?;
+            request.num_computed = 0;
+            request.state = State::Waiting;
+            request.queue_key = self.next_front;
+            self.waiting
+                .insert((request.priority, request.queue_key, seq_id));
+        }
+        self.next_front -= 1;
+        Ok(())
+    }
+
+    fn build_plan(
+        &mut self,
+        cache: &mut KvCache,
+        scheduled: &[(u64, usize, bool)],
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        // Prefills first, then decodes, each in scheduling order.
+        let rows = scheduled
+            .iter()
+            .filter(|row| row.2)
+            .chain(scheduled.iter().filter(|row| !row.2));
+        let mut width = 0;
+        for &(seq_id, tokens, prefill) in rows.clone() {
+            let request = self
+                .requests
+                .get(&seq_id)
+                .ok_or(CoreError::UnknownSequence(seq_id))?;
+            if prefill {
+                plan.prefill_seq_ids.push(seq_id);
+                plan.prefill_tokens.push(tokens as i32);
+            } else {
+                plan.decode_seq_ids.push(seq_id);
+            }
+            if request.num_computed == request.num_tokens() {
+                plan.sample_seq_ids.push(seq_id);
+            }
+            plan.query_lens.push(tokens as i32);
+            plan.context_lens.push(request.num_computed as i32);
+            let end = request.num_computed as i64;
+            cache.slot_mapping(
+                &[seq_id],
+                &[end - tokens as i64],
+                &[end],
+                &mut self.scratch_slots,
+            )?;
+            plan.slot_mapping.extend_from_slice(&self.scratch_slots);
+            width = width.max(cache.block_table(seq_id)?.len());
+            plan.num_batched_tokens += tokens;
+        }
+        plan.block_table_width = width;
+        plan.block_tables.resize(plan.query_lens.len() * width, 0);
+        for (row, &(seq_id, _, _)) in rows.enumerate() {
+            for (cell, &block) in plan.block_tables[row * width..]
+                .iter_mut()
+                .zip(cache.block_table(seq_id)?)
+            {
+                *cell = block as i32;
+            }
+        }
+        cache.take_pending_copies(&mut self.scratch_moves);
+        plan.copies.extend_from_slice(&self.scratch_moves);
+        Ok(())
+    }
+
+    /// Checks the scheduler's bookkeeping against the cache (for tests).
+    pub fn check_invariants(&self, cache: &KvCache) -> Result<(), String> {
+        for (&seq_id, request) in &self.requests {
+            let key = (request.priority, request.queue_key, seq_id);
+            let (in_waiting, in_swapped, in_running) = (
+                self.waiting.contains(&key),
+                self.swapped.contains(&key),
+                self.running.contains(&seq_id),
+            );
+            let expected = match request.state {
+                State::Waiting => (true, false, false),
+                State::Swapped => (false, true, false),
+                State::Running => (false, false, true),
+            };
+            if (in_waiting, in_swapped, in_running) != expected {
+                return Err(format!(
+                    "request {seq_id} is {:?} but queued as {:?}",
+                    request.state,
+                    (in_waiting, in_swapped, in_running)
+                ));
+            }
+            let on_cache = cache.contains(seq_id);
+            if on_cache != (request.state != State::Waiting) {
+                return Err(format!(
+                    "request {seq_id} ({:?}) on the cache: {on_cache}",
+                    request.state
+                ));
+            }
+            if request.state == State::Running {
+                let slots = cache.seq_len(seq_id).map_err(|error| error.to_string())?;
+                if slots < request.num_computed || slots > request.num_tokens() {
+                    return Err(format!(
+                        "request {seq_id}: {slots} slots for {} computed of {} tokens",
+                        request.num_computed,
+                        request.num_tokens()
+                    ));
+                }
+            }
+            if request.num_computed > request.num_tokens()
+                || request.num_outputs >= request.max_new_tokens
+            {
+                return Err(format!("request {seq_id} overran: {request:?}"));
+            }
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(format!(
+                "{} running > max_num_seqs {}",
+                self.running.len(),
+                self.config.max_num_seqs
+            ));
+        }
+        if self.waiting.len() + self.swapped.len() + self.running.len() != self.requests.len() {
+            return Err("queues and requests disagree".into());
+        }
+        cache.check_invariants()
+    }
+
+    /// Arrival time of a request.
+    pub fn arrival_ns(&self, seq_id: u64) -> CoreResult<u64> {
+        Ok(self
+            .requests
+            .get(&seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?
+            .arrival_ns)
+    }
+}
