@@ -45,7 +45,7 @@ def test_module_names_match() -> None:
 
 
 @pytest.mark.parametrize("name", ["KVCachePool", "BatchTable", "MemPool", "Allocation",
-                                  "RequestBatcher",
+                                  "RequestBatcher", "ContinuousScheduler",
                                   "HostRegion"])
 def test_class_members_and_signatures_match(name: str) -> None:
     stub = stub_classes()[name]

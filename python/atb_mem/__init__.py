@@ -25,6 +25,7 @@ from atb_mem.batching import Batch, DynamicBatchScheduler
 from atb_mem.kv_cache import KVCachePool
 from atb_mem.mem_pool import MemPool
 from atb_mem.planning import KVCachePlan, plan_kv_cache
+from atb_mem.scheduling import ContinuousBatchScheduler, StepPlan
 
 __all__ = [
     "NULL_BLOCK",
@@ -33,6 +34,7 @@ __all__ = [
     "AtbMemError",
     "Batch",
     "BatchTable",
+    "ContinuousBatchScheduler",
     "DuplicateSequenceError",
     "DynamicBatchScheduler",
     "HostRegion",
@@ -43,6 +45,7 @@ __all__ = [
     "OutOfMemoryError",
     "QueueFullError",
     "RequestTimeoutError",
+    "StepPlan",
     "UnknownSequenceError",
     "__version__",
     "acl",

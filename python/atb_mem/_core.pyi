@@ -317,3 +317,40 @@ class RequestBatcher:
     def drain(self) -> list[int]: ...
     def __len__(self) -> int: ...
     def __contains__(self, request_id: int) -> bool: ...
+
+class ContinuousScheduler:
+    """Continuous-batching policy behind ``ContinuousBatchScheduler`` (times in ns)."""
+
+    def __new__(
+        cls,
+        kv_cache: KVCachePool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        preemption: str,
+        watermark: float,
+    ) -> ContinuousScheduler: ...
+    def config(self) -> dict[str, Any]: ...
+    def set_config(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        preemption: str,
+        watermark: float,
+    ) -> dict[str, Any]: ...
+    def add_request(
+        self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int, priority: int,
+        arrival_ns: int,
+    ) -> None: ...
+    def step(self, now_ns: int) -> dict[str, Any]:
+        """The step plan as numpy arrays (see ``atb_mem.StepPlan``)."""
+    def on_tokens(
+        self, seq_ids: SeqIdsLike, token_ids: TokenIdsLike, eos_token_id: int | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """Returns the ids of the sequences that finished."""
+    def abort(self, seq_id: int) -> None: ...
+    def progress(self, seq_id: int) -> tuple[int, int, int]: ...
+    def counts(self) -> dict[str, int]: ...
+    def __contains__(self, seq_id: int) -> bool: ...
+    def _check_invariants(self) -> None: ...

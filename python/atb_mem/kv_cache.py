@@ -180,6 +180,18 @@ class KVCachePool(_core.KVCachePool):
         self.discard_pending_copies(len(pairs))
         return len(pairs)
 
+    def _execute_moves(self, copies: np.ndarray, swap_out: np.ndarray,
+                       swap_in: np.ndarray) -> None:
+        """Executes a scheduler step's block moves, in the order they are valid: copy-on-write
+        copies, then device→host, then host→device."""
+        kv, backend = self._require_bytes(), self._backend
+        if len(copies):
+            backend.copy_blocks(kv, copies[:, 1], kv, copies[:, 0])
+        if len(swap_out):
+            backend.copy_blocks(self.host_kv_cache, swap_out[:, 1], kv, swap_out[:, 0])
+        if len(swap_in):
+            backend.copy_blocks(kv, swap_in[:, 1], self.host_kv_cache, swap_in[:, 0])
+
     def swap_out(self, seq_ids: Any) -> np.ndarray:
         """Moves the sequences' blocks to the host tier and frees their device blocks; a block
         they share is moved once. Pending copy-on-write copies run first. All-or-nothing.

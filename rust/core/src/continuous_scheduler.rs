@@ -230,6 +230,13 @@ impl ContinuousScheduler {
                 "request {seq_id} may hold {longest} tokens; with the watermark the cache fits {room}"
             )));
         }
+        if !self.config.enable_chunked_prefill && longest > self.config.max_num_batched_tokens {
+            return Err(CoreError::invalid(format!(
+                "request {seq_id} may need a {longest}-token prefill (after a preemption), more than \
+                 max_num_batched_tokens={} without chunked prefill",
+                self.config.max_num_batched_tokens
+            )));
+        }
         let token_ids = match prompt {
             Tokens::Ids(ids) => ids.to_vec(),
             Tokens::Count(_) => Vec::new(),

@@ -48,7 +48,8 @@ fn source<'a>(src: &'a Bound<'_, PyArray1<u8>>, dst: (usize, usize)) -> PyResult
 
 /// `dst` borrowed for writing (numpy refuses a read-only array here).
 fn destination<'py>(dst: &Bound<'py, PyArray1<u8>>) -> PyResult<numpy::PyReadwriteArray1<'py, u8>> {
-    dst.try_readwrite().map_err(|_| value_error("dst is read-only, or borrowed elsewhere"))
+    dst.try_readwrite()
+        .map_err(|_| value_error("dst is read-only, or borrowed elsewhere"))
 }
 
 fn run(py: Python<'_>, bytes: usize, work: impl FnOnce() + Send) {

@@ -30,7 +30,7 @@ pub struct PyKvCachePool {
 }
 
 impl PyKvCachePool {
-    fn lock(&self) -> MutexGuard<'_, KvCache> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, KvCache> {
         lock(&self.cache)
     }
 

@@ -7,6 +7,7 @@ mod host_copy;
 mod kv_cache;
 mod mem_pool;
 mod request_batcher;
+mod scheduler;
 
 use pyo3::prelude::*;
 
@@ -19,6 +20,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<mem_pool::PyAllocation>()?;
     module.add_class::<mem_pool::HostRegion>()?;
     module.add_class::<request_batcher::PyRequestBatcher>()?;
+    module.add_class::<scheduler::PyContinuousScheduler>()?;
     module.add_function(wrap_pyfunction!(host_copy::scatter_rows, module)?)?;
     module.add_function(wrap_pyfunction!(host_copy::copy_blocks, module)?)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;

@@ -1,0 +1,162 @@
+"""Continuous batching over a ``KVCachePool`` (what Orca and vLLM's scheduler do).
+
+The policy lives in the Rust core (deterministic: the time is an argument); ``step()`` is one
+call into it that returns every decision and array the model runner needs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from atb_mem import _core
+from atb_mem.kv_cache import KVCachePool
+
+__all__ = ["ContinuousBatchScheduler", "StepPlan"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decisions. Batch rows are the scheduled sequences, prefills first, then
+    decodes; ``query_lens``, ``context_lens``, ``block_tables`` and ``slot_mapping`` follow the
+    rows (int32). ``swap_out``, ``swap_in`` and ``copies`` are int32 ``[k, 2]`` block pairs that
+    were executed already if the cache holds bytes, and must be before the model runs if not."""
+
+    prefill_seq_ids: np.ndarray
+    prefill_tokens: np.ndarray
+    decode_seq_ids: np.ndarray
+    sample_seq_ids: np.ndarray
+    preempted_seq_ids: np.ndarray
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    copies: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    num_batched_tokens: int
+
+    @property
+    def seq_ids(self) -> np.ndarray:
+        """Sequence ids by batch row."""
+        return np.concatenate([self.prefill_seq_ids, self.decode_seq_ids])
+
+    def __len__(self) -> int:
+        return len(self.query_lens)
+
+
+_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "preemption",
+             "watermark")
+
+
+class ContinuousBatchScheduler:
+    """Decides, step by step, which sequences prefill (in chunks), which decode, and which are
+    preempted, over ``kv_cache``'s blocks.
+
+    Admission happens only when a request's blocks are there (free plus evictable, minus
+    ``watermark`` of the cache). When a decode needs a block and none is free, the newest,
+    lowest-priority running sequence is preempted: ``preemption="recompute"`` frees its blocks
+    and requeues it at the front; ``"swap"`` moves it to the cache's host tier (falling back to
+    recompute when the tier is full). Preempted sequences resume before anything new is
+    admitted, so none starves. After the model ran, report the sampled tokens of
+    ``plan.sample_seq_ids`` with ``on_tokens``; a sequence finishes at ``max_new_tokens`` (or
+    ``eos_token_id``), or with ``finish``/``abort``.
+    """
+
+    def __init__(self, kv_cache: KVCachePool, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
+                 preemption: str = "recompute", watermark: float = 0.01,
+                 eos_token_id: int | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.eos_token_id = eos_token_id
+        self._core = _core.ContinuousScheduler(kv_cache, max_num_seqs, max_num_batched_tokens,
+                                               bool(enable_chunked_prefill), preemption,
+                                               float(watermark))
+        self._new_settings: dict[str, Any] | None = None
+        self._finished = 0
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, seq_id: int, prompt: Any, max_new_tokens: int, *, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request. ``prompt`` is a token count or the token ids (prefix-cache hits
+        then count as computed). Lower ``priority`` numbers go first."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
+            raise ValueError(f"arrival_time must be a time in seconds >= 0, got {arrival!r}")
+        self._core.add_request(seq_id, prompt, max_new_tokens, priority, round(arrival * 1e9))
+
+    def step(self, now: float | None = None) -> StepPlan:
+        """Plans the next step (one call into the core) and executes its block moves on the
+        cache's bytes, if it has any."""
+        self._apply_new_settings()
+        now = time.monotonic() if now is None else now
+        plan = StepPlan(**self._core.step(round(now * 1e9)))
+        if self.kv_cache.device is not None and (len(plan.copies) or len(plan.swap_out)
+                                                 or len(plan.swap_in)):
+            self.kv_cache._execute_moves(plan.copies, plan.swap_out, plan.swap_in)
+        return plan
+
+    def on_tokens(self, seq_ids: Any, new_token_ids: Any) -> np.ndarray:
+        """Records the tokens sampled for ``seq_ids`` (``plan.sample_seq_ids``); returns the
+        ids of the sequences that finished (their blocks are freed)."""
+        finished = self._core.on_tokens(seq_ids, new_token_ids, self.eos_token_id)
+        self._finished += len(finished)
+        return finished
+
+    def finish(self, seq_id: int) -> None:
+        """Ends a sequence now (a stop string, a client that has enough) and frees it."""
+        self._core.abort(seq_id)
+        self._finished += 1
+
+    def abort(self, seq_id: int) -> None:
+        """Cancels a request wherever it is and frees its blocks."""
+        self._core.abort(seq_id)
+
+    def progress(self, seq_id: int) -> tuple[int, int, int]:
+        """(prompt length, tokens sampled so far, max_new_tokens)."""
+        return self._core.progress(seq_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._core
+
+    def stats(self) -> dict[str, Any]:
+        counts = self._core.counts()
+        counts["finished"] = self._finished
+        return counts
+
+    # ---- configuration ---------------------------------------------------------------------
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._core.config()
+
+    def reconfigure(self, **changes: Any) -> dict[str, Any]:
+        """Changes settings while requests flow: validated now (a bad value changes nothing
+        and raises), applied at the next step. Returns the previous configuration."""
+        unknown = sorted(set(changes) - set(_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
+        new = dict(self._new_settings or self.config) | changes
+        _core.ContinuousScheduler(self.kv_cache, new["max_num_seqs"],
+                                  new["max_num_batched_tokens"],
+                                  bool(new["enable_chunked_prefill"]), new["preemption"],
+                                  float(new["watermark"]))  # validates, changes nothing
+        previous = self.config
+        self._new_settings = new
+        return previous
+
+    def _apply_new_settings(self) -> None:
+        if self._new_settings is not None:
+            new, self._new_settings = self._new_settings, None
+            self._core.set_config(new["max_num_seqs"], new["max_num_batched_tokens"],
+                                  bool(new["enable_chunked_prefill"]), new["preemption"],
+                                  float(new["watermark"]))
+
+    def _check_invariants(self) -> None:
+        self._core._check_invariants()
+
+

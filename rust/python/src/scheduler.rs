@@ -1,0 +1,275 @@
+//! `ContinuousBatchScheduler`'s core: convert, lock (the KV cache, then the scheduler, as
+//! every caller does), call, map errors. One `step` call builds every array of the plan.
+
+use std::sync::{Mutex, MutexGuard};
+
+use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan, Tokens};
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert;
+use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::kv_cache::PyKvCachePool;
+
+fn preemption(name: &str) -> PyResult<Preemption> {
+    match name {
+        "recompute" => Ok(Preemption::Recompute),
+        "swap" => Ok(Preemption::Swap),
+        other => Err(value_error(format!(
+            "preemption must be \"recompute\" or \"swap\", got {other:?}"
+        ))),
+    }
+}
+
+fn build_config(
+    max_num_seqs: &Bound<'_, PyAny>,
+    max_num_batched_tokens: &Bound<'_, PyAny>,
+    enable_chunked_prefill: bool,
+    preemption_name: &str,
+    watermark: f64,
+) -> PyResult<SchedulerConfig> {
+    Ok(SchedulerConfig {
+        max_num_seqs: convert::count(max_num_seqs, "max_num_seqs", 1)?,
+        max_num_batched_tokens: convert::count(
+            max_num_batched_tokens,
+            "max_num_batched_tokens",
+            1,
+        )?,
+        enable_chunked_prefill,
+        preemption: preemption(preemption_name)?,
+        watermark,
+    })
+}
+
+fn config_dict<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("max_num_seqs", config.max_num_seqs)?;
+    dict.set_item("max_num_batched_tokens", config.max_num_batched_tokens)?;
+    dict.set_item("enable_chunked_prefill", config.enable_chunked_prefill)?;
+    let name = match config.preemption {
+        Preemption::Recompute => "recompute",
+        Preemption::Swap => "swap",
+    };
+    dict.set_item("preemption", name)?;
+    dict.set_item("watermark", config.watermark)?;
+    Ok(dict)
+}
+
+fn pairs<'py>(py: Python<'py>, pairs: &[[u32; 2]]) -> PyResult<Bound<'py, PyAny>> {
+    let cells: Vec<i32> = pairs
+        .iter()
+        .flat_map(|&[a, b]| [a as i32, b as i32])
+        .collect();
+    let array =
+        Array2::from_shape_vec((pairs.len(), 2), cells).map_err(|e| type_error(e.to_string()))?;
+    Ok(array.into_pyarray(py).into_any())
+}
+
+/// Continuous-batching policy over a `KVCachePool` (see `atb_mem.ContinuousBatchScheduler`).
+#[pyclass(frozen, name = "ContinuousScheduler", module = "atb_mem._core")]
+pub struct PyContinuousScheduler {
+    pool: Py<PyKvCachePool>,
+    scheduler: Mutex<ContinuousScheduler>,
+}
+
+impl PyContinuousScheduler {
+    fn lock(&self) -> MutexGuard<'_, ContinuousScheduler> {
+        self.scheduler
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyContinuousScheduler {
+    #[new]
+    #[pyo3(signature = (kv_cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                        preemption, watermark))]
+    fn new(
+        kv_cache: &Bound<'_, PyAny>,
+        max_num_seqs: &Bound<'_, PyAny>,
+        max_num_batched_tokens: &Bound<'_, PyAny>,
+        enable_chunked_prefill: bool,
+        preemption: &str,
+        watermark: f64,
+    ) -> PyResult<Self> {
+        let pool = kv_cache.cast::<PyKvCachePool>().map_err(|_| {
+            type_error(format!(
+                "kv_cache must be a KVCachePool, got {}",
+                convert::type_name(kv_cache)
+            ))
+        })?;
+        let config = build_config(
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_chunked_prefill,
+            preemption,
+            watermark,
+        )?;
+        let scheduler = ContinuousScheduler::new(config, &pool.get().lock()).into_py_result()?;
+        Ok(PyContinuousScheduler {
+            pool: pool.clone().unbind(),
+            scheduler: Mutex::new(scheduler),
+        })
+    }
+
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        config_dict(py, &self.lock().config())
+    }
+
+    /// Validated first; returns the previous configuration.
+    fn set_config<'py>(
+        &self,
+        py: Python<'py>,
+        max_num_seqs: &Bound<'py, PyAny>,
+        max_num_batched_tokens: &Bound<'py, PyAny>,
+        enable_chunked_prefill: bool,
+        preemption: &str,
+        watermark: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let config = build_config(
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_chunked_prefill,
+            preemption,
+            watermark,
+        )?;
+        let cache = self.pool.get().lock();
+        let previous = self.lock().set_config(config, &cache).into_py_result()?;
+        config_dict(py, &previous)
+    }
+
+    #[pyo3(signature = (seq_id, prompt, max_new_tokens, priority, arrival_ns))]
+    fn add_request(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        prompt: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+        priority: &Bound<'_, PyAny>,
+        arrival_ns: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        let max_new_tokens = convert::count(max_new_tokens, "max_new_tokens", 1)?;
+        let priority = u32::try_from(convert::count(priority, "priority", 0)?)
+            .map_err(|_| value_error("priority must be below 2**32"))?;
+        let arrival_ns = convert::count(arrival_ns, "arrival_time", 0)? as u64;
+        let ids;
+        let tokens = if convert::is_sequence_like(prompt) {
+            ids = convert::token_ids(prompt, "prompt", None)?;
+            Tokens::Ids(ids.as_slice())
+        } else {
+            Tokens::Count(convert::count(prompt, "prompt", 1)?)
+        };
+        let cache = self.pool.get().lock();
+        self.lock()
+            .add_request(&cache, seq_id, tokens, max_new_tokens, priority, arrival_ns)
+            .into_py_result()
+    }
+
+    /// Plans one step; returns the plan as a dict of numpy arrays (and a few ints).
+    fn step<'py>(
+        &self,
+        py: Python<'py>,
+        now_ns: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let now_ns = convert::count(now_ns, "now", 0)? as u64;
+        let mut plan = StepPlan::default();
+        {
+            let mut cache = self.pool.get().lock();
+            self.lock()
+                .step(&mut cache, now_ns, &mut plan)
+                .into_py_result()?;
+        }
+        let dict = PyDict::new(py);
+        let ids = |values: Vec<u64>| values.into_pyarray(py).into_any();
+        let rows = plan.query_lens.len();
+        let width = plan.block_table_width;
+        let tables = Array2::from_shape_vec((rows, width), plan.block_tables)
+            .map_err(|e| type_error(e.to_string()))?;
+        dict.set_item("prefill_seq_ids", ids(plan.prefill_seq_ids))?;
+        dict.set_item("prefill_tokens", plan.prefill_tokens.into_pyarray(py))?;
+        dict.set_item("decode_seq_ids", ids(plan.decode_seq_ids))?;
+        dict.set_item("sample_seq_ids", ids(plan.sample_seq_ids))?;
+        dict.set_item("preempted_seq_ids", ids(plan.preempted_seq_ids))?;
+        dict.set_item("swap_out", pairs(py, &plan.swap_out)?)?;
+        dict.set_item("swap_in", pairs(py, &plan.swap_in)?)?;
+        dict.set_item("copies", pairs(py, &plan.copies)?)?;
+        dict.set_item("query_lens", plan.query_lens.into_pyarray(py))?;
+        dict.set_item("context_lens", plan.context_lens.into_pyarray(py))?;
+        dict.set_item("block_tables", tables.into_pyarray(py))?;
+        dict.set_item("slot_mapping", plan.slot_mapping.into_pyarray(py))?;
+        dict.set_item("num_batched_tokens", plan.num_batched_tokens)?;
+        Ok(dict)
+    }
+
+    /// Records sampled tokens; returns the ids of the sequences that finished.
+    #[pyo3(signature = (seq_ids, token_ids, eos_token_id=None))]
+    fn on_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        eos_token_id: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
+        let token_ids = convert::token_ids(token_ids, "token_ids", None)?;
+        let eos = match eos_token_id.filter(|eos| !eos.is_none()) {
+            Some(eos) => Some(
+                u32::try_from(convert::count(eos, "eos_token_id", 0)?)
+                    .map_err(|_| value_error("eos_token_id must be below 2**32"))?,
+            ),
+            None => None,
+        };
+        let mut finished = Vec::new();
+        {
+            let mut cache = self.pool.get().lock();
+            self.lock()
+                .on_tokens(
+                    &mut cache,
+                    seq_ids.as_slice(),
+                    token_ids.as_slice(),
+                    eos,
+                    &mut finished,
+                )
+                .into_py_result()?;
+        }
+        Ok(finished.into_pyarray(py))
+    }
+
+    /// Ends a request wherever it is and frees its blocks.
+    fn abort(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        let mut cache = self.pool.get().lock();
+        self.lock().abort(&mut cache, seq_id).into_py_result()
+    }
+
+    /// (prompt length, tokens sampled so far, max_new_tokens).
+    fn progress(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<(usize, usize, usize)> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        self.lock().progress(seq_id).into_py_result()
+    }
+
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let scheduler = self.lock();
+        let dict = PyDict::new(py);
+        dict.set_item("waiting", scheduler.num_waiting())?;
+        dict.set_item("running", scheduler.num_running())?;
+        dict.set_item("swapped", scheduler.num_swapped())?;
+        dict.set_item("preemptions", scheduler.num_preemptions())?;
+        Ok(dict)
+    }
+
+    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        Ok(self.lock().contains(seq_id))
+    }
+
+    fn _check_invariants(&self) -> PyResult<()> {
+        let cache = self.pool.get().lock();
+        self.lock()
+            .check_invariants(&cache)
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+}
