@@ -1,0 +1,146 @@
+"""Scheduler benchmarks (issue 5).
+
+    python -m pytest benches/test_bench_scheduling.py --benchmark-enable --benchmark-only -s
+
+- step() overhead with 256 running sequences;
+- a replay of the Azure code trace under a cost model (step time = 5 ms + 0.02 ms per batched
+  token), continuous batching against static batching of the same requests;
+- request batching's added latency (submit to batch release) at 10%, 50% and 90% load.
+"""
+
+from __future__ import annotations
+
+import csv
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import atb_mem
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
+STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
+
+
+def test_step_overhead_with_256_running(benchmark) -> None:
+    rng = np.random.default_rng(20240607)
+    kv = atb_mem.KVCachePool(65_536, 16, device=None)
+    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=256,
+                                                 max_num_batched_tokens=8192)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, 256)), 8, 4096).astype(int)
+    for seq_id, prompt in enumerate(prompts.tolist()):
+        scheduler.add_request(seq_id, prompt, 100_000)
+    now = 0.0
+    while True:  # until every sequence decodes
+        plan = scheduler.step(now=now)
+        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
+        now += 1
+        if len(plan.decode_seq_ids) == 256:
+            break
+
+    def one_step() -> None:
+        plan = scheduler.step(now=0.0)
+        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
+
+    benchmark.pedantic(one_step, rounds=300, iterations=1)
+    assert scheduler.stats()["running"] == 256
+    if benchmark.disabled:
+        return
+    print(f"\nstep()+on_tokens() with 256 running: {benchmark.stats.stats.median * 1e6:.1f} us "
+          f"(median of {benchmark.stats.stats.rounds})")
+
+
+def load_trace(limit: int, speedup: float) -> list[tuple[float, int, int]]:
+    with TRACE.open() as handle:
+        rows = list(csv.DictReader(handle))[:limit]
+    start = datetime.fromisoformat(rows[0]["TIMESTAMP"][:26])
+    return [((datetime.fromisoformat(r["TIMESTAMP"][:26]) - start).total_seconds() / speedup,
+             int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
+
+
+def continuous(trace: list[tuple[float, int, int]]) -> tuple[float, list[float]]:
+    kv = atb_mem.KVCachePool(8192, 16, device=None)
+    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=64,
+                                                 max_num_batched_tokens=8192)
+    finish: dict[int, float] = {}
+    now, next_request = 0.0, 0
+    while len(finish) < len(trace):
+        while next_request < len(trace) and trace[next_request][0] <= now:
+            arrival, prompt, generated = trace[next_request]
+            scheduler.add_request(next_request, prompt, generated, arrival_time=arrival)
+            next_request += 1
+        plan = scheduler.step(now=now)
+        now += STEP_BASE + STEP_PER_TOKEN * plan.num_batched_tokens if len(plan) else 0
+        for seq_id in scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000):
+            finish[int(seq_id)] = now
+        if not len(plan) and next_request < len(trace):
+            now = max(now, trace[next_request][0])
+    return now, [finish[i] - trace[i][0] for i in range(len(trace))]
+
+
+def static(trace: list[tuple[float, int, int]], batch_size: int = 64) -> tuple[float, list[float]]:
+    """Classic static batching: take up to `batch_size` waiting requests, prefill them all,
+    decode until the longest is done (finished rows still occupy the batch), answer all."""
+    now, next_request, latencies = 0.0, 0, [0.0] * len(trace)
+    while next_request < len(trace):
+        now = max(now, trace[next_request][0])
+        batch = [i for i in range(next_request, len(trace)) if trace[i][0] <= now][:batch_size]
+        next_request = batch[-1] + 1
+        prompt_tokens = sum(trace[i][1] for i in batch)
+        now += (prompt_tokens // 8192 + 1) * STEP_BASE + STEP_PER_TOKEN * prompt_tokens
+        longest = max(trace[i][2] for i in batch)
+        now += (longest - 1) * (STEP_BASE + STEP_PER_TOKEN * len(batch))
+        for i in batch:
+            latencies[i] = now - trace[i][0]
+    return now, latencies
+
+
+@pytest.mark.parametrize("speedup", [1.0, 4.0])
+def test_trace_replay_continuous_against_static(benchmark, speedup: float) -> None:
+    """The first 1,000 requests, arriving as recorded or `speedup` times faster."""
+    trace = load_trace(1000, speedup=speedup)
+    results = benchmark.pedantic(lambda: (continuous(trace), static(trace)), rounds=1,
+                                 iterations=1)
+    outputs = sum(generated for _, _, generated in trace)
+    for name, (makespan, latencies) in zip(("continuous", "static"), results, strict=True):
+        p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+        print(f"\n{name:>10} (arrivals x{speedup:g}): {outputs / makespan:8.1f} output tokens/s over {makespan:7.1f} s; "
+              f"latency p50 {p50:6.2f} s, p90 {p90:6.2f} s, p99 {p99:6.2f} s")
+    assert results[0][0] <= results[1][0]  # continuous batching is never slower here
+
+
+@pytest.mark.parametrize("load", [0.1, 0.5, 0.9])
+def test_request_batching_added_latency(benchmark, load: float) -> None:
+    """A server that takes 20 ms + 2 ms per item serves full batches of 8 at 222 requests/s;
+    Poisson arrivals at `load` of that. Added latency = batch release - submit."""
+    capacity = 8 / (0.020 + 0.002 * 8)
+    rng = np.random.default_rng(20240607)
+    arrivals = np.cumsum(rng.exponential(1 / (load * capacity), 3000))
+
+    def simulate() -> list[float]:
+        clock = [0.0]
+        batcher = atb_mem.DynamicBatchScheduler(max_batch_size=8, timeout_ms=50,
+                                                clock=lambda: clock[0])
+        submitted: dict[int, float] = {}
+        waits: list[float] = []
+        busy_until, next_arrival = 0.0, 0
+        futures = []
+        while len(waits) < len(arrivals):
+            clock[0] = min(a for a in (arrivals[next_arrival] if next_arrival < len(arrivals)
+                                       else np.inf, max(busy_until, clock[0] + 0.001)))
+            while next_arrival < len(arrivals) and arrivals[next_arrival] <= clock[0]:
+                futures.append(batcher.submit(next_arrival))
+                submitted[next_arrival] = arrivals[next_arrival]
+                next_arrival += 1
+            if clock[0] >= busy_until and (batch := batcher.next_batch(timeout=0)):
+                waits.extend(clock[0] - submitted[i] for i in batch.items)
+                busy_until = clock[0] + 0.020 + 0.002 * len(batch)
+                batch.set_results(batch.items)
+        return waits
+
+    waits = benchmark.pedantic(simulate, rounds=1, iterations=1)
+    p50, p90, p99 = np.percentile(waits, [50, 90, 99]) * 1000
+    print(f"\nrequest batching at {load:.0%} load: added latency p50 {p50:.1f} ms, "
+          f"p90 {p90:.1f} ms, p99 {p99:.1f} ms")
+    assert len(waits) == 3000
