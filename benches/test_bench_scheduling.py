@@ -105,7 +105,8 @@ def test_trace_replay_continuous_against_static(benchmark, speedup: float) -> No
     outputs = sum(generated for _, _, generated in trace)
     for name, (makespan, latencies) in zip(("continuous", "static"), results, strict=True):
         p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
-        print(f"\n{name:>10} (arrivals x{speedup:g}): {outputs / makespan:8.1f} output tokens/s over {makespan:7.1f} s; "
+        print(f"\n{name:>10} (arrivals x{speedup:g}): {outputs / makespan:8.1f} output "
+              f"tokens/s over {makespan:7.1f} s; "
               f"latency p50 {p50:6.2f} s, p90 {p90:6.2f} s, p99 {p99:6.2f} s")
     assert results[0][0] <= results[1][0]  # continuous batching is never slower here
 
