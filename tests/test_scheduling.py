@@ -209,8 +209,7 @@ def test_trace_replay_forces_preemption_and_finishes_everything(preemption: str)
             next_request += 1
         plan = scheduler.step(now=now)
         assert plan.num_batched_tokens <= 4096 and len(plan) <= 64
-        if steps % 25 == 0:
-            scheduler._check_invariants()
+        scheduler._check_invariants()
         for seq_id in plan.sample_seq_ids.tolist():
             sampled[seq_id] += 1
         scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 50_000)

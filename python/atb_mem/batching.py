@@ -110,6 +110,7 @@ class DynamicBatchScheduler:
         self._held: dict[int, list[tuple[Future, Any, BaseException | None]]] = {}
         self._new_settings: dict[str, Any] | None = None
         self._closed = False
+        self._released = (0, 0, 0)  # batches, requests, size of the last batch
 
     # ---- configuration ---------------------------------------------------------------------
 
@@ -245,6 +246,8 @@ class DynamicBatchScheduler:
             return None
         sequence = self._next_sequence
         self._next_sequence += 1
+        batches, requests, _ = self._released
+        self._released = (batches + 1, requests + len(items), len(items))
         return Batch(self, sequence, items, futures)
 
     def _complete(self, batch: Batch, outcomes: list[tuple[Future, Any, Any]]) -> None:
@@ -306,6 +309,13 @@ class DynamicBatchScheduler:
             self._condition.notify_all()
         for future in cancelled:
             future.cancel()
+
+    def stats(self) -> dict[str, int]:
+        """Queue length, and the batches released so far."""
+        with self._condition:
+            batches, requests, last = self._released
+            return {"queue_length": len(self._pending), "batches": batches,
+                    "requests_batched": requests, "last_batch_size": last}
 
     @property
     def closed(self) -> bool:

@@ -77,6 +77,7 @@ class ContinuousBatchScheduler:
                                                float(watermark))
         self._new_settings: dict[str, Any] | None = None
         self._finished = 0
+        self._last_batch = (0, 0)  # (sequences, tokens) of the last step
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class ContinuousBatchScheduler:
         self._apply_new_settings()
         now = time.monotonic() if now is None else now
         plan = StepPlan(**self._core.step(round(now * 1e9)))
+        self._last_batch = (len(plan), plan.num_batched_tokens)
         if self.kv_cache.device is not None and (len(plan.copies) or len(plan.swap_out)
                                                  or len(plan.swap_in)):
             self.kv_cache._execute_moves(plan.copies, plan.swap_out, plan.swap_in)
@@ -126,6 +128,7 @@ class ContinuousBatchScheduler:
     def stats(self) -> dict[str, Any]:
         counts = self._core.counts()
         counts["finished"] = self._finished
+        counts["last_batch_size"], counts["last_batch_tokens"] = self._last_batch
         return counts
 
     # ---- configuration ---------------------------------------------------------------------

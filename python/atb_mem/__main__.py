@@ -1,0 +1,5 @@
+import sys
+
+from atb_mem.cli import main
+
+sys.exit(main())

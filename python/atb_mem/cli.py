@@ -1,0 +1,207 @@
+"""The `atb-mem` command: capacity planning and benchmarks.
+
+    atb-mem plan --total-memory 80GiB --model-memory 16GiB --layers 32 --kv-heads 8 \\
+        --head-dim 128 --dtype float16 --max-model-len 8192
+    atb-mem bench ops [--quick] [--json out.json]
+
+Every subcommand takes ``--json PATH`` for machine-readable results. Errors are one line on
+stderr and a non-zero exit code: 2 for a bad command line, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import atb_mem
+from atb_mem.planning import plan_kv_cache
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``"64GiB"`` → bytes. KB/MB/GB/TB are decimal, KiB/MiB/GiB/TiB and bare K/M/G/T binary."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (e.g. 64GiB, 14GB, 1048576)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class _List(click.ParamType):
+    def __init__(self, kind: Callable[[str], Any], name: str) -> None:
+        self.kind, self.name = kind, name
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> list[Any]:
+        if isinstance(value, list):
+            return value
+        try:
+            items = [self.kind(part) for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of {self.name}", param, ctx)
+        if not items:
+            self.fail("the list is empty", param, ctx)
+        return items
+
+
+SIZE = _Size()
+console = Console()
+
+
+def _write_json(path: str | None, payload: Any) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(payload, handle, indent=2)
+            handle.write("\n")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(atb_mem.__version__, prog_name="atb-mem")
+def cli() -> None:
+    """atb-mem: the KV-cache memory layer of an LLM inference server."""
+
+
+@cli.command()
+@click.option("--total-memory", type=SIZE, required=True, help="Device memory, e.g. 80GiB.")
+@click.option("--model-memory", type=SIZE, required=True, help="Weights, e.g. 16GiB.")
+@click.option("--layers", type=click.IntRange(min=1), required=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), required=True)
+@click.option("--head-dim", type=click.IntRange(min=1), required=True)
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "int8"]),
+              default="float16", show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), required=True)
+@click.option("--utilization", "utilizations", type=_List(float, "numbers"),
+              default="0.8,0.85,0.9,0.95", show_default=True,
+              help="gpu_memory_utilization values to tabulate.")
+@click.option("--block-sizes", type=_List(int, "ints"), default="16,32,64,128",
+              show_default=True)
+@click.option("--safety", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+              show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_dim: int,
+         dtype: str, max_model_len: int, utilizations: list[float], block_sizes: list[int],
+         safety: float, json_path: str | None) -> None:
+    """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size."""
+    rows, errors = [], []
+    for utilization in utilizations:
+        for block_size in block_sizes:
+            try:
+                result = plan_kv_cache(total_memory, model_memory,
+                                       gpu_memory_utilization=utilization,
+                                       block_size=block_size, num_layers=layers,
+                                       num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                       max_model_len=max_model_len, safety=safety)
+            except ValueError as error:
+                errors.append(f"utilization {utilization}, block size {block_size}: {error}")
+                continue
+            rows.append({"gpu_memory_utilization": utilization, "block_size": block_size,
+                         "num_blocks": result.num_blocks,
+                         "bytes_per_block": result.bytes_per_block,
+                         "usable_bytes": result.usable_bytes,
+                         "bytes_per_seq": result.bytes_per_seq,
+                         "max_num_seqs": result.max_num_seqs})
+    if not rows:
+        raise click.ClickException(errors[0])
+    table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
+    for column in ("utilization", "block size", "blocks", "bytes/block", "usable GiB",
+                   "max_num_seqs"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(f"{row['gpu_memory_utilization']:.2f}", str(row["block_size"]),
+                      f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
+                      f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}")
+    console.print(table)
+    for error in errors:
+        console.print(f"[yellow]skipped[/yellow] {error}")
+    _write_json(json_path, {"rows": rows, "skipped": errors})
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks."""
+
+
+@bench.command("ops")
+@click.option("--quick", is_flag=True, help="Smaller workloads (seconds, not a minute).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def bench_ops(quick: bool, json_path: str | None) -> None:
+    """W1/W2/W3, MemPool and scheduler-step benchmarks as one table."""
+    from atb_mem import benchmarks
+
+    scale = 20 if quick else 1
+    rounds = 1 if quick else 3
+    workloads: list[tuple[str, str, str, Callable[[], Any]]] = [
+        ("W1 alloc+free pair", "ns", "<= 150",
+         lambda: benchmarks.w1_churn(1_000_000 // scale, rounds)),
+        ("W2 decode step via BatchTable (256 seqs)", "us", "<= 15",
+         lambda: benchmarks.w2_decode(2000 // scale, rounds)),
+        ("W3 prefix request", "us", "<= 30",
+         lambda: benchmarks.w3_prefix(10_000 // scale, rounds)),
+        ("MemPool malloc+free pair", "ns", "<= 300",
+         lambda: benchmarks.mem_pool_pair(1_000_000 // scale, rounds)),
+        ("scheduler step + on_tokens (256 running)", "us", "<= 50",
+         lambda: benchmarks.scheduler_step(300 // scale)),
+    ]
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarks", total=len(workloads))
+        for name, unit, target, run in workloads:
+            progress.update(task, description=name)
+            value = run()
+            extra = {}
+            if isinstance(value, tuple):
+                value, extra = value[0], {"block_hit_rate": value[1]}
+            results.append({"name": name, "value": value, "unit": unit, "target": target,
+                            **extra})
+            progress.advance(task)
+    table = Table(title="atb-mem operation benchmarks" + (" (quick)" if quick else ""))
+    for column in ("workload", "median", "unit", "target"):
+        table.add_column(column, justify="right" if column != "workload" else "left")
+    for row in results:
+        table.add_row(row["name"], f"{row['value']:.1f}", row["unit"], row["target"])
+    console.print(table)
+    _write_json(json_path, {"quick": quick, "results": results})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: click's errors and any failure become one line on stderr."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name="atb-mem",
+                 standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.ClickException as error:
+        print(f"atb-mem: error: {error.format_message()}", file=sys.stderr)
+        return error.exit_code
+    except click.exceptions.Abort:
+        print("atb-mem: aborted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, atb_mem.AtbMemError) as error:
+        print(f"atb-mem: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

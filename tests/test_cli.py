@@ -1,0 +1,90 @@
+"""The `atb-mem` command, run end to end through its installed entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import atb_mem
+from atb_mem.cli import parse_size
+
+PLAN = ["plan", "--total-memory", "80GiB", "--model-memory", "16GiB", "--layers", "32",
+        "--kv-heads", "8", "--head-dim", "128", "--max-model-len", "8192"]
+
+
+def atb_mem_command(*args: str) -> subprocess.CompletedProcess:
+    executable = shutil.which("atb-mem") or str(Path(sys.executable).with_name("atb-mem"))
+    assert Path(executable).exists(), "the atb-mem console script is not installed"
+    return subprocess.run([executable, *args], capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = atb_mem_command(*PLAN, "--utilization", "0.85,0.9", "--block-sizes", "16,64",
+                             "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "max_num_seqs" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        expected = atb_mem.plan_kv_cache(
+            80 << 30, 16 << 30, gpu_memory_utilization=row["gpu_memory_utilization"],
+            block_size=row["block_size"], num_layers=32, num_kv_heads=8, head_dim=128,
+            dtype="float16", max_model_len=8192)
+        assert row["num_blocks"] == expected.num_blocks
+        assert row["max_num_seqs"] == expected.max_num_seqs
+        assert row["bytes_per_block"] == 2 * 32 * row["block_size"] * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(("args", "code", "fragment"), [
+    (["plan", "--total-memory", "8XB", "--model-memory", "1", "--layers", "1", "--kv-heads", "1",
+      "--head-dim", "1", "--max-model-len", "1"], 2, "not a size"),
+    ([*PLAN[:4], "99GiB", *PLAN[5:]], 1, "does not fit"),
+    ([*PLAN, "--utilization", "0.5,abc"], 2, "comma-separated"),
+    ([*PLAN, "--dtype", "float8"], 2, "float8"),
+    ([*PLAN, "--layers", "0"], 2, "layers"),
+    (["plan"], 2, "Missing option"),
+    (["frobnicate"], 2, "No such command"),
+    ([*PLAN, "--json", "/nonexistent/dir/out.json"], 1, "No such file"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], code: int,
+                                                  fragment: str) -> None:
+    result = atb_mem_command(*args)
+    assert result.returncode == code
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atb-mem: error:") and fragment in lines[0]
+
+
+def test_bench_ops_quick(tmp_path: Path) -> None:
+    out = tmp_path / "ops.json"
+    result = atb_mem_command("bench", "ops", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["unit"] for r in results] == ["ns", "us", "us", "ns", "us"]
+    assert all(r["value"] > 0 for r in results)
+    assert 0.5 < results[2]["block_hit_rate"] < 1
+
+
+def test_help_version_and_module_entry() -> None:
+    assert atb_mem_command("--version").stdout.strip().endswith(atb_mem.__version__)
+    assert "plan" in atb_mem_command("--help").stdout
+    result = subprocess.run([sys.executable, "-m", "atb_mem", "bench", "--help"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and "ops" in result.stdout
+
+
+def test_sizes_accept_units() -> None:
+    assert parse_size("64GiB") == 64 << 30
+    assert parse_size("14GB") == 14 * 10**9
+    assert parse_size("1.5 TiB") == int(1.5 * 2**40)
+    assert parse_size("4096") == 4096
+    for bad in ("", "GiB", "-1GiB", "5 parsecs"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
