@@ -88,3 +88,68 @@ def test_sizes_accept_units() -> None:
     for bad in ("", "GiB", "-1GiB", "5 parsecs"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "azure"])
+def test_bench_fragmentation_numbers_are_consistent(tmp_path: Path, source: str) -> None:
+    out = tmp_path / "fragmentation.json"
+    args = ["bench", "fragmentation", "--requests", "200", "--block-sizes", "1,16,256",
+            "--memory", "2GiB", "--json", str(out)]
+    if source == "azure":
+        args += ["--trace", str(TRACE)]
+    result = atb_mem_command(*args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    by_name = {(r["strategy"], r["block_size"]): r for r in report["results"]}
+    paged = [by_name[("paged", size)] for size in (1, 16, 256)]
+    contiguous_max = by_name[("contiguous-max", None)]
+    exact = by_name[("contiguous-exact", None)]
+    assert paged[0]["internal_fragmentation"] == 0  # a block of one slot is always full
+    assert [p["internal_fragmentation"] for p in paged] == sorted(
+        p["internal_fragmentation"] for p in paged)
+    assert contiguous_max["internal_fragmentation"] > paged[1]["internal_fragmentation"]
+    assert contiguous_max["peak_concurrency"] <= paged[1]["peak_concurrency"]
+    assert exact["external_fragmentation"] is not None
+    assert paged[1]["external_fragmentation"] is None
+    for result in report["results"]:
+        assert result["requests"] == 200
+        assert result["throughput"] == pytest.approx(result["output_tokens"] / result["makespan"])
+        assert 0 <= result["internal_fragmentation"] < 1
+        assert result["latency_p50"] <= result["latency_p90"] <= result["latency_p99"]
+        assert 1 <= result["mean_concurrency"] <= result["peak_concurrency"]
+
+
+def test_bench_fragmentation_plot(tmp_path: Path) -> None:
+    png = tmp_path / "fragmentation.png"
+    result = atb_mem_command("bench", "fragmentation", "--requests", "50", "--block-sizes",
+                             "16", "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result.returncode == 1 and "pip install 'atb-mem[plot]'" in result.stderr
+        assert "Traceback" not in result.stderr
+    else:
+        assert result.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "does not exist"),
+    ("time,prompt,output\n1,2,3\n", "expected columns"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,-5,3\n", "line 2"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,3\n"
+     "2023-11-16 18:17:01.1,5,3\n", "not sorted"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n", "cannot parse"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+])
+def test_bad_traces_are_refused_in_one_line(tmp_path: Path, content: str | None,
+                                            fragment: str) -> None:
+    trace = tmp_path / "trace.csv"
+    if content is not None:
+        trace.write_text(content)
+    result = atb_mem_command("bench", "fragmentation", "--trace", str(trace))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr

@@ -66,7 +66,8 @@ class _List(click.ParamType):
 
 
 SIZE = _Size()
-console = Console()
+# Wide tables when the output is not a terminal (a file, a CI log): rich would use 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _write_json(path: str | None, payload: Any) -> None:
@@ -182,6 +183,121 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
         table.add_row(row["name"], f"{row['value']:.1f}", row["unit"], row["target"])
     console.print(table)
     _write_json(json_path, {"quick": quick, "results": results})
+
+
+@bench.command("fragmentation")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None,
+              help="TIMESTAMP,ContextTokens,GeneratedTokens CSV (default: a synthetic workload).")
+@click.option("--requests", "limit", type=click.IntRange(min=1), default=500, show_default=True,
+              help="How many requests of the trace to replay.")
+@click.option("--block-sizes", type=_List(int, "ints"), default="1,8,16,32,64,128,256",
+              show_default=True)
+@click.option("--memory", type=SIZE, default="4GiB", show_default=True,
+              help="KV memory budget shared by every strategy.")
+@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "int8"]),
+              default="float16", show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Reservation of contiguous-max (default: the longest request).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192,
+              show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG of fragmentation and concurrency over time and per block size.")
+def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], memory: int,
+                        layers: int, kv_heads: int, head_dim: int, dtype: str,
+                        max_model_len: int | None, max_num_seqs: int,
+                        max_num_batched_tokens: int, json_path: str | None,
+                        plot_path: str | None) -> None:
+    """Replays requests through continuous batching for each KV memory strategy on the same
+    memory budget: paged blocks per block size, contiguous max-length and exact-size
+    reservations."""
+    from atb_mem import simulate
+
+    if plot_path:
+        _require_matplotlib()
+    if any(size < 1 for size in block_sizes):
+        raise click.BadParameter("block sizes must be >= 1", param_hint="--block-sizes")
+    requests = (simulate.load_trace(trace, limit) if trace
+                else simulate.synthetic_workload(limit))
+    token_bytes = simulate.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    longest = simulate.max_length(requests)
+    max_model_len = max_model_len or longest
+    if max_model_len < longest:
+        raise click.BadParameter(f"the trace has a {longest}-token request",
+                                 param_hint="--max-model-len")
+    runs: list[tuple[str, Callable[[], Any]]] = [
+        (f"paged, block size {size}",
+         lambda size=size: simulate.replay_paged(requests, memory, token_bytes, size,
+                                                 max_num_seqs=max_num_seqs,
+                                                 max_num_batched_tokens=max_num_batched_tokens))
+        for size in block_sizes]
+    runs += [(f"contiguous {kind}",
+              lambda exact=exact: simulate.replay_reserved(
+                  requests, memory, token_bytes, exact=exact, max_model_len=max_model_len,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+             for kind, exact in (("max", False), ("exact", True))]
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=len(runs))
+        for name, run in runs:
+            progress.update(task, description=name)
+            results.append(run())
+            progress.advance(task)
+    table = Table(title=f"{len(requests)} requests, {memory / 2**30:.2f} GiB of KV memory")
+    for column in ("strategy", "block", "internal frag", "external frag", "peak seqs",
+                   "mean seqs", "preempt", "tok/s", "p50 s", "p99 s"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for result in results:
+        table.add_row(result.strategy, str(result.block_size or "-"),
+                      f"{result.internal_fragmentation:.3f}",
+                      "-" if result.external_fragmentation is None
+                      else f"{result.external_fragmentation:.3f}",
+                      str(result.peak_concurrency), f"{result.mean_concurrency:.1f}",
+                      str(result.preemptions), f"{result.throughput:.1f}",
+                      f"{result.latency_p50:.2f}", f"{result.latency_p99:.2f}")
+    console.print(table)
+    _write_json(json_path, {"requests": len(requests), "memory_bytes": memory,
+                            "bytes_per_token": token_bytes, "max_model_len": max_model_len,
+                            "results": [result.summary() for result in results]})
+    if plot_path:
+        _plot_fragmentation(results, plot_path)
+
+
+def _require_matplotlib() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise click.ClickException(
+            "--plot needs matplotlib: pip install 'atb-mem[plot]'") from error
+    return plt
+
+
+def _plot_fragmentation(results: list[Any], path: str) -> None:
+    plt = _require_matplotlib()
+    figure, (over_time, concurrency, per_size) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for result in results:
+        label = result.strategy + (f" {result.block_size}" if result.block_size else "")
+        times = [point[0] for point in result.timeline]
+        over_time.plot(times, [point[1] for point in result.timeline], label=label, lw=0.8)
+        concurrency.plot(times, [point[2] for point in result.timeline], label=label, lw=0.8)
+    paged = [r for r in results if r.block_size]
+    per_size.plot([r.block_size for r in paged], [r.internal_fragmentation for r in paged],
+                  marker="o")
+    per_size.set_xscale("log", base=2)
+    over_time.set(title="KV fragmentation over time", xlabel="s", ylabel="internal")
+    concurrency.set(title="concurrent sequences", xlabel="s")
+    per_size.set(title="paged: fragmentation by block size", xlabel="block size",
+                 ylabel="time-weighted internal")
+    over_time.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
