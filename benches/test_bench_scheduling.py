@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import csv
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import atb_mem
+from atb_mem import simulate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
 STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
@@ -52,31 +51,16 @@ def test_step_overhead_with_256_running(benchmark) -> None:
 
 
 def load_trace(limit: int, speedup: float) -> list[tuple[float, int, int]]:
-    with TRACE.open() as handle:
-        rows = list(csv.DictReader(handle))[:limit]
-    start = datetime.fromisoformat(rows[0]["TIMESTAMP"][:26])
-    return [((datetime.fromisoformat(r["TIMESTAMP"][:26]) - start).total_seconds() / speedup,
-             int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
+    return [(r.arrival / speedup, r.prompt, r.output) for r in simulate.load_trace(TRACE, limit)]
 
 
 def continuous(trace: list[tuple[float, int, int]]) -> tuple[float, list[float]]:
-    kv = atb_mem.KVCachePool(8192, 16, device=None)
-    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=64,
-                                                 max_num_batched_tokens=8192)
-    finish: dict[int, float] = {}
-    now, next_request = 0.0, 0
-    while len(finish) < len(trace):
-        while next_request < len(trace) and trace[next_request][0] <= now:
-            arrival, prompt, generated = trace[next_request]
-            scheduler.add_request(next_request, prompt, generated, arrival_time=arrival)
-            next_request += 1
-        plan = scheduler.step(now=now)
-        now += STEP_BASE + STEP_PER_TOKEN * plan.num_batched_tokens if len(plan) else 0
-        for seq_id in scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000):
-            finish[int(seq_id)] = now
-        if not len(plan) and next_request < len(trace):
-            now = max(now, trace[next_request][0])
-    return now, [finish[i] - trace[i][0] for i in range(len(trace))]
+    requests = [simulate.Request(*row) for row in trace]
+    # 8,192 blocks of 16 tokens: bytes_per_token=1 makes the budget a token count.
+    result = simulate.replay_paged(requests, 8192 * 16, 1, 16, max_num_seqs=64,
+                                   max_num_batched_tokens=8192,
+                                   cost=simulate.CostModel(STEP_BASE, STEP_PER_TOKEN))
+    return result.makespan, result.latencies
 
 
 def static(trace: list[tuple[float, int, int]], batch_size: int = 64) -> tuple[float, list[float]]:

@@ -3,15 +3,13 @@ reconfiguration, and a replay of a real request trace with no model."""
 
 from __future__ import annotations
 
-import csv
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem import ContinuousBatchScheduler
+from atb_mem import ContinuousBatchScheduler, simulate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
 
@@ -184,11 +182,7 @@ def test_abort_and_finish_free_the_blocks() -> None:
 
 
 def load_trace(limit: int) -> list[tuple[float, int, int]]:
-    with TRACE.open() as handle:
-        rows = list(csv.DictReader(handle))[:limit]
-    start = datetime.fromisoformat(rows[0]["TIMESTAMP"][:26])
-    return [((datetime.fromisoformat(r["TIMESTAMP"][:26]) - start).total_seconds(),
-             int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
+    return [(r.arrival, r.prompt, r.output) for r in simulate.load_trace(TRACE, limit)]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

@@ -63,10 +63,12 @@ class ReplayResult:
     external_fragmentation: float | None  # time-weighted, where it exists
     preemptions: int
     timeline: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
+    latencies: list[float] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, object]:
         values = dict(self.__dict__)
         values.pop("timeline")
+        values.pop("latencies")
         return values
 
 
@@ -146,7 +148,7 @@ def _result(strategy: str, block_size: int | None, requests: list[Request],
                         timeline.peak, timeline.mean(timeline.concurrency),
                         timeline.mean(timeline.fragmentation),
                         timeline.mean(timeline.external) if external else None, preemptions,
-                        timeline.points)
+                        timeline.points, latencies.tolist())
 
 
 def replay_paged(requests: list[Request], memory_bytes: int, bytes_per_token: int,
