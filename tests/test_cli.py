@@ -153,3 +153,30 @@ def test_bad_traces_are_refused_in_one_line(tmp_path: Path, content: str | None,
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
+
+
+def test_tune_finds_the_best_feasible_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "tune.json"
+    result = atb_mem_command("tune", "--trace", str(TRACE), "--requests", "120", "--trials",
+                             "12", "--latency-p99", "30", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    feasible = [t for t in report["trials"] if "infeasible" not in t]
+    assert len(report["trials"]) == 12 and feasible
+    assert report["best"]["value"] == max(t["value"] for t in feasible)
+    assert report["best"]["latency_p99"] <= 30
+    assert all(t["value"] == 0 for t in report["trials"] if "infeasible" in t)
+    for trial in report["trials"]:
+        assert trial["block_size"] in (8, 16, 32, 64, 128)
+        assert 0.5 <= trial["gpu_memory_utilization"] <= 0.99
+
+
+def test_tune_refuses_impossible_bounds_in_one_line() -> None:
+    for args, fragment in [
+        (["--latency-p99", "0.000001", "--trials", "3", "--requests", "30"], "no configuration"),
+        (["--latency-p99", "5", "--model-memory", "90GiB"], "model"),
+        (["--latency-p99", "-1"], "latency-p99"),
+    ]:
+        result = atb_mem_command("tune", *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1 and fragment in lines[0]
