@@ -112,6 +112,10 @@ def test_bench_fragmentation_numbers_are_consistent(tmp_path: Path, source: str)
         p["internal_fragmentation"] for p in paged)
     assert contiguous_max["internal_fragmentation"] > paged[1]["internal_fragmentation"]
     assert contiguous_max["peak_concurrency"] <= paged[1]["peak_concurrency"]
+    # contiguous-max reserves max_model_len per running sequence: its reserved token-seconds
+    # are that times the time-integral of concurrency (mean concurrency × makespan of steps).
+    steps_time = contiguous_max["reserved_token_seconds"] / report["max_model_len"]
+    assert steps_time / contiguous_max["mean_concurrency"] <= contiguous_max["makespan"] + 1e-9
     assert exact["external_fragmentation"] is not None
     assert paged[1]["external_fragmentation"] is None
     for result in report["results"]:
@@ -119,6 +123,8 @@ def test_bench_fragmentation_numbers_are_consistent(tmp_path: Path, source: str)
         assert result["throughput"] == pytest.approx(result["output_tokens"] / result["makespan"])
         assert 0 <= result["internal_fragmentation"] < 1
         assert result["latency_p50"] <= result["latency_p90"] <= result["latency_p99"]
+        assert result["internal_fragmentation"] == pytest.approx(
+            1 - result["used_token_seconds"] / result["reserved_token_seconds"])
         assert 1 <= result["mean_concurrency"] <= result["peak_concurrency"]
 
 

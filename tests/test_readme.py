@@ -33,4 +33,23 @@ def test_quickstart_is_the_readme_example() -> None:
 def test_readme_names_the_commands() -> None:
     text = README.read_text()
     assert "pip install . && python examples/quickstart.py" in text
+    assert "pip install . && atb-mem bench fragmentation" in text
     assert "python -m pytest" in text and "cargo test -p atb-mem-core" in text
+
+
+def test_readme_fragmentation_table_is_what_the_command_prints(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    text = README.read_text()
+    first_command = re.search(r"^```sh\n(.*?)\n```", text, flags=re.S | re.M).group(1)
+    assert first_command == "pip install . && atb-mem bench fragmentation --memory 2GiB"
+    out = tmp_path / "fragmentation.json"
+    executable = shutil.which("atb-mem") or str(Path(sys.executable).with_name("atb-mem"))
+    subprocess.run([executable, "bench", "fragmentation", "--memory", "2GiB", "--json",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    for result in json.loads(out.read_text())["results"]:
+        block = str(result["block_size"] or "-")
+        row = (rf"│ {result['strategy']}\s+│\s+{re.escape(block)} │\s+"
+               rf"{result['internal_fragmentation']:.3f} │.*│\s+{result['peak_concurrency']} │")
+        assert re.search(row, text), f"README row for {result['strategy']} {block}"

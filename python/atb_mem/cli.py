@@ -188,11 +188,12 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
 @bench.command("fragmentation")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None,
               help="TIMESTAMP,ContextTokens,GeneratedTokens CSV (default: a synthetic workload).")
-@click.option("--requests", "limit", type=click.IntRange(min=1), default=500, show_default=True,
-              help="How many requests of the trace to replay.")
+@click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
+              help="Replay only the first N requests (default: the whole trace, or 500 "
+                   "synthetic ones).")
 @click.option("--block-sizes", type=_List(int, "ints"), default="1,8,16,32,64,128,256",
               show_default=True)
-@click.option("--memory", type=SIZE, default="4GiB", show_default=True,
+@click.option("--memory", type=SIZE, default="8GiB", show_default=True,
               help="KV memory budget shared by every strategy.")
 @click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
@@ -222,7 +223,7 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
     if any(size < 1 for size in block_sizes):
         raise click.BadParameter("block sizes must be >= 1", param_hint="--block-sizes")
     requests = (simulate.load_trace(trace, limit) if trace
-                else simulate.synthetic_workload(limit))
+                else simulate.synthetic_workload(limit or 500))
     token_bytes = simulate.bytes_per_token(layers, kv_heads, head_dim, dtype)
     longest = simulate.max_length(requests)
     max_model_len = max_model_len or longest
@@ -247,7 +248,8 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
             progress.update(task, description=name)
             results.append(run())
             progress.advance(task)
-    table = Table(title=f"{len(requests)} requests, {memory / 2**30:.2f} GiB of KV memory")
+    table = Table(title=f"{len(requests)} requests, {memory / 2**30:.2f} GiB of KV memory, "
+                        f"{token_bytes // 1024} KiB per token")
     for column in ("strategy", "block", "internal frag", "external frag", "peak seqs",
                    "mean seqs", "preempt", "tok/s", "p50 s", "p99 s"):
         table.add_column(column, justify="left" if column == "strategy" else "right")

@@ -59,9 +59,11 @@ class ReplayResult:
     latency_p99: float
     peak_concurrency: int
     mean_concurrency: float  # time-weighted
-    internal_fragmentation: float  # time-weighted
+    internal_fragmentation: float  # 1 - ∫used / ∫reserved over time
     external_fragmentation: float | None  # time-weighted, where it exists
     preemptions: int
+    used_token_seconds: float
+    reserved_token_seconds: float
     timeline: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
     latencies: list[float] = field(default_factory=list, repr=False)
 
@@ -117,24 +119,25 @@ def synthetic_workload(count: int = 500, rate: float = 4.0, seed: int = 20240607
 
 
 class _Timeline:
-    """Time-weighted averages of fragmentation and concurrency over the steps."""
+    """Time integrals of used and reserved KV slots and of concurrency over the steps."""
 
     def __init__(self) -> None:
         self.points: list[tuple[float, float, int]] = []
-        self.weights = self.fragmentation = self.external = self.concurrency = 0.0
+        self.seconds = self.used = self.reserved = self.external = self.concurrency = 0.0
         self.peak = 0
 
-    def record(self, now: float, seconds: float, fragmentation: float, running: int,
+    def record(self, now: float, seconds: float, used: int, reserved: int, running: int,
                external: float = 0.0) -> None:
-        self.points.append((now, fragmentation, running))
-        self.weights += seconds
-        self.fragmentation += seconds * fragmentation
+        self.points.append((now, 1 - used / reserved if reserved else 0.0, running))
+        self.seconds += seconds
+        self.used += seconds * used
+        self.reserved += seconds * reserved
         self.external += seconds * external
         self.concurrency += seconds * running
         self.peak = max(self.peak, running)
 
     def mean(self, total: float) -> float:
-        return total / self.weights if self.weights else 0.0
+        return total / self.seconds if self.seconds else 0.0
 
 
 def _result(strategy: str, block_size: int | None, requests: list[Request],
@@ -146,9 +149,9 @@ def _result(strategy: str, block_size: int | None, requests: list[Request],
     return ReplayResult(strategy, block_size, len(requests), outputs, now,
                         outputs / now if now else 0.0, float(p50), float(p90), float(p99),
                         timeline.peak, timeline.mean(timeline.concurrency),
-                        timeline.mean(timeline.fragmentation),
+                        1 - timeline.used / timeline.reserved if timeline.reserved else 0.0,
                         timeline.mean(timeline.external) if external else None, preemptions,
-                        timeline.points, latencies.tolist())
+                        timeline.used, timeline.reserved, timeline.points, latencies.tolist())
 
 
 def replay_paged(requests: list[Request], memory_bytes: int, bytes_per_token: int,
@@ -174,7 +177,8 @@ def replay_paged(requests: list[Request], memory_bytes: int, bytes_per_token: in
         if len(plan):
             seconds = cost.step_seconds(plan.num_batched_tokens)
             stats = kv.stats()
-            timeline.record(now, seconds, stats["fragmentation"], stats["num_sequences"])
+            timeline.record(now, seconds, stats["used_slots"], stats["allocated_slots"],
+                            stats["num_sequences"])
             now += seconds
         elif next_request < len(requests):
             now = max(now, requests[next_request].arrival)
@@ -232,9 +236,8 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
             used = sum(min(s[2] + (s[3] > 0), s[1]) for s in running.values())
             reserved = sum(s[1] for s in running.values())
             seconds = cost.step_seconds(batched)
-            stats = pool.stats()
-            timeline.record(now, seconds, 1 - used / reserved if reserved else 0.0,
-                            len(running), stats["fragmentation"])
+            timeline.record(now, seconds, used, reserved, len(running),
+                            pool.stats()["fragmentation"])
             now += seconds
         elif next_request < len(requests):
             now = max(now, requests[next_request].arrival)
