@@ -164,13 +164,14 @@ def test_bad_traces_are_refused_in_one_line(tmp_path: Path, content: str | None,
 def test_tune_finds_the_best_feasible_configuration(tmp_path: Path) -> None:
     out = tmp_path / "tune.json"
     result = atb_mem_command("tune", "--trace", str(TRACE), "--requests", "120", "--trials",
-                             "12", "--latency-p99", "30", "--json", str(out))
+                             "12", "--latency-p99", "30", "--speedup", "20", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     feasible = [t for t in report["trials"] if "infeasible" not in t]
     assert len(report["trials"]) == 12 and feasible
     assert report["best"]["value"] == max(t["value"] for t in feasible)
     assert report["best"]["latency_p99"] <= 30
+    assert len({round(t["value"], 6) for t in feasible}) > 1  # the search space matters here
     assert all(t["value"] == 0 for t in report["trials"] if "infeasible" in t)
     for trial in report["trials"]:
         assert trial["block_size"] in (8, 16, 32, 64, 128)

@@ -285,6 +285,9 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
               default="float16", show_default=True)
 @click.option("--latency-p99", type=click.FloatRange(min=0, min_open=True), required=True,
               help="Latency bound in seconds: configurations above it are infeasible.")
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Replay arrivals this many times faster than recorded: "
+              "a trace that does not load the system cannot tell configurations apart.")
 @click.option("--trials", type=click.IntRange(min=1), default=30, show_default=True)
 @click.option("--seed", type=int, default=20240607, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
@@ -292,11 +295,12 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
               help="PNG of the parameter-vs-throughput surface.")
 def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
          activation_bytes_per_token: int, layers: int, kv_heads: int, head_dim: int,
-         dtype: str, latency_p99: float, trials: int, seed: int, json_path: str | None,
-         plot_path: str | None) -> None:
+         dtype: str, latency_p99: float, speedup: float, trials: int, seed: int,
+         json_path: str | None, plot_path: str | None) -> None:
     """Searches block_size, max_num_seqs, max_num_batched_tokens and gpu_memory_utilization
     (Optuna's TPE) for the most throughput with p99 latency under the bound, replaying the
-    trace as the objective."""
+    trace as the objective. Throughput is output tokens per second of step time (serving
+    capacity), so an arrival-bound trace still tells configurations apart."""
     from atb_mem import simulate
 
     try:
@@ -310,6 +314,7 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
                                  param_hint="--model-memory")
     requests = (simulate.load_trace(trace, limit) if trace
                 else simulate.synthetic_workload(limit))
+    requests = [simulate.Request(r.arrival / speedup, r.prompt, r.output) for r in requests]
     token_bytes = simulate.bytes_per_token(layers, kv_heads, head_dim, dtype)
     longest = simulate.max_length(requests)
 
@@ -330,11 +335,11 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
                                        max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_batched)
         trial.set_user_attr("latency_p99", result.latency_p99)
-        trial.set_user_attr("throughput", result.throughput)
+        trial.set_user_attr("throughput", result.capacity)
         if result.latency_p99 > latency_p99:
             trial.set_user_attr("infeasible", "p99 latency above the bound")
             return 0.0
-        return result.throughput
+        return result.capacity
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize",
@@ -358,14 +363,19 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
         value = best[key]
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
-    _write_json(json_path, {"latency_p99_bound": latency_p99, "best": best, "trials": rows})
+    values = [row["value"] for row in feasible]
+    if len(values) > 1 and max(values) - min(values) <= 1e-9 * max(values):
+        console.print("[yellow]every configuration scored the same: the workload does not load "
+                      "the system; try a larger --speedup[/yellow]")
+    _write_json(json_path, {"latency_p99_bound": latency_p99, "speedup": speedup, "best": best,
+                            "trials": rows})
     if plot_path:
         plt = _require_matplotlib()
         figure, axes = plt.subplots(1, 4, figsize=(16, 4))
         for axis, key in zip(axes, ("block_size", "max_num_seqs", "max_num_batched_tokens",
                                     "gpu_memory_utilization"), strict=True):
             axis.scatter([row[key] for row in rows], [row["value"] for row in rows], s=12)
-            axis.set(xlabel=key, ylabel="throughput (tok/s; 0 = infeasible)")
+            axis.set(xlabel=key, ylabel="tok/s of step time (0 = infeasible)")
             if key in ("max_num_seqs", "max_num_batched_tokens"):
                 axis.set_xscale("log")
         figure.tight_layout()
@@ -390,8 +400,11 @@ def _plot_fragmentation(results: list[Any], path: str) -> None:
     for result in results:
         label = result.strategy + (f" {result.block_size}" if result.block_size else "")
         times = [point[0] for point in result.timeline]
-        over_time.plot(times, [point[1] for point in result.timeline], label=label, lw=0.8)
-        concurrency.plot(times, [point[2] for point in result.timeline], label=label, lw=0.8)
+        # Step plots: a value holds until the next step (idle gaps stay flat).
+        over_time.plot(times, [point[1] for point in result.timeline], label=label, lw=0.7,
+                       alpha=0.8, drawstyle="steps-post")
+        concurrency.plot(times, [point[2] for point in result.timeline], label=label, lw=0.7,
+                         alpha=0.8, drawstyle="steps-post")
     paged = [r for r in results if r.block_size]
     per_size.plot([r.block_size for r in paged], [r.internal_fragmentation for r in paged],
                   marker="o")

@@ -53,7 +53,9 @@ class ReplayResult:
     requests: int
     output_tokens: int
     makespan: float
-    throughput: float  # output tokens per second
+    throughput: float  # output tokens per second of wall-clock time
+    busy_seconds: float  # time spent in steps (the rest is waiting for arrivals)
+    capacity: float  # output tokens per busy second: what the configuration can serve
     latency_p50: float
     latency_p90: float
     latency_p99: float
@@ -147,7 +149,9 @@ def _result(strategy: str, block_size: int | None, requests: list[Request],
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
     outputs = sum(r.output for r in requests)
     return ReplayResult(strategy, block_size, len(requests), outputs, now,
-                        outputs / now if now else 0.0, float(p50), float(p90), float(p99),
+                        outputs / now if now else 0.0, timeline.seconds,
+                        outputs / timeline.seconds if timeline.seconds else 0.0,
+                        float(p50), float(p90), float(p99),
                         timeline.peak, timeline.mean(timeline.concurrency),
                         1 - timeline.used / timeline.reserved if timeline.reserved else 0.0,
                         timeline.mean(timeline.external) if external else None, preemptions,
