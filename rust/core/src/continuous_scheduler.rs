@@ -396,13 +396,7 @@ impl ContinuousScheduler {
                 scheduled.push((seq_id, 1, false));
                 budget -= 1;
             } else {
-                let chunk = remaining.min(budget);
-                if chunk < remaining && !self.config.enable_chunked_prefill {
-                    continue;
-                }
-                self.mark_computed(seq_id, chunk);
-                scheduled.push((seq_id, chunk, true));
-                budget -= chunk;
+                self.schedule_prefill(seq_id, remaining, &mut budget, &mut scheduled);
             }
         }
 
@@ -449,18 +443,29 @@ impl ContinuousScheduler {
                 .get_mut(&seq_id)
                 .ok_or(CoreError::UnknownSequence(seq_id))?;
             request.num_computed = cached;
-            let remaining = total - cached;
-            let chunk = remaining.min(budget);
-            if chunk < remaining && !self.config.enable_chunked_prefill {
-                // Admitted with its blocks; it prefills whole in a later step.
-                continue;
-            }
-            self.mark_computed(seq_id, chunk);
-            scheduled.push((seq_id, chunk, true));
-            budget -= chunk;
+            // Without chunking, a prompt larger than what is left of the budget waits, with its
+            // blocks, for a later step.
+            self.schedule_prefill(seq_id, total - cached, &mut budget, &mut scheduled);
         }
 
         self.build_plan(cache, &scheduled, plan)
+    }
+
+    /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget`.
+    fn schedule_prefill(
+        &mut self,
+        seq_id: u64,
+        remaining: usize,
+        budget: &mut usize,
+        scheduled: &mut Vec<(u64, usize, bool)>,
+    ) {
+        let chunk = remaining.min(*budget);
+        if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill) {
+            return;
+        }
+        self.mark_computed(seq_id, chunk);
+        scheduled.push((seq_id, chunk, true));
+        *budget -= chunk;
     }
 
     fn mark_computed(&mut self, seq_id: u64, tokens: usize) {
