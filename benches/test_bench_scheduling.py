@@ -16,38 +16,18 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem import simulate
+from atb_mem import benchmarks, simulate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
 STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
 
 
 def test_step_overhead_with_256_running(benchmark) -> None:
-    rng = np.random.default_rng(20240607)
-    kv = atb_mem.KVCachePool(65_536, 16, device=None)
-    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=256,
-                                                 max_num_batched_tokens=8192)
-    prompts = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, 256)), 8, 4096).astype(int)
-    for seq_id, prompt in enumerate(prompts.tolist()):
-        scheduler.add_request(seq_id, prompt, 100_000)
-    now = 0.0
-    while True:  # until every sequence decodes
-        plan = scheduler.step(now=now)
-        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
-        now += 1
-        if len(plan.decode_seq_ids) == 256:
-            break
-
-    def one_step() -> None:
-        plan = scheduler.step(now=0.0)
-        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
-
-    benchmark.pedantic(one_step, rounds=300, iterations=1)
-    assert scheduler.stats()["running"] == 256
-    if benchmark.disabled:
-        return
-    print(f"\nstep()+on_tokens() with 256 running: {benchmark.stats.stats.median * 1e6:.1f} us "
-          f"(median of {benchmark.stats.stats.rounds})")
+    run, _ = benchmarks.scheduler_step_workload(256)
+    benchmark.pedantic(run, rounds=300, iterations=1)
+    if benchmark.stats is not None:
+        print(f"\nstep()+on_tokens() with 256 running: "
+              f"{benchmark.stats.stats.median * 1e6:.1f} us (median of 300)")
 
 
 def load_trace(limit: int, speedup: float) -> list[tuple[float, int, int]]:

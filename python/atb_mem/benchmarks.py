@@ -1,5 +1,7 @@
-"""The operation benchmarks of the earlier issues as plain functions, so that `atb-mem bench
-ops` runs them without pytest. Each returns the median per-operation time of a few rounds."""
+"""The operation workloads of the earlier issues, shared by `atb-mem bench ops` (which times
+them itself) and the pytest-benchmark suite in ``benches/`` (which times them with
+pytest-benchmark). Each ``*_workload`` function prepares what it needs and returns the
+callable to time and how many operations one call performs."""
 
 from __future__ import annotations
 
@@ -12,117 +14,138 @@ import numpy as np
 import atb_mem
 
 SEED = 20240607
+NUM_BLOCKS, BLOCK_SIZE = 65_536, 16
+Workload = tuple[Callable[[], object], int]
 
 
-def _median_seconds(run: Callable[[], object], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def w1_churn(pairs: int = 1_000_000, rounds: int = 3) -> float:
-    """ns per alloc+free pair of one block's worth of tokens, from Python."""
-    kv = atb_mem.KVCachePool(65_536, 16, device=None)
+def churn_workload(pairs: int = 1_000_000) -> Workload:
+    """W1: allocate one block's worth of tokens for a sequence and free it."""
+    kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
 
     def churn() -> None:
         alloc, free = kv.alloc_sequence, kv.free_sequence
         for seq_id in range(pairs):
-            alloc(seq_id, 16)
+            alloc(seq_id, BLOCK_SIZE)
             free(seq_id)
 
-    return _median_seconds(churn, rounds) / pairs * 1e9
+    return churn, pairs
 
 
-def w2_decode(steps: int = 2000, rounds: int = 3) -> float:
-    """µs per decode step of 256 running sequences through a BatchTable, finished sequences
-    freed and replaced."""
+def decode_lengths(count: int = 20_000) -> tuple[list[int], list[int]]:
+    """W2's prompt and output lengths (lognormal around 300 and 200 tokens)."""
     rng = np.random.default_rng(SEED)
-    prompts = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, 20_000)), 8, 4096).astype(int)
-    outputs = np.clip(np.rint(rng.lognormal(np.log(200), 1.0, 20_000)), 1, 2048).astype(int)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, count)), 8, 4096)
+    outputs = np.clip(np.rint(rng.lognormal(np.log(200), 1.0, count)), 1, 2048)
+    return prompts.astype(int).tolist(), outputs.astype(int).tolist()
+
+
+def decode_workload(steps: int = 2000, *, batch_table: bool = True, running: int = 256) -> Workload:
+    """W2: `running` sequences each get a token per step, through a BatchTable (one call) or
+    through append_tokens plus a full block_tables/context_lens rebuild; finished sequences
+    are freed and replaced (prefill allocates the whole prompt)."""
+    prompts, outputs = decode_lengths()
 
     def run() -> None:
-        kv = atb_mem.KVCachePool(65_536, 16, device=None)
-        batch = kv.batch_table(256, (4096 + 2048) // 16)
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+        table = kv.batch_table(running, (4096 + 2048) // BLOCK_SIZE)
+        rows = np.zeros(running, dtype=np.int64)  # a replacement takes its predecessor's row
         finishing: dict[int, list[int]] = {}
-        running = [0] * 256
         next_request = 0
 
         def admit(row: int, now: int) -> None:
             nonlocal next_request
             seq_id, next_request = next_request, next_request + 1
-            kv.alloc_sequence(seq_id, int(prompts[seq_id]))
-            running[row] = seq_id
-            finishing.setdefault(now + int(outputs[seq_id]), []).append(row)
-            batch.add(seq_id)
+            kv.alloc_sequence(seq_id, prompts[seq_id])
+            rows[row] = seq_id
+            finishing.setdefault(now + outputs[seq_id], []).append(row)
+            if batch_table:
+                table.add(seq_id)
 
-        for row in range(256):
+        for row in range(running):
             admit(row, 0)
         for now in range(1, steps + 1):
-            batch.append_tokens()
+            if batch_table:
+                table.append_tokens()
+            else:
+                kv.append_tokens(rows)
+                kv.block_tables(rows)
+                kv.context_lens(rows)
             for row in finishing.pop(now, ()):
-                batch.remove(running[row])
-                kv.free_sequence(running[row])
+                seq_id = int(rows[row])
+                if batch_table:
+                    table.remove(seq_id)
+                kv.free_sequence(seq_id)
                 admit(row, now)
 
-    return _median_seconds(run, rounds) / steps * 1e6
+    return run, steps
 
 
-def w3_prefix(requests: int = 10_000, rounds: int = 3) -> tuple[float, float]:
-    """(µs per request, block hit rate): a shared 1,024-token system prompt plus a unique
-    suffix of 64 to 512 tokens, allocated with token ids and freed."""
+def prefix_prompts(requests: int = 10_000) -> list[np.ndarray]:
+    """W3's prompts: a shared 1,024-token system prompt plus a unique 64-512-token suffix."""
     rng = np.random.default_rng(SEED)
     system = rng.integers(0, 32_000, 1024, dtype=np.int32)
     prompts = []
     for i in range(requests):
         suffix = rng.integers(0, 32_000, int(rng.integers(64, 513)), dtype=np.int32)
-        suffix[0] = 100_000 + i
+        suffix[0] = 100_000 + i  # unique, so the only possible hits are the system prompt's
         prompts.append(np.concatenate([system, suffix]))
-    hit_rate = 0.0
+    return prompts
 
-    def run() -> None:
-        nonlocal hit_rate
-        kv = atb_mem.KVCachePool(65_536, 16, device=None)
+
+def prefix_workload(prompts: list[np.ndarray]) -> Workload:
+    """W3: allocate each prompt with its token ids, then free it. Returns the stats."""
+
+    def run() -> dict:
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
         for seq_id, tokens in enumerate(prompts):
             kv.alloc_sequence(seq_id, tokens)
             kv.free_sequence(seq_id)
-        hit_rate = kv.stats()["prefix_cache_hit_rate"]
+        return kv.stats()
 
-    return _median_seconds(run, rounds) / requests * 1e6, hit_rate
+    return run, len(prompts)
 
 
-def mem_pool_pair(pairs: int = 1_000_000, rounds: int = 3) -> float:
-    """ns per MemPool malloc+free pair of 256 KiB, from Python."""
+def mem_pool_workload(pairs: int = 1_000_000) -> Workload:
+    """MemPool malloc + free of 256 KiB, with a few other ranges in the bins."""
     pool = atb_mem.MemPool(1 << 30, backing=None)
+    keep = [pool.malloc(4096 * (i % 7 + 1)) for i in range(64)]
 
     def churn() -> None:
         malloc, free = pool.malloc, pool.free
         for _ in range(pairs):
             free(malloc(262_144))
+        assert len(pool) == len(keep)
 
-    return _median_seconds(churn, rounds) / pairs * 1e9
+    return churn, pairs
 
 
-def scheduler_step(steps: int = 300) -> float:
-    """µs per ContinuousBatchScheduler step + on_tokens with 256 running decodes."""
-    rng = np.random.default_rng(SEED)
-    kv = atb_mem.KVCachePool(65_536, 16, device=None)
-    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=256,
+def scheduler_step_workload(running: int = 256) -> Workload:
+    """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences."""
+    prompts, _ = decode_lengths(running)
+    kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
                                                  max_num_batched_tokens=8192)
-    for seq_id, prompt in enumerate(np.clip(np.rint(rng.lognormal(np.log(300), 1.0, 256)),
-                                            8, 4096).astype(int).tolist()):
+    for seq_id, prompt in enumerate(prompts):
         scheduler.add_request(seq_id, prompt, 1_000_000)
-    while True:
+    while True:  # until every sequence decodes
         plan = scheduler.step(now=0.0)
         scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
-        if len(plan.decode_seq_ids) == 256:
+        if len(plan.decode_seq_ids) == running:
             break
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+
+    def step() -> None:
         plan = scheduler.step(now=0.0)
         scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
+
+    return step, 1
+
+
+def median_per_operation(workload: Workload, rounds: int) -> float:
+    """Median seconds per operation over `rounds` calls."""
+    run, operations = workload
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return statistics.median(times) / operations

@@ -152,17 +152,21 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
 
     scale = 20 if quick else 1
     rounds = 1 if quick else 3
+    prompts = benchmarks.prefix_prompts(10_000 // scale)
     workloads: list[tuple[str, str, str, Callable[[], Any]]] = [
-        ("W1 alloc+free pair", "ns", "<= 150",
-         lambda: benchmarks.w1_churn(1_000_000 // scale, rounds)),
+        ("W1 alloc+free pair", "ns", "<= 150", lambda: 1e9 * benchmarks.median_per_operation(
+            benchmarks.churn_workload(1_000_000 // scale), rounds)),
         ("W2 decode step via BatchTable (256 seqs)", "us", "<= 15",
-         lambda: benchmarks.w2_decode(2000 // scale, rounds)),
-        ("W3 prefix request", "us", "<= 30",
-         lambda: benchmarks.w3_prefix(10_000 // scale, rounds)),
-        ("MemPool malloc+free pair", "ns", "<= 300",
-         lambda: benchmarks.mem_pool_pair(1_000_000 // scale, rounds)),
+         lambda: 1e6 * benchmarks.median_per_operation(
+             benchmarks.decode_workload(2000 // scale), rounds)),
+        ("W3 prefix request", "us", "<= 30", lambda: (
+            1e6 * benchmarks.median_per_operation(benchmarks.prefix_workload(prompts), rounds),
+            benchmarks.prefix_workload(prompts)[0]()["prefix_cache_hit_rate"])),
+        ("MemPool malloc+free pair", "ns", "<= 300", lambda: 1e9 * benchmarks.median_per_operation(
+            benchmarks.mem_pool_workload(1_000_000 // scale), rounds)),
         ("scheduler step + on_tokens (256 running)", "us", "<= 50",
-         lambda: benchmarks.scheduler_step(300 // scale)),
+         lambda: 1e6 * benchmarks.median_per_operation(
+             benchmarks.scheduler_step_workload(), 300 // scale)),
     ]
     results = []
     with Progress(console=console, transient=True) as progress:
