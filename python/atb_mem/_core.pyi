@@ -147,6 +147,8 @@ class BatchTable:
 
     ``block_tables``, ``context_lens`` and ``slot_mapping`` are read-only numpy views over
     memory the core owns; their addresses never change. Rows ``[0, len(table))`` are live.
+    ``append_tokens`` writes them in place (without the GIL for very large tables): read or
+    copy them between steps, not while another thread appends.
     """
 
     def add(self, seq_id: int) -> None: ...
