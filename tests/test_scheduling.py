@@ -217,3 +217,13 @@ def test_trace_replay_forces_preemption_and_finishes_everything(preemption: str)
     assert sampled == expected
     assert len(kv) == 0 and scheduler.stats()["finished"] == len(trace)
     assert scheduler.stats()["preemptions"] > 0
+
+
+def test_requests_wait_for_their_arrival_time() -> None:
+    kv = atb_mem.KVCachePool(64, 4, device=None)
+    scheduler = ContinuousBatchScheduler(kv)
+    scheduler.add_request(1, 4, 1, arrival_time=10.0)
+    scheduler.add_request(2, 4, 1, arrival_time=1.0)
+    assert len(scheduler.step(now=0.5)) == 0
+    assert scheduler.step(now=5.0).prefill_seq_ids.tolist() == [2]
+    assert scheduler.step(now=10.0).prefill_seq_ids.tolist() == [1]

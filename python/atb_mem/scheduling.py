@@ -84,8 +84,10 @@ class ContinuousBatchScheduler:
     def add_request(self, seq_id: int, prompt: Any, max_new_tokens: int, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Queues a request. ``prompt`` is a token count or the token ids (prefix-cache hits
-        then count as computed). Lower ``priority`` numbers go first."""
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        then count as computed). Lower ``priority`` numbers go first. ``arrival_time`` is in
+        the clock ``step(now=...)`` uses; the request is not admitted before it (default: at
+        once)."""
+        arrival = 0.0 if arrival_time is None else arrival_time
         if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
             raise ValueError(f"arrival_time must be a time in seconds >= 0, got {arrival!r}")
         self._core.add_request(seq_id, prompt, max_new_tokens, priority, round(arrival * 1e9))

@@ -342,7 +342,6 @@ impl ContinuousScheduler {
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
-        let _ = now_ns;
         *plan = StepPlan {
             block_tables: std::mem::take(&mut plan.block_tables),
             ..StepPlan::default()
@@ -418,7 +417,13 @@ impl ContinuousScheduler {
 
         // 3. Waiting requests, while nothing waits to resume.
         while plan.preempted_seq_ids.is_empty() && self.swapped.is_empty() && budget > 0 {
-            let Some(&(priority, key, seq_id)) = self.waiting.first() else {
+            // Requests are not admitted before they arrive.
+            let requests = &self.requests;
+            let Some(&(priority, key, seq_id)) = self
+                .waiting
+                .iter()
+                .find(|&&(_, _, id)| requests.get(&id).is_some_and(|r| r.arrival_ns <= now_ns))
+            else {
                 break;
             };
             if self.running.len() >= self.config.max_num_seqs {

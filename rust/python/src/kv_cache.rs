@@ -577,10 +577,9 @@ impl PyBatchTable {
 
 #[pymethods]
 impl PyBatchTable {
-    fn add(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn add(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
         let cache = self.pool.get().lock();
-        let _ = py;
         self.lock().add(&cache, seq_id).into_py_result()
     }
 
