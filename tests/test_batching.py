@@ -246,3 +246,20 @@ def test_cancelled_future_never_reaches_a_handler() -> None:
     assert batcher.next_batch(timeout=0) is None
     with pytest.raises(CancelledError):
         future.result()
+
+
+def test_core_configuration_round_trips_and_refuses_bad_dicts() -> None:
+    from atb_mem import _core
+
+    batcher = DynamicBatchScheduler(max_batch_size=4, timeout_ms=5, priority_levels=2)
+    core = batcher._core
+    config = core.config()
+    assert core.set_config(config) == config  # what config() returns is a valid configuration
+    for bad, error in [({**config, "speed": 1}, ValueError), ({"max_batch_size": 4}, ValueError),
+                       ([("max_batch_size", 4)], TypeError),
+                       ({**config, "timeout_action": 3}, ValueError)]:
+        with pytest.raises(error):
+            core.set_config(bad)
+        with pytest.raises(error):
+            _core.RequestBatcher(bad)
+    assert core.config() == config

@@ -227,3 +227,19 @@ def test_requests_wait_for_their_arrival_time() -> None:
     assert len(scheduler.step(now=0.5)) == 0
     assert scheduler.step(now=5.0).prefill_seq_ids.tolist() == [2]
     assert scheduler.step(now=10.0).prefill_seq_ids.tolist() == [1]
+
+
+def test_core_configuration_round_trips_and_refuses_bad_dicts() -> None:
+    from atb_mem import _core
+
+    kv = atb_mem.KVCachePool(16, 4, device=None)
+    core = ContinuousBatchScheduler(kv)._core
+    config = core.config()
+    assert core.set_config(config) == config
+    for bad in ({**config, "speed": 1}, {"max_num_seqs": 4}, {**config, "preemption": 1},
+                {**config, "watermark": "high"}):
+        with pytest.raises((ValueError, TypeError)):
+            core.set_config(bad)
+        with pytest.raises((ValueError, TypeError)):
+            _core.ContinuousScheduler(kv, bad)
+    assert core.config() == config

@@ -285,29 +285,16 @@ def copy_blocks(
     itself when ``src`` is None). Bounds-checked."""
 
 class RequestBatcher:
-    """Deterministic request-batching policy behind ``DynamicBatchScheduler`` (times in ns)."""
+    """Deterministic request-batching policy behind ``DynamicBatchScheduler`` (times in ns).
 
-    def __new__(
-        cls,
-        max_batch_size: int,
-        timeout_ns: int,
-        preferred_batch_sizes: list[int],
-        max_queue_size: int | None,
-        priority_levels: int,
-        default_timeout_ns: int | None,
-        timeout_action: str,
-    ) -> RequestBatcher: ...
+    A configuration is a dict with the keys ``config()`` returns: ``max_batch_size``,
+    ``timeout_ns``, ``preferred_batch_sizes``, ``max_queue_size``, ``priority_levels``,
+    ``default_timeout_ns``, ``timeout_action``.
+    """
+
+    def __new__(cls, config: dict[str, Any]) -> RequestBatcher: ...
     def config(self) -> dict[str, Any]: ...
-    def set_config(
-        self,
-        max_batch_size: int,
-        timeout_ns: int,
-        preferred_batch_sizes: list[int],
-        max_queue_size: int | None,
-        priority_levels: int,
-        default_timeout_ns: int | None,
-        timeout_action: str,
-    ) -> dict[str, Any]:
+    def set_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """Validated first; returns the previous configuration."""
     def submit(
         self, request_id: int, priority: int, now_ns: int, timeout_ns: int | None = None
@@ -321,26 +308,16 @@ class RequestBatcher:
     def __contains__(self, request_id: int) -> bool: ...
 
 class ContinuousScheduler:
-    """Continuous-batching policy behind ``ContinuousBatchScheduler`` (times in ns)."""
+    """Continuous-batching policy behind ``ContinuousBatchScheduler`` (times in ns).
 
-    def __new__(
-        cls,
-        kv_cache: KVCachePool,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool,
-        preemption: str,
-        watermark: float,
-    ) -> ContinuousScheduler: ...
+    A configuration is a dict with the keys ``config()`` returns: ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``preemption``, ``watermark``.
+    """
+
+    def __new__(cls, kv_cache: KVCachePool, config: dict[str, Any]) -> ContinuousScheduler: ...
     def config(self) -> dict[str, Any]: ...
-    def set_config(
-        self,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool,
-        preemption: str,
-        watermark: float,
-    ) -> dict[str, Any]: ...
+    def set_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Validated first; returns the previous configuration."""
     def add_request(
         self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int, priority: int,
         arrival_ns: int,

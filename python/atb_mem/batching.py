@@ -115,13 +115,20 @@ class DynamicBatchScheduler:
     # ---- configuration ---------------------------------------------------------------------
 
     @staticmethod
-    def _make_core(settings: dict[str, Any]) -> _core.RequestBatcher:
-        return _core.RequestBatcher(
-            settings["max_batch_size"], _ms_to_ns("timeout_ms", settings["timeout_ms"]),
-            list(settings["preferred_batch_sizes"]), settings["max_queue_size"],
-            settings["priority_levels"],
-            _ms_to_ns("default_timeout_ms", settings["default_timeout_ms"]),
-            settings["timeout_action"])
+    def _core_config(settings: dict[str, Any]) -> dict[str, Any]:
+        """The settings in the core's terms (nanoseconds)."""
+        return {"max_batch_size": settings["max_batch_size"],
+                "timeout_ns": _ms_to_ns("timeout_ms", settings["timeout_ms"]),
+                "preferred_batch_sizes": list(settings["preferred_batch_sizes"]),
+                "max_queue_size": settings["max_queue_size"],
+                "priority_levels": settings["priority_levels"],
+                "default_timeout_ns": _ms_to_ns("default_timeout_ms",
+                                                settings["default_timeout_ms"]),
+                "timeout_action": settings["timeout_action"]}
+
+    @classmethod
+    def _make_core(cls, settings: dict[str, Any]) -> _core.RequestBatcher:
+        return _core.RequestBatcher(cls._core_config(settings))
 
     def _validated(self, settings: dict[str, Any]) -> dict[str, Any]:
         if settings["timeout_ms"] is None:
@@ -156,12 +163,7 @@ class DynamicBatchScheduler:
         if self._new_settings is None:
             return
         settings, self._new_settings = self._new_settings, None
-        self._core.set_config(
-            settings["max_batch_size"], _ms_to_ns("timeout_ms", settings["timeout_ms"]),
-            list(settings["preferred_batch_sizes"]), settings["max_queue_size"],
-            settings["priority_levels"],
-            _ms_to_ns("default_timeout_ms", settings["default_timeout_ms"]),
-            settings["timeout_action"])
+        self._core.set_config(self._core_config(settings))
         self._settings = settings
 
     # ---- producers -------------------------------------------------------------------------

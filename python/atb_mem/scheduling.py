@@ -72,9 +72,10 @@ class ContinuousBatchScheduler:
                  eos_token_id: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.eos_token_id = eos_token_id
-        self._core = _core.ContinuousScheduler(kv_cache, max_num_seqs, max_num_batched_tokens,
-                                               bool(enable_chunked_prefill), preemption,
-                                               float(watermark))
+        self._core = _core.ContinuousScheduler(kv_cache, {
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_chunked_prefill": bool(enable_chunked_prefill), "preemption": preemption,
+            "watermark": watermark})
         self._new_settings: dict[str, Any] | None = None
         self._finished = 0
         self._last_batch = (0, 0)  # (sequences, tokens) of the last step
@@ -146,10 +147,7 @@ class ContinuousBatchScheduler:
         if unknown:
             raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
         new = dict(self._new_settings or self.config) | changes
-        _core.ContinuousScheduler(self.kv_cache, new["max_num_seqs"],
-                                  new["max_num_batched_tokens"],
-                                  bool(new["enable_chunked_prefill"]), new["preemption"],
-                                  float(new["watermark"]))  # validates, changes nothing
+        _core.ContinuousScheduler(self.kv_cache, new)  # validates, changes nothing
         previous = self.config
         self._new_settings = new
         return previous
@@ -157,9 +155,7 @@ class ContinuousBatchScheduler:
     def _apply_new_settings(self) -> None:
         if self._new_settings is not None:
             new, self._new_settings = self._new_settings, None
-            self._core.set_config(new["max_num_seqs"], new["max_num_batched_tokens"],
-                                  bool(new["enable_chunked_prefill"]), new["preemption"],
-                                  float(new["watermark"]))
+            self._core.set_config(new)
 
     def _check_invariants(self) -> None:
         self._core._check_invariants()

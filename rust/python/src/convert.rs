@@ -377,3 +377,34 @@ pub fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
         type_name(obj)
     )))
 }
+
+/// A configuration mapping's entries: every key in `keys` must be there, and nothing else.
+pub fn config_items<'py, const N: usize>(
+    config: &Bound<'py, PyAny>,
+    keys: [&str; N],
+) -> PyResult<[Bound<'py, PyAny>; N]> {
+    let Ok(config) = config.cast::<pyo3::types::PyDict>() else {
+        return Err(type_error(format!(
+            "a configuration must be a dict, got {}",
+            type_name(config)
+        )));
+    };
+    if let Some(unknown) = config.keys().iter().find(|key| {
+        !key.extract::<String>()
+            .is_ok_and(|key| keys.contains(&key.as_str()))
+    }) {
+        return Err(value_error(format!(
+            "unknown configuration key {}",
+            describe(&unknown)
+        )));
+    }
+    let mut items = Vec::with_capacity(N);
+    for key in keys {
+        items.push(
+            config
+                .get_item(key)?
+                .ok_or_else(|| value_error(format!("the configuration needs {key:?}")))?,
+        );
+    }
+    items.try_into().map_err(|_| value_error("configuration"))
+}

@@ -61,59 +61,51 @@ impl PyRequestBatcher {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn build_config(
-    max_batch_size: &Bound<'_, PyAny>,
-    timeout_ns: &Bound<'_, PyAny>,
-    preferred_batch_sizes: Vec<Bound<'_, PyAny>>,
-    max_queue_size: Option<&Bound<'_, PyAny>>,
-    priority_levels: &Bound<'_, PyAny>,
-    default_timeout_ns: Option<&Bound<'_, PyAny>>,
-    timeout_action_name: &str,
-) -> PyResult<BatcherConfig> {
-    let mut preferred = preferred_batch_sizes
-        .iter()
-        .map(|size| convert::count(size, "preferred_batch_sizes entries", 1))
+/// The configuration from a dict with the keys `config()` returns.
+fn build_config(config: &Bound<'_, PyAny>) -> PyResult<BatcherConfig> {
+    let [max_batch_size, timeout_ns, preferred, max_queue_size, priority_levels, default_timeout_ns, action] =
+        convert::config_items(
+            config,
+            [
+                "max_batch_size",
+                "timeout_ns",
+                "preferred_batch_sizes",
+                "max_queue_size",
+                "priority_levels",
+                "default_timeout_ns",
+                "timeout_action",
+            ],
+        )?;
+    let mut preferred = preferred
+        .try_iter()?
+        .map(|size| convert::count(&size?, "preferred_batch_sizes entries", 1))
         .collect::<PyResult<Vec<_>>>()?;
     preferred.sort_unstable();
     preferred.dedup();
     Ok(BatcherConfig {
-        max_batch_size: convert::count(max_batch_size, "max_batch_size", 1)?,
-        timeout_ns: convert::count(timeout_ns, "timeout_ns", 0)? as u64,
+        max_batch_size: convert::count(&max_batch_size, "max_batch_size", 1)?,
+        timeout_ns: convert::count(&timeout_ns, "timeout_ns", 0)? as u64,
         preferred_batch_sizes: preferred,
-        max_queue_size: match max_queue_size.filter(|limit| !limit.is_none()) {
+        max_queue_size: match Some(&max_queue_size).filter(|limit| !limit.is_none()) {
             Some(limit) => Some(convert::count(limit, "max_queue_size", 1)?),
             None => None,
         },
-        priority_levels: convert::count(priority_levels, "priority_levels", 1)?,
-        default_timeout_ns: ns(default_timeout_ns, "default_timeout_ns")?,
-        timeout_action: timeout_action(timeout_action_name)?,
+        priority_levels: convert::count(&priority_levels, "priority_levels", 1)?,
+        default_timeout_ns: ns(Some(&default_timeout_ns), "default_timeout_ns")?,
+        timeout_action: timeout_action(
+            action
+                .extract::<&str>()
+                .map_err(|_| value_error("timeout_action must be \"reject\" or \"delay\""))?,
+        )?,
     })
 }
 
 #[pymethods]
 impl PyRequestBatcher {
+    /// `config`: a dict with the keys `config()` returns.
     #[new]
-    #[pyo3(signature = (max_batch_size, timeout_ns, preferred_batch_sizes, max_queue_size,
-                        priority_levels, default_timeout_ns, timeout_action))]
-    fn new(
-        max_batch_size: &Bound<'_, PyAny>,
-        timeout_ns: &Bound<'_, PyAny>,
-        preferred_batch_sizes: Vec<Bound<'_, PyAny>>,
-        max_queue_size: Option<&Bound<'_, PyAny>>,
-        priority_levels: &Bound<'_, PyAny>,
-        default_timeout_ns: Option<&Bound<'_, PyAny>>,
-        timeout_action: &str,
-    ) -> PyResult<Self> {
-        let config = build_config(
-            max_batch_size,
-            timeout_ns,
-            preferred_batch_sizes,
-            max_queue_size,
-            priority_levels,
-            default_timeout_ns,
-            timeout_action,
-        )?;
+    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = build_config(config)?;
         Ok(PyRequestBatcher {
             batcher: Mutex::new(RequestBatcher::new(config).into_py_result()?),
         })
@@ -125,29 +117,12 @@ impl PyRequestBatcher {
     }
 
     /// Replaces the configuration (validated first); returns the previous one.
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (max_batch_size, timeout_ns, preferred_batch_sizes, max_queue_size,
-                        priority_levels, default_timeout_ns, timeout_action))]
     fn set_config<'py>(
         &self,
         py: Python<'py>,
-        max_batch_size: &Bound<'py, PyAny>,
-        timeout_ns: &Bound<'py, PyAny>,
-        preferred_batch_sizes: Vec<Bound<'py, PyAny>>,
-        max_queue_size: Option<&Bound<'py, PyAny>>,
-        priority_levels: &Bound<'py, PyAny>,
-        default_timeout_ns: Option<&Bound<'py, PyAny>>,
-        timeout_action: &str,
+        config: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let config = build_config(
-            max_batch_size,
-            timeout_ns,
-            preferred_batch_sizes,
-            max_queue_size,
-            priority_levels,
-            default_timeout_ns,
-            timeout_action,
-        )?;
+        let config = build_config(config)?;
         let previous = self.lock().set_config(config).into_py_result()?;
         config_dict(py, &previous)
     }

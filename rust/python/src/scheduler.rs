@@ -23,23 +23,35 @@ fn preemption(name: &str) -> PyResult<Preemption> {
     }
 }
 
-fn build_config(
-    max_num_seqs: &Bound<'_, PyAny>,
-    max_num_batched_tokens: &Bound<'_, PyAny>,
-    enable_chunked_prefill: bool,
-    preemption_name: &str,
-    watermark: f64,
-) -> PyResult<SchedulerConfig> {
+/// The configuration from a dict with the keys `config()` returns.
+fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
+    let [max_num_seqs, max_num_batched_tokens, chunked, preemption_name, watermark] =
+        convert::config_items(
+            config,
+            [
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "enable_chunked_prefill",
+                "preemption",
+                "watermark",
+            ],
+        )?;
     Ok(SchedulerConfig {
-        max_num_seqs: convert::count(max_num_seqs, "max_num_seqs", 1)?,
+        max_num_seqs: convert::count(&max_num_seqs, "max_num_seqs", 1)?,
         max_num_batched_tokens: convert::count(
-            max_num_batched_tokens,
+            &max_num_batched_tokens,
             "max_num_batched_tokens",
             1,
         )?,
-        enable_chunked_prefill,
-        preemption: preemption(preemption_name)?,
-        watermark,
+        enable_chunked_prefill: chunked.is_truthy()?,
+        preemption: preemption(
+            preemption_name
+                .extract::<&str>()
+                .map_err(|_| value_error("preemption must be \"recompute\" or \"swap\""))?,
+        )?,
+        watermark: watermark
+            .extract::<f64>()
+            .map_err(|_| type_error("watermark must be a number"))?,
     })
 }
 
@@ -84,30 +96,16 @@ impl PyContinuousScheduler {
 
 #[pymethods]
 impl PyContinuousScheduler {
+    /// `config`: a dict with the keys `config()` returns.
     #[new]
-    #[pyo3(signature = (kv_cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                        preemption, watermark))]
-    fn new(
-        kv_cache: &Bound<'_, PyAny>,
-        max_num_seqs: &Bound<'_, PyAny>,
-        max_num_batched_tokens: &Bound<'_, PyAny>,
-        enable_chunked_prefill: bool,
-        preemption: &str,
-        watermark: f64,
-    ) -> PyResult<Self> {
+    fn new(kv_cache: &Bound<'_, PyAny>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
         let pool = kv_cache.cast::<PyKvCachePool>().map_err(|_| {
             type_error(format!(
                 "kv_cache must be a KVCachePool, got {}",
                 convert::type_name(kv_cache)
             ))
         })?;
-        let config = build_config(
-            max_num_seqs,
-            max_num_batched_tokens,
-            enable_chunked_prefill,
-            preemption,
-            watermark,
-        )?;
+        let config = build_config(config)?;
         let scheduler = ContinuousScheduler::new(config, &pool.get().lock()).into_py_result()?;
         Ok(PyContinuousScheduler {
             pool: pool.clone().unbind(),
@@ -123,19 +121,9 @@ impl PyContinuousScheduler {
     fn set_config<'py>(
         &self,
         py: Python<'py>,
-        max_num_seqs: &Bound<'py, PyAny>,
-        max_num_batched_tokens: &Bound<'py, PyAny>,
-        enable_chunked_prefill: bool,
-        preemption: &str,
-        watermark: f64,
+        config: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let config = build_config(
-            max_num_seqs,
-            max_num_batched_tokens,
-            enable_chunked_prefill,
-            preemption,
-            watermark,
-        )?;
+        let config = build_config(config)?;
         let cache = self.pool.get().lock();
         let previous = self.lock().set_config(config, &cache).into_py_result()?;
         config_dict(py, &previous)
