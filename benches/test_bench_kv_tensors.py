@@ -8,7 +8,6 @@ Model shape: 8 KV heads of 128, float16, block size 16 (4 KiB of K+V per token p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 import atb_mem
+from atb_mem import benchmarks
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
@@ -31,17 +31,9 @@ def synchronizer(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def median_seconds(run: Callable[[], None], device: str, repeat: int = 7) -> float:
-    sync = synchronizer(device)
-    run()  # warm up
-    sync()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def median_seconds(run: Callable[[], object], device: str, repeat: int = 7) -> float:
+    return benchmarks.median_per_operation((run, 1), repeat, warmup=True,
+                                           synchronize=synchronizer(device))
 
 
 def contiguous_copy(device: str, nbytes: int) -> Callable[[], None]:

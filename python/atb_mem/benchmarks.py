@@ -140,12 +140,19 @@ def scheduler_step_workload(running: int = 256) -> Workload:
     return step, 1
 
 
-def median_per_operation(workload: Workload, rounds: int) -> float:
-    """Median seconds per operation over `rounds` calls."""
+def median_per_operation(workload: Workload, rounds: int, *, warmup: bool = False,
+                         synchronize: Callable[[], object] | None = None) -> float:
+    """Median seconds per operation over `rounds` calls (after one untimed call with
+    `warmup`); `synchronize` waits for a device to finish inside each timed call."""
     run, operations = workload
+    sync = synchronize or (lambda: None)
+    if warmup:
+        run()
+        sync()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / operations

@@ -22,7 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import atb_mem
-from atb_mem.planning import plan_kv_cache
+from atb_mem.planning import DTYPE_ITEMSIZE, plan_kv_cache
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
@@ -66,6 +66,7 @@ class _List(click.ParamType):
 
 
 SIZE = _Size()
+DTYPES = list(DTYPE_ITEMSIZE)
 # Wide tables when the output is not a terminal (a file, a CI log): rich would use 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -89,7 +90,7 @@ def cli() -> None:
 @click.option("--layers", type=click.IntRange(min=1), required=True)
 @click.option("--kv-heads", type=click.IntRange(min=1), required=True)
 @click.option("--head-dim", type=click.IntRange(min=1), required=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "int8"]),
+@click.option("--dtype", type=click.Choice(DTYPES),
               default="float16", show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=1), required=True)
 @click.option("--utilization", "utilizations", type=_List(float, "numbers"),
@@ -202,7 +203,7 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
 @click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "int8"]),
+@click.option("--dtype", type=click.Choice(DTYPES),
               default="float16", show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="Reservation of contiguous-max (default: the longest request).")
@@ -285,7 +286,7 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
 @click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "int8"]),
+@click.option("--dtype", type=click.Choice(DTYPES),
               default="float16", show_default=True)
 @click.option("--latency-p99", type=click.FloatRange(min=0, min_open=True), required=True,
               help="Latency bound in seconds: configurations above it are infeasible.")

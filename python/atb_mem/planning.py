@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["KVCachePlan", "plan_kv_cache"]
+__all__ = ["DTYPE_ITEMSIZE", "KVCachePlan", "plan_kv_cache"]
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
+# Bytes per element of each KV-cache dtype.
+DTYPE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1], got {safety}")
-    if dtype not in _ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(_ITEMSIZE)}")
+    if dtype not in DTYPE_ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_ITEMSIZE)}")
     dims = {name: _positive_int(name, value) for name, value in (
         ("block_size", block_size), ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
         ("head_dim", head_dim), ("max_model_len", max_model_len))}
@@ -69,7 +70,7 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
         )
     usable = budget - model_bytes
     bytes_per_block = (2 * dims["num_layers"] * dims["block_size"] * dims["num_kv_heads"]
-                       * dims["head_dim"] * _ITEMSIZE[dtype])
+                       * dims["head_dim"] * DTYPE_ITEMSIZE[dtype])
     num_blocks = usable // bytes_per_block
     blocks_per_seq = math.ceil(dims["max_model_len"] / dims["block_size"])
     bytes_per_seq = blocks_per_seq * bytes_per_block

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import atb_mem
+from atb_mem.planning import DTYPE_ITEMSIZE
 
 __all__ = ["CostModel", "ReplayResult", "Request", "load_trace", "replay_paged",
            "replay_reserved", "synthetic_workload"]
@@ -253,8 +254,7 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}[dtype]
-    return 2 * num_layers * num_kv_heads * head_dim * itemsize
+    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_ITEMSIZE[dtype]
 
 
 def max_length(requests: list[Request]) -> int:

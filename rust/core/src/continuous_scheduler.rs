@@ -29,6 +29,25 @@ pub enum Preemption {
     Swap,
 }
 
+impl Preemption {
+    pub fn parse(name: &str) -> CoreResult<Preemption> {
+        match name {
+            "recompute" => Ok(Preemption::Recompute),
+            "swap" => Ok(Preemption::Swap),
+            other => Err(CoreError::invalid(format!(
+                "preemption must be \"recompute\" or \"swap\", got {other:?}"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preemption::Recompute => "recompute",
+            Preemption::Swap => "swap",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedulerConfig {
     pub max_num_seqs: usize,
@@ -124,6 +143,8 @@ pub struct ContinuousScheduler {
     num_preemptions: u64,
     scratch_moves: Vec<[u32; 2]>,
     scratch_slots: Vec<i32>,
+    scratch_ids: Vec<u64>,
+    scratch_scheduled: Vec<(u64, usize, bool)>,
 }
 
 impl ContinuousScheduler {
@@ -146,6 +167,8 @@ impl ContinuousScheduler {
             num_preemptions: 0,
             scratch_moves: Vec::new(),
             scratch_slots: Vec::new(),
+            scratch_ids: Vec::new(),
+            scratch_scheduled: Vec::new(),
         })
     }
 
@@ -301,7 +324,7 @@ impl ContinuousScheduler {
                 "seq_ids and token_ids must have the same length",
             ));
         }
-        for (i, &seq_id) in seq_ids.iter().enumerate() {
+        for &seq_id in seq_ids {
             let request = self
                 .requests
                 .get(&seq_id)
@@ -311,11 +334,15 @@ impl ContinuousScheduler {
                     "sequence {seq_id} has no token to sample now"
                 )));
             }
-            if seq_ids[..i].contains(&seq_id) {
-                return Err(CoreError::invalid(format!(
-                    "sequence {seq_id} appears twice"
-                )));
-            }
+        }
+        self.scratch_ids.clear();
+        self.scratch_ids.extend_from_slice(seq_ids);
+        self.scratch_ids.sort_unstable();
+        if let Some(pair) = self.scratch_ids.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(CoreError::invalid(format!(
+                "sequence {} appears twice",
+                pair[0]
+            )));
         }
         for (&seq_id, &token) in seq_ids.iter().zip(token_ids) {
             let Some(request) = self.requests.get_mut(&seq_id) else {
@@ -348,17 +375,20 @@ impl ContinuousScheduler {
         };
         plan.block_tables.clear();
         let mut budget = self.config.max_num_batched_tokens;
-        let mut scheduled: Vec<(u64, usize, bool)> = Vec::new();
+        let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
+        scheduled.clear();
 
         // 1. Running sequences, highest priority and oldest first.
-        let mut order = self.running.clone();
+        let mut order = std::mem::take(&mut self.scratch_ids);
+        order.clear();
+        order.extend_from_slice(&self.running);
         order.sort_by_key(|id| {
             self.requests
                 .get(id)
                 .map(|r| (r.priority, r.admitted))
                 .unwrap_or_default()
         });
-        for seq_id in order {
+        for &seq_id in &order {
             if budget == 0 {
                 break;
             }
@@ -398,6 +428,8 @@ impl ContinuousScheduler {
                 self.schedule_prefill(seq_id, remaining, &mut budget, &mut scheduled);
             }
         }
+
+        self.scratch_ids = order;
 
         // 2. Swapped-out sequences come back before anything new is admitted.
         if plan.preempted_seq_ids.is_empty() {
@@ -453,7 +485,9 @@ impl ContinuousScheduler {
             self.schedule_prefill(seq_id, total - cached, &mut budget, &mut scheduled);
         }
 
-        self.build_plan(cache, &scheduled, plan)
+        let result = self.build_plan(cache, &scheduled, plan);
+        self.scratch_scheduled = scheduled;
+        result
     }
 
     /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget`.

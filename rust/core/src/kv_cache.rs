@@ -103,8 +103,6 @@ pub struct KvCache {
     scratch_slabs: Vec<u32>,
     /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
     scratch_moves: Vec<u32>,
-    /// Blocks the last `check_append_budget` found necessary.
-    last_append_need: usize,
 }
 
 const NO_BLOCK: u32 = u32::MAX;
@@ -139,7 +137,6 @@ impl KvCache {
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
             scratch_moves: Vec::new(),
-            last_append_need: 0,
         })
     }
 
@@ -305,13 +302,7 @@ impl KvCache {
     /// How many blocks appending `n` tokens to one sequence would take now.
     pub fn blocks_to_append(&mut self, seq_id: u64, n: usize) -> CoreResult<usize> {
         let slab = self.slab_of(seq_id)?;
-        let before = self.block_pool.num_free();
-        match self.check_append_budget(&[slab], n) {
-            Ok(()) | Err(CoreError::OutOfBlocks { .. }) => {}
-            Err(error) => return Err(error),
-        }
-        debug_assert_eq!(before, self.block_pool.num_free());
-        Ok(self.last_append_need)
+        self.append_need(&[slab], n)
     }
 
     /// Gives a new sequence the blocks for `tokens`, reusing cached full blocks when token ids
@@ -423,11 +414,21 @@ impl KvCache {
     }
 
     /// Checks that appending `n` tokens to each sequence in `slabs` (all distinct) fits, and
-    /// fails with `OutOfBlocks` otherwise. Counts the blocks the sequences grow by, plus the
-    /// copy-on-write replacements of shared, partly filled last blocks: when every holder of
-    /// such a block appends in this batch, the last one to do so keeps the block, so a block
-    /// held by k sequences costs k - 1 copies, not k.
+    /// fails with `OutOfBlocks` otherwise.
     pub(crate) fn check_append_budget(&mut self, slabs: &[u32], n: usize) -> CoreResult<()> {
+        let needed = self.append_need(slabs, n)?;
+        let available = self.block_pool.num_free();
+        if needed > available {
+            return Err(CoreError::OutOfBlocks { needed, available });
+        }
+        Ok(())
+    }
+
+    /// Blocks that appending `n` tokens to each sequence in `slabs` (all distinct) takes: the
+    /// blocks the sequences grow by, plus the copy-on-write replacements of shared, partly
+    /// filled last blocks. When every holder of such a block appends in this batch, the last
+    /// one to do so keeps the block, so a block held by k sequences costs k - 1 copies, not k.
+    fn append_need(&mut self, slabs: &[u32], n: usize) -> CoreResult<usize> {
         let block_size = self.block_size();
         let mut needed = 0;
         self.scratch_blocks.clear();
@@ -457,12 +458,7 @@ impl KvCache {
                 holders.len() == self.block_pool.ref_count(holders[0]) as usize;
             needed += holders.len() - usize::from(every_holder_appends);
         }
-        self.last_append_need = needed;
-        let available = self.block_pool.num_free();
-        if needed > available {
-            return Err(CoreError::OutOfBlocks { needed, available });
-        }
-        Ok(())
+        Ok(needed)
     }
 
     /// Appends `n` tokens to every sequence of the batch and writes their slots, sequence by

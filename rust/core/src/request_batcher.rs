@@ -24,6 +24,25 @@ pub enum TimeoutAction {
     Delay,
 }
 
+impl TimeoutAction {
+    pub fn parse(name: &str) -> CoreResult<TimeoutAction> {
+        match name {
+            "reject" => Ok(TimeoutAction::Reject),
+            "delay" => Ok(TimeoutAction::Delay),
+            other => Err(CoreError::invalid(format!(
+                "timeout_action must be \"reject\" or \"delay\", got {other:?}"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TimeoutAction::Reject => "reject",
+            TimeoutAction::Delay => "delay",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatcherConfig {
     pub max_batch_size: usize,

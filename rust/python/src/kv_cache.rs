@@ -86,11 +86,15 @@ fn to_2d(
     Ok(array.into_pyarray(py))
 }
 
-fn pairs_to_array(py: Python<'_>, pairs: Vec<[u32; 2]>) -> PyResult<Bound<'_, PyArray2<i32>>> {
+/// Block pairs as an int32 `[k, 2]` array.
+pub(crate) fn pairs_to_array<'py>(
+    py: Python<'py>,
+    pairs: &[[u32; 2]],
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
     let rows = pairs.len();
     let cells = pairs
-        .into_iter()
-        .flat_map(|[src, dst]| [src as i32, dst as i32])
+        .iter()
+        .flat_map(|&[src, dst]| [src as i32, dst as i32])
         .collect();
     to_2d(py, cells, rows, 2)
 }
@@ -318,7 +322,7 @@ impl PyKvCachePool {
     /// The pending copy-on-write pairs, without taking them.
     fn peek_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let pairs = self.lock().pending_copies().to_vec();
-        pairs_to_array(py, pairs)
+        pairs_to_array(py, &pairs)
     }
 
     /// Drops the first `n` pending pairs, once a caller has executed them.
@@ -332,7 +336,7 @@ impl PyKvCachePool {
     fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let mut pairs = Vec::new();
         self.lock().take_pending_copies(&mut pairs);
-        pairs_to_array(py, pairs)
+        pairs_to_array(py, &pairs)
     }
 
     fn block_tables<'py>(
@@ -449,7 +453,7 @@ impl PyKvCachePool {
         self.lock()
             .swap_out(seq_ids.as_slice(), &mut moves)
             .into_py_result()?;
-        pairs_to_array(py, moves)
+        pairs_to_array(py, &moves)
     }
 
     /// Brings swapped-out sequences back; returns the (host block, device block) copies.
@@ -463,7 +467,7 @@ impl PyKvCachePool {
         self.lock()
             .swap_in(seq_ids.as_slice(), &mut moves)
             .into_py_result()?;
-        pairs_to_array(py, moves)
+        pairs_to_array(py, &moves)
     }
 
     /// Raises ValueError unless every slot (negative ones are padding) lies in a block some

@@ -17,16 +17,6 @@ fn ns(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
     }
 }
 
-fn timeout_action(name: &str) -> PyResult<TimeoutAction> {
-    match name {
-        "reject" => Ok(TimeoutAction::Reject),
-        "delay" => Ok(TimeoutAction::Delay),
-        other => Err(value_error(format!(
-            "timeout_action must be \"reject\" or \"delay\", got {other:?}"
-        ))),
-    }
-}
-
 fn config_dict<'py>(py: Python<'py>, config: &BatcherConfig) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     dict.set_item("max_batch_size", config.max_batch_size)?;
@@ -38,11 +28,7 @@ fn config_dict<'py>(py: Python<'py>, config: &BatcherConfig) -> PyResult<Bound<'
     dict.set_item("max_queue_size", config.max_queue_size)?;
     dict.set_item("priority_levels", config.priority_levels)?;
     dict.set_item("default_timeout_ns", config.default_timeout_ns)?;
-    let action = match config.timeout_action {
-        TimeoutAction::Reject => "reject",
-        TimeoutAction::Delay => "delay",
-    };
-    dict.set_item("timeout_action", action)?;
+    dict.set_item("timeout_action", config.timeout_action.name())?;
     Ok(dict)
 }
 
@@ -92,11 +78,12 @@ fn build_config(config: &Bound<'_, PyAny>) -> PyResult<BatcherConfig> {
         },
         priority_levels: convert::count(&priority_levels, "priority_levels", 1)?,
         default_timeout_ns: ns(Some(&default_timeout_ns), "default_timeout_ns")?,
-        timeout_action: timeout_action(
+        timeout_action: TimeoutAction::parse(
             action
                 .extract::<&str>()
                 .map_err(|_| value_error("timeout_action must be \"reject\" or \"delay\""))?,
-        )?,
+        )
+        .into_py_result()?,
     })
 }
 

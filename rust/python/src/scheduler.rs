@@ -11,17 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::kv_cache::PyKvCachePool;
-
-fn preemption(name: &str) -> PyResult<Preemption> {
-    match name {
-        "recompute" => Ok(Preemption::Recompute),
-        "swap" => Ok(Preemption::Swap),
-        other => Err(value_error(format!(
-            "preemption must be \"recompute\" or \"swap\", got {other:?}"
-        ))),
-    }
-}
+use crate::kv_cache::{pairs_to_array, PyKvCachePool};
 
 /// The configuration from a dict with the keys `config()` returns.
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
@@ -44,11 +34,12 @@ fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             1,
         )?,
         enable_chunked_prefill: chunked.is_truthy()?,
-        preemption: preemption(
+        preemption: Preemption::parse(
             preemption_name
                 .extract::<&str>()
                 .map_err(|_| value_error("preemption must be \"recompute\" or \"swap\""))?,
-        )?,
+        )
+        .into_py_result()?,
         watermark: watermark
             .extract::<f64>()
             .map_err(|_| type_error("watermark must be a number"))?,
@@ -60,23 +51,9 @@ fn config_dict<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound
     dict.set_item("max_num_seqs", config.max_num_seqs)?;
     dict.set_item("max_num_batched_tokens", config.max_num_batched_tokens)?;
     dict.set_item("enable_chunked_prefill", config.enable_chunked_prefill)?;
-    let name = match config.preemption {
-        Preemption::Recompute => "recompute",
-        Preemption::Swap => "swap",
-    };
-    dict.set_item("preemption", name)?;
+    dict.set_item("preemption", config.preemption.name())?;
     dict.set_item("watermark", config.watermark)?;
     Ok(dict)
-}
-
-fn pairs<'py>(py: Python<'py>, pairs: &[[u32; 2]]) -> PyResult<Bound<'py, PyAny>> {
-    let cells: Vec<i32> = pairs
-        .iter()
-        .flat_map(|&[a, b]| [a as i32, b as i32])
-        .collect();
-    let array =
-        Array2::from_shape_vec((pairs.len(), 2), cells).map_err(|e| type_error(e.to_string()))?;
-    Ok(array.into_pyarray(py).into_any())
 }
 
 /// Continuous-batching policy over a `KVCachePool` (see `atb_mem.ContinuousBatchScheduler`).
@@ -181,9 +158,9 @@ impl PyContinuousScheduler {
         dict.set_item("decode_seq_ids", ids(plan.decode_seq_ids))?;
         dict.set_item("sample_seq_ids", ids(plan.sample_seq_ids))?;
         dict.set_item("preempted_seq_ids", ids(plan.preempted_seq_ids))?;
-        dict.set_item("swap_out", pairs(py, &plan.swap_out)?)?;
-        dict.set_item("swap_in", pairs(py, &plan.swap_in)?)?;
-        dict.set_item("copies", pairs(py, &plan.copies)?)?;
+        dict.set_item("swap_out", pairs_to_array(py, &plan.swap_out)?)?;
+        dict.set_item("swap_in", pairs_to_array(py, &plan.swap_in)?)?;
+        dict.set_item("copies", pairs_to_array(py, &plan.copies)?)?;
         dict.set_item("query_lens", plan.query_lens.into_pyarray(py))?;
         dict.set_item("context_lens", plan.context_lens.into_pyarray(py))?;
         dict.set_item("block_tables", tables.into_pyarray(py))?;
