@@ -263,3 +263,14 @@ def test_core_configuration_round_trips_and_refuses_bad_dicts() -> None:
         with pytest.raises(error):
             _core.RequestBatcher(bad)
     assert core.config() == config
+
+
+def test_bad_submit_arguments_change_nothing() -> None:
+    batcher, _ = scheduler(max_batch_size=4, timeout_ms=10, priority_levels=2)
+    batcher.submit("kept")
+    for kwargs, error in [({"timeout_ms": -1}, ValueError), ({"timeout_ms": "5"}, TypeError),
+                          ({"priority": -1}, ValueError), ({"priority": 2}, ValueError),
+                          ({"priority": 1.5}, TypeError)]:
+        with pytest.raises(error):
+            batcher.submit("bad", **kwargs)
+        assert len(batcher) == 1 and batcher.stats()["queue_length"] == 1
