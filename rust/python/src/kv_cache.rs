@@ -14,7 +14,7 @@ use crate::errors::{type_error, value_error, IntoPyResult};
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 const DETACH_ABOVE: usize = 4096;
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The core never panics while holding the lock, so a poisoned lock still holds a
     // consistent value.
     mutex

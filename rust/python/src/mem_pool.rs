@@ -18,6 +18,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::convert;
 use crate::errors::{invalid_handle, type_error, value_error, IntoPyResult};
+use crate::kv_cache::lock;
 
 /// One aligned, zeroed host allocation: the bytes of a host-backed pool.
 ///
@@ -223,10 +224,7 @@ pub struct PyMemPool {
 
 impl PyMemPool {
     fn lock(&self) -> PyResult<MutexGuard<'_, PoolState>> {
-        let state = self
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = lock(&self.state);
         if state.closed {
             return Err(invalid_handle("the pool is closed"));
         }
@@ -361,10 +359,7 @@ impl PyMemPool {
 
     #[getter]
     fn closed(&self) -> bool {
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .closed
+        lock(&self.state).closed
     }
 
     /// Bytes `malloc(size)` would take.
@@ -495,10 +490,7 @@ impl PyMemPool {
 
     /// Frees everything and drops the pool's reference to its bytes (views keep theirs).
     fn close(&self) {
-        let mut state = self
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = lock(&self.state);
         if !state.closed {
             state.pool.reset();
             state.closed = true;
@@ -565,10 +557,7 @@ impl PyMemPool {
     }
 
     fn __repr__(&self) -> String {
-        let state = self
-            .state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = lock(&self.state);
         if state.closed {
             return "MemPool(closed)".into();
         }

@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::{value_error, IntoPyResult};
+use crate::kv_cache::lock;
 
 fn ns(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
     match obj.filter(|obj| !obj.is_none()) {
@@ -41,9 +42,7 @@ pub struct PyRequestBatcher {
 
 impl PyRequestBatcher {
     fn lock(&self) -> MutexGuard<'_, RequestBatcher> {
-        self.batcher
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.batcher)
     }
 }
 

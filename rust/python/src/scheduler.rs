@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::kv_cache::{pairs_to_array, PyKvCachePool};
+use crate::kv_cache::{lock, pairs_to_array, PyKvCachePool};
 
 /// The configuration from a dict with the keys `config()` returns.
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
@@ -65,9 +65,7 @@ pub struct PyContinuousScheduler {
 
 impl PyContinuousScheduler {
     fn lock(&self) -> MutexGuard<'_, ContinuousScheduler> {
-        self.scheduler
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.scheduler)
     }
 }
 
