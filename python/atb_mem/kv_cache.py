@@ -18,6 +18,7 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
+from atb_mem.kv_tensors import KVTensors
 from atb_mem.mem_pool import MemPool
 from atb_mem.planning import plan_kv_cache
 
@@ -53,7 +54,7 @@ class KVCachePool(_core.KVCachePool):
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
     """
 
-    __slots__ = ("_backend", "_host_kv", "_kv", "_kv_bytes", "_mem_pool", "_own_pool", "_region")
+    __slots__ = ("_mem_pool", "_own_pool", "_region", "_tensors")
 
     def __new__(cls, num_blocks: int, block_size: int, *, device: Any = _DEFAULT_DEVICE,
                 pool: MemPool | None = None, num_host_blocks: int | None = None,
@@ -65,10 +66,7 @@ class KVCachePool(_core.KVCachePool):
         self._mem_pool = pool
         self._own_pool = None
         self._region = None
-        self._backend = None
-        self._kv = None
-        self._kv_bytes = None
-        self._host_kv = None
+        self._tensors: KVTensors | None = None
         if pool is None and device is None:
             return self
         if pool is not None:
@@ -82,13 +80,11 @@ class KVCachePool(_core.KVCachePool):
             self._own_pool = pool
         self._region = pool.malloc(nbytes)
         self._mem_pool = pool
-        self._backend = backend
-        self._kv = pool.view(self._region, dtype, self._shape(self.num_blocks))
-        # The region's bytes as one flat uint8 view, for the host copy kernels (None on a
-        # device the host cannot address).
-        self._kv_bytes = backend.bytes_of(self._kv)
+        kv = pool.view(self._region, dtype, self._shape(self.num_blocks))
+        host_kv = None
         if num_host_blocks is not None:
-            self._host_kv = backend.host_tensor(self._shape(self.num_host_blocks + 1), dtype)
+            host_kv = backend.host_tensor(self._shape(self.num_host_blocks + 1), dtype)
+        self._tensors = KVTensors(backend, kv, host_kv)
         return self
 
     def _shape(self, blocks: int) -> tuple[int, ...]:
@@ -99,7 +95,13 @@ class KVCachePool(_core.KVCachePool):
     @property
     def device(self) -> str | None:
         """Where the blocks' bytes live (``"host"``, ``"cpu"``, ``"cuda:0"``, ...), or None."""
-        return None if self._backend is None else self._backend.device
+        tensors = getattr(self, "_tensors", None)
+        return None if tensors is None else tensors.backend.device
+
+    @property
+    def tensors(self) -> KVTensors | None:
+        """The bytes and their executor (None without bytes)."""
+        return getattr(self, "_tensors", None)
 
     @property
     def mem_pool(self) -> MemPool | None:
@@ -119,9 +121,10 @@ class KVCachePool(_core.KVCachePool):
     @property
     def host_kv_cache(self) -> Any:
         """The host tier, shaped like ``kv_cache`` with ``num_host_blocks + 1`` blocks."""
-        if self._host_kv is None:
+        tensors = self._require_tensors()
+        if tensors.host_kv is None:
             raise ValueError("this KV cache has no host tier: construct it with num_host_blocks")
-        return self._host_kv
+        return tensors.host_kv
 
     def key_cache(self, layer: int) -> Any:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` keys of ``layer`` (a view)."""
@@ -132,9 +135,13 @@ class KVCachePool(_core.KVCachePool):
         return self._require_bytes()[self._layer(layer), 1]
 
     def _require_bytes(self) -> Any:
-        if self._kv is None:
+        return self._require_tensors().kv
+
+    def _require_tensors(self) -> KVTensors:
+        tensors = getattr(self, "_tensors", None)
+        if tensors is None:
             raise ValueError("this KV cache has no bytes (device=None, or closed)")
-        return self._kv
+        return tensors
 
     def _layer(self, layer: Any) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
@@ -147,10 +154,14 @@ class KVCachePool(_core.KVCachePool):
         """Scatters new tokens' K/V (``[num_tokens, num_kv_heads, head_dim]``) into their slots
         (ATB's ReshapeAndCache). Negative slots are padding and skipped; a slot in a block no
         sequence holds is an error. Shapes, dtypes and devices are checked before anything is
-        written."""
-        kv = self._require_bytes()
+        written.
+
+        Pending copy-on-write copies are applied first (a copy must land before a write
+        into its block, or the write is lost), all under the pool's lock."""
+        tensors = self._require_tensors()
+        kv = tensors.kv
         layer = self._layer(layer)
-        backend = self._backend
+        backend = tensors.backend
         slots = backend.to_numpy(slot_mapping)
         if slots.ndim != 1 or slots.dtype.kind not in "iu":
             raise TypeError(f"slot_mapping must be a 1-D integer array, got {slots.dtype} "
@@ -166,55 +177,45 @@ class KVCachePool(_core.KVCachePool):
                 raise TypeError(f"{name} has dtype {tensor.dtype}; the cache holds {kv.dtype}")
             if backend.name == "torch" and tensor.device != kv.device:
                 raise ValueError(f"{name} is on {tensor.device}; the cache is on {kv.device}")
-        self.check_slots(slots)
-        backend.scatter_kv(kv, self._kv_bytes, layer, slots.astype(np.int64, copy=False), key,
-                           value)
+        slots = slots.astype(np.int64, copy=False)
+        self.write_slots(slots, tensors.execute,
+                         lambda: tensors.scatter_kv(layer, slots, key, value))
+
+    @property
+    def _executor(self) -> Any:
+        """What executes block moves: the bytes' executor, or None without bytes (the moves
+        then stay pending for the caller)."""
+        tensors = getattr(self, "_tensors", None)
+        return None if tensors is None else tensors.execute
 
     def apply_pending_copies(self) -> int:
-        """Executes the copy-on-write pairs from forks, for every layer in one indexed copy.
-        Returns how many blocks were copied."""
-        pairs = self.peek_pending_copies()
-        if len(pairs) and self._kv is not None:
-            self._backend.copy_blocks(self._kv, pairs[:, 1], self._kv, pairs[:, 0])
-        # Only once the bytes moved: if the copy raised, the pairs are still pending.
-        self.discard_pending_copies(len(pairs))
-        return len(pairs)
+        """Executes the pending block moves (copy-on-write copies from forks), in order, for
+        every layer, as one transaction: if a copy raises, the pool is rolled back and
+        ``BlockMoveError`` says what was lost. Returns how many blocks moved."""
+        if self._executor is None:
+            return len(self.take_pending_copies())
+        return self.execute_pending_moves(self._executor)
 
-    def _execute_moves(self, copies: np.ndarray, swap_out: np.ndarray,
-                       swap_in: np.ndarray) -> None:
-        """Executes a scheduler step's block moves, in the order they are valid: copy-on-write
-        copies, then device→host, then host→device."""
-        kv, backend = self._require_bytes(), self._backend
-        if len(copies):
-            backend.copy_blocks(kv, copies[:, 1], kv, copies[:, 0])
-        if len(swap_out):
-            backend.copy_blocks(self.host_kv_cache, swap_out[:, 1], kv, swap_out[:, 0])
-        if len(swap_in):
-            backend.copy_blocks(kv, swap_in[:, 1], self.host_kv_cache, swap_in[:, 0])
-
-    def swap_out(self, seq_ids: Any) -> np.ndarray:
+    def swap_out(self, seq_ids: Any, execute: Any = None) -> np.ndarray:
         """Moves the sequences' blocks to the host tier and frees their device blocks; a block
-        they share is moved once. Pending copy-on-write copies run first. All-or-nothing.
+        they share is moved once. Pending copy-on-write copies run first. One transaction:
+        plan, move the bytes, commit — or, if moving raises, roll back (``BlockMoveError``).
         Returns the (device block, host block) pairs moved."""
-        self.apply_pending_copies()
-        moves = super().swap_out(seq_ids)
-        if len(moves) and self._kv is not None:
-            self._backend.copy_blocks(self._host_kv, moves[:, 1], self._kv, moves[:, 0])
-        return moves
+        return super().swap_out(seq_ids, execute or self._executor)
 
-    def swap_in(self, seq_ids: Any) -> np.ndarray:
+    def swap_in(self, seq_ids: Any, execute: Any = None) -> np.ndarray:
         """Brings swapped-out sequences back into free device blocks (their block tables
-        change). All-or-nothing. Returns the (host block, device block) pairs moved."""
-        moves = super().swap_in(seq_ids)
-        if len(moves) and self._kv is not None:
-            self._backend.copy_blocks(self._kv, moves[:, 1], self._host_kv, moves[:, 0])
-        return moves
+        change), as one transaction like ``swap_out``. Returns the (host block, device block)
+        pairs moved."""
+        return super().swap_in(seq_ids, execute or self._executor)
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = super().stats()
         stats["device"] = self.device
-        held = 0 if self._kv is None else self.num_blocks * self.bytes_per_block
-        host = 0 if self._host_kv is None else (self.num_host_blocks + 1) * self.bytes_per_block
+        tensors = self.tensors
+        held = 0 if tensors is None else self.num_blocks * self.bytes_per_block
+        host = 0 if tensors is None or tensors.host_kv is None else \
+            (self.num_host_blocks + 1) * self.bytes_per_block
         stats["bytes_device"] = held
         stats["bytes_host_tier"] = host
         return stats
@@ -228,9 +229,7 @@ class KVCachePool(_core.KVCachePool):
         own = getattr(self, "_own_pool", None)
         if own is not None:
             own.close()
-        self._kv = None
-        self._kv_bytes = None
-        self._host_kv = None
+        self._tensors = None
 
     def __enter__(self) -> KVCachePool:
         return self

@@ -20,29 +20,52 @@ __all__ = ["ContinuousBatchScheduler", "StepPlan"]
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step's decisions. Batch rows are the scheduled sequences, prefills first, then
-    decodes; ``query_lens``, ``context_lens``, ``block_tables`` and ``slot_mapping`` follow the
-    rows (int32). ``swap_out``, ``swap_in`` and ``copies`` are int32 ``[k, 2]`` block pairs that
-    were executed already if the cache holds bytes, and must be before the model runs if not."""
+    """One step's decisions, and the arrays a paged-attention model runner feeds its kernels
+    (vLLM's model-runner names). Batch rows are the scheduled sequences, prefills first, then
+    decodes; ``query_lens``, ``context_lens`` (= ``seq_lens``), ``block_tables`` follow the
+    rows; ``input_ids`` (-1 where the request gave a token count), ``positions`` and
+    ``slot_mapping`` follow the rows' tokens, row by row, and ``query_start_loc`` (``[rows +
+    1]``) says where each row's tokens start. ``logits_indices[i]`` is the flat index of the
+    last token of ``sample_seq_ids[i]``. All int32.
+
+    ``moves`` is int32 ``[k, 3]`` (kind, source block, destination block) in execution order
+    (kind 0 = copy, 1 = to host, 2 = to device); ``copies``, ``swap_out`` and ``swap_in`` are
+    the same moves as ``[k, 2]`` pairs by kind. They were executed already if the cache holds
+    bytes, and must be, in order, before the model runs if not. ``finished_seq_ids``: requests
+    that ended (finished or aborted) since the previous plan.
+
+    The contract: a plan is executed — every row — before the next ``step()`` or
+    ``on_tokens()``; blocks it computes are in the prefix cache from the moment it is planned."""
 
     prefill_seq_ids: np.ndarray
     prefill_tokens: np.ndarray
     decode_seq_ids: np.ndarray
     sample_seq_ids: np.ndarray
     preempted_seq_ids: np.ndarray
+    finished_seq_ids: np.ndarray
+    moves: np.ndarray
     swap_out: np.ndarray
     swap_in: np.ndarray
     copies: np.ndarray
     query_lens: np.ndarray
     context_lens: np.ndarray
+    query_start_loc: np.ndarray
     block_tables: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
     slot_mapping: np.ndarray
+    logits_indices: np.ndarray
     num_batched_tokens: int
 
     @property
     def seq_ids(self) -> np.ndarray:
         """Sequence ids by batch row."""
         return np.concatenate([self.prefill_seq_ids, self.decode_seq_ids])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """K/V length of each row after this step (vLLM's name for ``context_lens``)."""
+        return self.context_lens
 
     def __len__(self) -> int:
         return len(self.query_lens)
@@ -94,15 +117,14 @@ class ContinuousBatchScheduler:
         self._core.add_request(seq_id, prompt, max_new_tokens, priority, round(arrival * 1e9))
 
     def step(self, now: float | None = None) -> StepPlan:
-        """Plans the next step (one call into the core) and executes its block moves on the
-        cache's bytes, if it has any."""
+        """Plans the next step and, if the cache holds bytes, executes its block moves — one
+        call into the core, holding the cache's lock throughout. All-or-nothing: if moving
+        the bytes raises, nothing changed but the requests named by the ``BlockMoveError``
+        (ended: their bytes were lost)."""
         self._apply_new_settings()
         now = time.monotonic() if now is None else now
-        plan = StepPlan(**self._core.step(round(now * 1e9)))
+        plan = StepPlan(**self._core.step(round(now * 1e9), self.kv_cache._executor))
         self._last_batch = (len(plan), plan.num_batched_tokens)
-        if self.kv_cache.device is not None and (len(plan.copies) or len(plan.swap_out)
-                                                 or len(plan.swap_in)):
-            self.kv_cache._execute_moves(plan.copies, plan.swap_out, plan.swap_in)
         return plan
 
     def on_tokens(self, seq_ids: Any, new_token_ids: Any) -> np.ndarray:

@@ -223,20 +223,35 @@ impl BlockPool {
         self.counters.hits += hits as u64;
     }
 
-    /// Registers a full, in-use block under `hash`. Does nothing when caching is off, when the
-    /// block is registered already, or when another block holds the same contents (the first
-    /// one stays the cached copy).
+    /// Registers a full, in-use block under `hash`; returns whether it joined. Does nothing
+    /// when caching is off, when the block is registered already, or when another block
+    /// holds the same contents (the first one stays the cached copy).
     #[inline]
-    pub fn register(&mut self, block: u32, hash: BlockHash) {
+    pub fn register(&mut self, block: u32, hash: BlockHash) -> bool {
         if !self.enable_prefix_caching || self.is_cached[block as usize] {
-            return;
+            return false;
         }
         if self.find_cached(hash).is_some() {
-            return;
+            return false;
         }
         self.block_hashes[block as usize] = hash;
         self.is_cached[block as usize] = true;
         self.prefix_table.insert(block, hash.0[0]);
+        true
+    }
+
+    /// Forgets a block's cached contents (its bytes were overwritten). An unused block moves
+    /// ahead of the cached ones, where free blocks live.
+    pub fn uncache(&mut self, block: u32) {
+        if !self.is_cached(block) {
+            return;
+        }
+        self.unregister(block);
+        if self.ref_counts[block as usize] == 0 {
+            self.free_queue.remove(block);
+            self.free_queue.push_front(block);
+            self.num_evictable -= 1;
+        }
     }
 
     /// Forgets every cached block that no sequence uses; they become plain free blocks.

@@ -12,14 +12,23 @@
 //!    (beyond the watermark) are there; prefix-cache hits count as computed.
 //!
 //! Nothing new is admitted while anything waits to resume, so a preempted sequence always
-//! comes back before later arrivals: none starves. Scheduled tokens count as computed when
-//! planned; a sequence whose last token was computed waits for its sampled token
-//! (`on_tokens`) before it is scheduled again.
+//! comes back before later arrivals: none starves. A sequence whose last token was computed
+//! waits for its sampled token (`on_tokens`) before it is scheduled again.
+//!
+//! **The contract.** A plan returned by `step()` is executed — every row, even of requests
+//! aborted in the meantime — before the next `step()` or `on_tokens()`. Its block moves come
+//! first, in their order (the Python binding executes them inside `step()`, under the cache's
+//! lock). Scheduled tokens therefore count as computed when planned, and the full blocks they
+//! complete join the prefix cache then. Requests admitted later in the same step may hit those
+//! blocks (vLLM's rule): safe only because a batched forward writes every token's K/V, layer
+//! by layer, before any attention of that layer reads. Sampled tokens extend a request's
+//! token history, so its output blocks are reusable by a follow-up request.
 
 use std::collections::BTreeSet;
 
 use hashbrown::HashMap;
 
+use crate::block_move::{BlockMove, MoveKind};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, Tokens};
 
@@ -107,7 +116,9 @@ impl Request {
     }
 }
 
-/// The decisions of one step. Batch rows are the scheduled sequences, prefills first.
+/// The decisions of one step, and the inputs a paged-attention model runner feeds its
+/// kernels (named as vLLM's model runner names them). Batch rows are the scheduled sequences,
+/// prefills first; token arrays are flat over the rows' tokens, row by row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepPlan {
     pub prefill_seq_ids: Vec<u64>,
@@ -116,18 +127,84 @@ pub struct StepPlan {
     /// Sequences whose step ends with a sampled token (decodes and finished prefills).
     pub sample_seq_ids: Vec<u64>,
     pub preempted_seq_ids: Vec<u64>,
-    pub swap_out: Vec<[u32; 2]>,
-    pub swap_in: Vec<[u32; 2]>,
-    pub copies: Vec<[u32; 2]>,
-    /// Per batch row: tokens computed this step, and K/V length after it.
+    /// Requests that ended (finished or aborted) since the previous plan.
+    pub finished_seq_ids: Vec<u64>,
+    /// Block moves, in the order they must be executed (before the model runs).
+    pub moves: Vec<BlockMove>,
+    /// Per batch row: tokens computed this step, and K/V length after it (`seq_lens`).
     pub query_lens: Vec<i32>,
     pub context_lens: Vec<i32>,
+    /// `[rows + 1]`: where each row's tokens start in the flat token arrays.
+    pub query_start_loc: Vec<i32>,
     /// `[rows, block_table_width]`, padded with the null block.
     pub block_tables: Vec<i32>,
     pub block_table_width: usize,
-    /// Slots of this step's tokens, row by row.
+    /// Per token: its id (prompt ids, then the last sampled token; -1 when the request was
+    /// given as a token count), its position in its sequence, and its K/V slot.
+    pub input_ids: Vec<i32>,
+    pub positions: Vec<i32>,
     pub slot_mapping: Vec<i32>,
+    /// Per sampling row (in `sample_seq_ids` order): the flat index of its last token.
+    pub logits_indices: Vec<i32>,
     pub num_batched_tokens: usize,
+}
+
+impl StepPlan {
+    /// Empties every field, keeping the buffers' capacity.
+    pub fn clear(&mut self) {
+        let StepPlan {
+            prefill_seq_ids,
+            prefill_tokens,
+            decode_seq_ids,
+            sample_seq_ids,
+            preempted_seq_ids,
+            finished_seq_ids,
+            moves,
+            query_lens,
+            context_lens,
+            query_start_loc,
+            block_tables,
+            block_table_width,
+            input_ids,
+            positions,
+            slot_mapping,
+            logits_indices,
+            num_batched_tokens,
+        } = self;
+        for ids in [
+            prefill_seq_ids,
+            decode_seq_ids,
+            sample_seq_ids,
+            preempted_seq_ids,
+            finished_seq_ids,
+        ] {
+            ids.clear();
+        }
+        for cells in [
+            prefill_tokens,
+            query_lens,
+            context_lens,
+            query_start_loc,
+            block_tables,
+            input_ids,
+            positions,
+            slot_mapping,
+            logits_indices,
+        ] {
+            cells.clear();
+        }
+        moves.clear();
+        *block_table_width = 0;
+        *num_batched_tokens = 0;
+    }
+
+    /// The moves of one kind as (source, destination) pairs, in execution order.
+    pub fn moves_of(&self, kind: MoveKind) -> impl Iterator<Item = [u32; 2]> + '_ {
+        self.moves
+            .iter()
+            .filter(move |planned| planned.kind == kind)
+            .map(|planned| [planned.src, planned.dst])
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -141,7 +218,8 @@ pub struct ContinuousScheduler {
     next_front: i64,
     next_admission: u64,
     num_preemptions: u64,
-    scratch_moves: Vec<[u32; 2]>,
+    /// Requests ended since the last plan (reported in the next one).
+    finished_since_plan: Vec<u64>,
     scratch_slots: Vec<i32>,
     scratch_ids: Vec<u64>,
     scratch_scheduled: Vec<(u64, usize, bool)>,
@@ -165,7 +243,7 @@ impl ContinuousScheduler {
             next_front: -1,
             next_admission: 0,
             num_preemptions: 0,
-            scratch_moves: Vec::new(),
+            finished_since_plan: Vec::new(),
             scratch_slots: Vec::new(),
             scratch_ids: Vec::new(),
             scratch_scheduled: Vec::new(),
@@ -305,6 +383,7 @@ impl ContinuousScheduler {
         if cache.contains(seq_id) {
             cache.free_sequence(seq_id)?;
         }
+        self.finished_since_plan.push(seq_id);
         Ok(())
     }
 
@@ -357,6 +436,7 @@ impl ContinuousScheduler {
                 self.running.retain(|&id| id != seq_id);
                 cache.free_sequence(seq_id)?;
                 finished.push(seq_id);
+                self.finished_since_plan.push(seq_id);
             }
         }
         Ok(())
@@ -369,11 +449,7 @@ impl ContinuousScheduler {
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
-        *plan = StepPlan {
-            block_tables: std::mem::take(&mut plan.block_tables),
-            ..StepPlan::default()
-        };
-        plan.block_tables.clear();
+        plan.clear();
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
         scheduled.clear();
@@ -413,19 +489,23 @@ impl ContinuousScheduler {
                         break;
                     }
                 }
-                if self
+                let Some(request) = self
                     .requests
-                    .get(&seq_id)
-                    .is_none_or(|r| r.state != State::Running)
-                {
+                    .get_mut(&seq_id)
+                    .filter(|r| r.state == State::Running)
+                else {
                     continue;
-                }
-                cache.append_tokens(&[seq_id], 1, None, &mut self.scratch_slots)?;
-                self.mark_computed(seq_id, 1);
+                };
+                // The last sampled token's id joins the sequence's history with its slot.
+                let last = request.num_tokens() - 1;
+                let token_id = request.token_ids.get(last..).filter(|_| request.has_ids);
+                cache.append_tokens(&[seq_id], 1, token_id, &mut self.scratch_slots)?;
+                request.num_computed += 1;
+                cache.mark_computed(seq_id, Some(request.num_computed))?;
                 scheduled.push((seq_id, 1, false));
                 budget -= 1;
             } else {
-                self.schedule_prefill(seq_id, remaining, &mut budget, &mut scheduled);
+                self.schedule_prefill(cache, seq_id, remaining, &mut budget, &mut scheduled)?;
             }
         }
 
@@ -441,8 +521,7 @@ impl ContinuousScheduler {
                     break;
                 }
                 self.swapped.remove(&(priority, key, seq_id));
-                cache.swap_in(&[seq_id], &mut self.scratch_moves)?;
-                plan.swap_in.extend_from_slice(&self.scratch_moves);
+                cache.swap_in(&[seq_id])?;
                 self.resume(seq_id, State::Running);
             }
         }
@@ -482,7 +561,7 @@ impl ContinuousScheduler {
             request.num_computed = cached;
             // Without chunking, a prompt larger than what is left of the budget waits, with its
             // blocks, for a later step.
-            self.schedule_prefill(seq_id, total - cached, &mut budget, &mut scheduled);
+            self.schedule_prefill(cache, seq_id, total - cached, &mut budget, &mut scheduled)?;
         }
 
         let result = self.build_plan(cache, &scheduled, plan);
@@ -493,24 +572,25 @@ impl ContinuousScheduler {
     /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget`.
     fn schedule_prefill(
         &mut self,
+        cache: &mut KvCache,
         seq_id: u64,
         remaining: usize,
         budget: &mut usize,
         scheduled: &mut Vec<(u64, usize, bool)>,
-    ) {
+    ) -> CoreResult<()> {
         let chunk = remaining.min(*budget);
         if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill) {
-            return;
+            return Ok(());
         }
-        self.mark_computed(seq_id, chunk);
+        let request = self
+            .requests
+            .get_mut(&seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?;
+        request.num_computed += chunk;
+        cache.mark_computed(seq_id, Some(request.num_computed))?;
         scheduled.push((seq_id, chunk, true));
         *budget -= chunk;
-    }
-
-    fn mark_computed(&mut self, seq_id: u64, tokens: usize) {
-        if let Some(request) = self.requests.get_mut(&seq_id) {
-            request.num_computed += tokens;
-        }
+        Ok(())
     }
 
     fn resume(&mut self, seq_id: u64, state: State) {
@@ -548,10 +628,7 @@ impl ContinuousScheduler {
         let swap =
             self.config.preemption == Preemption::Swap && blocks <= cache.num_free_host_blocks();
         if swap {
-            cache.take_pending_copies(&mut self.scratch_moves);
-            plan.copies.extend_from_slice(&self.scratch_moves);
-            cache.swap_out(&[seq_id], &mut self.scratch_moves)?;
-            plan.swap_out.extend_from_slice(&self.scratch_moves);
+            cache.swap_out(&[seq_id])?;
             request.state = State::Swapped;
             request.queue_key = self.next_front;
             self.swapped
@@ -581,6 +658,7 @@ impl ContinuousScheduler {
             .filter(|row| row.2)
             .chain(scheduled.iter().filter(|row| !row.2));
         let mut width = 0;
+        plan.query_start_loc.push(0);
         for &(seq_id, tokens, prefill) in rows.clone() {
             let request = self
                 .requests
@@ -592,21 +670,33 @@ impl ContinuousScheduler {
             } else {
                 plan.decode_seq_ids.push(seq_id);
             }
-            if request.num_computed == request.num_tokens() {
+            let end = request.num_computed;
+            let start = end - tokens;
+            plan.num_batched_tokens += tokens;
+            if end == request.num_tokens() {
                 plan.sample_seq_ids.push(seq_id);
+                plan.logits_indices.push(plan.num_batched_tokens as i32 - 1);
             }
             plan.query_lens.push(tokens as i32);
-            plan.context_lens.push(request.num_computed as i32);
-            let end = request.num_computed as i64;
+            plan.context_lens.push(end as i32);
+            plan.query_start_loc.push(plan.num_batched_tokens as i32);
+            match request.has_ids {
+                true => plan.input_ids.extend(
+                    request.token_ids[start..end]
+                        .iter()
+                        .map(|&token| token as i32),
+                ),
+                false => plan.input_ids.resize(plan.num_batched_tokens, -1),
+            }
+            plan.positions.extend(start as i32..end as i32);
             cache.slot_mapping(
                 &[seq_id],
-                &[end - tokens as i64],
-                &[end],
+                &[start as i64],
+                &[end as i64],
                 &mut self.scratch_slots,
             )?;
             plan.slot_mapping.extend_from_slice(&self.scratch_slots);
             width = width.max(cache.block_table(seq_id)?.len());
-            plan.num_batched_tokens += tokens;
         }
         plan.block_table_width = width;
         plan.block_tables.resize(plan.query_lens.len() * width, 0);
@@ -618,9 +708,47 @@ impl ContinuousScheduler {
                 *cell = block as i32;
             }
         }
-        cache.take_pending_copies(&mut self.scratch_moves);
-        plan.copies.extend_from_slice(&self.scratch_moves);
+        cache.take_moves(&mut plan.moves);
+        plan.finished_seq_ids.append(&mut self.finished_since_plan);
         Ok(())
+    }
+
+    /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
+    /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
+    /// decode may find no free block), or a copy-on-write (only after a fork).
+    pub fn step_may_move(&self, cache: &KvCache) -> bool {
+        cache.num_pending_moves() > 0
+            || !self.swapped.is_empty()
+            || cache.has_forked()
+            || (self.config.preemption == Preemption::Swap
+                && cache.num_free_host_blocks() > 0
+                && cache.num_free_blocks() < self.running.len())
+    }
+
+    /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after
+    /// executing the step's `moves` failed with the first `attempted` possibly run. Requests
+    /// whose bytes the partial execution destroyed end; their ids go to `aborted`.
+    pub fn recover_from_failed_moves(
+        &mut self,
+        cache: &mut KvCache,
+        snapshot: (ContinuousScheduler, KvCache),
+        moves: &[BlockMove],
+        attempted: usize,
+        aborted: &mut Vec<u64>,
+    ) {
+        let (scheduler, cache_snapshot) = snapshot;
+        *self = scheduler;
+        let first = aborted.len();
+        cache.recover_from_failed_moves(cache_snapshot, moves, attempted, aborted);
+        for &seq_id in &aborted[first..] {
+            if let Some(request) = self.requests.remove(&seq_id) {
+                let key = (request.priority, request.queue_key, seq_id);
+                self.waiting.remove(&key);
+                self.swapped.remove(&key);
+                self.running.retain(|&id| id != seq_id);
+                self.finished_since_plan.push(seq_id);
+            }
+        }
     }
 
     /// Checks the scheduler's bookkeeping against the cache (for tests).

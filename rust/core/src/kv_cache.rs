@@ -9,6 +9,7 @@
 use hashbrown::HashMap;
 
 use crate::block_hash::BlockHash;
+use crate::block_move::{BlockMove, MoveKind};
 use crate::block_pool::{BlockPool, PrefixCacheCounters, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::layout::KvLayout;
@@ -47,11 +48,18 @@ pub(crate) struct Sequence {
     /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
     pub(crate) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
-    hashable: bool,
-    /// Hash of the last full block, or the chain's root while there is none.
-    last_hash: BlockHash,
+    pub(crate) hashable: bool,
+    /// Root of the hash chain (from the cache salt).
+    root_hash: BlockHash,
+    /// Hash of every full block, in order (only while `hashable`).
+    pub(crate) hashes: Vec<BlockHash>,
     /// Token ids of the partly filled last block (only while `hashable`).
     partial_tokens: Vec<u32>,
+    /// Leading tokens whose K/V the caller said are computed (`mark_computed`); only blocks
+    /// within them may join the prefix cache.
+    pub(crate) num_computed: usize,
+    /// Leading blocks already offered to the prefix cache (hits, or registered).
+    pub(crate) num_registered: usize,
     /// Changes whenever the block list or length changes (and when a batch names the
     /// sequence); unique across the cache's life.
     pub(crate) version: u64,
@@ -85,15 +93,19 @@ pub struct KvCacheStats {
 
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    block_pool: BlockPool,
+    pub(crate) block_pool: BlockPool,
     /// Host tier for swapped-out sequences (block 0 unused there too).
-    host_pool: Option<BlockPool>,
+    pub(crate) host_pool: Option<BlockPool>,
     layout: KvLayout,
     bytes_per_block: usize,
     pub(crate) sequences: Vec<Sequence>,
     vacant: Vec<u32>,
-    index: HashMap<u64, u32>,
-    pending_copies: Vec<[u32; 2]>,
+    pub(crate) index: HashMap<u64, u32>,
+    /// Block moves decided but not yet executed, in the order they must run.
+    pub(crate) pending_moves: Vec<BlockMove>,
+    /// Set once any fork happened: only then can a shared, partly filled block (and so a
+    /// copy-on-write) appear.
+    pub(crate) has_forked: bool,
     next_version: u64,
     query_tokens: u64,
     hit_tokens: u64,
@@ -129,7 +141,8 @@ impl KvCache {
             sequences: Vec::new(),
             vacant: Vec::new(),
             index: HashMap::new(),
-            pending_copies: Vec::new(),
+            pending_moves: Vec::new(),
+            has_forked: false,
             next_version: 1,
             query_tokens: 0,
             hit_tokens: 0,
@@ -159,6 +172,11 @@ impl KvCache {
 
     pub fn enable_prefix_caching(&self) -> bool {
         self.block_pool.enable_prefix_caching()
+    }
+
+    /// Whether any fork happened (only then can a copy-on-write be decided).
+    pub fn has_forked(&self) -> bool {
+        self.has_forked
     }
 
     /// Blocks an allocation can take now (free plus evictable cached blocks).
@@ -360,16 +378,16 @@ impl KvCache {
             seq.blocks.push(allocate_checked(block_pool)?);
         }
         seq.partial_tokens.clear();
+        seq.hashes.clear();
+        // Hits are computed already; the rest joins the prefix cache once `mark_computed`
+        // says its K/V is written.
+        seq.num_computed = hits * block_size;
+        seq.num_registered = hits;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
-                for (&block, &hash) in seq.blocks.iter().zip(scratch_hashes.iter()).skip(hits) {
-                    block_pool.register(block, hash);
-                }
                 seq.hashable = true;
-                seq.last_hash = scratch_hashes
-                    .last()
-                    .copied()
-                    .unwrap_or(BlockHash::root(cache_salt));
+                seq.root_hash = BlockHash::root(cache_salt);
+                seq.hashes.extend_from_slice(scratch_hashes);
                 seq.partial_tokens
                     .extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
             }
@@ -527,7 +545,7 @@ impl KvCache {
         let KvCache {
             sequences,
             block_pool,
-            pending_copies,
+            pending_moves,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -535,7 +553,7 @@ impl KvCache {
             if let Some(last) = seq.blocks.last_mut() {
                 if block_pool.ref_count(*last) > 1 {
                     let copy = allocate_checked(block_pool)?;
-                    pending_copies.push([*last, copy]);
+                    pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
                     block_pool.release(*last);
                     *last = copy;
                 }
@@ -544,6 +562,7 @@ impl KvCache {
         if token_ids.is_none() && seq.hashable {
             seq.hashable = false;
             seq.partial_tokens.clear();
+            seq.hashes.clear();
         }
         for t in 0..n {
             let position = seq.num_tokens + t;
@@ -556,8 +575,8 @@ impl KvCache {
             if let (Some(ids), true) = (token_ids, seq.hashable) {
                 seq.partial_tokens.push(ids[t]);
                 if seq.partial_tokens.len() == block_size {
-                    seq.last_hash = seq.last_hash.chain(&seq.partial_tokens);
-                    block_pool.register(block, seq.last_hash);
+                    let parent = seq.hashes.last().copied().unwrap_or(seq.root_hash);
+                    seq.hashes.push(parent.chain(&seq.partial_tokens));
                     seq.partial_tokens.clear();
                 }
             }
@@ -606,7 +625,7 @@ impl KvCache {
     }
 
     /// Makes `child_id` share every block of `parent_id`; the first append into a shared,
-    /// partly filled block copies it (see [`KvCache::take_pending_copies`]).
+    /// partly filled block copies it (see [`KvCache::take_moves`]).
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> CoreResult<()> {
         let parent_slab = self.slab_of(parent_id)?;
         self.device_sequence(parent_id)?;
@@ -626,7 +645,11 @@ impl KvCache {
         child.num_tokens = parent.num_tokens;
         child.version = version;
         child.hashable = parent.hashable;
-        child.last_hash = parent.last_hash;
+        child.root_hash = parent.root_hash;
+        child.hashes.clear();
+        child.hashes.extend_from_slice(&parent.hashes);
+        child.num_computed = parent.num_computed;
+        child.num_registered = parent.num_registered;
         child.blocks.clear();
         child.blocks.extend_from_slice(&parent.blocks);
         child.partial_tokens.clear();
@@ -636,8 +659,47 @@ impl KvCache {
         for &block in &child.blocks {
             self.block_pool.share(block);
         }
+        self.has_forked = true;
         self.index.insert(child_id, child_slab);
         Ok(())
+    }
+
+    /// Records that the K/V of the sequence's first `num_tokens` tokens is written (by the
+    /// model, or a copy). Full blocks within them that have known token ids join the prefix
+    /// cache now, and not before: a block is never served as a hit before it is computed.
+    /// `None` re-offers what was computed already (after a swap-in). Returns how many blocks
+    /// joined the cache. Counts below what was computed before change nothing.
+    pub fn mark_computed(&mut self, seq_id: u64, num_tokens: Option<usize>) -> CoreResult<usize> {
+        let slab = self.slab_of(seq_id)?;
+        let block_size = self.block_size();
+        let seq = &mut self.sequences[slab as usize];
+        if seq.swapped {
+            return Err(swapped_out(seq_id));
+        }
+        let num_tokens = num_tokens.unwrap_or(seq.num_computed);
+        if num_tokens > seq.num_tokens {
+            return Err(CoreError::invalid(format!(
+                "sequence {seq_id} holds {} tokens; {num_tokens} cannot be computed",
+                seq.num_tokens
+            )));
+        }
+        seq.num_computed = seq.num_computed.max(num_tokens);
+        let full = (seq.num_computed / block_size).min(seq.hashes.len());
+        let mut joined = 0;
+        while seq.num_registered < full {
+            let index = seq.num_registered;
+            joined += usize::from(
+                self.block_pool
+                    .register(seq.blocks[index], seq.hashes[index]),
+            );
+            seq.num_registered += 1;
+        }
+        Ok(joined)
+    }
+
+    /// Tokens of a sequence whose K/V is known to be computed.
+    pub fn num_computed(&self, seq_id: u64) -> CoreResult<usize> {
+        Ok(self.sequence(seq_id)?.num_computed)
     }
 
     /// Ends a sequence. Its blocks are released last-first, so that when they are cached
@@ -658,32 +720,11 @@ impl KvCache {
         seq.swapped = false;
         seq.blocks.clear();
         seq.partial_tokens.clear();
+        seq.hashes.clear();
         seq.live = false;
         seq.num_tokens = 0;
         self.vacant.push(slab);
         Ok(())
-    }
-
-    /// Copy-on-write pairs (source block, destination block) recorded since the last call;
-    /// whoever moves the bytes executes them before the next kernel reads the destinations.
-    pub fn take_pending_copies(&mut self, out: &mut Vec<[u32; 2]>) {
-        out.clear();
-        out.append(&mut self.pending_copies);
-    }
-
-    /// The copy-on-write pairs not yet taken, without taking them.
-    pub fn pending_copies(&self) -> &[[u32; 2]] {
-        &self.pending_copies
-    }
-
-    /// Drops the first `n` pending pairs (after a caller executed them).
-    pub fn discard_pending_copies(&mut self, n: usize) {
-        let n = n.min(self.pending_copies.len());
-        self.pending_copies.drain(..n);
-    }
-
-    pub fn num_pending_copies(&self) -> usize {
-        self.pending_copies.len()
     }
 
     /// Padded block tables, row-major `[batch, max blocks in the batch]`. Returns the width.
@@ -800,7 +841,7 @@ impl KvCache {
             prefix_cache_query_tokens: self.query_tokens,
             prefix_cache_hit_tokens: self.hit_tokens,
             evictions,
-            pending_copies: self.pending_copies.len(),
+            pending_copies: self.pending_moves.len(),
             bytes_per_block: self.bytes_per_block,
             host_blocks: self.num_host_blocks(),
             host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
@@ -873,20 +914,22 @@ impl KvCache {
         self.host_pool.as_ref().map_or(0, BlockPool::num_free)
     }
 
-    /// Moves the sequences' blocks to the host tier and frees their device blocks. Writes the
-    /// (device block, host block) copies to execute into `moves`; a block the sequences share
-    /// is moved once. All-or-nothing.
-    pub fn swap_out(&mut self, seq_ids: &[u64], moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
-        self.swap(seq_ids, true, moves)
+    /// Moves the sequences' blocks to the host tier and frees their device blocks. The
+    /// (device block → host block) moves join the pending moves (see [`KvCache::take_moves`]),
+    /// after any pending copy; a block the sequences share is moved once. All-or-nothing.
+    pub fn swap_out(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.swap(seq_ids, true)
     }
 
     /// Brings swapped-out sequences back into free device blocks (evicting cached ones if
-    /// need be). Writes the (host block, device block) copies into `moves`. All-or-nothing.
-    pub fn swap_in(&mut self, seq_ids: &[u64], moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
-        self.swap(seq_ids, false, moves)
+    /// need be); the (host block → device block) moves join the pending moves. The blocks
+    /// rejoin the prefix cache with the next `mark_computed`, once their bytes are back.
+    /// All-or-nothing.
+    pub fn swap_in(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.swap(seq_ids, false)
     }
 
-    fn swap(&mut self, seq_ids: &[u64], out: bool, moves: &mut Vec<[u32; 2]>) -> CoreResult<()> {
+    fn swap(&mut self, seq_ids: &[u64], out: bool) -> CoreResult<()> {
         if self.host_pool.is_none() {
             return Err(CoreError::invalid(
                 "this KV cache has no host tier: construct it with num_host_blocks",
@@ -894,22 +937,18 @@ impl KvCache {
         }
         self.resolve_batch(seq_ids)?;
         let slabs = std::mem::take(&mut self.scratch_slabs);
-        let result = self.swap_resolved(&slabs, out, moves);
+        let result = self.swap_resolved(&slabs, out);
         self.scratch_slabs = slabs;
         result
     }
 
-    fn swap_resolved(
-        &mut self,
-        slabs: &[u32],
-        out: bool,
-        moves: &mut Vec<[u32; 2]>,
-    ) -> CoreResult<()> {
+    fn swap_resolved(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
         let KvCache {
             sequences,
             block_pool,
             host_pool,
             scratch_moves,
+            pending_moves,
             ..
         } = self;
         let Some(host_pool) = host_pool.as_mut() else {
@@ -953,7 +992,12 @@ impl KvCache {
                 CoreError::OutOfBlocks { needed, available }
             });
         }
-        moves.clear();
+        let kind = if out {
+            MoveKind::ToHost
+        } else {
+            MoveKind::ToDevice
+        };
+        let first_move = pending_moves.len();
         for &slab in slabs {
             let seq = &mut sequences[slab as usize];
             for block in seq.blocks.iter_mut().rev() {
@@ -961,7 +1005,7 @@ impl KvCache {
                     NO_BLOCK => {
                         let moved = allocate_checked(destination)?;
                         scratch_moves[*block as usize] = moved;
-                        moves.push([*block, moved]);
+                        pending_moves.push(BlockMove::new(kind, *block, moved));
                         moved
                     }
                     moved => {
@@ -973,9 +1017,11 @@ impl KvCache {
                 *block = moved;
             }
             seq.swapped = out;
+            // Fresh device blocks: offered to the prefix cache again once computed.
+            seq.num_registered = 0;
         }
-        for &[src, _] in moves.iter() {
-            scratch_moves[src as usize] = NO_BLOCK;
+        for planned in &pending_moves[first_move..] {
+            scratch_moves[planned.src as usize] = NO_BLOCK;
         }
         Ok(())
     }
@@ -1000,8 +1046,20 @@ impl KvCache {
                     seq.blocks.len()
                 ));
             }
-            if seq.hashable && seq.partial_tokens.len() != seq.num_tokens % block_size {
-                return Err(format!("sequence {seq_id}: partial block ids out of step"));
+            if seq.hashable
+                && (seq.partial_tokens.len() != seq.num_tokens % block_size
+                    || seq.hashes.len() != seq.num_tokens / block_size)
+            {
+                return Err(format!("sequence {seq_id}: block ids or hashes out of step"));
+            }
+            if seq.num_computed > seq.num_tokens || seq.num_registered > seq.blocks.len() {
+                return Err(format!(
+                    "sequence {seq_id}: {} computed of {} tokens, {} registered of {} blocks",
+                    seq.num_computed,
+                    seq.num_tokens,
+                    seq.num_registered,
+                    seq.blocks.len()
+                ));
             }
             let tier = if seq.swapped {
                 &mut host_holders

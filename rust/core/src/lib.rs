@@ -7,11 +7,12 @@
 //! - [`BatchTable`]: the persistent decode-step buffers a model runner keeps (and a CUDA graph
 //!   needs at fixed addresses), updated in place.
 //!
-//! The core manages indices, never bytes: whatever must move (copy-on-write) comes back as
-//! (source, destination) block pairs for the caller's backing to execute.
+//! The core manages indices, never bytes: whatever must move (copy-on-write, swaps) comes back
+//! as one ordered list of [`BlockMove`]s for the caller's backing to execute.
 
 pub mod batch_table;
 pub mod block_hash;
+pub mod block_move;
 pub mod block_pool;
 pub mod continuous_scheduler;
 pub mod error;
@@ -25,6 +26,7 @@ pub mod request_batcher;
 
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
+pub use block_move::{BlockMove, MoveKind};
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
 pub use continuous_scheduler::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
 pub use error::{CoreError, CoreResult};

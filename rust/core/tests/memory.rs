@@ -93,8 +93,14 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
                 .alloc_sequence(seq_id, Tokens::Ids(&prompt), None)
                 .unwrap();
         }
+        // A block list holds 4 bytes per block, plus a 16-byte hash per full block when the
+        // ids are known (kept until the block is computed and cached, and for a swap-in).
+        let hash_bytes = if enable_prefix_caching { 16 } else { 0 };
         let block_lists: usize = (0..NUM_SEQS as u64)
-            .map(|id| cache.block_table(id).unwrap().len() * 4)
+            .map(|id| {
+                let blocks = cache.block_table(id).unwrap().len();
+                blocks * 4 + (blocks - 1) * hash_bytes
+            })
             .sum();
         // The slab reserves by doubling; count what it actually holds per sequence.
         let per_sequence = ((live() - before_seqs) as f64 - block_lists as f64) / NUM_SEQS as f64;
@@ -107,9 +113,9 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
             "  of which size_of::<Sequence>() = {}",
             atb_mem_core::kv_cache::SEQUENCE_BYTES
         );
-        // Measured 172 and 156 (the slab and index grow by doubling, so part of this is
+        // Measured 225 and 209 (the slab and index grow by doubling, so part of this is
         // reserve); without prefix caching a sequence keeps no token ids.
-        let per_sequence_limit = if enable_prefix_caching { 180.0 } else { 160.0 };
+        let per_sequence_limit = if enable_prefix_caching { 232.0 } else { 216.0 };
         assert!(
             per_sequence <= per_sequence_limit,
             "{per_sequence} bytes per sequence"

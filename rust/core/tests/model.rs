@@ -1,15 +1,17 @@
 //! Random operation sequences checked against a reference model.
 //!
-//! The model keeps, for every live sequence, the token value at each position, and simulates
-//! the KV memory itself: a map from slot to the token value written there. After each step the
-//! cache's invariants must hold and every token of every sequence must be readable through the
-//! cache's slots. That catches two sequences writing one slot, a prefix hit that serves the
-//! wrong contents, and a copy-on-write that loses or leaks tokens. A failing call must leave
-//! the cache exactly as it was.
+//! The model keeps, for every live sequence, the token value at each position and how many
+//! leading positions are computed, and simulates the KV memory itself: a map from slot to the
+//! token value written there. Tokens are written only by an explicit `Compute` (a prefill or
+//! decode), which then calls `mark_computed`. After each step the cache's invariants must
+//! hold and every computed token of every sequence must be readable through the cache's
+//! slots. That catches two sequences writing one slot, a prefix hit that serves uncomputed or
+//! wrong contents, a copy-on-write that loses or leaks tokens, and moves executed in a wrong
+//! order. A failing call must leave the cache exactly as it was.
 
 use std::collections::HashMap;
 
-use atb_mem_core::{BatchTable, CoreError, KvCache, KvLayout, Tokens};
+use atb_mem_core::{BatchTable, BlockMove, CoreError, KvCache, KvLayout, MoveKind, Tokens};
 use proptest::prelude::*;
 
 const BLOCK_SIZE: usize = 3;
@@ -55,6 +57,9 @@ enum Op {
     SwapIn {
         ids: Vec<u64>,
     },
+    Compute {
+        id: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -84,12 +89,16 @@ fn op() -> impl Strategy<Value = Op> {
         any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
         prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapOut { ids }),
         prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapIn { ids }),
+        (0u64..8).prop_map(|id| Op::Compute { id }),
+        (0u64..8).prop_map(|id| Op::Compute { id }),
     ]
 }
 
 #[derive(Default)]
 struct Model {
     tokens: HashMap<u64, Vec<u64>>,
+    /// Leading positions of each sequence whose K/V was written.
+    computed: HashMap<u64, usize>,
     /// (on the host tier, slot) → token value.
     memory: HashMap<(bool, i32), u64>,
     next_synthetic: u64,
@@ -101,10 +110,18 @@ impl Model {
         (1 << 40) + self.next_synthetic
     }
 
-    fn apply_copies(&mut self, cache: &mut KvCache) {
-        let mut copies = Vec::new();
-        cache.take_pending_copies(&mut copies);
-        self.copy_blocks(&copies, false, false);
+    /// Executes the pending moves in their order, as a backing does before any kernel runs.
+    fn execute_moves(&mut self, cache: &mut KvCache) {
+        let mut moves = Vec::new();
+        cache.take_moves(&mut moves);
+        for BlockMove { kind, src, dst } in moves {
+            let (from_host, to_host) = match kind {
+                MoveKind::Copy => (false, false),
+                MoveKind::ToHost => (false, true),
+                MoveKind::ToDevice => (true, false),
+            };
+            self.copy_blocks(&[[src, dst]], from_host, to_host);
+        }
     }
 
     /// Executes block copies between tiers, as a backing would.
@@ -131,9 +148,11 @@ impl Model {
         assert_eq!(cache.num_sequences(), self.tokens.len());
         for (&id, tokens) in &self.tokens {
             assert_eq!(cache.seq_len(id).unwrap(), tokens.len());
+            let computed = self.computed[&id];
+            assert_eq!(cache.num_computed(id).unwrap(), computed, "seq {id} computed");
             let on_host = cache.is_swapped(id).unwrap();
             let blocks = cache.block_table(id).unwrap();
-            for (position, value) in tokens.iter().enumerate() {
+            for (position, value) in tokens.iter().enumerate().take(computed) {
                 let slot = (blocks[position / BLOCK_SIZE] as usize * BLOCK_SIZE
                     + position % BLOCK_SIZE) as i32;
                 assert_eq!(
@@ -170,7 +189,7 @@ fn snapshot(cache: &KvCache, batch: &BatchTable) -> Snapshot {
     (
         format!("{:?}", cache.stats()),
         seqs,
-        cache.num_pending_copies(),
+        cache.num_pending_moves(),
         batch_state,
     )
 }
@@ -220,6 +239,7 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                     assert_eq!(cached, 0);
                     let values: Vec<u64> = (0..*count).map(|_| model.synthetic()).collect();
                     model.tokens.insert(*id, values);
+                    model.computed.insert(*id, 0);
                 }),
             Op::AllocIds { id, ids, salted } => {
                 let salt = salted.then_some(&b"tenant"[..]);
@@ -239,6 +259,7 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                     model
                         .tokens
                         .insert(*id, ids.iter().map(|&t| t as u64).collect());
+                    model.computed.insert(*id, cached);
                     model.check_prefix(&cache, *id, cached);
                 })
             }
@@ -265,24 +286,18 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                                 model.tokens.get_mut(id).unwrap().push(value);
                             }
                         }
-                        model.apply_copies(&mut cache);
-                        for (i, id) in ids.iter().enumerate() {
-                            let tokens = &model.tokens[id];
-                            for t in 0..*n {
-                                let value = tokens[tokens.len() - n + t];
-                                model.memory.insert((false, slots[i * n + t]), value);
-                            }
-                        }
                     })
             }
             Op::Fork { parent, child } => cache.fork(*parent, *child).map(|()| {
                 let tokens = model.tokens[parent].clone();
                 model.tokens.insert(*child, tokens);
+                model.computed.insert(*child, model.computed[parent]);
             }),
             Op::Free { id } => {
                 let result = cache.free_sequence(*id);
                 if result.is_ok() {
                     model.tokens.remove(id);
+                    model.computed.remove(id);
                     let _ = batch.remove(*id);
                 }
                 result
@@ -300,43 +315,16 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                             token_ids.map_or_else(|| model.synthetic(), |ids| ids[row] as u64);
                         model.tokens.get_mut(id).unwrap().push(value);
                     }
-                    model.apply_copies(&mut cache);
-                    for (row, id) in row_ids.iter().enumerate() {
-                        let slot = batch.slot_mapping()[row];
-                        model
-                            .memory
-                            .insert((false, slot), *model.tokens[id].last().unwrap());
-                    }
                 }
                 result
             }
-            Op::SwapOut { ids } | Op::SwapIn { ids } => {
-                let out = matches!(op, Op::SwapOut { .. });
-                // A pending copy must land before its source moves; a backing executes them first.
-                model.apply_copies(&mut cache);
-                let before = snapshot(&cache, &batch);
-                let mut moves = Vec::new();
-                let result = if out {
-                    cache.swap_out(ids, &mut moves)
-                } else {
-                    cache.swap_in(ids, &mut moves)
-                };
-                match &result {
-                    Ok(()) => model.copy_blocks(&moves, !out, out),
-                    Err(_) => assert_eq!(before, snapshot(&cache, &batch)),
-                }
-                result
-            }
+            Op::SwapOut { ids } => cache.swap_out(ids),
+            Op::SwapIn { ids } => cache.swap_in(ids),
+            Op::Compute { id } => model.compute(&mut cache, *id),
         };
         match &result {
-            Ok(()) => {
-                if let Op::AllocCount { id, .. }
-                | Op::AllocIds { id, .. }
-                | Op::Fork { child: id, .. } = &op
-                {
-                    model.write_all(&cache, *id);
-                }
-            }
+            // Pending moves run before anything reads or writes the blocks again.
+            Ok(()) => model.execute_moves(&mut cache),
             Err(error) => {
                 assert_eq!(
                     before,
@@ -392,16 +380,24 @@ impl Model {
         }
     }
 
-    /// Writes a sequence's tokens into its slots, as a prefill (or nothing, for a fork) would.
-    fn write_all(&mut self, cache: &KvCache, id: u64) {
-        let tokens = &self.tokens[&id];
+    /// Writes a sequence's uncomputed tokens into their slots, as a prefill or decode does,
+    /// then says so with `mark_computed`.
+    fn compute(&mut self, cache: &mut KvCache, id: u64) -> Result<(), CoreError> {
+        let Some(tokens) = self.tokens.get(&id) else {
+            return cache.mark_computed(id, None).map(drop);
+        };
+        if cache.is_swapped(id)? {
+            return cache.mark_computed(id, None).map(drop);
+        }
+        let (start, end) = (self.computed[&id], tokens.len());
         let mut slots = Vec::new();
-        cache
-            .slot_mapping(&[id], &[0], &[tokens.len() as i64], &mut slots)
-            .unwrap();
-        for (slot, &value) in slots.iter().zip(tokens) {
+        cache.slot_mapping(&[id], &[start as i64], &[end as i64], &mut slots)?;
+        for (slot, &value) in slots.iter().zip(&tokens[start..]) {
             self.memory.insert((false, *slot), value);
         }
+        cache.mark_computed(id, Some(end))?;
+        self.computed.insert(id, end);
+        Ok(())
     }
 }
 
@@ -440,9 +436,10 @@ fn shared_block_is_copied_once_per_extra_holder() {
                 .append_tokens(&[1, 2, 3], 1, None, &mut Vec::new())
                 .unwrap();
         }
-        let mut copies = Vec::new();
-        cache.take_pending_copies(&mut copies);
-        assert_eq!(copies.len(), 2);
+        let mut moves = Vec::new();
+        cache.take_moves(&mut moves);
+        assert_eq!(moves.len(), 2);
+        assert!(moves.iter().all(|planned| planned.kind == MoveKind::Copy));
         assert_eq!(cache.num_free_blocks(), 0);
         cache.check_invariants().unwrap();
         // With one holder not appending, every appender needs its own copy: 2 blocks for 2.

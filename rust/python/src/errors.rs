@@ -17,6 +17,7 @@ static DUPLICATE_SEQUENCE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static INVALID_HANDLE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static QUEUE_FULL_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static REQUEST_TIMEOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static BLOCK_MOVE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn make_class<'py>(
     py: Python<'py>,
@@ -46,7 +47,7 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     let builtin =
         |name: &str| -> PyResult<Bound<'_, PyAny>> { py.import("builtins")?.getattr(name) };
-    let classes: [(&PyOnceLock<Py<PyType>>, &str, &str, &str); 6] = [
+    let classes: [(&PyOnceLock<Py<PyType>>, &str, &str, &str); 7] = [
         (
             &OUT_OF_MEMORY_ERROR,
             "OutOfMemoryError",
@@ -82,6 +83,14 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
             "RequestTimeoutError",
             "TimeoutError",
             "A request waited longer than its timeout.",
+        ),
+        (
+            &BLOCK_MOVE_ERROR,
+            "BlockMoveError",
+            "RuntimeError",
+            "Executing block moves failed. The pool was put back as it was before the \
+             operation; `aborted_seq_ids` lists the sequences whose bytes the partial \
+             execution destroyed, which were ended. The executor's error is the cause.",
         ),
     ];
     module.add("AtbMemError", &root)?;
@@ -131,6 +140,25 @@ pub fn to_py_err(error: CoreError) -> PyErr {
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
         CoreError::InvalidArgument(_) => PyValueError::new_err(message),
     }
+}
+
+/// `BlockMoveError` caused by `cause`, naming the sequences that were ended.
+pub fn block_move_error(py: Python<'_>, cause: PyErr, aborted: &[u64]) -> PyErr {
+    let message = if aborted.is_empty() {
+        format!("executing block moves failed ({cause}); nothing was lost: the operation was rolled back")
+    } else {
+        format!(
+            "executing block moves failed ({cause}); rolled back, and ended the sequences whose \
+             bytes were lost: {aborted:?}"
+        )
+    };
+    let error = raise(&BLOCK_MOVE_ERROR, message);
+    let value = error.value(py);
+    if let Err(failed) = value.setattr("aborted_seq_ids", aborted.to_vec()) {
+        return failed;
+    }
+    error.set_cause(py, Some(cause));
+    error
 }
 
 pub fn invalid_handle(message: impl Into<String>) -> PyErr {

@@ -1,8 +1,6 @@
 //! `KVCachePool` and `BatchTable`: convert, lock, call the core, map errors.
 
-use std::sync::{Mutex, MutexGuard};
-
-use atb_mem_core::{BatchTable, KvCache, KvDtype, KvLayout, Tokens};
+use atb_mem_core::{BatchTable, KvCache, KvDtype, KvLayout, MoveKind, Tokens};
 use numpy::ndarray::{Array2, ArrayView1, ArrayView2};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
@@ -10,42 +8,87 @@ use pyo3::types::{PyDict, PyString};
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::lock::{Guard, PyLock};
+use crate::transfer;
 
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 const DETACH_ABOVE: usize = 4096;
-
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The core never panics while holding the lock, so a poisoned lock still holds a
-    // consistent value.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
 /// copy-on-write forks.
 #[pyclass(frozen, subclass, name = "KVCachePool", module = "atb_mem._core")]
 pub struct PyKvCachePool {
-    cache: Mutex<KvCache>,
+    cache: PyLock<KvCache>,
 }
 
 impl PyKvCachePool {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, KvCache> {
-        lock(&self.cache)
+    pub(crate) fn lock(&self) -> PyResult<Guard<'_, KvCache>> {
+        self.cache.lock()
     }
 
-    /// Runs `work` on the locked cache, releasing the GIL when `size` is large.
+    /// Runs `work` on the locked cache, releasing the GIL (not the lock) when `size` is large.
     fn run<R: Send>(
         &self,
         py: Python<'_>,
         size: usize,
         work: impl FnOnce(&mut KvCache) -> R + Send,
-    ) -> R {
-        if size > DETACH_ABOVE {
-            py.detach(|| work(&mut self.lock()))
+    ) -> PyResult<R> {
+        let mut guard = self.lock()?;
+        let cache: &mut KvCache = &mut guard;
+        Ok(if size > DETACH_ABOVE {
+            py.detach(|| work(cache))
         } else {
-            work(&mut self.lock())
+            work(cache)
+        })
+    }
+
+    /// A swap as one transaction: plan it, execute every pending move with `execute` (None:
+    /// leave them pending for the caller), and commit — or roll back if executing raised.
+    /// Returns the swap's own (source, destination) pairs.
+    fn swap<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+        execute: Option<&Bound<'py, PyAny>>,
+        out: bool,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
+        let ids = seq_ids.as_slice();
+        let mut cache = self.lock()?;
+        let execute = execute.filter(|execute| !execute.is_none());
+        let snapshot = execute.map(|_| cache.clone());
+        let first = cache.num_pending_moves();
+        match out {
+            true => cache.swap_out(ids),
+            false => cache.swap_in(ids),
         }
+        .into_py_result()?;
+        let kind = if out {
+            MoveKind::ToHost
+        } else {
+            MoveKind::ToDevice
+        };
+        let pairs: Vec<[u32; 2]> = match (execute, snapshot) {
+            (Some(execute), Some(snapshot)) => {
+                let moves = transfer::execute_pending(py, &mut cache, snapshot, execute)?;
+                if !out {
+                    // The bytes are back: the blocks may serve prefix hits again.
+                    for &seq_id in ids {
+                        cache.mark_computed(seq_id, None).into_py_result()?;
+                    }
+                }
+                moves
+                    .iter()
+                    .filter(|planned| planned.kind == kind)
+                    .map(|planned| [planned.src, planned.dst])
+                    .collect()
+            }
+            _ => cache.pending_moves()[first..]
+                .iter()
+                .map(|planned| [planned.src, planned.dst])
+                .collect(),
+        };
+        pairs_to_array(py, &pairs)
     }
 }
 
@@ -72,6 +115,15 @@ fn with_tokens<R>(
         Ok(count) => f(Tokens::Count(*count)),
         Err(ids) => f(Tokens::Ids(ids.as_slice())),
     }
+}
+
+fn narrow_slots(slots: &[i64]) -> PyResult<Vec<i32>> {
+    slots
+        .iter()
+        .map(|&slot| {
+            i32::try_from(slot).map_err(|_| value_error(format!("slot {slot} does not fit int32")))
+        })
+        .collect()
 }
 
 /// Row-major cells as a `[rows, width]` array, without copying them.
@@ -148,54 +200,54 @@ impl PyKvCachePool {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
         }
         Ok(PyKvCachePool {
-            cache: Mutex::new(cache),
+            cache: PyLock::new(cache),
         })
     }
 
     #[getter]
-    fn num_blocks(&self) -> usize {
-        self.lock().num_blocks()
+    fn num_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_blocks())
     }
 
     #[getter]
-    fn block_size(&self) -> usize {
-        self.lock().block_size()
+    fn block_size(&self) -> PyResult<usize> {
+        Ok(self.lock()?.block_size())
     }
 
     #[getter]
-    fn num_layers(&self) -> usize {
-        self.lock().layout().num_layers
+    fn num_layers(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().num_layers)
     }
 
     #[getter]
-    fn num_kv_heads(&self) -> usize {
-        self.lock().layout().num_kv_heads
+    fn num_kv_heads(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().num_kv_heads)
     }
 
     #[getter]
-    fn head_dim(&self) -> usize {
-        self.lock().layout().head_dim
+    fn head_dim(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().head_dim)
     }
 
     #[getter]
-    fn dtype(&self) -> &'static str {
-        self.lock().layout().dtype.name()
+    fn dtype(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.layout().dtype.name())
     }
 
     #[getter]
-    fn enable_prefix_caching(&self) -> bool {
-        self.lock().enable_prefix_caching()
+    fn enable_prefix_caching(&self) -> PyResult<bool> {
+        Ok(self.lock()?.enable_prefix_caching())
     }
 
     #[getter]
-    fn bytes_per_block(&self) -> usize {
-        self.lock().bytes_per_block()
+    fn bytes_per_block(&self) -> PyResult<usize> {
+        Ok(self.lock()?.bytes_per_block())
     }
 
     /// Blocks an allocation can take now: free plus evictable cached blocks.
     #[getter]
-    fn num_free_blocks(&self) -> usize {
-        self.lock().num_free_blocks()
+    fn num_free_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free_blocks())
     }
 
     #[pyo3(signature = (seq_id, tokens, *, cache_salt=None))]
@@ -214,7 +266,7 @@ impl PyKvCachePool {
             self.run(py, size, |cache| {
                 cache.alloc_sequence(seq_id, tokens, salt.as_deref())
             })
-        })
+        })?
         .into_py_result()
     }
 
@@ -232,29 +284,29 @@ impl PyKvCachePool {
             self.run(py, size, |cache| {
                 cache.can_allocate(tokens, salt.as_deref())
             })
-        })
+        })?
         .into_py_result()
     }
 
     fn seq_len(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        self.lock().seq_len(seq_id).into_py_result()
+        self.lock()?.seq_len(seq_id).into_py_result()
     }
 
     fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        Ok(self.lock().contains(seq_id))
+        Ok(self.lock()?.contains(seq_id))
     }
 
-    fn __len__(&self) -> usize {
-        self.lock().num_sequences()
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_sequences())
     }
 
     /// Ids of the live sequences, sorted.
-    fn seq_ids(&self) -> Vec<u64> {
-        let mut ids: Vec<u64> = self.lock().seq_ids().collect();
+    fn seq_ids(&self) -> PyResult<Vec<u64>> {
+        let mut ids: Vec<u64> = self.lock()?.seq_ids().collect();
         ids.sort_unstable();
-        ids
+        Ok(ids)
     }
 
     #[pyo3(signature = (seq_ids, n=None, token_ids=None))]
@@ -279,7 +331,7 @@ impl PyKvCachePool {
         let mut slots = Vec::new();
         self.run(py, ids.len().saturating_mul(n), |cache| {
             cache.append_tokens(ids, n, token_slice, &mut slots)
-        })
+        })?
         .into_py_result()?;
         Ok(slots.into_pyarray(py))
     }
@@ -303,7 +355,7 @@ impl PyKvCachePool {
         let mut slots = Vec::new();
         self.run(py, size as usize, |cache| {
             cache.slot_mapping(ids, &starts, &ends, &mut slots)
-        })
+        })?
         .into_py_result()?;
         Ok(slots.into_pyarray(py))
     }
@@ -311,32 +363,90 @@ impl PyKvCachePool {
     fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let parent_id = convert::seq_id(parent_id, "parent_id")?;
         let child_id = convert::seq_id(child_id, "child_id")?;
-        self.lock().fork(parent_id, child_id).into_py_result()
+        self.lock()?.fork(parent_id, child_id).into_py_result()
     }
 
     fn free_sequence(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        self.lock().free_sequence(seq_id).into_py_result()
+        self.lock()?.free_sequence(seq_id).into_py_result()
     }
 
-    /// The pending copy-on-write pairs, without taking them.
-    fn peek_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let pairs = self.lock().pending_copies().to_vec();
-        pairs_to_array(py, &pairs)
+    /// Records that the K/V of the first `num_tokens` tokens (all, with None) of the
+    /// sequence is written; full blocks within them join the prefix cache. Returns how many.
+    #[pyo3(signature = (seq_id, num_tokens=None))]
+    fn mark_computed(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        let num_tokens = match num_tokens.filter(|n| !n.is_none()) {
+            Some(n) => Some(convert::count(n, "num_tokens", 0)?),
+            None => None,
+        };
+        let mut cache = self.lock()?;
+        let num_tokens = match num_tokens {
+            Some(n) => n,
+            None => cache.seq_len(seq_id).into_py_result()?,
+        };
+        cache.mark_computed(seq_id, Some(num_tokens)).into_py_result()
     }
 
-    /// Drops the first `n` pending pairs, once a caller has executed them.
-    fn discard_pending_copies(&self, n: &Bound<'_, PyAny>) -> PyResult<()> {
-        let n = convert::count(n, "n", 0)?;
-        self.lock().discard_pending_copies(n);
-        Ok(())
+    /// Tokens of the sequence whose K/V is known to be computed.
+    fn num_computed(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+        self.lock()?.num_computed(seq_id).into_py_result()
     }
 
-    /// Copy-on-write pairs recorded since the last call, int32 `[k, 2]` of (src, dst) blocks.
+    /// The pending block moves, int32 `[k, 3]` of (kind, src, dst), without taking them.
+    fn pending_moves<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        transfer::moves_to_array(py, self.lock()?.pending_moves())
+    }
+
+    /// Executes every pending move with `execute(moves)` as one transaction (see
+    /// `BlockMoveError`); returns how many moves ran.
+    fn execute_pending_moves(&self, py: Python<'_>, execute: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut cache = self.lock()?;
+        if cache.num_pending_moves() == 0 {
+            return Ok(0);
+        }
+        let snapshot = cache.clone();
+        Ok(transfer::execute_pending(py, &mut cache, snapshot, execute)?.len())
+    }
+
+    /// Takes the pending moves and returns the copy-on-write pairs among them, int32
+    /// `[k, 2]` of (src, dst) blocks, for a caller that moves the bytes itself.
     fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let mut pairs = Vec::new();
-        self.lock().take_pending_copies(&mut pairs);
+        let mut moves = Vec::new();
+        self.lock()?.take_moves(&mut moves);
+        let pairs: Vec<[u32; 2]> = moves
+            .iter()
+            .filter(|planned| planned.kind == MoveKind::Copy)
+            .map(|planned| [planned.src, planned.dst])
+            .collect();
         pairs_to_array(py, &pairs)
+    }
+
+    /// Checks `slots` and, holding the cache locked throughout, first executes the pending
+    /// moves with `execute` (a copy-on-write must land before a write into its block), then
+    /// calls `write()`: no other thread can free or take the slots' blocks in between.
+    fn write_slots(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        execute: &Bound<'_, PyAny>,
+        write: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let slots = convert::positions(slots, "slots")?;
+        let narrow = narrow_slots(&slots)?;
+        let mut cache = self.lock()?;
+        if cache.num_pending_moves() > 0 {
+            let snapshot = cache.clone();
+            transfer::execute_pending(py, &mut cache, snapshot, execute)?;
+        }
+        cache.check_slots(&narrow).into_py_result()?;
+        write.call0()?;
+        Ok(())
     }
 
     fn block_tables<'py>(
@@ -350,7 +460,7 @@ impl PyKvCachePool {
         let width = self
             .run(py, ids.len() * 16, |cache| {
                 cache.block_tables(ids, &mut cells)
-            })
+            })?
             .into_py_result()?;
         to_2d(py, cells, ids.len(), width)
     }
@@ -363,7 +473,7 @@ impl PyKvCachePool {
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
         let blocks: Vec<i32> = self
-            .lock()
+            .lock()?
             .block_table(seq_id)
             .into_py_result()?
             .iter()
@@ -380,7 +490,7 @@ impl PyKvCachePool {
         let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
         let ids = seq_ids.as_slice();
         let mut lens = Vec::new();
-        self.run(py, ids.len(), |cache| cache.context_lens(ids, &mut lens))
+        self.run(py, ids.len(), |cache| cache.context_lens(ids, &mut lens))?
             .into_py_result()?;
         Ok(lens.into_pyarray(py))
     }
@@ -401,7 +511,7 @@ impl PyKvCachePool {
         let (mut indptr, mut indices, mut last_page_len) = (Vec::new(), Vec::new(), Vec::new());
         self.run(py, ids.len() * 16, |cache| {
             cache.page_table_csr(ids, &mut indptr, &mut indices, &mut last_page_len)
-        })
+        })?
         .into_py_result()?;
         Ok((
             indptr.into_pyarray(py),
@@ -421,77 +531,67 @@ impl PyKvCachePool {
         let table = BatchTable::new(max_seqs, max_blocks_per_seq).into_py_result()?;
         Ok(PyBatchTable {
             pool: slf.clone().unbind(),
-            table: Mutex::new(table),
+            table: PyLock::new(table),
         })
     }
 
     /// Usable host blocks (0 without a host tier).
     #[getter]
-    fn num_host_blocks(&self) -> usize {
-        self.lock().num_host_blocks()
+    fn num_host_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_host_blocks())
     }
 
     #[getter]
-    fn num_free_host_blocks(&self) -> usize {
-        self.lock().num_free_host_blocks()
+    fn num_free_host_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free_host_blocks())
     }
 
     fn is_swapped(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        self.lock().is_swapped(seq_id).into_py_result()
+        self.lock()?.is_swapped(seq_id).into_py_result()
     }
 
-    /// Moves the sequences to the host tier; returns the (device block, host block) copies
-    /// to execute, int32 `[k, 2]` (a block the sequences share is listed once).
+    /// Moves the sequences to the host tier, as one transaction with `execute(moves)` (every
+    /// pending move, in order); returns the (device block, host block) pairs, int32 `[k, 2]`
+    /// (a block the sequences share is moved once). Without `execute` the moves stay pending.
+    #[pyo3(signature = (seq_ids, execute=None))]
     fn swap_out<'py>(
         &self,
         py: Python<'py>,
         seq_ids: &Bound<'py, PyAny>,
+        execute: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
-        let mut moves = Vec::new();
-        self.lock()
-            .swap_out(seq_ids.as_slice(), &mut moves)
-            .into_py_result()?;
-        pairs_to_array(py, &moves)
+        self.swap(py, seq_ids, execute, true)
     }
 
-    /// Brings swapped-out sequences back; returns the (host block, device block) copies.
+    /// Brings swapped-out sequences back, as `swap_out` does; returns the (host block, device
+    /// block) pairs.
+    #[pyo3(signature = (seq_ids, execute=None))]
     fn swap_in<'py>(
         &self,
         py: Python<'py>,
         seq_ids: &Bound<'py, PyAny>,
+        execute: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
-        let mut moves = Vec::new();
-        self.lock()
-            .swap_in(seq_ids.as_slice(), &mut moves)
-            .into_py_result()?;
-        pairs_to_array(py, &moves)
+        self.swap(py, seq_ids, execute, false)
     }
 
     /// Raises ValueError unless every slot (negative ones are padding) lies in a block some
     /// sequence holds.
     fn check_slots(&self, py: Python<'_>, slots: &Bound<'_, PyAny>) -> PyResult<()> {
         let slots = convert::positions(slots, "slots")?;
-        let narrow: Vec<i32> = slots
-            .iter()
-            .map(|&slot| {
-                i32::try_from(slot)
-                    .map_err(|_| value_error(format!("slot {slot} does not fit int32")))
-            })
-            .collect::<PyResult<_>>()?;
-        self.run(py, narrow.len(), |cache| cache.check_slots(&narrow))
+        let narrow = narrow_slots(&slots)?;
+        self.run(py, narrow.len(), |cache| cache.check_slots(&narrow))?
             .into_py_result()
     }
 
     /// Drops every cached block no sequence uses; returns how many.
-    fn reset_prefix_cache(&self) -> usize {
-        self.lock().reset_prefix_cache()
+    fn reset_prefix_cache(&self) -> PyResult<usize> {
+        Ok(self.lock()?.reset_prefix_cache())
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.lock().stats();
+        let stats = self.lock()?.stats();
         let dict = PyDict::new(py);
         dict.set_item("num_blocks", stats.num_blocks)?;
         dict.set_item("block_size", stats.block_size)?;
@@ -530,21 +630,21 @@ impl PyKvCachePool {
 
     /// Checks every internal invariant; raises AssertionError naming the first broken one.
     fn _check_invariants(&self) -> PyResult<()> {
-        self.lock()
+        self.lock()?
             .check_invariants()
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
-    fn __repr__(&self) -> String {
-        let cache = self.lock();
-        format!(
+    fn __repr__(&self) -> PyResult<String> {
+        let cache = self.lock()?;
+        Ok(format!(
             "KVCachePool(num_blocks={}, block_size={}, num_free_blocks={}, num_sequences={}, dtype='{}')",
             cache.num_blocks(),
             cache.block_size(),
             cache.num_free_blocks(),
             cache.num_sequences(),
             cache.layout().dtype.name()
-        )
+        ))
     }
 }
 
@@ -553,12 +653,12 @@ impl PyKvCachePool {
 #[pyclass(frozen, name = "BatchTable", module = "atb_mem._core")]
 pub struct PyBatchTable {
     pool: Py<PyKvCachePool>,
-    table: Mutex<BatchTable>,
+    table: PyLock<BatchTable>,
 }
 
 impl PyBatchTable {
-    fn lock(&self) -> MutexGuard<'_, BatchTable> {
-        lock(&self.table)
+    fn lock(&self) -> PyResult<Guard<'_, BatchTable>> {
+        self.table.lock()
     }
 
     /// A read-only numpy view of one of the table's buffers, keeping the table alive.
@@ -566,7 +666,7 @@ impl PyBatchTable {
         slf: &Bound<'py, Self>,
         buffer: impl FnOnce(&BatchTable) -> numpy::ndarray::ArrayView<'_, i32, A>,
     ) -> PyResult<Bound<'py, numpy::PyArray<i32, A>>> {
-        let table = slf.get().lock();
+        let table = slf.get().lock()?;
         let view = buffer(&table);
         // SAFETY: the buffers are boxed slices allocated once in `BatchTable::new` and never
         // resized or freed while the table lives; the array holds a reference to the table.
@@ -583,63 +683,63 @@ impl PyBatchTable {
 impl PyBatchTable {
     fn add(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        let cache = self.pool.get().lock();
-        self.lock().add(&cache, seq_id).into_py_result()
+        let cache = self.pool.get().lock()?;
+        self.lock()?.add(&cache, seq_id).into_py_result()
     }
 
     fn remove(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        self.lock().remove(seq_id).into_py_result()
+        self.lock()?.remove(seq_id).into_py_result()
     }
 
-    fn clear(&self) {
-        self.lock().clear()
+    fn clear(&self) -> PyResult<()> {
+        self.lock()?.clear();
+        Ok(())
     }
 
     /// Appends one token to every row (`token_ids[row]` when given); updates the buffers.
     #[pyo3(signature = (token_ids=None))]
     fn append_tokens(&self, py: Python<'_>, token_ids: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let rows = self.lock().len();
+        let rows = self.lock()?.len();
         let token_ids = match token_ids.filter(|ids| !ids.is_none()) {
             Some(obj) => Some(convert::token_ids(obj, "token_ids", None)?),
             None => None,
         };
         let ids = token_ids.as_ref().map(|ids| ids.as_slice());
-        let work = || {
-            let mut cache = self.pool.get().lock();
-            self.lock().append_tokens(&mut cache, ids)
-        };
+        let mut cache_guard = self.pool.get().lock()?;
+        let mut table_guard = self.lock()?;
+        let (cache, table): (&mut KvCache, &mut BatchTable) = (&mut cache_guard, &mut table_guard);
         if rows > DETACH_ABOVE {
-            py.detach(work)
+            py.detach(|| table.append_tokens(cache, ids))
         } else {
-            work()
+            table.append_tokens(cache, ids)
         }
         .into_py_result()
     }
 
-    fn __len__(&self) -> usize {
-        self.lock().len()
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.lock()?.len())
     }
 
     fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        Ok(self.lock().contains(seq_id))
+        Ok(self.lock()?.contains(seq_id))
     }
 
     /// Sequence ids by row.
     #[getter]
-    fn seq_ids(&self) -> Vec<u64> {
-        self.lock().seq_ids().collect()
+    fn seq_ids(&self) -> PyResult<Vec<u64>> {
+        Ok(self.lock()?.seq_ids().collect())
     }
 
     #[getter]
-    fn max_seqs(&self) -> usize {
-        self.lock().max_seqs()
+    fn max_seqs(&self) -> PyResult<usize> {
+        Ok(self.lock()?.max_seqs())
     }
 
     #[getter]
-    fn max_blocks_per_seq(&self) -> usize {
-        self.lock().max_blocks_per_seq()
+    fn max_blocks_per_seq(&self) -> PyResult<usize> {
+        Ok(self.lock()?.max_blocks_per_seq())
     }
 
     #[getter]
@@ -671,13 +771,13 @@ impl PyBatchTable {
         Self::view(slf, |table| ArrayView1::from(table.slot_mapping()))
     }
 
-    fn __repr__(&self) -> String {
-        let table = self.lock();
-        format!(
+    fn __repr__(&self) -> PyResult<String> {
+        let table = self.lock()?;
+        Ok(format!(
             "BatchTable(rows={}, max_seqs={}, max_blocks_per_seq={})",
             table.len(),
             table.max_seqs(),
             table.max_blocks_per_seq()
-        )
+        ))
     }
 }

@@ -5,9 +5,11 @@ mod convert;
 mod errors;
 mod host_copy;
 mod kv_cache;
+mod lock;
 mod mem_pool;
 mod request_batcher;
 mod scheduler;
+mod transfer;
 
 use pyo3::prelude::*;
 

@@ -18,7 +18,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::convert;
 use crate::errors::{invalid_handle, type_error, value_error, IntoPyResult};
-use crate::kv_cache::lock;
+use crate::lock::lock;
 
 /// One aligned, zeroed host allocation: the bytes of a host-backed pool.
 ///

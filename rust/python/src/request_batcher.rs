@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::{value_error, IntoPyResult};
-use crate::kv_cache::lock;
+use crate::lock::lock;
 
 fn ns(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
     match obj.filter(|obj| !obj.is_none()) {

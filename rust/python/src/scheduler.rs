@@ -1,9 +1,7 @@
 //! `ContinuousBatchScheduler`'s core: convert, lock (the KV cache, then the scheduler, as
 //! every caller does), call, map errors. One `step` call builds every array of the plan.
 
-use std::sync::{Mutex, MutexGuard};
-
-use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan, Tokens};
+use atb_mem_core::{ContinuousScheduler, MoveKind, Preemption, SchedulerConfig, StepPlan, Tokens};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
@@ -11,7 +9,10 @@ use pyo3::types::PyDict;
 
 use crate::convert;
 use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::kv_cache::{lock, pairs_to_array, PyKvCachePool};
+use crate::errors::block_move_error;
+use crate::kv_cache::{pairs_to_array, PyKvCachePool};
+use crate::lock::{Guard, PyLock};
+use crate::transfer;
 
 /// The configuration from a dict with the keys `config()` returns.
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
@@ -60,12 +61,12 @@ fn config_dict<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound
 #[pyclass(frozen, name = "ContinuousScheduler", module = "atb_mem._core")]
 pub struct PyContinuousScheduler {
     pool: Py<PyKvCachePool>,
-    scheduler: Mutex<ContinuousScheduler>,
+    scheduler: PyLock<ContinuousScheduler>,
 }
 
 impl PyContinuousScheduler {
-    fn lock(&self) -> MutexGuard<'_, ContinuousScheduler> {
-        lock(&self.scheduler)
+    fn lock(&self) -> PyResult<Guard<'_, ContinuousScheduler>> {
+        self.scheduler.lock()
     }
 }
 
@@ -81,15 +82,15 @@ impl PyContinuousScheduler {
             ))
         })?;
         let config = build_config(config)?;
-        let scheduler = ContinuousScheduler::new(config, &pool.get().lock()).into_py_result()?;
+        let scheduler = ContinuousScheduler::new(config, &*pool.get().lock()?).into_py_result()?;
         Ok(PyContinuousScheduler {
             pool: pool.clone().unbind(),
-            scheduler: Mutex::new(scheduler),
+            scheduler: PyLock::new(scheduler),
         })
     }
 
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        config_dict(py, &self.lock().config())
+        config_dict(py, &self.lock()?.config())
     }
 
     /// Validated first; returns the previous configuration.
@@ -99,8 +100,8 @@ impl PyContinuousScheduler {
         config: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let config = build_config(config)?;
-        let cache = self.pool.get().lock();
-        let previous = self.lock().set_config(config, &cache).into_py_result()?;
+        let cache = self.pool.get().lock()?;
+        let previous = self.lock()?.set_config(config, &cache).into_py_result()?;
         config_dict(py, &previous)
     }
 
@@ -125,26 +126,64 @@ impl PyContinuousScheduler {
         } else {
             Tokens::Count(convert::count(prompt, "prompt", 1)?)
         };
-        let cache = self.pool.get().lock();
-        self.lock()
+        let cache = self.pool.get().lock()?;
+        self.lock()?
             .add_request(&cache, seq_id, tokens, max_new_tokens, priority, arrival_ns)
             .into_py_result()
     }
 
     /// Plans one step; returns the plan as a dict of numpy arrays (and a few ints).
+    ///
+    /// With `execute`, the step is one transaction under both locks: plan, execute the
+    /// moves (`execute(moves)`, int32 `[k, 3]` in order), commit. If executing raises, the
+    /// scheduler and the cache go back to where they were before the step and
+    /// `BlockMoveError` names the requests whose bytes were lost (they are ended).
+    #[pyo3(signature = (now_ns, execute=None))]
     fn step<'py>(
         &self,
         py: Python<'py>,
         now_ns: &Bound<'py, PyAny>,
+        execute: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let now_ns = convert::count(now_ns, "now", 0)? as u64;
+        let execute = execute.filter(|execute| !execute.is_none());
         let mut plan = StepPlan::default();
         {
-            let mut cache = self.pool.get().lock();
-            self.lock()
-                .step(&mut cache, now_ns, &mut plan)
-                .into_py_result()?;
+            let mut cache = self.pool.get().lock()?;
+            let mut scheduler = self.lock()?;
+            // Most steps move nothing and need no snapshot; see `step_may_move`.
+            let snapshot = (execute.is_some() && scheduler.step_may_move(&cache))
+                .then(|| (scheduler.clone(), cache.clone()));
+            if let Err(error) = scheduler.step(&mut cache, now_ns, &mut plan) {
+                if let Some((scheduler_before, cache_before)) = snapshot {
+                    *scheduler = scheduler_before;
+                    *cache = cache_before;
+                }
+                return Err(error).into_py_result();
+            }
+            if let (Some(execute), false) = (execute, plan.moves.is_empty()) {
+                if let Err((error, attempted)) = transfer::call_executor(py, execute, &plan.moves)
+                {
+                    debug_assert!(snapshot.is_some(), "a step moved blocks it did not foresee");
+                    let snapshot = snapshot.unwrap_or_else(|| (scheduler.clone(), cache.clone()));
+                    let mut aborted = Vec::new();
+                    scheduler.recover_from_failed_moves(
+                        &mut cache,
+                        snapshot,
+                        &plan.moves,
+                        attempted,
+                        &mut aborted,
+                    );
+                    return Err(block_move_error(py, error, &aborted));
+                }
+            }
         }
+        let pairs = |kind| plan.moves_of(kind).collect::<Vec<_>>();
+        let (swap_out, swap_in, copies) = (
+            pairs(MoveKind::ToHost),
+            pairs(MoveKind::ToDevice),
+            pairs(MoveKind::Copy),
+        );
         let dict = PyDict::new(py);
         let ids = |values: Vec<u64>| values.into_pyarray(py).into_any();
         let rows = plan.query_lens.len();
@@ -156,13 +195,19 @@ impl PyContinuousScheduler {
         dict.set_item("decode_seq_ids", ids(plan.decode_seq_ids))?;
         dict.set_item("sample_seq_ids", ids(plan.sample_seq_ids))?;
         dict.set_item("preempted_seq_ids", ids(plan.preempted_seq_ids))?;
-        dict.set_item("swap_out", pairs_to_array(py, &plan.swap_out)?)?;
-        dict.set_item("swap_in", pairs_to_array(py, &plan.swap_in)?)?;
-        dict.set_item("copies", pairs_to_array(py, &plan.copies)?)?;
+        dict.set_item("finished_seq_ids", ids(plan.finished_seq_ids))?;
+        dict.set_item("swap_out", pairs_to_array(py, &swap_out)?)?;
+        dict.set_item("swap_in", pairs_to_array(py, &swap_in)?)?;
+        dict.set_item("copies", pairs_to_array(py, &copies)?)?;
+        dict.set_item("moves", transfer::moves_to_array(py, &plan.moves)?)?;
         dict.set_item("query_lens", plan.query_lens.into_pyarray(py))?;
         dict.set_item("context_lens", plan.context_lens.into_pyarray(py))?;
+        dict.set_item("query_start_loc", plan.query_start_loc.into_pyarray(py))?;
         dict.set_item("block_tables", tables.into_pyarray(py))?;
+        dict.set_item("input_ids", plan.input_ids.into_pyarray(py))?;
+        dict.set_item("positions", plan.positions.into_pyarray(py))?;
         dict.set_item("slot_mapping", plan.slot_mapping.into_pyarray(py))?;
+        dict.set_item("logits_indices", plan.logits_indices.into_pyarray(py))?;
         dict.set_item("num_batched_tokens", plan.num_batched_tokens)?;
         Ok(dict)
     }
@@ -187,8 +232,8 @@ impl PyContinuousScheduler {
         };
         let mut finished = Vec::new();
         {
-            let mut cache = self.pool.get().lock();
-            self.lock()
+            let mut cache = self.pool.get().lock()?;
+            self.lock()?
                 .on_tokens(
                     &mut cache,
                     seq_ids.as_slice(),
@@ -204,18 +249,18 @@ impl PyContinuousScheduler {
     /// Ends a request wherever it is and frees its blocks.
     fn abort(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        let mut cache = self.pool.get().lock();
-        self.lock().abort(&mut cache, seq_id).into_py_result()
+        let mut cache = self.pool.get().lock()?;
+        self.lock()?.abort(&mut cache, seq_id).into_py_result()
     }
 
     /// (prompt length, tokens sampled so far, max_new_tokens).
     fn progress(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<(usize, usize, usize)> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        self.lock().progress(seq_id).into_py_result()
+        self.lock()?.progress(seq_id).into_py_result()
     }
 
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let scheduler = self.lock();
+        let scheduler = self.lock()?;
         let dict = PyDict::new(py);
         dict.set_item("waiting", scheduler.num_waiting())?;
         dict.set_item("running", scheduler.num_running())?;
@@ -226,12 +271,12 @@ impl PyContinuousScheduler {
 
     fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        Ok(self.lock().contains(seq_id))
+        Ok(self.lock()?.contains(seq_id))
     }
 
     fn _check_invariants(&self) -> PyResult<()> {
-        let cache = self.pool.get().lock();
-        self.lock()
+        let cache = self.pool.get().lock()?;
+        self.lock()?
             .check_invariants(&cache)
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
