@@ -12,11 +12,14 @@ system = np.arange(64, dtype=np.int32)
 first = np.concatenate([system, np.array([1000, 1001, 1002], dtype=np.int32)])
 second = np.concatenate([system, np.array([2000, 2001], dtype=np.int32)])
 assert kv.alloc_sequence(1, first) == 0           # nothing cached yet
-assert kv.alloc_sequence(2, second) == 64         # the prompt's 4 full blocks are reused
 
-# Prefill writes its K/V into these slots (slot = block * block_size + offset).
-prefill_slots = kv.slot_mapping([1, 2], starts=[0, 64], ends=[67, 66])
-assert prefill_slots.dtype == np.int32 and len(prefill_slots) == 67 + 2
+# Prefill writes its K/V into these slots (slot = block * block_size + offset), then says
+# so: only computed blocks join the prefix cache.
+prefill_slots = kv.slot_mapping([1], starts=[0], ends=[67])
+assert prefill_slots.dtype == np.int32 and len(prefill_slots) == 67
+kv.mark_computed(1)
+assert kv.alloc_sequence(2, second) == 64         # the prompt's 4 full blocks are reused
+kv.mark_computed(2)                               # (after its 2-token prefill)
 
 # Decode: one call per step appends a token to every running sequence.
 batch = kv.batch_table(max_seqs=8, max_blocks_per_seq=64)

@@ -88,12 +88,14 @@ def test_prefix_cache_reuses_full_blocks_and_never_the_last_token(
 ) -> None:
     prompt = list(range(100, 112))  # exactly 3 blocks of 4
     assert pool.alloc_sequence(1, prompt) == 0
+    assert pool.mark_computed(1) == 3  # the prefill ran: its three full blocks join the cache
     # Same prompt: the last token is recomputed, so only 2 of 3 blocks come from the cache.
     assert pool.alloc_sequence(2, prompt) == 8
     assert pool.block_table(2)[:2].tolist() == pool.block_table(1)[:2].tolist()
     assert pool.block_table(2)[2] != pool.block_table(1)[2]
     # A longer prompt gets all three.
     assert pool.alloc_sequence(3, [*prompt, 5]) == 12
+    pool.mark_computed(3)
     # A different first block shares nothing after it (the hash is chained).
     assert pool.alloc_sequence(4, [0, *prompt[1:], 5]) == 0
     stats = pool.stats()
@@ -104,6 +106,7 @@ def test_prefix_cache_reuses_full_blocks_and_never_the_last_token(
 def test_cached_blocks_survive_their_sequence_until_evicted(pool: atb_mem.KVCachePool) -> None:
     prompt = np.arange(9, dtype=np.int32)
     pool.alloc_sequence(1, prompt)
+    pool.mark_computed(1)
     pool.free_sequence(1)
     assert pool.stats()["blocks_cached"] == 2  # the two full blocks stay findable
     assert pool.num_free_blocks == 16
@@ -123,6 +126,7 @@ def test_cached_blocks_survive_their_sequence_until_evicted(pool: atb_mem.KVCach
 def test_cache_salt_isolates_tenants(pool: atb_mem.KVCachePool) -> None:
     prompt = list(range(9))
     pool.alloc_sequence(1, prompt, cache_salt="tenant-a")
+    pool.mark_computed(1)
     assert pool.alloc_sequence(2, prompt) == 0
     assert pool.alloc_sequence(3, prompt, cache_salt=b"tenant-b") == 0
     assert pool.alloc_sequence(4, prompt, cache_salt="tenant-a") == 8
@@ -139,11 +143,34 @@ def test_prefix_caching_can_be_switched_off() -> None:
 def test_appended_token_ids_fill_the_prefix_cache(pool: atb_mem.KVCachePool) -> None:
     pool.alloc_sequence(1, [1, 2, 3])
     pool.append_tokens([1], n=2, token_ids=[4, 5])  # block [1, 2, 3, 4] is now full
-    assert pool.alloc_sequence(2, [1, 2, 3, 4, 9]) == 4
+    assert pool.alloc_sequence(2, [1, 2, 3, 4, 9]) == 0  # but not computed yet
+    assert pool.mark_computed(1) == 1
+    assert pool.alloc_sequence(5, [1, 2, 3, 4, 9]) == 4
     pool.alloc_sequence(3, [1, 2, 3])
     pool.append_tokens([3], n=1)  # an unknown token breaks the chain
     pool.append_tokens([3], n=4, token_ids=np.array([[6, 7, 8, 9]], dtype=np.int64))
+    assert pool.mark_computed(3) == 0
     assert pool.alloc_sequence(4, [1, 2, 3, 0, 6, 7, 8, 9, 1]) == 0
+
+
+def test_blocks_join_the_prefix_cache_only_once_computed(pool: atb_mem.KVCachePool) -> None:
+    # A prefill aborted after its first chunk: only what the chunk computed may be reused.
+    prompt = list(range(200, 213))  # 3 full blocks of 4, and one token
+    assert pool.alloc_sequence(1, prompt) == 0
+    assert pool.num_computed(1) == 0
+    assert pool.mark_computed(1, 6) == 1  # a 6-token chunk completes one block
+    pool.free_sequence(1)
+    assert pool.alloc_sequence(2, prompt) == 4
+    assert pool.num_computed(2) == 4
+    # Positive control: once the whole prompt is computed, the next one reuses all of it.
+    assert pool.mark_computed(2) == 2
+    assert pool.alloc_sequence(3, prompt) == 12
+    # Counts are validated and never go back.
+    with pytest.raises(ValueError, match="cannot be computed"):
+        pool.mark_computed(3, 14)
+    assert pool.mark_computed(3, 2) == 0 and pool.num_computed(3) == 12
+    with pytest.raises(atb_mem.UnknownSequenceError):
+        pool.mark_computed(99)
 
 
 def test_fork_shares_blocks_and_copies_on_write(pool: atb_mem.KVCachePool) -> None:
@@ -229,6 +256,7 @@ def test_stats_fragmentation(pool: atb_mem.KVCachePool) -> None:
 
 def test_reset_prefix_cache(pool: atb_mem.KVCachePool) -> None:
     pool.alloc_sequence(1, list(range(9)))
+    pool.mark_computed(1)
     pool.free_sequence(1)
     assert pool.reset_prefix_cache() == 2
     assert pool.alloc_sequence(2, list(range(9))) == 0

@@ -20,6 +20,7 @@ def busy_pool() -> atb_mem.KVCachePool:
     kv.alloc_sequence(2, 5)
     kv.fork(2, 3)
     kv.alloc_sequence(4, list(range(100, 109)))
+    kv.mark_computed(4)
     kv.free_sequence(4)  # two cached blocks
     kv.alloc_sequence(5, 3)
     kv.fork(5, 6)

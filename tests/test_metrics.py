@@ -35,6 +35,7 @@ def test_kv_cache_mem_pool_and_scheduler_metrics() -> None:
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_batched_tokens=64)
     prompt = list(range(9))
     kv.alloc_sequence(100, prompt)
+    kv.mark_computed(100)
     kv.free_sequence(100)
     scheduler.add_request(1, prompt, 3)
     scheduler.add_request(2, 6, 3)

@@ -12,7 +12,7 @@ import atb_mem
 from atb_mem import _core
 
 STUB = Path(atb_mem.__file__).with_name("_core.pyi")
-TYPE_ALIASES = {"Int32Array", "SeqIdsLike", "TokenIdsLike"}
+TYPE_ALIASES = {"Int32Array", "MoveExecutor", "SeqIdsLike", "TokenIdsLike"}
 # Slots every pyclass carries that the stub need not repeat.
 IMPLICIT = {"__doc__", "__module__", "__new__", "__repr__", "__dict__", "__weakref__",
             "__init__", "__hash__", "__getattribute__", "__delattr__", "__setattr__",

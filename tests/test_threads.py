@@ -95,6 +95,7 @@ class Worker:
             known = [int(t) for t in tokens]
             self.counts["hit tokens"] += cached
         self.live[seq_id] = Seq(family=seq_id, tokens=known)
+        self.pool.mark_computed(seq_id)  # the prefill ran: its full blocks may be reused
         self.check_seq(seq_id)
         self.counts["alloc"] += 1
 

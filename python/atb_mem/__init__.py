@@ -12,6 +12,7 @@ from atb_mem._core import (
     Allocation,
     AtbMemError,
     BatchTable,
+    BlockMoveError,
     DuplicateSequenceError,
     HostRegion,
     InvalidHandleError,
@@ -23,6 +24,7 @@ from atb_mem._core import (
 )
 from atb_mem.batching import Batch, DynamicBatchScheduler
 from atb_mem.kv_cache import KVCachePool
+from atb_mem.kv_tensors import KVTensors
 from atb_mem.mem_pool import MemPool
 from atb_mem.planning import KVCachePlan, plan_kv_cache
 from atb_mem.scheduling import ContinuousBatchScheduler, StepPlan
@@ -34,6 +36,7 @@ __all__ = [
     "AtbMemError",
     "Batch",
     "BatchTable",
+    "BlockMoveError",
     "ContinuousBatchScheduler",
     "DuplicateSequenceError",
     "DynamicBatchScheduler",
@@ -41,6 +44,7 @@ __all__ = [
     "InvalidHandleError",
     "KVCachePlan",
     "KVCachePool",
+    "KVTensors",
     "MemPool",
     "OutOfMemoryError",
     "QueueFullError",

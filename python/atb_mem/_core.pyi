@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension ``atb_mem._core`` (kept in sync by tests/test_stubs.py)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,19 @@ class QueueFullError(AtbMemError, RuntimeError):
 
 class RequestTimeoutError(AtbMemError, TimeoutError):
     """A request waited longer than its timeout."""
+
+class BlockMoveError(AtbMemError, RuntimeError):
+    """Executing block moves failed; the pool was put back as it was before the operation.
+
+    ``aborted_seq_ids`` lists the sequences whose bytes the partial execution destroyed,
+    which were ended. The executor's exception is ``__cause__``.
+    """
+
+    aborted_seq_ids: list[int]
+
+MoveExecutor = Callable[[Int32Array], object]
+"""Executes int32 ``[k, 3]`` (kind, src, dst) block moves in order; kind 0 = copy, 1 = to
+host, 2 = to device. On failure it may set ``moves_attempted`` on its exception."""
 
 class KVCachePool:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots (block 0 reserved).
@@ -82,8 +95,9 @@ class KVCachePool:
         """Allocates blocks for a new sequence; returns how many leading tokens are cached.
 
         ``tokens`` is a count or the token ids (which enable prefix reuse). The last token is
-        never served from the cache. All-or-nothing: raises OutOfMemoryError and changes
-        nothing when free plus evictable blocks do not suffice.
+        never served from the cache, and the sequence's own full blocks join it only once
+        ``mark_computed`` says they are computed. All-or-nothing: raises OutOfMemoryError
+        and changes nothing when free plus evictable blocks do not suffice.
         """
     def can_allocate(
         self, tokens: int | TokenIdsLike, *, cache_salt: str | bytes | None = None
@@ -109,12 +123,23 @@ class KVCachePool:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; appends copy on write."""
     def free_sequence(self, seq_id: int) -> None: ...
-    def peek_pending_copies(self) -> Int32Array:
-        """The pending copy-on-write pairs, without taking them."""
-    def discard_pending_copies(self, n: int) -> None:
-        """Drops the first ``n`` pending pairs, once they have been executed."""
+    def mark_computed(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """Records that the K/V of the first ``num_tokens`` tokens (all with None) is
+        written; full blocks with known ids within them join the prefix cache. Returns how
+        many joined."""
+    def num_computed(self, seq_id: int) -> int:
+        """Leading tokens whose K/V is known to be computed."""
+    def pending_moves(self) -> Int32Array:
+        """Pending block moves, int32 ``[k, 3]`` of (kind, src, dst), without taking them."""
+    def execute_pending_moves(self, execute: MoveExecutor) -> int:
+        """Executes every pending move as one transaction (see ``BlockMoveError``)."""
     def take_pending_copies(self) -> Int32Array:
-        """Copy-on-write pairs since the last call: int32 ``[k, 2]`` of (src, dst) blocks."""
+        """Takes the pending moves; returns the copy-on-write pairs among them, int32
+        ``[k, 2]`` of (src, dst), for a caller that moves the bytes itself."""
+    def write_slots(self, slots: Sequence[int] | npt.NDArray[np.integer[Any]],
+                    execute: MoveExecutor, write: Callable[[], object]) -> None:
+        """Under the pool's lock: executes pending moves, checks ``slots``, calls
+        ``write()``."""
     def block_tables(self, seq_ids: SeqIdsLike) -> Int32Array:
         """int32 ``[batch, max_blocks]`` padded with block 0."""
     def block_table(self, seq_id: int) -> Int32Array:
@@ -129,11 +154,12 @@ class KVCachePool:
     @property
     def num_free_host_blocks(self) -> int: ...
     def is_swapped(self, seq_id: int) -> bool: ...
-    def swap_out(self, seq_ids: SeqIdsLike) -> Int32Array:
+    def swap_out(self, seq_ids: SeqIdsLike, execute: MoveExecutor | None = None) -> Int32Array:
         """Moves the sequences to the host tier; returns int32 ``[k, 2]`` (device, host)
-        block copies to execute, a shared block listed once. All-or-nothing."""
-    def swap_in(self, seq_ids: SeqIdsLike) -> Int32Array:
-        """Brings swapped-out sequences back; returns int32 ``[k, 2]`` (host, device) copies."""
+        pairs, a shared block listed once. With ``execute``, one transaction that also runs
+        every pending move; without, the moves stay pending. All-or-nothing."""
+    def swap_in(self, seq_ids: SeqIdsLike, execute: MoveExecutor | None = None) -> Int32Array:
+        """Brings swapped-out sequences back; returns int32 ``[k, 2]`` (host, device) pairs."""
     def check_slots(self, slots: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
         """Raises ValueError unless every slot (negative = padding) is in a held block."""
     def reset_prefix_cache(self) -> int:
@@ -322,7 +348,7 @@ class ContinuousScheduler:
         self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int, priority: int,
         arrival_ns: int,
     ) -> None: ...
-    def step(self, now_ns: int) -> dict[str, Any]:
+    def step(self, now_ns: int, execute: MoveExecutor | None = None) -> dict[str, Any]:
         """The step plan as numpy arrays (see ``atb_mem.StepPlan``)."""
     def on_tokens(
         self, seq_ids: SeqIdsLike, token_ids: TokenIdsLike, eos_token_id: int | None = None

@@ -99,6 +99,7 @@ def prefix_workload(prompts: list[np.ndarray]) -> Workload:
         kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
         for seq_id, tokens in enumerate(prompts):
             kv.alloc_sequence(seq_id, tokens)
+            kv.mark_computed(seq_id)  # the prefill ran
             kv.free_sequence(seq_id)
         return kv.stats()
 

@@ -122,9 +122,9 @@ impl KvCache {
             }
         }
         aborted[first_aborted..].sort_unstable();
-        for index in first_aborted..aborted.len() {
+        for &seq_id in &aborted[first_aborted..] {
             // Known live: collected from the index above.
-            let _ = self.free_sequence(aborted[index]);
+            let _ = self.free_sequence(seq_id);
         }
         for (block, _) in damaged_device.iter().enumerate().filter(|(_, &bad)| bad) {
             self.block_pool.uncache(block as u32);

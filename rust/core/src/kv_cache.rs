@@ -1050,7 +1050,9 @@ impl KvCache {
                 && (seq.partial_tokens.len() != seq.num_tokens % block_size
                     || seq.hashes.len() != seq.num_tokens / block_size)
             {
-                return Err(format!("sequence {seq_id}: block ids or hashes out of step"));
+                return Err(format!(
+                    "sequence {seq_id}: block ids or hashes out of step"
+                ));
             }
             if seq.num_computed > seq.num_tokens || seq.num_registered > seq.blocks.len() {
                 return Err(format!(

@@ -149,7 +149,11 @@ impl Model {
         for (&id, tokens) in &self.tokens {
             assert_eq!(cache.seq_len(id).unwrap(), tokens.len());
             let computed = self.computed[&id];
-            assert_eq!(cache.num_computed(id).unwrap(), computed, "seq {id} computed");
+            assert_eq!(
+                cache.num_computed(id).unwrap(),
+                computed,
+                "seq {id} computed"
+            );
             let on_host = cache.is_swapped(id).unwrap();
             let blocks = cache.block_table(id).unwrap();
             for (position, value) in tokens.iter().enumerate().take(computed) {

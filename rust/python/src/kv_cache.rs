@@ -389,7 +389,9 @@ impl PyKvCachePool {
             Some(n) => n,
             None => cache.seq_len(seq_id).into_py_result()?,
         };
-        cache.mark_computed(seq_id, Some(num_tokens)).into_py_result()
+        cache
+            .mark_computed(seq_id, Some(num_tokens))
+            .into_py_result()
     }
 
     /// Tokens of the sequence whose K/V is known to be computed.

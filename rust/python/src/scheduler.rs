@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert;
-use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::errors::block_move_error;
+use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::kv_cache::{pairs_to_array, PyKvCachePool};
 use crate::lock::{Guard, PyLock};
 use crate::transfer;
@@ -162,8 +162,7 @@ impl PyContinuousScheduler {
                 return Err(error).into_py_result();
             }
             if let (Some(execute), false) = (execute, plan.moves.is_empty()) {
-                if let Err((error, attempted)) = transfer::call_executor(py, execute, &plan.moves)
-                {
+                if let Err((error, attempted)) = transfer::call_executor(py, execute, &plan.moves) {
                     debug_assert!(snapshot.is_some(), "a step moved blocks it did not foresee");
                     let snapshot = snapshot.unwrap_or_else(|| (scheduler.clone(), cache.clone()));
                     let mut aborted = Vec::new();
