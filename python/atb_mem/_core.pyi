@@ -20,7 +20,7 @@ class AtbMemError(Exception):
     """Base class of every error atb-mem raises."""
 
 class OutOfMemoryError(AtbMemError, MemoryError):
-    """The pool or the KV-cache blocks are exhausted."""
+    """The pool or the KV-cache blocks are exhausted, or host memory ran out."""
 
 class UnknownSequenceError(AtbMemError, KeyError):
     """No sequence has this id."""

@@ -9,12 +9,28 @@
 
 use hashbrown::HashMap;
 
+use crate::alloc_util::{
+    array_bytes, check_bookkeeping, out_of_host_memory, total_bytes, try_filled_vec,
+    try_with_capacity,
+};
 use crate::block_pool::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::KvCache;
 
 /// Slot mapping entry of a row with no new token: kernels skip negative slots.
 pub const PAD_SLOT: i32 = -1;
+
+/// Most block-table entries (`max_seqs × max_blocks_per_seq`, 1 GiB of int32).
+const MAX_CELLS: usize = 1 << 28;
+
+/// Bytes of the row index's hash table for `max_seqs` ids (hashbrown: a power of two of
+/// buckets at most 7/8 full, each an entry and a control byte); `None` on overflow.
+fn row_index_bytes(max_seqs: usize) -> Option<u64> {
+    let buckets = (max_seqs.checked_mul(8)? / 7)
+        .max(4)
+        .checked_next_power_of_two()?;
+    array_bytes::<(u64, u32)>(buckets)?.checked_add(array_bytes::<u8>(buckets)?)
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Row {
@@ -46,23 +62,45 @@ impl BatchTable {
         }
         let cells = max_seqs
             .checked_mul(max_blocks_per_seq)
-            .filter(|&cells| cells <= 1 << 28)
+            .filter(|&cells| cells <= MAX_CELLS)
             .ok_or_else(|| {
                 CoreError::invalid(format!(
-                    "a {max_seqs} × {max_blocks_per_seq} block table is too large (over 2**28 entries)"
+                    "max_seqs × max_blocks_per_seq = {max_seqs} × {max_blocks_per_seq} is too \
+                     large: over 2**28 block-table entries"
                 ))
             })?;
+        let bytes = check_bookkeeping(Self::bookkeeping_bytes(max_seqs, cells), || {
+            format!("max_seqs = {max_seqs} (with max_blocks_per_seq = {max_blocks_per_seq})")
+        })?;
+        let what = format!(
+            "the batch table of max_seqs = {max_seqs}, max_blocks_per_seq = \
+             {max_blocks_per_seq} ({bytes} bytes in all)"
+        );
         let mut row_of = HashMap::new();
-        row_of.reserve(max_seqs);
+        row_of
+            .try_reserve(max_seqs)
+            .map_err(|_| out_of_host_memory(row_index_bytes(max_seqs), &what))?;
         Ok(BatchTable {
             max_blocks_per_seq,
-            rows: Vec::with_capacity(max_seqs),
+            rows: try_with_capacity(max_seqs, &what)?,
             row_of,
-            block_tables: vec![NULL_BLOCK as i32; cells].into_boxed_slice(),
-            context_lens: vec![0; max_seqs].into_boxed_slice(),
-            slot_mapping: vec![PAD_SLOT; max_seqs].into_boxed_slice(),
-            slabs: Vec::with_capacity(max_seqs),
+            block_tables: try_filled_vec(cells, NULL_BLOCK as i32, &what)?.into_boxed_slice(),
+            context_lens: try_filled_vec(max_seqs, 0, &what)?.into_boxed_slice(),
+            slot_mapping: try_filled_vec(max_seqs, PAD_SLOT, &what)?.into_boxed_slice(),
+            slabs: try_with_capacity(max_seqs, &what)?,
         })
+    }
+
+    /// Host bytes `new` takes for `max_seqs` rows and `cells` block-table entries; `None` on
+    /// overflow.
+    fn bookkeeping_bytes(max_seqs: usize, cells: usize) -> Option<u64> {
+        total_bytes(&[
+            array_bytes::<i32>(cells),
+            array_bytes::<Row>(max_seqs),
+            row_index_bytes(max_seqs),
+            array_bytes::<i32>(max_seqs)?.checked_mul(2),
+            array_bytes::<u32>(max_seqs),
+        ])
     }
 
     pub fn max_seqs(&self) -> usize {
@@ -246,5 +284,38 @@ impl BatchTable {
             self.rows[row].version = seq.version;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc_util::MAX_BOOKKEEPING_BYTES;
+
+    #[test]
+    fn huge_sizes_are_errors_naming_the_argument_not_aborts() {
+        let table = BatchTable::new(3, 4).unwrap();
+        assert_eq!((table.max_seqs(), table.block_tables().len()), (3, 12));
+        // Within the entry limit, but 2**28 rows of bookkeeping are far over the byte limit.
+        let message = BatchTable::new(1 << 28, 1).unwrap_err().to_string();
+        assert!(
+            message.starts_with("max_seqs = 268435456 (with max_blocks_per_seq = 1) would take")
+                && message.contains("bytes"),
+            "{message}"
+        );
+        for (max_seqs, width) in [(1 << 40, 1), (1 << 16, 1 << 16), (usize::MAX, usize::MAX)] {
+            let message = BatchTable::new(max_seqs, width).unwrap_err().to_string();
+            assert!(
+                message.contains(&format!(
+                    "max_seqs × max_blocks_per_seq = {max_seqs} × {width}"
+                )) && message.contains("too large"),
+                "{message}"
+            );
+        }
+        let bytes = BatchTable::bookkeeping_bytes(1 << 24, MAX_CELLS).unwrap();
+        assert!(bytes <= MAX_BOOKKEEPING_BYTES);
+        assert_eq!(BatchTable::bookkeeping_bytes(usize::MAX, 1), None);
+        assert_eq!(row_index_bytes(7), Some(8 * 17));
+        assert_eq!(row_index_bytes(usize::MAX), None);
     }
 }

@@ -11,6 +11,7 @@
 //! allocation takes a worthless block before it evicts a cached one. Allocation, release and a
 //! cache hit are O(1) and allocate no memory.
 
+use crate::alloc_util::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
 use crate::block_hash::BlockHash;
 use crate::error::{CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
@@ -65,11 +66,14 @@ impl BlockPool {
         if block_size == 0 {
             return Err(CoreError::invalid("block_size must be at least 1, got 0"));
         }
+        let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
+        let what = || format!("num_blocks = {num_blocks}");
+        let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks);
         if num_blocks > MAX_BLOCKS {
             return Err(CoreError::invalid(format!(
                 "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
-                 bookkeeping alone would take {} GiB of host memory",
-                (num_blocks * 40) >> 30
+                 bookkeeping alone would take {} bytes of host memory",
+                bytes.map_or_else(|| "over 2**64".to_owned(), |bytes| bytes.to_string())
             )));
         }
         if num_blocks
@@ -81,22 +85,35 @@ impl BlockPool {
                  slot ids would not fit the int32 slot mapping kernels read"
             )));
         }
-        let mut free_queue = FreeQueue::new(num_blocks);
+        let bytes = check_bookkeeping(bytes, what)?;
+        let what = format!("the bookkeeping of num_blocks = {num_blocks} ({bytes} bytes in all)");
+        let mut free_queue = FreeQueue::new(num_blocks, &what)?;
         for block in 1..num_blocks as u32 {
             free_queue.push_back(block);
         }
-        let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
         Ok(BlockPool {
             block_size,
-            ref_counts: vec![0; num_blocks],
+            ref_counts: try_filled_vec(num_blocks, 0, &what)?,
             free_queue,
-            block_hashes: vec![BlockHash::default(); table_blocks],
-            is_cached: vec![false; table_blocks],
-            prefix_table: IndexTable::new(table_blocks),
+            block_hashes: try_filled_vec(table_blocks, BlockHash::default(), &what)?,
+            is_cached: try_filled_vec(table_blocks, false, &what)?,
+            prefix_table: IndexTable::new(table_blocks, &what)?,
             num_evictable: 0,
             enable_prefix_caching,
             counters: PrefixCacheCounters::default(),
         })
+    }
+
+    /// Host bytes `new` takes for `num_blocks` blocks, `table_blocks` of them (all or none)
+    /// with prefix-cache entries; `None` on overflow.
+    fn bookkeeping_bytes(num_blocks: usize, table_blocks: usize) -> Option<u64> {
+        total_bytes(&[
+            array_bytes::<u32>(num_blocks),
+            FreeQueue::bytes_for(num_blocks),
+            array_bytes::<BlockHash>(table_blocks),
+            array_bytes::<bool>(table_blocks),
+            IndexTable::bytes_for(table_blocks),
+        ])
     }
 
     /// The registered block holding `hash`.
@@ -395,5 +412,20 @@ mod tests {
         assert!(BlockPool::new(1, 16, true).is_err());
         assert!(BlockPool::new(16, 0, true).is_err());
         assert!(BlockPool::new(1 << 28, 16, true).is_err());
+    }
+
+    #[test]
+    fn huge_sizes_are_errors_naming_num_blocks_and_bytes() {
+        for num_blocks in [MAX_BLOCKS + 1, 1 << 62, usize::MAX] {
+            let message = BlockPool::new(num_blocks, 1, true).unwrap_err().to_string();
+            assert!(
+                message.contains(&format!("num_blocks = {num_blocks}"))
+                    && message.contains("bytes"),
+                "{message}"
+            );
+        }
+        let largest = BlockPool::bookkeeping_bytes(MAX_BLOCKS, MAX_BLOCKS).unwrap();
+        assert!(largest <= crate::alloc_util::MAX_BOOKKEEPING_BYTES);
+        assert_eq!(BlockPool::bookkeeping_bytes(usize::MAX, usize::MAX), None);
     }
 }

@@ -24,6 +24,9 @@ pub enum CoreError {
     InvalidHandle(String),
     /// The request queue holds its maximum already.
     QueueFull { capacity: usize },
+    /// The host could not provide `bytes` of memory for `what` (the bookkeeping a size
+    /// argument asked for: `what` names that argument).
+    HostOutOfMemory { what: String, bytes: u64 },
     /// An argument that can never be valid (a count out of range, a malformed shape, a
     /// batch that names a sequence twice, ...).
     InvalidArgument(String),
@@ -74,6 +77,10 @@ impl fmt::Display for CoreError {
             }
             CoreError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
             CoreError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
+            CoreError::HostOutOfMemory { what, bytes } => write!(
+                f,
+                "out of host memory: could not allocate {bytes} bytes for {what}"
+            ),
             CoreError::InvalidArgument(message) => f.write_str(message),
         }
     }

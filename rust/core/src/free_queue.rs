@@ -5,6 +5,9 @@
 //! node at index `capacity` makes the list circular, so push/pop/remove have no head or tail
 //! special cases.
 
+use crate::alloc_util::{array_bytes, try_filled_vec};
+use crate::error::{CoreError, CoreResult};
+
 const DETACHED: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
@@ -15,15 +18,25 @@ pub struct FreeQueue {
 }
 
 impl FreeQueue {
-    /// An empty queue able to hold ids `0..capacity`.
-    pub fn new(capacity: usize) -> Self {
-        debug_assert!(capacity < DETACHED as usize);
-        let mut prev = vec![DETACHED; capacity + 1];
-        let mut next = vec![DETACHED; capacity + 1];
+    /// Bytes of the link arrays of a queue for ids `0..capacity`; `None` on overflow.
+    pub fn bytes_for(capacity: usize) -> Option<u64> {
+        array_bytes::<u32>(capacity.checked_add(1)?)?.checked_mul(2)
+    }
+
+    /// An empty queue able to hold ids `0..capacity`. `what` says whose queue it is, for the
+    /// error if the host cannot provide its memory.
+    pub fn new(capacity: usize, what: &str) -> CoreResult<Self> {
+        if capacity >= DETACHED as usize {
+            return Err(CoreError::invalid(format!(
+                "a free queue holds ids below {DETACHED}, not 0..{capacity} ({what})"
+            )));
+        }
+        let mut prev = try_filled_vec(capacity + 1, DETACHED, what)?;
+        let mut next = try_filled_vec(capacity + 1, DETACHED, what)?;
         let sentinel = capacity as u32;
         prev[capacity] = sentinel;
         next[capacity] = sentinel;
-        FreeQueue { prev, next, len: 0 }
+        Ok(FreeQueue { prev, next, len: 0 })
     }
 
     #[inline]
@@ -120,7 +133,7 @@ mod tests {
 
     #[test]
     fn fifo_order_and_middle_removal() {
-        let mut queue = FreeQueue::new(5);
+        let mut queue = FreeQueue::new(5, "test").unwrap();
         for id in 0..5 {
             queue.push_back(id);
         }
@@ -135,5 +148,19 @@ mod tests {
         while queue.pop_front().is_some() {}
         assert!(queue.is_empty());
         assert_eq!(queue.front(), None);
+    }
+
+    #[test]
+    fn huge_capacity_is_an_error_not_an_abort() {
+        assert_eq!(FreeQueue::bytes_for(3), Some(32));
+        assert_eq!(FreeQueue::bytes_for(usize::MAX), None);
+        assert!(matches!(
+            FreeQueue::new(u32::MAX as usize, "test"),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            FreeQueue::new(usize::MAX, "test"),
+            Err(CoreError::InvalidArgument(_))
+        ));
     }
 }

@@ -7,6 +7,9 @@
 //! hold. Deletion shifts the following run back (no tombstones), so lookups do not slow down
 //! with churn.
 
+use crate::alloc_util::{array_bytes, try_filled_vec};
+use crate::error::{CoreError, CoreResult};
+
 const EMPTY: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
@@ -17,14 +20,27 @@ pub struct IndexTable {
 }
 
 impl IndexTable {
-    /// A table for up to `max_ids` ids.
-    pub fn new(max_ids: usize) -> Self {
-        let num_slots = (2 * max_ids).max(16).next_power_of_two();
-        IndexTable {
-            slots: vec![EMPTY; num_slots],
+    /// Slots of a table for up to `max_ids` ids; `None` on overflow.
+    fn num_slots(max_ids: usize) -> Option<usize> {
+        max_ids.checked_mul(2)?.max(16).checked_next_power_of_two()
+    }
+
+    /// Bytes of a table for up to `max_ids` ids; `None` on overflow.
+    pub fn bytes_for(max_ids: usize) -> Option<u64> {
+        array_bytes::<u32>(Self::num_slots(max_ids)?)
+    }
+
+    /// A table for up to `max_ids` ids. `what` says whose table it is, for the error if the
+    /// host cannot provide its memory.
+    pub fn new(max_ids: usize, what: &str) -> CoreResult<Self> {
+        let num_slots = Self::num_slots(max_ids).ok_or_else(|| {
+            CoreError::invalid(format!("an index of {max_ids} ids is too large ({what})"))
+        })?;
+        Ok(IndexTable {
+            slots: try_filled_vec(num_slots, EMPTY, what)?,
             mask: num_slots - 1,
             len: 0,
-        }
+        })
     }
 
     #[inline]
@@ -117,7 +133,7 @@ mod tests {
         // 8 ids → 16 slots; keys that share home slots force long runs that wrap around.
         let keys: Vec<u64> = (0..8u64).map(|i| (i << 32) | 15 | ((i % 2) << 4)).collect();
         let hash = |id: u32| keys[id as usize];
-        let mut table = IndexTable::new(8);
+        let mut table = IndexTable::new(8, "test").unwrap();
         for id in 0..8 {
             table.insert(id, hash(id));
         }
@@ -135,5 +151,21 @@ mod tests {
             assert_eq!(table.find(hash(id), |other| other == id), Some(id));
         }
         assert_eq!(table.len(), 5);
+    }
+
+    #[test]
+    fn huge_size_is_an_error_not_an_abort() {
+        assert_eq!(IndexTable::bytes_for(0), Some(64));
+        assert_eq!(IndexTable::bytes_for(100), Some(1024));
+        assert_eq!(IndexTable::bytes_for(usize::MAX / 2), None);
+        assert!(matches!(
+            IndexTable::new(usize::MAX / 2, "test"),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        // 2**61 slots fit usize but no host: an out-of-memory error, not an abort.
+        assert!(matches!(
+            IndexTable::new(1 << 60, "test"),
+            Err(CoreError::HostOutOfMemory { .. })
+        ));
     }
 }

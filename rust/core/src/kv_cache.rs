@@ -898,7 +898,11 @@ impl KvCache {
             ));
         }
         let host_pool = BlockPool::new(num_host_blocks + 1, self.block_size(), false)?;
-        self.scratch_moves = vec![NO_BLOCK; self.num_blocks().max(num_host_blocks + 1)];
+        self.scratch_moves = crate::alloc_util::try_filled_vec(
+            self.num_blocks().max(num_host_blocks + 1),
+            NO_BLOCK,
+            "num_host_blocks",
+        )?;
         self.host_pool = Some(host_pool);
         Ok(())
     }

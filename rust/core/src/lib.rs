@@ -10,6 +10,7 @@
 //! The core manages indices, never bytes: whatever must move (copy-on-write, swaps) comes back
 //! as one ordered list of [`BlockMove`]s for the caller's backing to execute.
 
+pub mod alloc_util;
 pub mod batch_table;
 pub mod block_hash;
 pub mod block_move;
@@ -24,6 +25,7 @@ pub mod mem_pool;
 pub mod range_allocator;
 pub mod request_batcher;
 
+pub use alloc_util::MAX_BOOKKEEPING_BYTES;
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
 pub use block_move::{BlockMove, MoveKind};

@@ -7,6 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::alloc_util::check_bookkeeping;
 use crate::error::{CoreError, CoreResult};
 use crate::range_allocator::{AllocFailure, RangeAllocator};
 
@@ -125,18 +126,31 @@ impl MemPool {
                 "alignment {alignment} exceeds the capacity {capacity}"
             )));
         }
-        if max_allocations == 0 || max_allocations > MAX_ALLOCATIONS {
+        if max_allocations == 0 {
+            return Err(CoreError::invalid(
+                "max_allocations must be in [1, 2**26], got 0",
+            ));
+        }
+        if max_allocations > MAX_ALLOCATIONS {
             return Err(CoreError::invalid(format!(
-                "max_allocations must be in [1, 2**26], got {max_allocations}"
+                "max_allocations must be in [1, 2**26], got {max_allocations} (its bookkeeping \
+                 would take {} bytes of host memory)",
+                RangeAllocator::bytes_for(max_allocations).unwrap_or(u64::MAX)
             )));
         }
+        let bytes = check_bookkeeping(RangeAllocator::bytes_for(max_allocations), || {
+            format!("max_allocations = {max_allocations}")
+        })?;
+        let what = format!(
+            "the bookkeeping of max_allocations = {max_allocations} ({bytes} bytes in all)"
+        );
         let units = capacity / alignment;
         Ok(MemPool {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             capacity,
             alignment,
             policy,
-            ranges: RangeAllocator::new(units, max_allocations),
+            ranges: RangeAllocator::new(units, max_allocations, &what)?,
             allocated_bytes: 0,
             allocated_bytes_peak: 0,
             requested_bytes: 0,
@@ -406,5 +420,26 @@ impl MemPool {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc_util::MAX_BOOKKEEPING_BYTES;
+
+    #[test]
+    fn huge_max_allocations_is_refused_naming_it_and_the_bytes() {
+        for max_allocations in [MAX_ALLOCATIONS + 1, u32::MAX] {
+            let error =
+                MemPool::new(4096, 64, AlignmentPolicy::Default, max_allocations).unwrap_err();
+            let message = error.to_string();
+            assert!(
+                message.contains(&format!("got {max_allocations}")) && message.contains("bytes"),
+                "{message}"
+            );
+        }
+        let largest = RangeAllocator::bytes_for(MAX_ALLOCATIONS).unwrap();
+        assert!(largest <= MAX_BOOKKEEPING_BYTES);
     }
 }

@@ -24,6 +24,8 @@ const LEAF_BINS: usize = 8;
 const NUM_BINS: usize = NUM_TOP_BINS * LEAF_BINS;
 const NIL: u32 = u32::MAX;
 
+use crate::alloc_util::{array_bytes, total_bytes, try_filled_vec};
+use crate::error::{CoreError, CoreResult};
 use crate::index_table::IndexTable;
 
 /// Hash of an offset for the index of used ranges (Fibonacci hashing: offsets are often
@@ -149,11 +151,18 @@ pub struct RangeAllocator {
 impl RangeAllocator {
     /// Manages `[0, capacity)` for up to `max_allocations` live ranges. The node store is
     /// sized so that this many ranges always fit, whatever the fragmentation.
-    pub fn new(capacity: u64, max_allocations: u32) -> Self {
-        let num_nodes = 2 * max_allocations as usize + 1;
+    /// `what` says whose allocator it is, for the error if the host cannot provide its memory.
+    pub fn new(capacity: u64, max_allocations: u32, what: &str) -> CoreResult<Self> {
+        let num_nodes = Self::num_nodes(max_allocations);
+        if num_nodes >= NIL as usize {
+            return Err(CoreError::invalid(format!(
+                "max_allocations = {max_allocations} needs {num_nodes} nodes; node ids stop at \
+                 {NIL}"
+            )));
+        }
         let mut allocator = RangeAllocator {
-            nodes: vec![Node::SPARE; num_nodes],
-            used_index: IndexTable::new(max_allocations as usize),
+            nodes: try_filled_vec(num_nodes, Node::SPARE, what)?,
+            used_index: IndexTable::new(max_allocations as usize, what)?,
             spare_head: NIL,
             num_spare: 0,
             bin_heads: vec![NIL; NUM_BINS],
@@ -168,7 +177,22 @@ impl RangeAllocator {
             free_units: 0,
         };
         allocator.reset();
-        allocator
+        Ok(allocator)
+    }
+
+    /// Nodes of the store for `max_allocations` live ranges: each used range may have a free
+    /// one after it, and one more free range may lead.
+    fn num_nodes(max_allocations: u32) -> usize {
+        2 * max_allocations as usize + 1
+    }
+
+    /// Host bytes `new` takes for `max_allocations`; `None` on overflow.
+    pub fn bytes_for(max_allocations: u32) -> Option<u64> {
+        total_bytes(&[
+            array_bytes::<Node>(Self::num_nodes(max_allocations)),
+            IndexTable::bytes_for(max_allocations as usize),
+            array_bytes::<u32>(NUM_BINS),
+        ])
     }
 
     /// Frees every range at once; every outstanding handle becomes stale.
@@ -683,7 +707,7 @@ mod tests {
 
     #[test]
     fn split_merge_and_stale_handles() {
-        let mut ranges = RangeAllocator::new(100, 8);
+        let mut ranges = RangeAllocator::new(100, 8, "test").unwrap();
         let a = ranges.allocate(10).unwrap();
         let b = ranges.allocate(20).unwrap();
         let c = ranges.allocate(30).unwrap();
@@ -709,7 +733,7 @@ mod tests {
     #[test]
     fn exact_fit_in_a_coarse_bin() {
         // 1000 and 1001 share a bin; a request of 1001 must find the 1001-unit range.
-        let mut ranges = RangeAllocator::new(1000 + 1 + 1001, 8);
+        let mut ranges = RangeAllocator::new(1000 + 1 + 1001, 8, "test").unwrap();
         let a = ranges.allocate(1000).unwrap();
         let gap = ranges.allocate(1).unwrap();
         let b = ranges.allocate(1001).unwrap();
@@ -722,7 +746,7 @@ mod tests {
 
     #[test]
     fn trim_and_regrow_the_end() {
-        let mut ranges = RangeAllocator::new(100, 4);
+        let mut ranges = RangeAllocator::new(100, 4, "test").unwrap();
         let a = ranges.allocate(30).unwrap();
         assert_eq!(ranges.set_end(10), 30);
         assert_eq!(ranges.free_units(), 0);
@@ -739,7 +763,7 @@ mod tests {
 
     #[test]
     fn node_store_limits_live_ranges() {
-        let mut ranges = RangeAllocator::new(100, 2);
+        let mut ranges = RangeAllocator::new(100, 2, "test").unwrap();
         let a = ranges.allocate(1).unwrap();
         ranges.allocate(1).unwrap();
         assert_eq!(ranges.allocate(1), Err(AllocFailure::TooManyAllocations));
@@ -749,5 +773,23 @@ mod tests {
         ranges.reset();
         assert_eq!(ranges.get(a.node, a.generation), None);
         assert_eq!(ranges.free_units(), 100);
+    }
+
+    #[test]
+    fn huge_max_allocations_is_an_error_not_an_abort() {
+        assert!(matches!(
+            RangeAllocator::new(100, u32::MAX, "test"),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            RangeAllocator::new(100, NIL / 2, "test"),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        // 32 bytes a node, 8 index bytes a range (two 4-byte slots), 2 KiB of bins.
+        assert_eq!(RangeAllocator::bytes_for(0), Some(32 + 64 + 2048));
+        assert_eq!(
+            RangeAllocator::bytes_for(1 << 26),
+            Some(((1 << 27) + 1) * 32 + (1 << 29) + 2048)
+        );
     }
 }

@@ -52,7 +52,7 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
             &OUT_OF_MEMORY_ERROR,
             "OutOfMemoryError",
             "MemoryError",
-            "The pool or the KV-cache blocks are exhausted.",
+            "The pool or the KV-cache blocks are exhausted, or host memory ran out.",
         ),
         (
             &UNKNOWN_SEQUENCE_ERROR,
@@ -133,7 +133,8 @@ pub fn to_py_err(error: CoreError) -> PyErr {
     match error {
         CoreError::OutOfBlocks { .. }
         | CoreError::OutOfHostBlocks { .. }
-        | CoreError::PoolExhausted { .. } => raise(&OUT_OF_MEMORY_ERROR, message),
+        | CoreError::PoolExhausted { .. }
+        | CoreError::HostOutOfMemory { .. } => raise(&OUT_OF_MEMORY_ERROR, message),
         CoreError::InvalidHandle(_) => raise(&INVALID_HANDLE_ERROR, message),
         CoreError::QueueFull { .. } => raise(&QUEUE_FULL_ERROR, message),
         CoreError::UnknownSequence(_) => raise(&UNKNOWN_SEQUENCE_ERROR, message),

@@ -9,15 +9,14 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard};
 
-use atb_mem_core::{AlignmentPolicy, MemPool, PoolAllocation};
+use atb_mem_core::{AlignmentPolicy, CoreError, MemPool, PoolAllocation};
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
-use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::convert;
-use crate::errors::{invalid_handle, type_error, value_error, IntoPyResult};
+use crate::errors::{invalid_handle, to_py_err, type_error, value_error, IntoPyResult};
 use crate::lock::lock;
 
 /// One aligned, zeroed host allocation: the bytes of a host-backed pool.
@@ -47,7 +46,8 @@ impl Drop for HostRegion {
 }
 
 impl HostRegion {
-    fn allocate(nbytes: usize, alignment: usize) -> PyResult<Self> {
+    /// `argument` names the size argument, for the error if the host cannot provide the bytes.
+    fn allocate(nbytes: usize, alignment: usize, argument: &str) -> PyResult<Self> {
         if !alignment.is_power_of_two() {
             return Err(value_error(format!(
                 "alignment must be a power of two, got {alignment}"
@@ -62,7 +62,10 @@ impl HostRegion {
             .map_err(|_| value_error(format!("cannot lay out {nbytes} bytes")))?;
         // SAFETY: the layout has a non-zero size.
         let base = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
-            PyMemoryError::new_err(format!("could not allocate {nbytes} bytes of host memory"))
+            to_py_err(CoreError::HostOutOfMemory {
+                what: format!("the host region of {argument} = {nbytes} bytes"),
+                bytes: total as u64,
+            })
         })?;
         let padding = (alignment - base.as_ptr() as usize % alignment) % alignment;
         // SAFETY: padding < alignment, and the allocation has `alignment` spare bytes.
@@ -86,7 +89,7 @@ impl HostRegion {
             Some(alignment) => convert::count(alignment, "alignment", 1)?,
             None => 4096,
         };
-        HostRegion::allocate(nbytes, alignment)
+        HostRegion::allocate(nbytes, alignment, "nbytes")
     }
 
     /// Base address of the region.
@@ -299,7 +302,8 @@ impl PyMemPool {
             BackingArg::Host => {
                 let nbytes = usize::try_from(capacity)
                     .map_err(|_| value_error("capacity too large for host memory"))?;
-                let region = HostRegion::allocate(nbytes, pool.alignment().max(4096) as usize)?;
+                let region =
+                    HostRegion::allocate(nbytes, pool.alignment().max(4096) as usize, "capacity")?;
                 Some(Py::new(py, region)?.into_any())
             }
             BackingArg::Object(object) => {
