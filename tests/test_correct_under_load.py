@@ -105,7 +105,7 @@ def test_abort_after_first_chunk_caches_only_the_chunk() -> None:
     assert plan.query_lens[row] == 4  # 16 of 20 tokens from the cache; the last block computed
 
 
-def test_recompute_preemption_mid_prefill_caches_only_what_ran() -> None:
+def test_mid_prefill_only_the_chunks_that_ran_are_reusable() -> None:
     kv = make_kv(num_blocks=11, num_host_blocks=None)  # 10 usable blocks
     sched = atb_mem.ContinuousBatchScheduler(kv, max_num_batched_tokens=6, watermark=0.0)
     first = list(range(300, 316))  # 4 blocks
