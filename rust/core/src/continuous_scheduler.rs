@@ -475,7 +475,9 @@ impl ContinuousScheduler {
                 continue; // preempted this step, or waiting for its sampled token
             }
             let remaining = request.num_tokens() - request.num_computed;
-            let prefill = request.num_computed < request.prompt_len.max(request.num_tokens() - 1);
+            // Tokens that already have slots (a prompt, or everything a recompute brought
+            // back) are prefilled, in chunks; only a sampled token without a slot is a decode.
+            let prefill = request.num_computed < cache.seq_len(seq_id)?;
             if !prefill {
                 // A decode: one more slot, which may need a block.
                 loop {
