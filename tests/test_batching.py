@@ -274,3 +274,45 @@ def test_bad_submit_arguments_change_nothing() -> None:
         with pytest.raises(error):
             batcher.submit("bad", **kwargs)
         assert len(batcher) == 1 and batcher.stats()["queue_length"] == 1
+
+
+async def cancel_one_wait_then_serve(round_: int) -> tuple[list, list[int]]:
+    """Cancels an ``__anext__`` (timed out or cancelled outright) at a racing moment, with
+    requests submitted before and after it, then serves the rest with a fresh ``async for``."""
+    batcher = DynamicBatchScheduler(max_batch_size=4, timeout_ms=1)
+    futures = [batcher.submit(i) for i in range(round_ % 3 * 3)]  # 0, 3 or 6 waiting already
+    served: list[int] = []
+
+    def serve(batch: atb_mem.Batch) -> None:
+        served.extend(batch.items)
+        batch.set_results([item * 10 for item in batch.items])
+
+    delay = round_ % 5 * 0.001
+    if round_ % 2:
+        try:  # a batch that arrives in time is this consumer's own: it must serve it
+            serve(await asyncio.wait_for(anext(batcher), delay))
+        except asyncio.TimeoutError:
+            pass
+    else:
+        waiting = asyncio.ensure_future(anext(batcher))
+        await asyncio.sleep(delay)
+        if not waiting.cancel():
+            serve(waiting.result())
+    futures += [batcher.submit(i) for i in range(len(futures), len(futures) + 5)]
+    await asyncio.sleep(0.002)  # long enough for a stray thread to take a batch
+    batcher.close()
+
+    async def serve_all() -> None:
+        async for batch in batcher:
+            serve(batch)
+
+    await asyncio.wait_for(serve_all(), 5)
+    return futures, served
+
+
+def test_cancelled_async_wait_loses_no_request() -> None:
+    for round_ in range(60):
+        futures, served = asyncio.run(cancel_one_wait_then_serve(round_))
+        assert [future.result(timeout=5) for future in futures] == \
+            [i * 10 for i in range(len(futures))], f"round {round_}"
+        assert sorted(served) == list(range(len(futures)))  # each request served once

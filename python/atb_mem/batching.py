@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -33,6 +34,17 @@ def _ms_to_ns(name: str, value: Any) -> int | None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0 ms, got {value}")
     return round(value * 1e6)
+
+
+class _AsyncClaim:
+    """One ``__anext__``'s claim on the batch its executor thread takes. Both fields change
+    only under the scheduler's lock, which is what makes cancelling it race-free."""
+
+    __slots__ = ("batch", "cancelled")
+
+    def __init__(self) -> None:
+        self.batch: Batch | None = None
+        self.cancelled = False
 
 
 class Batch:
@@ -108,6 +120,8 @@ class DynamicBatchScheduler:
         self._next_sequence = 0
         self._next_to_deliver = 0
         self._held: dict[int, list[tuple[Future, Any, BaseException | None]]] = {}
+        # Released batches whose async consumer was cancelled; served before any new one.
+        self._returned: deque[Batch] = deque()
         self._new_settings: dict[str, Any] | None = None
         self._closed = False
         self._released = (0, 0, 0)  # batches, requests, size of the last batch
@@ -208,17 +222,28 @@ class DynamicBatchScheduler:
     def next_batch(self, timeout: float | None = None) -> Batch | None:
         """The next batch, waiting up to ``timeout`` seconds (forever with None) for one to
         be due. None on timeout, or once the scheduler is closed and empty."""
+        return self._next_batch(timeout, None)
+
+    def _next_batch(self, timeout: float | None, claim: _AsyncClaim | None) -> Batch | None:
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             expired: list[Future] = []
             batch = None
+            wakeup_ns = None
             with self._condition:
-                self._apply_new_settings()
-                ids, expired_ids, wakeup_ns = self._core.poll(self._now_ns())
-                expired = [self._pending.pop(i)[1] for i in expired_ids]
-                if ids:
-                    batch = self._start_batch(ids)
-                finished = self._closed and not self._pending
+                if claim is not None and claim.cancelled:
+                    return None  # nobody awaits this thread any more: take nothing
+                if self._returned:
+                    batch = self._returned.popleft()
+                else:
+                    self._apply_new_settings()
+                    ids, expired_ids, wakeup_ns = self._core.poll(self._now_ns())
+                    expired = [self._pending.pop(i)[1] for i in expired_ids]
+                    if ids:
+                        batch = self._start_batch(ids)
+                if claim is not None:
+                    claim.batch = batch
+                finished = self._closed and not self._pending and not self._returned
                 if batch is None and not finished and not expired:
                     waits = [] if give_up is None else [give_up - time.monotonic()]
                     if wakeup_ns is not None:
@@ -294,14 +319,29 @@ class DynamicBatchScheduler:
         return self
 
     async def __anext__(self) -> Batch:
-        batch = await asyncio.get_running_loop().run_in_executor(None, self.next_batch)
+        claim = _AsyncClaim()
+        try:
+            batch = await asyncio.get_running_loop().run_in_executor(
+                None, self._next_batch, None, claim)
+        except BaseException:
+            # Cancelled (a timeout, task.cancel()), and the executor thread cannot be stopped
+            # from here: tell it to take nothing, and if it took a batch already, hand that
+            # batch to the next consumer, so its requests still end.
+            with self._condition:
+                claim.cancelled = True
+                if claim.batch is not None:
+                    self._returned.append(claim.batch)
+                self._condition.notify_all()
+            raise
         if batch is None:
             raise StopAsyncIteration
         return batch
 
     def close(self, *, drain: bool = True) -> None:
         """Stops accepting requests. With ``drain`` the waiting ones are still released to
-        consumers; without, they are cancelled. Consumers get None once nothing is left."""
+        consumers; without, they are cancelled (a batch already released, such as one a
+        cancelled ``async for`` handed back, still goes to a consumer). Consumers get None once
+        nothing is left."""
         with self._condition:
             self._closed = True
             cancelled = []
