@@ -19,6 +19,7 @@ from typing import Any
 
 from atb_mem import _core
 from atb_mem._core import AtbMemError, RequestTimeoutError
+from atb_mem._times import MILLISECOND_NS, to_ns
 
 __all__ = ["Batch", "DynamicBatchScheduler"]
 
@@ -27,13 +28,7 @@ _SETTINGS = ("max_batch_size", "timeout_ms", "preferred_batch_sizes", "max_queue
 
 
 def _ms_to_ns(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise TypeError(f"{name} must be a number of milliseconds, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 ms, got {value}")
-    return round(value * 1e6)
+    return None if value is None else to_ns(name, value, MILLISECOND_NS, "milliseconds")
 
 
 class _AsyncClaim:
@@ -220,8 +215,13 @@ class DynamicBatchScheduler:
     # ---- consumers -------------------------------------------------------------------------
 
     def next_batch(self, timeout: float | None = None) -> Batch | None:
-        """The next batch, waiting up to ``timeout`` seconds (forever with None) for one to
-        be due. None on timeout, or once the scheduler is closed and empty."""
+        """The next batch, waiting up to ``timeout`` seconds (forever with None or infinity) for
+        one to be due. None on timeout, or once the scheduler is closed and empty."""
+        if timeout is not None:
+            if timeout != timeout:  # NaN, the one number unequal to itself
+                raise ValueError("timeout must be a number of seconds or None, got nan")
+            if timeout >= threading.TIMEOUT_MAX:
+                timeout = None  # Condition.wait() refuses a longer wait; forever is the same
         return self._next_batch(timeout, None)
 
     def _next_batch(self, timeout: float | None, claim: _AsyncClaim | None) -> Batch | None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._times import SECOND_NS, to_ns
 from atb_mem.kv_cache import KVCachePool
 
 __all__ = ["ContinuousBatchScheduler", "StepPlan"]
@@ -111,19 +112,19 @@ class ContinuousBatchScheduler:
         then count as computed). Lower ``priority`` numbers go first. ``arrival_time`` is in
         the clock ``step(now=...)`` uses; the request is not admitted before it (default: at
         once)."""
-        arrival = 0.0 if arrival_time is None else arrival_time
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
-            raise ValueError(f"arrival_time must be a time in seconds >= 0, got {arrival!r}")
-        self._core.add_request(seq_id, prompt, max_new_tokens, priority, round(arrival * 1e9))
+        arrival_ns = 0 if arrival_time is None else to_ns("arrival_time", arrival_time,
+                                                          SECOND_NS, "seconds")
+        self._core.add_request(seq_id, prompt, max_new_tokens, priority, arrival_ns)
 
     def step(self, now: float | None = None) -> StepPlan:
         """Plans the next step and, if the cache holds bytes, executes its block moves — one
         call into the core, holding the cache's lock throughout. All-or-nothing: if moving
         the bytes raises, nothing changed but the requests named by the ``BlockMoveError``
         (ended: their bytes were lost)."""
+        # Checked before the pending settings apply: a refused step changes nothing.
+        now_ns = to_ns("now", time.monotonic() if now is None else now, SECOND_NS, "seconds")
         self._apply_new_settings()
-        now = time.monotonic() if now is None else now
-        plan = StepPlan(**self._core.step(round(now * 1e9), self.kv_cache._executor))
+        plan = StepPlan(**self._core.step(now_ns, self.kv_cache._executor))
         self._last_batch = (len(plan), plan.num_batched_tokens)
         return plan
 
