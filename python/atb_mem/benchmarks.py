@@ -123,7 +123,9 @@ def mem_pool_workload(pairs: int = 1_000_000) -> Workload:
 def scheduler_step_workload(running: int = 256) -> Workload:
     """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences."""
     prompts, _ = decode_lengths(running)
-    kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+    # Room for every prompt and a few thousand decode steps, whatever `running` is.
+    needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
+    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
                                                  max_num_batched_tokens=8192)
     for seq_id, prompt in enumerate(prompts):

@@ -31,6 +31,7 @@ use hashbrown::HashMap;
 use crate::block_move::{BlockMove, MoveKind};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, Tokens};
+use crate::step_tables::BlockTableWriter;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preemption {
@@ -136,8 +137,8 @@ pub struct StepPlan {
     pub context_lens: Vec<i32>,
     /// `[rows + 1]`: where each row's tokens start in the flat token arrays.
     pub query_start_loc: Vec<i32>,
-    /// `[rows, block_table_width]`, padded with the null block.
-    pub block_tables: Vec<i32>,
+    /// Columns the rows' block tables need (the most blocks of any row); the table itself
+    /// is written in place by [`ContinuousScheduler::write_block_tables`].
     pub block_table_width: usize,
     /// Per token: its id (prompt ids, then the last sampled token; -1 when the request was
     /// given as a token count), its position in its sequence, and its K/V slot.
@@ -163,7 +164,6 @@ impl StepPlan {
             query_lens,
             context_lens,
             query_start_loc,
-            block_tables,
             block_table_width,
             input_ids,
             positions,
@@ -185,7 +185,6 @@ impl StepPlan {
             query_lens,
             context_lens,
             query_start_loc,
-            block_tables,
             input_ids,
             positions,
             slot_mapping,
@@ -220,8 +219,16 @@ pub struct ContinuousScheduler {
     num_preemptions: u64,
     /// Requests ended since the last plan (reported in the next one).
     finished_since_plan: Vec<u64>,
+    /// Rows of the last plan, until it is known to have run (the next `step`/`on_tokens`).
+    in_flight: Vec<u64>,
+    /// Aborted requests with rows in flight: their blocks are freed once the plan ran, so
+    /// the runner can still write every row, and no block it writes was handed out again.
+    deferred_frees: Vec<u64>,
     scratch_slots: Vec<i32>,
     scratch_ids: Vec<u64>,
+    /// Running sequences by (priority, admission), then id.
+    scratch_order: Vec<((u32, u64), u64)>,
+    block_tables: BlockTableWriter,
     scratch_scheduled: Vec<(u64, usize, bool)>,
 }
 
@@ -244,8 +251,12 @@ impl ContinuousScheduler {
             next_admission: 0,
             num_preemptions: 0,
             finished_since_plan: Vec::new(),
+            in_flight: Vec::new(),
+            deferred_frees: Vec::new(),
             scratch_slots: Vec::new(),
             scratch_ids: Vec::new(),
+            scratch_order: Vec::new(),
+            block_tables: BlockTableWriter::new(),
             scratch_scheduled: Vec::new(),
         })
     }
@@ -364,7 +375,8 @@ impl ContinuousScheduler {
         Ok(())
     }
 
-    /// Ends a request wherever it is, freeing its blocks.
+    /// Ends a request wherever it is, freeing its blocks — at once, or, if the last plan has
+    /// a row of it, once that plan ran (the next `step` or `on_tokens`).
     pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
         let request = self
             .requests
@@ -380,11 +392,29 @@ impl ContinuousScheduler {
             }
             State::Running => self.running.retain(|&id| id != seq_id),
         }
-        if cache.contains(seq_id) {
+        if self.in_flight.contains(&seq_id) {
+            self.deferred_frees.push(seq_id);
+        } else if cache.contains(seq_id) {
             cache.free_sequence(seq_id)?;
         }
         self.finished_since_plan.push(seq_id);
         Ok(())
+    }
+
+    /// The last plan ran (the contract says so by now): free what aborts deferred.
+    fn plan_executed(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        self.in_flight.clear();
+        for seq_id in self.deferred_frees.drain(..) {
+            if cache.contains(seq_id) {
+                cache.free_sequence(seq_id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Requests aborted with a row in the last plan, whose blocks wait for it to run.
+    pub fn num_deferred_frees(&self) -> usize {
+        self.deferred_frees.len()
     }
 
     /// Records the sampled tokens of the sequences the last step planned to sample. A
@@ -423,6 +453,7 @@ impl ContinuousScheduler {
                 pair[0]
             )));
         }
+        self.plan_executed(cache)?;
         for (&seq_id, &token) in seq_ids.iter().zip(token_ids) {
             let Some(request) = self.requests.get_mut(&seq_id) else {
                 continue;
@@ -449,22 +480,26 @@ impl ContinuousScheduler {
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
+        self.plan_executed(cache)?;
         plan.clear();
+        // A lowered max_num_seqs takes effect now: the newest extra sequences make room.
+        while self.running.len() > self.config.max_num_seqs {
+            let victim = self.pick_victim(0);
+            self.preempt(cache, victim, plan)?;
+        }
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled = std::mem::take(&mut self.scratch_scheduled);
         scheduled.clear();
 
         // 1. Running sequences, highest priority and oldest first.
-        let mut order = std::mem::take(&mut self.scratch_ids);
+        let mut order = std::mem::take(&mut self.scratch_order);
         order.clear();
-        order.extend_from_slice(&self.running);
-        order.sort_by_key(|id| {
-            self.requests
-                .get(id)
-                .map(|r| (r.priority, r.admitted))
-                .unwrap_or_default()
-        });
-        for &seq_id in &order {
+        order.extend(self.running.iter().map(|&id| {
+            let key = self.requests.get(&id).map(|r| (r.priority, r.admitted));
+            (key.unwrap_or_default(), id)
+        }));
+        order.sort_unstable();
+        for &(_, seq_id) in &order {
             if budget == 0 {
                 break;
             }
@@ -480,7 +515,8 @@ impl ContinuousScheduler {
             let prefill = request.num_computed < cache.seq_len(seq_id)?;
             if !prefill {
                 // A decode: one more slot, which may need a block.
-                loop {
+                // One token takes at most a new block and a copy-on-write one.
+                while cache.num_free_blocks() < 2 {
                     let needed = cache.blocks_to_append(seq_id, 1)?;
                     if needed <= cache.num_free_blocks() {
                         break;
@@ -511,7 +547,7 @@ impl ContinuousScheduler {
             }
         }
 
-        self.scratch_ids = order;
+        self.scratch_order = order;
 
         // 2. Swapped-out sequences come back before anything new is admitted.
         if plan.preempted_seq_ids.is_empty() {
@@ -659,9 +695,8 @@ impl ContinuousScheduler {
             .iter()
             .filter(|row| row.2)
             .chain(scheduled.iter().filter(|row| !row.2));
-        let mut width = 0;
         plan.query_start_loc.push(0);
-        for &(seq_id, tokens, prefill) in rows.clone() {
+        for &(seq_id, tokens, prefill) in rows {
             let request = self
                 .requests
                 .get(&seq_id)
@@ -691,28 +726,41 @@ impl ContinuousScheduler {
                 false => plan.input_ids.resize(plan.num_batched_tokens, -1),
             }
             plan.positions.extend(start as i32..end as i32);
-            cache.slot_mapping(
-                &[seq_id],
-                &[start as i64],
-                &[end as i64],
-                &mut self.scratch_slots,
-            )?;
-            plan.slot_mapping.extend_from_slice(&self.scratch_slots);
-            width = width.max(cache.block_table(seq_id)?.len());
-        }
-        plan.block_table_width = width;
-        plan.block_tables.resize(plan.query_lens.len() * width, 0);
-        for (row, &(seq_id, _, _)) in rows.enumerate() {
-            for (cell, &block) in plan.block_tables[row * width..]
-                .iter_mut()
-                .zip(cache.block_table(seq_id)?)
-            {
-                *cell = block as i32;
-            }
+            let (blocks, _, _) = cache.row_view(seq_id)?;
+            let block_size = cache.block_size();
+            plan.slot_mapping.extend((start..end).map(|position| {
+                (blocks[position / block_size] as usize * block_size + position % block_size) as i32
+            }));
+            plan.block_table_width = plan.block_table_width.max(blocks.len());
         }
         cache.take_moves(&mut plan.moves);
         plan.finished_seq_ids.append(&mut self.finished_since_plan);
+        self.in_flight.extend_from_slice(&plan.prefill_seq_ids);
+        self.in_flight.extend_from_slice(&plan.decode_seq_ids);
         Ok(())
+    }
+
+    /// Writes the block tables of `plan`'s rows into `cells` (row-major, `stride` columns,
+    /// padded with the null block), updating in place what the previous call wrote there.
+    /// `fresh`: `cells` is a new, zeroed buffer. Call it once the plan's moves have run.
+    pub fn write_block_tables(
+        &mut self,
+        cache: &KvCache,
+        plan: &StepPlan,
+        cells: &mut [i32],
+        stride: usize,
+        fresh: bool,
+    ) -> CoreResult<()> {
+        if fresh {
+            self.block_tables.reset();
+        }
+        let mut rows = std::mem::take(&mut self.scratch_ids);
+        rows.clear();
+        rows.extend_from_slice(&plan.prefill_seq_ids);
+        rows.extend_from_slice(&plan.decode_seq_ids);
+        let result = self.block_tables.write(cache, &rows, cells, stride);
+        self.scratch_ids = rows;
+        result
     }
 
     /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
@@ -724,7 +772,8 @@ impl ContinuousScheduler {
             || cache.has_forked()
             || (self.config.preemption == Preemption::Swap
                 && cache.num_free_host_blocks() > 0
-                && cache.num_free_blocks() < self.running.len())
+                && (cache.num_free_blocks() < self.running.len()
+                    || self.running.len() > self.config.max_num_seqs))
     }
 
     /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after

@@ -63,6 +63,10 @@ pub(crate) struct Sequence {
     /// Changes whenever the block list or length changes (and when a batch names the
     /// sequence); unique across the cache's life.
     pub(crate) version: u64,
+    /// Changes whenever a block already in the list is replaced (allocation, fork,
+    /// copy-on-write, swap), but not when the list only grows: a table that holds the
+    /// list's first k blocks under this value still holds them.
+    layout: u64,
 }
 
 /// Counters and sizes reported by [`KvCache::stats`].
@@ -369,6 +373,7 @@ impl KvCache {
         seq.swapped = false;
         seq.num_tokens = num_tokens;
         seq.version = version;
+        seq.layout = version;
         seq.blocks.clear();
         for &block in scratch_blocks.iter() {
             block_pool.take_hit(block);
@@ -556,6 +561,7 @@ impl KvCache {
                     pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
                     block_pool.release(*last);
                     *last = copy;
+                    seq.layout = version;
                 }
             }
         }
@@ -644,6 +650,7 @@ impl KvCache {
         child.swapped = false;
         child.num_tokens = parent.num_tokens;
         child.version = version;
+        child.layout = version;
         child.hashable = parent.hashable;
         child.root_hash = parent.root_hash;
         child.hashes.clear();
@@ -695,6 +702,13 @@ impl KvCache {
             seq.num_registered += 1;
         }
         Ok(joined)
+    }
+
+    /// The blocks of a device sequence, its token count and its layout stamp (see
+    /// [`KvCache::block_table`]): what a step plan's row needs, in one lookup.
+    pub fn row_view(&self, seq_id: u64) -> CoreResult<(&[u32], usize, u64)> {
+        let seq = self.device_sequence(seq_id)?;
+        Ok((&seq.blocks, seq.num_tokens, seq.layout))
     }
 
     /// Tokens of a sequence whose K/V is known to be computed.
@@ -1021,6 +1035,7 @@ impl KvCache {
                 *block = moved;
             }
             seq.swapped = out;
+            seq.layout = seq.version;
             // Fresh device blocks: offered to the prefix cache again once computed.
             seq.num_registered = 0;
         }

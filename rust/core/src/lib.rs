@@ -24,6 +24,7 @@ pub mod layout;
 pub mod mem_pool;
 pub mod range_allocator;
 pub mod request_batcher;
+pub mod step_tables;
 
 pub use alloc_util::MAX_BOOKKEEPING_BYTES;
 pub use batch_table::BatchTable;
@@ -37,3 +38,4 @@ pub use layout::{KvDtype, KvLayout};
 pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};
 pub use range_allocator::RangeAllocator;
 pub use request_batcher::{BatcherConfig, Poll, RequestBatcher, TimeoutAction};
+pub use step_tables::BlockTableWriter;

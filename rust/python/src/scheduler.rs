@@ -2,16 +2,17 @@
 //! every caller does), call, map errors. One `step` call builds every array of the plan.
 
 use atb_mem_core::{ContinuousScheduler, MoveKind, Preemption, SchedulerConfig, StepPlan, Tokens};
-use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1};
+use std::sync::Mutex;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PySlice};
 
 use crate::convert;
 use crate::errors::block_move_error;
 use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::kv_cache::{pairs_to_array, PyKvCachePool};
-use crate::lock::{Guard, PyLock};
+use crate::lock::{lock, Guard, PyLock};
 use crate::transfer;
 
 /// The configuration from a dict with the keys `config()` returns.
@@ -62,11 +63,60 @@ fn config_dict<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound
 pub struct PyContinuousScheduler {
     pool: Py<PyKvCachePool>,
     scheduler: PyLock<ContinuousScheduler>,
+    /// The plans' block tables: one numpy buffer the core updates in place, grown by
+    /// doubling (plans already returned keep the old one alive).
+    block_tables: Mutex<Option<Py<PyArray2<i32>>>>,
 }
 
 impl PyContinuousScheduler {
     fn lock(&self) -> PyResult<Guard<'_, ContinuousScheduler>> {
         self.scheduler.lock()
+    }
+
+    /// Writes the plan's block tables into the persistent buffer (under the caller's locks)
+    /// and returns the read-only `[rows, width]` view of them.
+    fn block_tables_view<'py>(
+        &self,
+        py: Python<'py>,
+        scheduler: &mut ContinuousScheduler,
+        cache: &atb_mem_core::KvCache,
+        plan: &StepPlan,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (rows, width) = (plan.query_lens.len(), plan.block_table_width);
+        let mut buffer = lock(&self.block_tables);
+        let (held_rows, held_columns) = match buffer.as_ref() {
+            Some(array) => {
+                let dims = array.bind(py).dims();
+                (dims[0], dims[1])
+            }
+            None => (0, 0),
+        };
+        let fresh = buffer.is_none() || rows > held_rows || width > held_columns;
+        if fresh {
+            let shape = [
+                rows.max(held_rows).max(16).next_power_of_two(),
+                width.max(held_columns).max(16).next_power_of_two(),
+            ];
+            *buffer = Some(PyArray2::zeros(py, shape, false).unbind());
+        }
+        let array = buffer.as_ref().map(|array| array.bind(py).clone());
+        let array = array.ok_or_else(|| type_error("block table buffer missing"))?;
+        let stride = array.dims()[1];
+        // SAFETY: the buffer is C-contiguous and created here; Python sees it only through
+        // read-only views, and every write happens under the scheduler's lock.
+        let cells = unsafe { array.as_slice_mut() }.map_err(|e| type_error(e.to_string()))?;
+        scheduler
+            .write_block_tables(cache, plan, cells, stride, fresh)
+            .into_py_result()?;
+        let index = (
+            PySlice::new(py, 0, rows as isize, 1),
+            PySlice::new(py, 0, width as isize, 1),
+        );
+        let view = array.get_item(index)?;
+        let flags = PyDict::new(py);
+        flags.set_item("write", false)?;
+        view.call_method("setflags", (), Some(&flags))?;
+        Ok(view)
     }
 }
 
@@ -86,6 +136,7 @@ impl PyContinuousScheduler {
         Ok(PyContinuousScheduler {
             pool: pool.clone().unbind(),
             scheduler: PyLock::new(scheduler),
+            block_tables: Mutex::new(None),
         })
     }
 
@@ -148,7 +199,7 @@ impl PyContinuousScheduler {
         let now_ns = convert::count(now_ns, "now", 0)? as u64;
         let execute = execute.filter(|execute| !execute.is_none());
         let mut plan = StepPlan::default();
-        {
+        let tables = {
             let mut cache = self.pool.get().lock()?;
             let mut scheduler = self.lock()?;
             // Most steps move nothing and need no snapshot; see `step_may_move`.
@@ -176,7 +227,8 @@ impl PyContinuousScheduler {
                     return Err(block_move_error(py, error, &aborted));
                 }
             }
-        }
+            self.block_tables_view(py, &mut scheduler, &cache, &plan)?
+        };
         let pairs = |kind| plan.moves_of(kind).collect::<Vec<_>>();
         let (swap_out, swap_in, copies) = (
             pairs(MoveKind::ToHost),
@@ -185,10 +237,6 @@ impl PyContinuousScheduler {
         );
         let dict = PyDict::new(py);
         let ids = |values: Vec<u64>| values.into_pyarray(py).into_any();
-        let rows = plan.query_lens.len();
-        let width = plan.block_table_width;
-        let tables = Array2::from_shape_vec((rows, width), plan.block_tables)
-            .map_err(|e| type_error(e.to_string()))?;
         dict.set_item("prefill_seq_ids", ids(plan.prefill_seq_ids))?;
         dict.set_item("prefill_tokens", plan.prefill_tokens.into_pyarray(py))?;
         dict.set_item("decode_seq_ids", ids(plan.decode_seq_ids))?;
@@ -202,7 +250,7 @@ impl PyContinuousScheduler {
         dict.set_item("query_lens", plan.query_lens.into_pyarray(py))?;
         dict.set_item("context_lens", plan.context_lens.into_pyarray(py))?;
         dict.set_item("query_start_loc", plan.query_start_loc.into_pyarray(py))?;
-        dict.set_item("block_tables", tables.into_pyarray(py))?;
+        dict.set_item("block_tables", tables)?;
         dict.set_item("input_ids", plan.input_ids.into_pyarray(py))?;
         dict.set_item("positions", plan.positions.into_pyarray(py))?;
         dict.set_item("slot_mapping", plan.slot_mapping.into_pyarray(py))?;
