@@ -7,7 +7,6 @@ call into it that returns every decision and array the model runner needs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,57 +18,18 @@ from atb_mem.kv_cache import KVCachePool
 __all__ = ["ContinuousBatchScheduler", "StepPlan"]
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's decisions, and the arrays a paged-attention model runner feeds its kernels
-    (vLLM's model-runner names). Batch rows are the scheduled sequences, prefills first, then
-    decodes; ``query_lens``, ``context_lens`` (= ``seq_lens``), ``block_tables`` follow the
-    rows; ``input_ids`` (-1 where the request gave a token count), ``positions`` and
-    ``slot_mapping`` follow the rows' tokens, row by row, and ``query_start_loc`` (``[rows +
-    1]``) says where each row's tokens start. ``logits_indices[i]`` is the flat index of the
-    last token of ``sample_seq_ids[i]``. All int32.
-
-    ``moves`` is int32 ``[k, 3]`` (kind, source block, destination block) in execution order
-    (kind 0 = copy, 1 = to host, 2 = to device); ``copies``, ``swap_out`` and ``swap_in`` are
-    the same moves as ``[k, 2]`` pairs by kind. They were executed already if the cache holds
-    bytes, and must be, in order, before the model runs if not. ``finished_seq_ids``: requests
-    that ended (finished or aborted) since the previous plan.
-
-    The contract: a plan is executed — every row — before the next ``step()`` or
-    ``on_tokens()``; blocks it computes are in the prefix cache from the moment it is planned."""
-
-    prefill_seq_ids: np.ndarray
-    prefill_tokens: np.ndarray
-    decode_seq_ids: np.ndarray
-    sample_seq_ids: np.ndarray
-    preempted_seq_ids: np.ndarray
-    finished_seq_ids: np.ndarray
-    moves: np.ndarray
-    swap_out: np.ndarray
-    swap_in: np.ndarray
-    copies: np.ndarray
-    query_lens: np.ndarray
-    context_lens: np.ndarray
-    query_start_loc: np.ndarray
-    block_tables: np.ndarray
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    logits_indices: np.ndarray
-    num_batched_tokens: int
-
-    @property
-    def seq_ids(self) -> np.ndarray:
-        """Sequence ids by batch row."""
-        return np.concatenate([self.prefill_seq_ids, self.decode_seq_ids])
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        """K/V length of each row after this step (vLLM's name for ``context_lens``)."""
-        return self.context_lens
-
-    def __len__(self) -> int:
-        return len(self.query_lens)
+# One step's decisions and a model runner's inputs (a frozen class of the extension):
+# rows are the scheduled sequences, prefills first, then decodes; ``query_lens``,
+# ``context_lens`` (= ``seq_lens``) and ``block_tables`` follow the rows; ``input_ids`` (-1
+# where the request gave a token count), ``positions`` and ``slot_mapping`` follow the rows'
+# tokens, and ``query_start_loc`` (``[rows + 1]``) says where each row's tokens start;
+# ``logits_indices[i]`` is the flat index of the last token of ``sample_seq_ids[i]``.
+# ``moves`` is int32 ``[k, 3]`` (kind, source, destination) in execution order, executed
+# already when the cache holds bytes (``copies``, ``swap_out``, ``swap_in`` are the same as
+# pairs by kind). ``block_tables`` is a read-only view of a buffer updated in place: valid
+# until the next step. The contract: a plan is executed, every row, before the next
+# ``step()`` or ``on_tokens()``.
+StepPlan = _core.StepPlan
 
 
 _SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "preemption",
@@ -124,7 +84,7 @@ class ContinuousBatchScheduler:
         # Checked before the pending settings apply: a refused step changes nothing.
         now_ns = to_ns("now", time.monotonic() if now is None else now, SECOND_NS, "seconds")
         self._apply_new_settings()
-        plan = StepPlan(**self._core.step(now_ns, self.kv_cache._executor))
+        plan = self._core.step(now_ns, self.kv_cache._executor)
         self._last_batch = (len(plan), plan.num_batched_tokens)
         return plan
 

@@ -9,6 +9,7 @@ mod lock;
 mod mem_pool;
 mod request_batcher;
 mod scheduler;
+mod step_plan;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -23,6 +24,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<mem_pool::HostRegion>()?;
     module.add_class::<request_batcher::PyRequestBatcher>()?;
     module.add_class::<scheduler::PyContinuousScheduler>()?;
+    module.add_class::<step_plan::PyStepPlan>()?;
     module.add_function(wrap_pyfunction!(host_copy::scatter_rows, module)?)?;
     module.add_function(wrap_pyfunction!(host_copy::copy_blocks, module)?)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;

@@ -1,7 +1,7 @@
 //! `ContinuousBatchScheduler`'s core: convert, lock (the KV cache, then the scheduler, as
 //! every caller does), call, map errors. One `step` call builds every array of the plan.
 
-use atb_mem_core::{ContinuousScheduler, MoveKind, Preemption, SchedulerConfig, StepPlan, Tokens};
+use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan, Tokens};
 use std::sync::Mutex;
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
@@ -11,8 +11,9 @@ use pyo3::types::{PyDict, PySlice};
 use crate::convert;
 use crate::errors::block_move_error;
 use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::kv_cache::{pairs_to_array, PyKvCachePool};
+use crate::kv_cache::PyKvCachePool;
 use crate::lock::{lock, Guard, PyLock};
+use crate::step_plan::PyStepPlan;
 use crate::transfer;
 
 /// The configuration from a dict with the keys `config()` returns.
@@ -195,7 +196,7 @@ impl PyContinuousScheduler {
         py: Python<'py>,
         now_ns: &Bound<'py, PyAny>,
         execute: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<PyStepPlan> {
         let now_ns = convert::count(now_ns, "now", 0)? as u64;
         let execute = execute.filter(|execute| !execute.is_none());
         let mut plan = StepPlan::default();
@@ -229,34 +230,7 @@ impl PyContinuousScheduler {
             }
             self.block_tables_view(py, &mut scheduler, &cache, &plan)?
         };
-        let pairs = |kind| plan.moves_of(kind).collect::<Vec<_>>();
-        let (swap_out, swap_in, copies) = (
-            pairs(MoveKind::ToHost),
-            pairs(MoveKind::ToDevice),
-            pairs(MoveKind::Copy),
-        );
-        let dict = PyDict::new(py);
-        let ids = |values: Vec<u64>| values.into_pyarray(py).into_any();
-        dict.set_item("prefill_seq_ids", ids(plan.prefill_seq_ids))?;
-        dict.set_item("prefill_tokens", plan.prefill_tokens.into_pyarray(py))?;
-        dict.set_item("decode_seq_ids", ids(plan.decode_seq_ids))?;
-        dict.set_item("sample_seq_ids", ids(plan.sample_seq_ids))?;
-        dict.set_item("preempted_seq_ids", ids(plan.preempted_seq_ids))?;
-        dict.set_item("finished_seq_ids", ids(plan.finished_seq_ids))?;
-        dict.set_item("swap_out", pairs_to_array(py, &swap_out)?)?;
-        dict.set_item("swap_in", pairs_to_array(py, &swap_in)?)?;
-        dict.set_item("copies", pairs_to_array(py, &copies)?)?;
-        dict.set_item("moves", transfer::moves_to_array(py, &plan.moves)?)?;
-        dict.set_item("query_lens", plan.query_lens.into_pyarray(py))?;
-        dict.set_item("context_lens", plan.context_lens.into_pyarray(py))?;
-        dict.set_item("query_start_loc", plan.query_start_loc.into_pyarray(py))?;
-        dict.set_item("block_tables", tables)?;
-        dict.set_item("input_ids", plan.input_ids.into_pyarray(py))?;
-        dict.set_item("positions", plan.positions.into_pyarray(py))?;
-        dict.set_item("slot_mapping", plan.slot_mapping.into_pyarray(py))?;
-        dict.set_item("logits_indices", plan.logits_indices.into_pyarray(py))?;
-        dict.set_item("num_batched_tokens", plan.num_batched_tokens)?;
-        Ok(dict)
+        Ok(PyStepPlan::new(py, plan, tables))
     }
 
     /// Records sampled tokens; returns the ids of the sequences that finished.
