@@ -83,8 +83,16 @@ class ContinuousBatchScheduler:
         (ended: their bytes were lost)."""
         # Checked before the pending settings apply: a refused step changes nothing.
         now_ns = to_ns("now", time.monotonic() if now is None else now, SECOND_NS, "seconds")
-        self._apply_new_settings()
-        plan = self._core.step(now_ns, self.kv_cache._executor)
+        pending = self._new_settings
+        previous = self._apply_new_settings()
+        try:
+            plan = self._core.step(now_ns, self.kv_cache._executor)
+        except BaseException:
+            # All-or-nothing: the settings wait for the next step too.
+            if previous is not None:
+                self._core.set_config(previous)
+                self._new_settings = pending
+            raise
         self._last_batch = (len(plan), plan.num_batched_tokens)
         return plan
 
@@ -135,10 +143,12 @@ class ContinuousBatchScheduler:
         self._new_settings = new
         return previous
 
-    def _apply_new_settings(self) -> None:
-        if self._new_settings is not None:
-            new, self._new_settings = self._new_settings, None
-            self._core.set_config(new)
+    def _apply_new_settings(self) -> dict[str, Any] | None:
+        """Applies the pending settings; returns the ones they replaced (None if none)."""
+        if self._new_settings is None:
+            return None
+        new, self._new_settings = self._new_settings, None
+        return self._core.set_config(new)
 
     def _check_invariants(self) -> None:
         self._core._check_invariants()

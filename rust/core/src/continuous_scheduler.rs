@@ -108,6 +108,9 @@ struct Request {
     max_new_tokens: usize,
     /// Tokens whose K/V is computed (or planned this step).
     num_computed: usize,
+    /// A plan sampled its next token, not yet reported by `on_tokens`: it is not scheduled
+    /// until then, wherever a preemption put it meanwhile.
+    awaiting_token: bool,
     arrival_ns: u64,
 }
 
@@ -368,6 +371,7 @@ impl ContinuousScheduler {
                 num_outputs: 0,
                 max_new_tokens,
                 num_computed: 0,
+                awaiting_token: false,
                 arrival_ns,
             },
         );
@@ -438,7 +442,7 @@ impl ContinuousScheduler {
                 .requests
                 .get(&seq_id)
                 .ok_or(CoreError::UnknownSequence(seq_id))?;
-            if request.state != State::Running || request.num_computed != request.num_tokens() {
+            if !request.awaiting_token {
                 return Err(CoreError::invalid(format!(
                     "sequence {seq_id} has no token to sample now"
                 )));
@@ -459,13 +463,19 @@ impl ContinuousScheduler {
                 continue;
             };
             request.num_outputs += 1;
+            request.awaiting_token = false;
             if request.has_ids {
                 request.token_ids.push(token);
             }
             if request.num_outputs >= request.max_new_tokens || Some(token) == eos_token_id {
+                let key = (request.priority, request.queue_key, seq_id);
                 self.requests.remove(&seq_id);
                 self.running.retain(|&id| id != seq_id);
-                cache.free_sequence(seq_id)?;
+                self.waiting.remove(&key);
+                self.swapped.remove(&key);
+                if cache.contains(seq_id) {
+                    cache.free_sequence(seq_id)?;
+                }
                 finished.push(seq_id);
                 self.finished_since_plan.push(seq_id);
             }
@@ -506,7 +516,7 @@ impl ContinuousScheduler {
             let Some(request) = self.requests.get(&seq_id) else {
                 continue;
             };
-            if request.state != State::Running || request.num_computed == request.num_tokens() {
+            if request.state != State::Running || request.awaiting_token {
                 continue; // preempted this step, or waiting for its sampled token
             }
             let remaining = request.num_tokens() - request.num_computed;
@@ -568,11 +578,11 @@ impl ContinuousScheduler {
         while plan.preempted_seq_ids.is_empty() && self.swapped.is_empty() && budget > 0 {
             // Requests are not admitted before they arrive.
             let requests = &self.requests;
-            let Some(&(priority, key, seq_id)) = self
-                .waiting
-                .iter()
-                .find(|&&(_, _, id)| requests.get(&id).is_some_and(|r| r.arrival_ns <= now_ns))
-            else {
+            let Some(&(priority, key, seq_id)) = self.waiting.iter().find(|&&(_, _, id)| {
+                requests
+                    .get(&id)
+                    .is_some_and(|r| r.arrival_ns <= now_ns && !r.awaiting_token)
+            }) else {
                 break;
             };
             if self.running.len() >= self.config.max_num_seqs {
@@ -617,7 +627,10 @@ impl ContinuousScheduler {
         scheduled: &mut Vec<(u64, usize, bool)>,
     ) -> CoreResult<()> {
         let chunk = remaining.min(*budget);
-        if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill) {
+        // Without chunked prefill a prompt waits for a step with room for all of it — unless
+        // no step ever has (the budget was lowered after it was accepted): then it is chunked.
+        let never_fits = remaining > self.config.max_num_batched_tokens;
+        if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill && !never_fits) {
             return Ok(());
         }
         let request = self
@@ -732,6 +745,11 @@ impl ContinuousScheduler {
                 (blocks[position / block_size] as usize * block_size + position % block_size) as i32
             }));
             plan.block_table_width = plan.block_table_width.max(blocks.len());
+        }
+        for seq_id in &plan.sample_seq_ids {
+            if let Some(request) = self.requests.get_mut(seq_id) {
+                request.awaiting_token = true;
+            }
         }
         cache.take_moves(&mut plan.moves);
         plan.finished_seq_ids.append(&mut self.finished_since_plan);

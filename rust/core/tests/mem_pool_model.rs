@@ -197,7 +197,7 @@ fn run(capacity: u64, alignment: u64, policy: AlignmentPolicy, ops: Vec<Op>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(300), ..ProptestConfig::default() })]
 
     #[test]
     fn default_policy_matches_model(

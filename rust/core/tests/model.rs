@@ -405,8 +405,16 @@ impl Model {
     }
 }
 
+/// 400 cases; `PROPTEST_CASES` overrides (CI's valgrind run takes a few).
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(400)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn matches_model_with_prefix_caching(ops in prop::collection::vec(op(), 1..60)) {

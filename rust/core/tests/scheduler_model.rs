@@ -416,7 +416,15 @@ fn run(config: SchedulerConfig, ops: Vec<Op>) -> Counts {
     harness.counts
 }
 
+/// 1,000 cases, 20,000 with `ATB_MEM_LONG=1`; `PROPTEST_CASES` overrides both (CI's
+/// valgrind run takes a few).
 fn cases() -> u32 {
+    if let Some(cases) = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+    {
+        return cases;
+    }
     match std::env::var("ATB_MEM_LONG").as_deref() {
         Ok("1") => 20_000,
         _ => 1_000,
