@@ -26,6 +26,11 @@ impl PyKvCachePool {
         self.cache.lock()
     }
 
+    /// The lock for a transaction that runs Python (the byte executor) while holding it.
+    pub(crate) fn lock_running_python(&self) -> PyResult<Guard<'_, KvCache>> {
+        self.cache.lock_running_python()
+    }
+
     /// Runs `work` on the locked cache, releasing the GIL (not the lock) when `size` is large.
     fn run<R: Send>(
         &self,
@@ -54,7 +59,7 @@ impl PyKvCachePool {
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
         let ids = seq_ids.as_slice();
-        let mut cache = self.lock()?;
+        let mut cache = self.lock_running_python()?;
         let execute = execute.filter(|execute| !execute.is_none());
         let snapshot = execute.map(|_| cache.clone());
         let first = cache.num_pending_moves();
@@ -408,7 +413,7 @@ impl PyKvCachePool {
     /// Executes every pending move with `execute(moves)` as one transaction (see
     /// `BlockMoveError`); returns how many moves ran.
     fn execute_pending_moves(&self, py: Python<'_>, execute: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut cache = self.lock()?;
+        let mut cache = self.lock_running_python()?;
         if cache.num_pending_moves() == 0 {
             return Ok(0);
         }
@@ -441,7 +446,7 @@ impl PyKvCachePool {
     ) -> PyResult<()> {
         let slots = convert::positions(slots, "slots")?;
         let narrow = narrow_slots(&slots)?;
-        let mut cache = self.lock()?;
+        let mut cache = self.lock_running_python()?;
         if cache.num_pending_moves() > 0 {
             let snapshot = cache.clone();
             transfer::execute_pending(py, &mut cache, snapshot, execute)?;

@@ -31,7 +31,8 @@ pub(crate) struct PyLock<T> {
 
 pub(crate) struct Guard<'a, T> {
     guard: MutexGuard<'a, T>,
-    owner: &'a AtomicUsize,
+    /// Set while a holder that runs Python holds the lock (see `lock_running_python`).
+    owner: Option<&'a AtomicUsize>,
 }
 
 impl<T: Send> PyLock<T> {
@@ -43,14 +44,28 @@ impl<T: Send> PyLock<T> {
     }
 
     pub(crate) fn lock(&self) -> PyResult<Guard<'_, T>> {
+        let guard = self.acquire()?;
+        Ok(Guard { guard, owner: None })
+    }
+
+    /// The lock for an operation that calls Python while holding it (a byte executor):
+    /// a call back into this object from that Python code is then an error, not a deadlock.
+    pub(crate) fn lock_running_python(&self) -> PyResult<Guard<'_, T>> {
+        let guard = self.acquire()?;
+        self.owner.store(thread_token(), Ordering::Relaxed);
+        Ok(Guard {
+            guard,
+            owner: Some(&self.owner),
+        })
+    }
+
+    fn acquire(&self) -> PyResult<MutexGuard<'_, T>> {
         loop {
             match self.value.try_lock() {
-                Ok(guard) => return Ok(self.guard(guard)),
+                Ok(guard) => return Ok(guard),
                 // The core never panics while holding the lock, so a poisoned lock still
                 // holds a consistent value.
-                Err(TryLockError::Poisoned(poisoned)) => {
-                    return Ok(self.guard(poisoned.into_inner()))
-                }
+                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
                 Err(TryLockError::WouldBlock) => {}
             }
             if self.owner.load(Ordering::Relaxed) == thread_token() {
@@ -62,19 +77,13 @@ impl<T: Send> PyLock<T> {
             Python::attach(|py| py.detach(|| drop(self.value.lock())));
         }
     }
-
-    fn guard<'a>(&'a self, guard: MutexGuard<'a, T>) -> Guard<'a, T> {
-        self.owner.store(thread_token(), Ordering::Relaxed);
-        Guard {
-            guard,
-            owner: &self.owner,
-        }
-    }
 }
 
 impl<T> Drop for Guard<'_, T> {
     fn drop(&mut self) {
-        self.owner.store(0, Ordering::Relaxed);
+        if let Some(owner) = self.owner {
+            owner.store(0, Ordering::Relaxed);
+        }
     }
 }
 

@@ -201,8 +201,8 @@ impl PyContinuousScheduler {
         let execute = execute.filter(|execute| !execute.is_none());
         let mut plan = StepPlan::default();
         let tables = {
-            let mut cache = self.pool.get().lock()?;
-            let mut scheduler = self.lock()?;
+            let mut cache = self.pool.get().lock_running_python()?;
+            let mut scheduler = self.scheduler.lock_running_python()?;
             // Most steps move nothing and need no snapshot; see `step_may_move`.
             let snapshot = (execute.is_some() && scheduler.step_may_move(&cache))
                 .then(|| (scheduler.clone(), cache.clone()));
