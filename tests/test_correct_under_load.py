@@ -301,3 +301,15 @@ def test_a_batched_copy_never_reads_a_block_its_own_run_writes() -> None:
     assert _run_end(moves, 0) == 1  # 2 -> 3 reads what 1 -> 2 writes
     assert _run_end(moves, 1) == 3  # a run ends where the kind changes
     assert _run_end(moves, 3) == 4  # the same destination twice: in order, not batched
+
+
+def test_an_executor_calling_back_into_its_pool_fails_instead_of_deadlocking() -> None:
+    kv = make_kv()
+    kv.alloc_sequence(1, 6)
+    before = state(kv)
+    with pytest.raises(atb_mem.BlockMoveError) as raised:
+        kv.swap_out([1], execute=lambda moves: kv.stats())
+    assert "re-entrant" in str(raised.value.__cause__)
+    assert state(kv) == before  # rolled back, and the lock is free again
+    kv.swap_out([1])
+    assert kv.is_swapped(1)
