@@ -313,3 +313,20 @@ def test_an_executor_calling_back_into_its_pool_fails_instead_of_deadlocking() -
     assert state(kv) == before  # rolled back, and the lock is free again
     kv.swap_out([1])
     assert kv.is_swapped(1)
+
+
+def test_same_step_hits_follow_vllms_rule() -> None:
+    """Two requests with the same new prompt admitted in one step: the second hits the blocks
+    the first computes in that very step. Safe only because the batched forward writes every
+    row's K/V (layer by layer) before any attention reads it — which run_plan models by
+    writing the whole plan before anything is read back."""
+    kv = make_kv()
+    sched = atb_mem.ContinuousBatchScheduler(kv)
+    prompt = list(range(700, 710))  # 2 full blocks and 2 tokens
+    sched.add_request(1, prompt, 2)
+    sched.add_request(2, prompt, 2)
+    plan = sched.step(now=0)
+    assert plan.seq_ids.tolist() == [1, 2] and plan.query_lens.tolist() == [10, 2]
+    assert (kv.block_table(2)[:2] == kv.block_table(1)[:2]).all()
+    run_plan(kv, plan)
+    assert read_back(kv, 2) == expected(prompt, 10)
