@@ -2,7 +2,7 @@
 
     python -m pytest benches/test_bench_scheduling.py --benchmark-enable --benchmark-only -s
 
-- step() overhead with 256 running sequences;
+- step() overhead with 256 and 4,096 running sequences (linear: 4,096 costs about 16x);
 - a replay of the Azure code trace under a cost model (step time = 5 ms + 0.02 ms per batched
   token), continuous batching against static batching of the same requests;
 - request batching's added latency (submit to batch release) at 10%, 50% and 90% load.
@@ -22,12 +22,15 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_c
 STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
 
 
-def test_step_overhead_with_256_running(benchmark) -> None:
-    run, _ = benchmarks.scheduler_step_workload(256)
-    benchmark.pedantic(run, rounds=300, iterations=1)
+@pytest.mark.parametrize("running", [256, 4096])
+def test_step_overhead(benchmark, running: int) -> None:
+    """step() + on_tokens() with `running` decoding sequences: the cost must stay linear."""
+    run, _ = benchmarks.scheduler_step_workload(running)
+    rounds = 300 if running <= 256 else 60
+    benchmark.pedantic(run, rounds=rounds, iterations=1)
     if benchmark.stats is not None:
-        print(f"\nstep()+on_tokens() with 256 running: "
-              f"{benchmark.stats.stats.median * 1e6:.1f} us (median of 300)")
+        print(f"\nstep()+on_tokens() with {running} running: "
+              f"{benchmark.stats.stats.median * 1e6:.1f} us (median of {rounds})")
 
 
 def load_trace(limit: int, speedup: float) -> list[tuple[float, int, int]]:
