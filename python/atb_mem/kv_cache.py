@@ -95,12 +95,13 @@ class KVCachePool(_core.KVCachePool):
     @property
     def device(self) -> str | None:
         """Where the blocks' bytes live (``"host"``, ``"cpu"``, ``"cuda:0"``, ...), or None."""
-        tensors = getattr(self, "_tensors", None)
+        tensors = self.tensors
         return None if tensors is None else tensors.backend.device
 
     @property
     def tensors(self) -> KVTensors | None:
         """The bytes and their executor (None without bytes)."""
+        # getattr: __del__ and close() may run on an object __new__ never finished.
         return getattr(self, "_tensors", None)
 
     @property
@@ -138,7 +139,7 @@ class KVCachePool(_core.KVCachePool):
         return self._require_tensors().kv
 
     def _require_tensors(self) -> KVTensors:
-        tensors = getattr(self, "_tensors", None)
+        tensors = self.tensors
         if tensors is None:
             raise ValueError("this KV cache has no bytes (device=None, or closed)")
         return tensors
@@ -185,7 +186,7 @@ class KVCachePool(_core.KVCachePool):
     def _executor(self) -> Any:
         """What executes block moves: the bytes' executor, or None without bytes (the moves
         then stay pending for the caller)."""
-        tensors = getattr(self, "_tensors", None)
+        tensors = self.tensors
         return None if tensors is None else tensors.execute
 
     def apply_pending_copies(self) -> int:

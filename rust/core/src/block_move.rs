@@ -26,14 +26,6 @@ pub enum MoveKind {
 }
 
 impl MoveKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            MoveKind::Copy => "copy",
-            MoveKind::ToHost => "to_host",
-            MoveKind::ToDevice => "to_device",
-        }
-    }
-
     fn reads_host(self) -> bool {
         self == MoveKind::ToDevice
     }
@@ -55,6 +47,14 @@ impl BlockMove {
     pub fn new(kind: MoveKind, src: u32, dst: u32) -> Self {
         BlockMove { kind, src, dst }
     }
+}
+
+/// The moves of one kind as (source, destination) pairs, in execution order.
+pub fn pairs_of(moves: &[BlockMove], kind: MoveKind) -> impl Iterator<Item = [u32; 2]> + '_ {
+    moves
+        .iter()
+        .filter(move |planned| planned.kind == kind)
+        .map(|planned| [planned.src, planned.dst])
 }
 
 impl KvCache {

@@ -28,7 +28,7 @@ use std::collections::BTreeSet;
 
 use hashbrown::HashMap;
 
-use crate::block_move::{BlockMove, MoveKind};
+use crate::block_move::BlockMove;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, Tokens};
 use crate::step_tables::BlockTableWriter;
@@ -198,14 +198,6 @@ impl StepPlan {
         moves.clear();
         *block_table_width = 0;
         *num_batched_tokens = 0;
-    }
-
-    /// The moves of one kind as (source, destination) pairs, in execution order.
-    pub fn moves_of(&self, kind: MoveKind) -> impl Iterator<Item = [u32; 2]> + '_ {
-        self.moves
-            .iter()
-            .filter(move |planned| planned.kind == kind)
-            .map(|planned| [planned.src, planned.dst])
     }
 }
 
@@ -414,11 +406,6 @@ impl ContinuousScheduler {
             }
         }
         Ok(())
-    }
-
-    /// Requests aborted with a row in the last plan, whose blocks wait for it to run.
-    pub fn num_deferred_frees(&self) -> usize {
-        self.deferred_frees.len()
     }
 
     /// Records the sampled tokens of the sequences the last step planned to sample. A

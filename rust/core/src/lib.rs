@@ -29,7 +29,7 @@ pub mod step_tables;
 pub use alloc_util::MAX_BOOKKEEPING_BYTES;
 pub use batch_table::BatchTable;
 pub use block_hash::BlockHash;
-pub use block_move::{BlockMove, MoveKind};
+pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
 pub use continuous_scheduler::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
 pub use error::{CoreError, CoreResult};

@@ -49,19 +49,18 @@ impl BlockTableWriter {
                 seq_ids.len()
             )));
         }
-        for &seq_id in seq_ids {
-            let width = cache.row_view(seq_id)?.0.len();
-            if width > stride {
-                return Err(CoreError::invalid(format!(
-                    "sequence {seq_id} has {width} blocks; the buffer rows hold {stride}"
-                )));
-            }
-        }
         if self.rows.len() < seq_ids.len() {
             self.rows.resize(seq_ids.len(), RowMemo::default());
         }
         for (index, &seq_id) in seq_ids.iter().enumerate() {
             let (blocks, _, layout) = cache.row_view(seq_id)?;
+            // Rows written so far stay consistent with their memos if this one fails.
+            if blocks.len() > stride {
+                return Err(CoreError::invalid(format!(
+                    "sequence {seq_id} has {} blocks; the buffer rows hold {stride}",
+                    blocks.len()
+                )));
+            }
             let row = &mut cells[index * stride..(index + 1) * stride];
             let memo = &mut self.rows[index];
             let from = match memo.seq_id == seq_id && memo.layout == layout {

@@ -1,6 +1,6 @@
 //! `KVCachePool` and `BatchTable`: convert, lock, call the core, map errors.
 
-use atb_mem_core::{BatchTable, KvCache, KvDtype, KvLayout, MoveKind, Tokens};
+use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind, Tokens};
 use numpy::ndarray::{Array2, ArrayView1, ArrayView2};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
@@ -82,16 +82,9 @@ impl PyKvCachePool {
                         cache.mark_computed(seq_id, None).into_py_result()?;
                     }
                 }
-                moves
-                    .iter()
-                    .filter(|planned| planned.kind == kind)
-                    .map(|planned| [planned.src, planned.dst])
-                    .collect()
+                pairs_of(&moves, kind).collect()
             }
-            _ => cache.pending_moves()[first..]
-                .iter()
-                .map(|planned| [planned.src, planned.dst])
-                .collect(),
+            _ => pairs_of(&cache.pending_moves()[first..], kind).collect(),
         };
         pairs_to_array(py, &pairs)
     }
@@ -426,11 +419,7 @@ impl PyKvCachePool {
     fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let mut moves = Vec::new();
         self.lock()?.take_moves(&mut moves);
-        let pairs: Vec<[u32; 2]> = moves
-            .iter()
-            .filter(|planned| planned.kind == MoveKind::Copy)
-            .map(|planned| [planned.src, planned.dst])
-            .collect();
+        let pairs: Vec<[u32; 2]> = pairs_of(&moves, MoveKind::Copy).collect();
         pairs_to_array(py, &pairs)
     }
 

@@ -1,7 +1,7 @@
 //! `StepPlan`: one step's decisions and a model runner's inputs, as numpy arrays, built in one
 //! pass from the core's plan (the field list lives here and in the core, nowhere else).
 
-use atb_mem_core::{BlockMove, MoveKind, StepPlan};
+use atb_mem_core::{pairs_of, BlockMove, MoveKind, StepPlan};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 
@@ -82,12 +82,7 @@ impl PyStepPlan {
     }
 
     fn pairs<'py>(&self, py: Python<'py>, kind: MoveKind) -> PyResult<Bound<'py, PyAny>> {
-        let pairs: Vec<[u32; 2]> = self
-            .block_moves
-            .iter()
-            .filter(|planned| planned.kind == kind)
-            .map(|planned| [planned.src, planned.dst])
-            .collect();
+        let pairs: Vec<[u32; 2]> = pairs_of(&self.block_moves, kind).collect();
         Ok(pairs_to_array(py, &pairs)?.into_any())
     }
 }
