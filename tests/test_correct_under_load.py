@@ -330,3 +330,52 @@ def test_same_step_hits_follow_vllms_rule() -> None:
     assert (kv.block_table(2)[:2] == kv.block_table(1)[:2]).all()
     run_plan(kv, plan)
     assert read_back(kv, 2) == expected(prompt, 10)
+
+
+# ---- the new calls refuse bad input and change nothing ---------------------------------------
+
+
+@pytest.mark.parametrize("moves", [
+    np.zeros((2,), np.int32),                                  # not [k, 3]
+    np.zeros((1, 3), np.float32),                              # not integers
+    np.array([[MOVE_COPY, 1, 2], [7, 1, 2]], np.int32),        # unknown kind
+    np.array([[MOVE_COPY, 1, 2], [MOVE_COPY, 1, 32]], np.int32),  # past the device tier
+    np.array([[MOVE_TO_HOST, 1, 9]], np.int32),                # past the host tier
+    np.array([[MOVE_TO_DEVICE, -1, 2]], np.int32),             # negative
+])
+def test_execute_checks_every_move_before_copying_any(moves: np.ndarray) -> None:
+    kv = make_kv()  # 32 device blocks, 8 + 1 host blocks
+    kv.alloc_sequence(1, 8)
+    write_tokens(kv, kv.slot_mapping([1], [0], [8]), range(8), range(8))
+    device, host = kv.kv_cache.copy(), kv.host_kv_cache.copy()
+    assert kv.tensors is not None
+    with pytest.raises(ValueError, match="moves|block"):
+        kv.tensors.execute(moves)
+    assert np.array_equal(kv.kv_cache, device) and np.array_equal(kv.host_kv_cache, host)
+
+
+def test_mark_computed_and_num_computed_refuse_bad_input() -> None:
+    kv = make_kv()
+    kv.alloc_sequence(1, list(range(9)))
+    before = state(kv)
+    for bad, error in [(-1, ValueError), ("3", TypeError), (1.5, TypeError), (10, ValueError)]:
+        with pytest.raises(error):
+            kv.mark_computed(1, bad)
+        assert state(kv) == before
+    with pytest.raises(atb_mem.UnknownSequenceError):
+        kv.num_computed(2)
+    kv.swap_out([1])
+    with pytest.raises(ValueError, match="swapped out"):
+        kv.mark_computed(1)
+
+
+def test_a_broken_executor_rolls_back() -> None:
+    kv = make_kv()
+    kv.alloc_sequence(1, 2)
+    kv.fork(1, 2)
+    kv.append_tokens([2])
+    before = state(kv)
+    with pytest.raises(atb_mem.BlockMoveError) as raised:
+        kv.execute_pending_moves(42)  # not callable
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert raised.value.aborted_seq_ids == [] and state(kv) == before

@@ -37,7 +37,7 @@ class KVTensors:
     def execute(self, moves: np.ndarray) -> None:
         """Executes block moves in order. If a copy raises, the exception carries
         ``moves_attempted``: how many leading moves may have written their destinations."""
-        moves = np.asarray(moves)
+        moves = self._checked(moves)
         start = 0
         while start < len(moves):
             end = _run_end(moves, start)
@@ -48,6 +48,29 @@ class KVTensors:
                 error.moves_attempted = end  # type: ignore[attr-defined]
                 raise
             start = end
+
+    def _checked(self, moves: Any) -> np.ndarray:
+        """``moves`` as int ``[k, 3]``, every kind known and block in range — checked before
+        anything is copied, so a bad list moves nothing."""
+        moves = np.asarray(moves)
+        if moves.ndim != 2 or moves.shape[1] != 3 or moves.dtype.kind not in "iu":
+            raise ValueError(f"moves must be an integer [k, 3] array of (kind, src, dst), got "
+                             f"{moves.dtype} with shape {moves.shape}")
+        device = self.kv.shape[2]
+        host = 0 if self.host_kv is None else self.host_kv.shape[2]
+        for kind, src_blocks, dst_blocks in ((MOVE_COPY, device, device),
+                                             (MOVE_TO_HOST, device, host),
+                                             (MOVE_TO_DEVICE, host, device)):
+            of_kind = moves[moves[:, 0] == kind]
+            for column, blocks, tier in ((1, src_blocks, "source"), (2, dst_blocks, "destination")):
+                bad = (of_kind[:, column] < 0) | (of_kind[:, column] >= blocks)
+                if bad.any():
+                    raise ValueError(f"a {tier} block {int(of_kind[bad][0, column])} of a move of "
+                                     f"kind {kind} is outside its tier's {blocks} blocks")
+        unknown = ~np.isin(moves[:, 0], (MOVE_COPY, MOVE_TO_HOST, MOVE_TO_DEVICE))
+        if unknown.any():
+            raise ValueError(f"unknown block move kind {int(moves[unknown][0, 0])}")
+        return moves
 
     def _copy_run(self, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
         if kind == MOVE_COPY:
