@@ -349,7 +349,7 @@ def test_execute_checks_every_move_before_copying_any(moves: np.ndarray) -> None
     write_tokens(kv, kv.slot_mapping([1], [0], [8]), range(8), range(8))
     device, host = kv.kv_cache.copy(), kv.host_kv_cache.copy()
     assert kv.tensors is not None
-    with pytest.raises(ValueError, match="moves|block"):
+    with pytest.raises(ValueError, match=r"moves|block"):
         kv.tensors.execute(moves)
     assert np.array_equal(kv.kv_cache, device) and np.array_equal(kv.host_kv_cache, host)
 
