@@ -34,6 +34,23 @@ pub enum CoreError {
 
 pub type CoreResult<T> = Result<T, CoreError>;
 
+/// `ensure!(condition, "message {with} {args}")`: returns
+/// [`CoreError::InvalidArgument`] with that message unless the condition holds.
+macro_rules! ensure {
+    ($condition:expr, $($message:tt)+) => {
+        if !$condition {
+            return Err($crate::error::CoreError::InvalidArgument(format!($($message)+)));
+        }
+    };
+}
+
+/// `invalid!("message {with} {args}")`: a [`CoreError::InvalidArgument`] with that message.
+macro_rules! invalid {
+    ($($message:tt)+) => {
+        $crate::error::CoreError::InvalidArgument(format!($($message)+))
+    };
+}
+
 impl CoreError {
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         CoreError::InvalidArgument(message.into())

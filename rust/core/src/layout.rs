@@ -1,6 +1,6 @@
 //! The shape of what one block holds, so the core can size blocks in bytes.
 
-use crate::error::{CoreError, CoreResult};
+use crate::error::CoreResult;
 
 /// Element type of the K/V cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,9 +19,9 @@ impl KvDtype {
             "bfloat16" | "bf16" => Ok(KvDtype::BFloat16),
             "float32" | "fp32" | "float" => Ok(KvDtype::Float32),
             "int8" => Ok(KvDtype::Int8),
-            other => Err(CoreError::invalid(format!(
+            other => Err(invalid!(
                 "unknown KV-cache dtype {other:?}: expected one of float16, bfloat16, float32, int8"
-            ))),
+            )),
         }
     }
 
@@ -70,11 +70,7 @@ impl KvLayout {
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
         ] {
-            if value == 0 {
-                return Err(CoreError::invalid(format!(
-                    "{name} must be at least 1, got 0"
-                )));
-            }
+            ensure!(value != 0, "{name} must be at least 1, got 0");
         }
         Ok(())
     }

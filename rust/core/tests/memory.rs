@@ -111,7 +111,7 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
         assert!(per_block <= 48.0, "{per_block} bytes per block");
         println!(
             "  of which size_of::<Sequence>() = {}",
-            atb_mem_core::kv_cache::SEQUENCE_BYTES
+            atb_mem_core::SEQUENCE_BYTES
         );
         // Measured 235 and 219 (the slab and index grow by doubling, so part of this is
         // reserve); without prefix caching a sequence keeps no token ids.

@@ -28,7 +28,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(host_copy::scatter_rows, module)?)?;
     module.add_function(wrap_pyfunction!(host_copy::copy_blocks, module)?)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
-    module.add("PAD_SLOT", atb_mem_core::batch_table::PAD_SLOT)?;
+    module.add("PAD_SLOT", atb_mem_core::PAD_SLOT)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

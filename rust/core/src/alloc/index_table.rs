@@ -7,8 +7,8 @@
 //! hold. Deletion shifts the following run back (no tombstones), so lookups do not slow down
 //! with churn.
 
-use crate::alloc_util::{array_bytes, try_filled_vec};
-use crate::error::{CoreError, CoreResult};
+use crate::alloc::fallible::{array_bytes, try_filled_vec};
+use crate::error::CoreResult;
 
 const EMPTY: u32 = u32::MAX;
 
@@ -33,9 +33,8 @@ impl IndexTable {
     /// A table for up to `max_ids` ids. `what` says whose table it is, for the error if the
     /// host cannot provide its memory.
     pub fn new(max_ids: usize, what: &str) -> CoreResult<Self> {
-        let num_slots = Self::num_slots(max_ids).ok_or_else(|| {
-            CoreError::invalid(format!("an index of {max_ids} ids is too large ({what})"))
-        })?;
+        let num_slots = Self::num_slots(max_ids)
+            .ok_or_else(|| invalid!("an index of {max_ids} ids is too large ({what})"))?;
         Ok(IndexTable {
             slots: try_filled_vec(num_slots, EMPTY, what)?,
             mask: num_slots - 1,
@@ -50,10 +49,6 @@ impl IndexTable {
 
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The id whose key hashes to `hash` and satisfies `is_key`.
@@ -127,6 +122,7 @@ impl IndexTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CoreError;
 
     #[test]
     fn insert_find_remove_with_colliding_homes() {

@@ -16,62 +16,24 @@
 //! neighbours; a node's size is implied by where the next node starts, so a node is 32 bytes.
 //! Sizes and offsets are in units chosen by the caller (the pool's alignment).
 
-const MANTISSA_BITS: u32 = 3;
-const MANTISSA_VALUE: u64 = 1 << MANTISSA_BITS;
-const MANTISSA_MASK: u64 = MANTISSA_VALUE - 1;
-const NUM_TOP_BINS: usize = 64;
-const LEAF_BINS: usize = 8;
-const NUM_BINS: usize = NUM_TOP_BINS * LEAF_BINS;
+mod bins;
+mod inspect;
+#[cfg(test)]
+mod tests;
+
+use bins::{bin_round_down, bin_round_up, LEAF_BINS, NUM_BINS, NUM_TOP_BINS};
+
 const NIL: u32 = u32::MAX;
 
-use crate::alloc_util::{array_bytes, total_bytes, try_filled_vec};
-use crate::error::{CoreError, CoreResult};
-use crate::index_table::IndexTable;
+use crate::alloc::fallible::{array_bytes, total_bytes, try_filled_vec};
+use crate::alloc::index_table::IndexTable;
+use crate::error::CoreResult;
 
 /// Hash of an offset for the index of used ranges (Fibonacci hashing: offsets are often
 /// multiples of large powers of two, so their low bits alone would collide).
 #[inline]
 fn offset_hash(offset: u64) -> u64 {
     offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32
-}
-
-/// The bin whose ranges are all at least `size`.
-fn bin_round_up(size: u64) -> usize {
-    if size < MANTISSA_VALUE {
-        return size as usize;
-    }
-    let highest_bit = 63 - size.leading_zeros();
-    let mantissa_start = highest_bit - MANTISSA_BITS;
-    let exponent = (mantissa_start + 1) as u64;
-    let mut mantissa = (size >> mantissa_start) & MANTISSA_MASK;
-    if size & ((1u64 << mantissa_start) - 1) != 0 {
-        mantissa += 1;
-    }
-    // A mantissa overflow carries into the exponent, as it should.
-    ((exponent << MANTISSA_BITS) + mantissa) as usize
-}
-
-/// The bin a free range of `size` belongs to: the largest whose lower bound is ≤ `size`.
-fn bin_round_down(size: u64) -> usize {
-    if size < MANTISSA_VALUE {
-        return size as usize;
-    }
-    let highest_bit = 63 - size.leading_zeros();
-    let mantissa_start = highest_bit - MANTISSA_BITS;
-    let exponent = (mantissa_start + 1) as u64;
-    let mantissa = (size >> mantissa_start) & MANTISSA_MASK;
-    ((exponent << MANTISSA_BITS) | mantissa) as usize
-}
-
-/// Smallest size in `bin`.
-#[cfg(test)]
-fn bin_lower_bound(bin: usize) -> u64 {
-    let (exponent, mantissa) = ((bin as u64) >> MANTISSA_BITS, (bin as u64) & MANTISSA_MASK);
-    if exponent == 0 {
-        mantissa
-    } else {
-        (mantissa | MANTISSA_VALUE) << (exponent - 1)
-    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -154,12 +116,11 @@ impl RangeAllocator {
     /// `what` says whose allocator it is, for the error if the host cannot provide its memory.
     pub fn new(capacity: u64, max_allocations: u32, what: &str) -> CoreResult<Self> {
         let num_nodes = Self::num_nodes(max_allocations);
-        if num_nodes >= NIL as usize {
-            return Err(CoreError::invalid(format!(
-                "max_allocations = {max_allocations} needs {num_nodes} nodes; node ids stop at \
-                 {NIL}"
-            )));
-        }
+        ensure!(
+            num_nodes < NIL as usize,
+            "max_allocations = {max_allocations} needs {num_nodes} nodes; node ids stop at \
+             {NIL}"
+        );
         let mut allocator = RangeAllocator {
             nodes: try_filled_vec(num_nodes, Node::SPARE, what)?,
             used_index: IndexTable::new(max_allocations as usize, what)?,
@@ -544,252 +505,9 @@ impl RangeAllocator {
         }
         self.end
     }
-
-    /// Every range in address order: (offset, size, used).
-    pub fn ranges(&self) -> impl Iterator<Item = (u64, u64, bool)> + '_ {
-        let mut first = self.last_node;
-        while first != NIL && self.nodes[first as usize].neighbor_prev != NIL {
-            first = self.nodes[first as usize].neighbor_prev;
-        }
-        let mut cursor = first;
-        std::iter::from_fn(move || {
-            if cursor == NIL {
-                return None;
-            }
-            let node = cursor;
-            cursor = self.nodes[node as usize].neighbor_next;
-            Some((
-                self.nodes[node as usize].offset,
-                self.size_of(node),
-                self.nodes[node as usize].used(),
-            ))
-        })
-    }
-
-    /// Live ranges with their handles, in address order.
-    pub fn live_ranges(&self) -> Vec<Range> {
-        let mut live = Vec::with_capacity(self.num_used as usize);
-        let mut node = self.last_node;
-        while node != NIL {
-            let entry = self.nodes[node as usize];
-            if entry.used() {
-                live.push(Range {
-                    offset: entry.offset,
-                    size: self.size_of(node),
-                    node,
-                    generation: entry.generation(),
-                });
-            }
-            node = entry.neighbor_prev;
-        }
-        live.reverse();
-        live
-    }
-
-    /// The largest free range, exactly: the highest non-empty bin, searched range by range.
-    pub fn largest_free(&self) -> u64 {
-        if self.top_mask == 0 {
-            return 0;
-        }
-        let top = 63 - self.top_mask.leading_zeros() as usize;
-        let bin = top * LEAF_BINS + 7 - self.leaf_masks[top].leading_zeros() as usize;
-        let mut largest = 0;
-        let mut node = self.bin_heads[bin];
-        while node != NIL {
-            largest = largest.max(self.size_of(node));
-            node = self.nodes[node as usize].bin_next;
-        }
-        largest
-    }
-
-    /// Σ fᵢ² over free ranges (for Sawicki's fragmentation metric).
-    pub fn free_sum_of_squares(&self) -> f64 {
-        self.ranges()
-            .filter(|&(_, _, used)| !used)
-            .map(|(_, size, _)| (size as f64).powi(2))
-            .sum()
-    }
-
-    /// Host bytes of the allocator's own bookkeeping.
-    pub fn heap_bytes(&self) -> usize {
-        self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.bin_heads.capacity() * 4
-            + self.used_index.heap_bytes()
-    }
-
-    /// Checks every structural invariant (for tests).
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let mut expected_offset = 0;
-        let mut previous_free = false;
-        let (mut used, mut free_ranges, mut free_units) = (0, 0, 0);
-        for (offset, size, is_used) in self.ranges() {
-            if offset != expected_offset || size == 0 {
-                return Err(format!(
-                    "range at {offset} (size {size}) does not follow {expected_offset}"
-                ));
-            }
-            if !is_used && previous_free {
-                return Err(format!("two adjacent free ranges at {offset}"));
-            }
-            previous_free = !is_used;
-            expected_offset = offset + size;
-            if is_used {
-                used += 1;
-            } else {
-                free_ranges += 1;
-                free_units += size;
-            }
-        }
-        if expected_offset != self.end {
-            return Err(format!("ranges end at {expected_offset}, not {}", self.end));
-        }
-        let mut binned = 0;
-        for (bin, &head) in self.bin_heads.iter().enumerate() {
-            let (top, leaf) = (bin / LEAF_BINS, bin % LEAF_BINS);
-            if (head != NIL) != (self.leaf_masks[top] & (1 << leaf) != 0) {
-                return Err(format!("bin {bin} and its bitmap disagree"));
-            }
-            let mut node = head;
-            while node != NIL {
-                if self.nodes[node as usize].used() || bin_round_down(self.size_of(node)) != bin {
-                    return Err(format!("node {node} is in the wrong bin {bin}"));
-                }
-                binned += 1;
-                node = self.nodes[node as usize].bin_next;
-            }
-        }
-        for top in 0..NUM_TOP_BINS {
-            if (self.leaf_masks[top] != 0) != (self.top_mask & (1 << top) != 0) {
-                return Err(format!("top bin {top} and its bitmap disagree"));
-            }
-        }
-        if (used, free_ranges, free_units) != (self.num_used, self.num_free_ranges, self.free_units)
-            || binned != free_ranges
-        {
-            return Err("range counters disagree with the ranges".into());
-        }
-        if self.used_index.len() != used as usize
-            || self
-                .live_ranges()
-                .iter()
-                .any(|range| self.find_used_at(range.offset) != Some(*range))
-        {
-            return Err("the index of used ranges disagrees with the ranges".into());
-        }
-        if self.num_spare as usize + (used + free_ranges) as usize != self.nodes.len() {
-            return Err("node store leaks nodes".into());
-        }
-        Ok(())
-    }
 }
 
 #[cold]
 fn unreachable_spare() {
     debug_assert!(false, "node store exhausted below max_allocations");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bins_bracket_sizes() {
-        for size in (1..5000u64).chain([1 << 20, (1 << 40) + 12345, u64::MAX >> 2]) {
-            let up = bin_round_up(size);
-            let down = bin_round_down(size);
-            assert!(bin_lower_bound(up) >= size, "size {size}");
-            assert!(bin_lower_bound(down) <= size && down <= up);
-            if down + 1 < NUM_BINS {
-                assert!(bin_lower_bound(down + 1) > size);
-            }
-        }
-    }
-
-    #[test]
-    fn split_merge_and_stale_handles() {
-        let mut ranges = RangeAllocator::new(100, 8, "test").unwrap();
-        let a = ranges.allocate(10).unwrap();
-        let b = ranges.allocate(20).unwrap();
-        let c = ranges.allocate(30).unwrap();
-        assert_eq!((a.offset, b.offset, c.offset), (0, 10, 30));
-        assert_eq!(ranges.free_units(), 40);
-        assert!(ranges.free(b.node, b.generation));
-        assert!(!ranges.free(b.node, b.generation), "double free");
-        assert_eq!(ranges.largest_free(), 40);
-        assert!(ranges.free(a.node, a.generation));
-        assert_eq!(
-            ranges.ranges().collect::<Vec<_>>(),
-            [(0, 30, false), (30, 30, true), (60, 40, false)]
-        );
-        assert!(ranges.free(c.node, c.generation));
-        assert_eq!(ranges.ranges().collect::<Vec<_>>(), [(0, 100, false)]);
-        ranges.check_invariants().unwrap();
-        // The largest range is found even when it shares a bin with smaller ones.
-        let d = ranges.allocate(100).unwrap();
-        assert_eq!(ranges.allocate(1), Err(AllocFailure::NoRange));
-        assert!(ranges.free(d.node, d.generation));
-    }
-
-    #[test]
-    fn exact_fit_in_a_coarse_bin() {
-        // 1000 and 1001 share a bin; a request of 1001 must find the 1001-unit range.
-        let mut ranges = RangeAllocator::new(1000 + 1 + 1001, 8, "test").unwrap();
-        let a = ranges.allocate(1000).unwrap();
-        let gap = ranges.allocate(1).unwrap();
-        let b = ranges.allocate(1001).unwrap();
-        ranges.free(a.node, a.generation);
-        ranges.free(b.node, b.generation);
-        let _ = gap;
-        assert_eq!(ranges.allocate(1001).unwrap().offset, 1001);
-        ranges.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn trim_and_regrow_the_end() {
-        let mut ranges = RangeAllocator::new(100, 4, "test").unwrap();
-        let a = ranges.allocate(30).unwrap();
-        assert_eq!(ranges.set_end(10), 30);
-        assert_eq!(ranges.free_units(), 0);
-        assert_eq!(ranges.allocate(1), Err(AllocFailure::NoRange));
-        assert_eq!(ranges.set_end(100), 100);
-        assert_eq!(ranges.free_units(), 70);
-        ranges.free(a.node, a.generation);
-        assert_eq!(ranges.set_end(0), 0);
-        assert_eq!(ranges.ranges().count(), 0);
-        ranges.check_invariants().unwrap();
-        assert_eq!(ranges.set_end(100), 100);
-        ranges.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn node_store_limits_live_ranges() {
-        let mut ranges = RangeAllocator::new(100, 2, "test").unwrap();
-        let a = ranges.allocate(1).unwrap();
-        ranges.allocate(1).unwrap();
-        assert_eq!(ranges.allocate(1), Err(AllocFailure::TooManyAllocations));
-        ranges.free(a.node, a.generation);
-        ranges.allocate(1).unwrap();
-        ranges.check_invariants().unwrap();
-        ranges.reset();
-        assert_eq!(ranges.get(a.node, a.generation), None);
-        assert_eq!(ranges.free_units(), 100);
-    }
-
-    #[test]
-    fn huge_max_allocations_is_an_error_not_an_abort() {
-        assert!(matches!(
-            RangeAllocator::new(100, u32::MAX, "test"),
-            Err(CoreError::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            RangeAllocator::new(100, NIL / 2, "test"),
-            Err(CoreError::InvalidArgument(_))
-        ));
-        // 32 bytes a node, 8 index bytes a range (two 4-byte slots), 2 KiB of bins.
-        assert_eq!(RangeAllocator::bytes_for(0), Some(32 + 64 + 2048));
-        assert_eq!(
-            RangeAllocator::bytes_for(1 << 26),
-            Some(((1 << 27) + 1) * 32 + (1 << 29) + 2048)
-        );
-    }
 }

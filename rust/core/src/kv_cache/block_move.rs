@@ -11,7 +11,7 @@
 //! execution destroyed, so nothing is left swapped, copied or cached with bytes that were
 //! never moved.
 
-use crate::kv_cache::KvCache;
+use super::KvCache;
 
 /// What a move does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

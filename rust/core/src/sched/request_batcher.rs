@@ -29,9 +29,9 @@ impl TimeoutAction {
         match name {
             "reject" => Ok(TimeoutAction::Reject),
             "delay" => Ok(TimeoutAction::Delay),
-            other => Err(CoreError::invalid(format!(
+            other => Err(invalid!(
                 "timeout_action must be \"reject\" or \"delay\", got {other:?}"
-            ))),
+            )),
         }
     }
 
@@ -59,26 +59,27 @@ pub struct BatcherConfig {
 
 impl BatcherConfig {
     pub fn validate(&self) -> CoreResult<()> {
-        if self.max_batch_size == 0 {
-            return Err(CoreError::invalid("max_batch_size must be at least 1"));
-        }
-        if self.priority_levels == 0 || self.priority_levels > 1024 {
-            return Err(CoreError::invalid("priority_levels must be in [1, 1024]"));
-        }
-        if self.max_queue_size == Some(0) {
-            return Err(CoreError::invalid(
-                "max_queue_size must be at least 1 (or None)",
-            ));
-        }
+        ensure!(
+            self.max_batch_size != 0,
+            "max_batch_size must be at least 1"
+        );
+        ensure!(
+            self.priority_levels != 0 && self.priority_levels <= 1024,
+            "priority_levels must be in [1, 1024]"
+        );
+        ensure!(
+            self.max_queue_size != Some(0),
+            "max_queue_size must be at least 1 (or None)",
+        );
         if let Some(&bad) = self
             .preferred_batch_sizes
             .iter()
             .find(|&&size| size == 0 || size > self.max_batch_size)
         {
-            return Err(CoreError::invalid(format!(
+            return Err(invalid!(
                 "preferred batch size {bad} is not in [1, max_batch_size={}]",
                 self.max_batch_size
-            )));
+            ));
         }
         Ok(())
     }
@@ -165,12 +166,11 @@ impl RequestBatcher {
         now_ns: u64,
         timeout_ns: Option<u64>,
     ) -> CoreResult<()> {
-        if priority >= self.config.priority_levels {
-            return Err(CoreError::invalid(format!(
-                "priority {priority} is not in [0, {})",
-                self.config.priority_levels
-            )));
-        }
+        ensure!(
+            priority < self.config.priority_levels,
+            "priority {priority} is not in [0, {})",
+            self.config.priority_levels
+        );
         if self.live.contains_key(&id) {
             return Err(CoreError::DuplicateSequence(id));
         }

@@ -40,17 +40,17 @@ fn gib(bytes: u64) -> String {
 pub fn check_bookkeeping(bytes: Option<u64>, what: impl FnOnce() -> String) -> CoreResult<u64> {
     match bytes {
         Some(bytes) if bytes <= MAX_BOOKKEEPING_BYTES => Ok(bytes),
-        Some(bytes) => Err(CoreError::invalid(format!(
+        Some(bytes) => Err(invalid!(
             "{} would take {bytes} bytes ({}) of host bookkeeping, more than the {} one object \
              may take",
             what(),
             gib(bytes),
             gib(MAX_BOOKKEEPING_BYTES),
-        ))),
-        None => Err(CoreError::invalid(format!(
+        )),
+        None => Err(invalid!(
             "{} would take more than 2**64 bytes of host bookkeeping",
             what()
-        ))),
+        )),
     }
 }
 

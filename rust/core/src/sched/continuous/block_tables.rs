@@ -6,7 +6,8 @@
 //! holds the same sequence as last step, whose earlier blocks were not replaced since, only
 //! gets its new cells; anything else is rewritten. The cost is O(rows + changed cells).
 
-use crate::error::{CoreError, CoreResult};
+use super::{ContinuousScheduler, StepPlan};
+use crate::error::CoreResult;
 use crate::kv_cache::KvCache;
 
 /// What a row of the buffer holds: the first `written` blocks of `seq_id` under `layout`.
@@ -42,25 +43,23 @@ impl BlockTableWriter {
         cells: &mut [i32],
         stride: usize,
     ) -> CoreResult<()> {
-        if seq_ids.len().saturating_mul(stride) > cells.len() {
-            return Err(CoreError::invalid(format!(
-                "a block table buffer of {} cells cannot hold {} rows of {stride}",
-                cells.len(),
-                seq_ids.len()
-            )));
-        }
+        ensure!(
+            seq_ids.len().saturating_mul(stride) <= cells.len(),
+            "a block table buffer of {} cells cannot hold {} rows of {stride}",
+            cells.len(),
+            seq_ids.len()
+        );
         if self.rows.len() < seq_ids.len() {
             self.rows.resize(seq_ids.len(), RowMemo::default());
         }
         for (index, &seq_id) in seq_ids.iter().enumerate() {
             let (blocks, _, layout) = cache.row_view(seq_id)?;
             // Rows written so far stay consistent with their memos if this one fails.
-            if blocks.len() > stride {
-                return Err(CoreError::invalid(format!(
-                    "sequence {seq_id} has {} blocks; the buffer rows hold {stride}",
-                    blocks.len()
-                )));
-            }
+            ensure!(
+                blocks.len() <= stride,
+                "sequence {seq_id} has {} blocks; the buffer rows hold {stride}",
+                blocks.len()
+            );
             let row = &mut cells[index * stride..(index + 1) * stride];
             let memo = &mut self.rows[index];
             let from = match memo.seq_id == seq_id && memo.layout == layout {
@@ -84,6 +83,31 @@ impl BlockTableWriter {
             };
         }
         Ok(())
+    }
+}
+
+impl ContinuousScheduler {
+    /// Writes the block tables of `plan`'s rows into `cells` (row-major, `stride` columns,
+    /// padded with the null block), updating in place what the previous call wrote there.
+    /// `fresh`: `cells` is a new, zeroed buffer. Call it once the plan's moves have run.
+    pub fn write_block_tables(
+        &mut self,
+        cache: &KvCache,
+        plan: &StepPlan,
+        cells: &mut [i32],
+        stride: usize,
+        fresh: bool,
+    ) -> CoreResult<()> {
+        if fresh {
+            self.block_tables.reset();
+        }
+        let mut rows = std::mem::take(&mut self.scratch_ids);
+        rows.clear();
+        rows.extend_from_slice(&plan.prefill_seq_ids);
+        rows.extend_from_slice(&plan.decode_seq_ids);
+        let result = self.block_tables.write(cache, &rows, cells, stride);
+        self.scratch_ids = rows;
+        result
     }
 }
 

@@ -7,9 +7,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::alloc_util::check_bookkeeping;
+use crate::alloc::fallible::check_bookkeeping;
+use crate::alloc::range_allocator::{AllocFailure, RangeAllocator};
 use crate::error::{CoreError, CoreResult};
-use crate::range_allocator::{AllocFailure, RangeAllocator};
 
 /// Largest region a pool manages.
 pub const MAX_CAPACITY: u64 = 1 << 48;
@@ -34,9 +34,9 @@ impl AlignmentPolicy {
         match name {
             "default" => Ok(AlignmentPolicy::Default),
             "ascend" => Ok(AlignmentPolicy::Ascend),
-            other => Err(CoreError::invalid(format!(
+            other => Err(invalid!(
                 "unknown policy {other:?}: expected \"default\" or \"ascend\""
-            ))),
+            )),
         }
     }
 
@@ -106,38 +106,33 @@ impl MemPool {
         policy: AlignmentPolicy,
         max_allocations: u32,
     ) -> CoreResult<Self> {
-        if capacity == 0 || capacity > MAX_CAPACITY {
-            return Err(CoreError::invalid(format!(
-                "capacity must be in [1, 2**48] bytes, got {capacity}"
-            )));
-        }
-        if !alignment.is_power_of_two() {
-            return Err(CoreError::invalid(format!(
-                "alignment must be a power of two, got {alignment}"
-            )));
-        }
+        ensure!(
+            capacity != 0 && capacity <= MAX_CAPACITY,
+            "capacity must be in [1, 2**48] bytes, got {capacity}"
+        );
+        ensure!(
+            alignment.is_power_of_two(),
+            "alignment must be a power of two, got {alignment}"
+        );
         // Ascend's rule starts every allocation on a 64-byte boundary.
         let alignment = match policy {
             AlignmentPolicy::Default => alignment,
             AlignmentPolicy::Ascend => alignment.max(64),
         };
-        if alignment > capacity {
-            return Err(CoreError::invalid(format!(
-                "alignment {alignment} exceeds the capacity {capacity}"
-            )));
-        }
-        if max_allocations == 0 {
-            return Err(CoreError::invalid(
-                "max_allocations must be in [1, 2**26], got 0",
-            ));
-        }
-        if max_allocations > MAX_ALLOCATIONS {
-            return Err(CoreError::invalid(format!(
-                "max_allocations must be in [1, 2**26], got {max_allocations} (its bookkeeping \
-                 would take {} bytes of host memory)",
-                RangeAllocator::bytes_for(max_allocations).unwrap_or(u64::MAX)
-            )));
-        }
+        ensure!(
+            alignment <= capacity,
+            "alignment {alignment} exceeds the capacity {capacity}"
+        );
+        ensure!(
+            max_allocations != 0,
+            "max_allocations must be in [1, 2**26], got 0",
+        );
+        ensure!(
+            max_allocations <= MAX_ALLOCATIONS,
+            "max_allocations must be in [1, 2**26], got {max_allocations} (its bookkeeping \
+             would take {} bytes of host memory)",
+            RangeAllocator::bytes_for(max_allocations).unwrap_or(u64::MAX)
+        );
         let bytes = check_bookkeeping(RangeAllocator::bytes_for(max_allocations), || {
             format!("max_allocations = {max_allocations}")
         })?;
@@ -192,20 +187,17 @@ impl MemPool {
     }
 
     pub fn malloc(&mut self, size: u64) -> CoreResult<PoolAllocation> {
-        if size == 0 {
-            return Err(CoreError::invalid("size must be at least 1 byte, got 0"));
-        }
+        ensure!(size != 0, "size must be at least 1 byte, got 0");
         let usable = self.ranges.capacity() * self.alignment;
-        if size > usable || self.rounded_size(size) > usable {
-            return Err(CoreError::invalid(format!(
-                "size {size} exceeds the pool's capacity of {usable} bytes{}",
-                if self.policy == AlignmentPolicy::Ascend {
-                    " (with Ascend's 32-byte padding)"
-                } else {
-                    ""
-                }
-            )));
-        }
+        ensure!(
+            size <= usable && self.rounded_size(size) <= usable,
+            "size {size} exceeds the pool's capacity of {usable} bytes{}",
+            if self.policy == AlignmentPolicy::Ascend {
+                " (with Ascend's 32-byte padding)"
+            } else {
+                ""
+            }
+        );
         let units = self.rounded_size(size) / self.alignment;
         let mut result = self.ranges.allocate(units);
         let trimmed_end = self.ranges.end();
@@ -426,7 +418,7 @@ impl MemPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alloc_util::MAX_BOOKKEEPING_BYTES;
+    use crate::alloc::fallible::MAX_BOOKKEEPING_BYTES;
 
     #[test]
     fn huge_max_allocations_is_refused_naming_it_and_the_bytes() {

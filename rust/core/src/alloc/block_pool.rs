@@ -11,11 +11,11 @@
 //! allocation takes a worthless block before it evicts a cached one. Allocation, release and a
 //! cache hit are O(1) and allocate no memory.
 
-use crate::alloc_util::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
-use crate::block_hash::BlockHash;
-use crate::error::{CoreError, CoreResult};
-use crate::free_queue::FreeQueue;
-use crate::index_table::IndexTable;
+use crate::alloc::block_hash::BlockHash;
+use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
+use crate::alloc::free_queue::FreeQueue;
+use crate::alloc::index_table::IndexTable;
+use crate::error::CoreResult;
 
 /// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
 /// past a sequence's last block reads valid (if meaningless) memory.
@@ -58,32 +58,28 @@ impl BlockPool {
         block_size: usize,
         enable_prefix_caching: bool,
     ) -> CoreResult<Self> {
-        if num_blocks < 2 {
-            return Err(CoreError::invalid(format!(
-                "num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}"
-            )));
-        }
-        if block_size == 0 {
-            return Err(CoreError::invalid("block_size must be at least 1, got 0"));
-        }
+        ensure!(
+            num_blocks >= 2,
+            "num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}"
+        );
+        ensure!(block_size != 0, "block_size must be at least 1, got 0");
         let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
         let what = || format!("num_blocks = {num_blocks}");
         let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks);
-        if num_blocks > MAX_BLOCKS {
-            return Err(CoreError::invalid(format!(
-                "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
-                 bookkeeping alone would take {} bytes of host memory",
-                bytes.map_or_else(|| "over 2**64".to_owned(), |bytes| bytes.to_string())
-            )));
-        }
+        ensure!(
+            num_blocks <= MAX_BLOCKS,
+            "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
+             bookkeeping alone would take {} bytes of host memory",
+            bytes.map_or_else(|| "over 2**64".to_owned(), |bytes| bytes.to_string())
+        );
         if num_blocks
             .checked_mul(block_size)
             .is_none_or(|slots| slots > MAX_SLOTS)
         {
-            return Err(CoreError::invalid(format!(
+            return Err(invalid!(
                 "num_blocks × block_size = {num_blocks} × {block_size} exceeds 2**31 slots: \
                  slot ids would not fit the int32 slot mapping kernels read"
-            )));
+            ));
         }
         let bytes = check_bookkeeping(bytes, what)?;
         let what = format!("the bookkeeping of num_blocks = {num_blocks} ({bytes} bytes in all)");
@@ -157,11 +153,6 @@ impl BlockPool {
     /// Cached blocks that no sequence uses.
     pub fn num_evictable(&self) -> usize {
         self.num_evictable
-    }
-
-    /// Blocks registered in the prefix cache, in use or not.
-    pub fn num_registered(&self) -> usize {
-        self.prefix_table.len()
     }
 
     pub fn counters(&self) -> PrefixCacheCounters {
@@ -425,7 +416,7 @@ mod tests {
             );
         }
         let largest = BlockPool::bookkeeping_bytes(MAX_BLOCKS, MAX_BLOCKS).unwrap();
-        assert!(largest <= crate::alloc_util::MAX_BOOKKEEPING_BYTES);
+        assert!(largest <= crate::alloc::fallible::MAX_BOOKKEEPING_BYTES);
         assert_eq!(BlockPool::bookkeeping_bytes(usize::MAX, usize::MAX), None);
     }
 }

@@ -5,8 +5,8 @@
 //! node at index `capacity` makes the list circular, so push/pop/remove have no head or tail
 //! special cases.
 
-use crate::alloc_util::{array_bytes, try_filled_vec};
-use crate::error::{CoreError, CoreResult};
+use crate::alloc::fallible::{array_bytes, try_filled_vec};
+use crate::error::CoreResult;
 
 const DETACHED: u32 = u32::MAX;
 
@@ -26,11 +26,10 @@ impl FreeQueue {
     /// An empty queue able to hold ids `0..capacity`. `what` says whose queue it is, for the
     /// error if the host cannot provide its memory.
     pub fn new(capacity: usize, what: &str) -> CoreResult<Self> {
-        if capacity >= DETACHED as usize {
-            return Err(CoreError::invalid(format!(
-                "a free queue holds ids below {DETACHED}, not 0..{capacity} ({what})"
-            )));
-        }
+        ensure!(
+            capacity < DETACHED as usize,
+            "a free queue holds ids below {DETACHED}, not 0..{capacity} ({what})"
+        );
         let mut prev = try_filled_vec(capacity + 1, DETACHED, what)?;
         let mut next = try_filled_vec(capacity + 1, DETACHED, what)?;
         let sentinel = capacity as u32;
@@ -47,11 +46,6 @@ impl FreeQueue {
     #[inline]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    #[inline]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     #[inline]
@@ -130,6 +124,7 @@ impl FreeQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CoreError;
 
     #[test]
     fn fifo_order_and_middle_removal() {
@@ -146,7 +141,7 @@ mod tests {
         assert_eq!(queue.iter().collect::<Vec<_>>(), [0, 1, 3]);
         assert_eq!(queue.len(), 3);
         while queue.pop_front().is_some() {}
-        assert!(queue.is_empty());
+        assert_eq!(queue.len(), 0);
         assert_eq!(queue.front(), None);
     }
 

@@ -9,12 +9,12 @@
 
 use hashbrown::HashMap;
 
-use crate::alloc_util::{
+use crate::alloc::fallible::{
     array_bytes, check_bookkeeping, out_of_host_memory, total_bytes, try_filled_vec,
     try_with_capacity,
 };
-use crate::block_pool::NULL_BLOCK;
-use crate::error::{CoreError, CoreResult};
+use crate::alloc::NULL_BLOCK;
+use crate::error::CoreResult;
 use crate::kv_cache::KvCache;
 
 /// Slot mapping entry of a row with no new token: kernels skip negative slots.
@@ -55,19 +55,15 @@ pub struct BatchTable {
 
 impl BatchTable {
     pub fn new(max_seqs: usize, max_blocks_per_seq: usize) -> CoreResult<Self> {
-        if max_seqs == 0 || max_blocks_per_seq == 0 {
-            return Err(CoreError::invalid(format!(
-                "max_seqs and max_blocks_per_seq must be at least 1, got {max_seqs} and {max_blocks_per_seq}"
-            )));
-        }
+        ensure!(max_seqs != 0 && max_blocks_per_seq != 0, "max_seqs and max_blocks_per_seq must be at least 1, got {max_seqs} and {max_blocks_per_seq}");
         let cells = max_seqs
             .checked_mul(max_blocks_per_seq)
             .filter(|&cells| cells <= MAX_CELLS)
             .ok_or_else(|| {
-                CoreError::invalid(format!(
+                invalid!(
                     "max_seqs × max_blocks_per_seq = {max_seqs} × {max_blocks_per_seq} is too \
                      large: over 2**28 block-table entries"
-                ))
+                )
             })?;
         let bytes = check_bookkeeping(Self::bookkeeping_bytes(max_seqs, cells), || {
             format!("max_seqs = {max_seqs} (with max_blocks_per_seq = {max_blocks_per_seq})")
@@ -144,35 +140,32 @@ impl BatchTable {
     }
 
     fn check_width(&self, seq_id: u64, num_blocks: usize) -> CoreResult<()> {
-        if num_blocks > self.max_blocks_per_seq {
-            return Err(CoreError::invalid(format!(
-                "sequence {seq_id} needs {num_blocks} blocks; the batch table holds {} per row",
-                self.max_blocks_per_seq
-            )));
-        }
+        ensure!(
+            num_blocks <= self.max_blocks_per_seq,
+            "sequence {seq_id} needs {num_blocks} blocks; the batch table holds {} per row",
+            self.max_blocks_per_seq
+        );
         Ok(())
     }
 
     /// Adds a running sequence as the next row.
     pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
-        if self.row_of.contains_key(&seq_id) {
-            return Err(CoreError::invalid(format!(
-                "sequence {seq_id} is already in the batch table"
-            )));
-        }
-        if self.rows.len() == self.max_seqs() {
-            return Err(CoreError::invalid(format!(
-                "the batch table is full ({} rows)",
-                self.max_seqs()
-            )));
-        }
+        ensure!(
+            !self.row_of.contains_key(&seq_id),
+            "sequence {seq_id} is already in the batch table"
+        );
+        ensure!(
+            self.rows.len() != self.max_seqs(),
+            "the batch table is full ({} rows)",
+            self.max_seqs()
+        );
         let slab = cache.slab_of(seq_id)?;
-        if cache.sequences[slab as usize].swapped {
-            return Err(CoreError::invalid(format!(
-                "sequence {seq_id} is swapped out; swap_in() it first"
-            )));
-        }
-        self.check_width(seq_id, cache.sequences[slab as usize].blocks.len())?;
+        let seq = cache.slab_view(slab);
+        ensure!(
+            !seq.swapped,
+            "sequence {seq_id} is swapped out; swap_in() it first"
+        );
+        self.check_width(seq_id, seq.blocks.len())?;
         let row = self.rows.len();
         self.rows.push(Row {
             seq_id,
@@ -187,9 +180,11 @@ impl BatchTable {
 
     /// Removes a sequence's row; the last row moves into the hole.
     pub fn remove(&mut self, seq_id: u64) -> CoreResult<()> {
-        let row = self.row_of.remove(&seq_id).ok_or_else(|| {
-            CoreError::invalid(format!("sequence {seq_id} is not in the batch table"))
-        })? as usize;
+        let row = self
+            .row_of
+            .remove(&seq_id)
+            .ok_or_else(|| invalid!("sequence {seq_id} is not in the batch table"))?
+            as usize;
         let last = self.rows.len() - 1;
         let width = self.max_blocks_per_seq;
         if row != last {
@@ -217,11 +212,11 @@ impl BatchTable {
     }
 
     fn rewrite_row(&mut self, row: usize, cache: &KvCache) {
-        let seq = &cache.sequences[self.rows[row].slab as usize];
+        let seq = cache.slab_view(self.rows[row].slab);
         let width = self.max_blocks_per_seq;
         let cells = &mut self.block_tables[row * width..(row + 1) * width];
         cells.fill(NULL_BLOCK as i32);
-        for (cell, &block) in cells.iter_mut().zip(&seq.blocks) {
+        for (cell, &block) in cells.iter_mut().zip(seq.blocks) {
             *cell = block as i32;
         }
         self.context_lens[row] = seq.num_tokens as i32;
@@ -231,8 +226,7 @@ impl BatchTable {
     /// The slab of row `row`'s sequence, refreshing the hint if the sequence moved.
     fn locate(&mut self, row: usize, cache: &KvCache) -> CoreResult<u32> {
         let Row { seq_id, slab, .. } = self.rows[row];
-        let seq = &cache.sequences[slab as usize];
-        if seq.live && seq.seq_id == seq_id {
+        if cache.slab_view(slab).seq_id == Some(seq_id) {
             return Ok(slab);
         }
         let slab = cache.slab_of(seq_id)?;
@@ -248,27 +242,27 @@ impl BatchTable {
         token_ids: Option<&[u32]>,
     ) -> CoreResult<()> {
         if let Some(ids) = token_ids {
-            if ids.len() != self.rows.len() {
-                return Err(CoreError::invalid(format!(
-                    "token_ids holds {} ids for {} rows",
-                    ids.len(),
-                    self.rows.len()
-                )));
-            }
+            ensure!(
+                ids.len() == self.rows.len(),
+                "token_ids holds {} ids for {} rows",
+                ids.len(),
+                self.rows.len()
+            );
         }
         let block_size = cache.block_size();
         self.slabs.clear();
         for row in 0..self.rows.len() {
             let slab = self.locate(row, cache)?;
-            let seq = &cache.sequences[slab as usize];
-            self.check_width(seq.seq_id, (seq.num_tokens + 1).div_ceil(block_size))?;
+            let seq = cache.slab_view(slab);
+            let seq_id = self.rows[row].seq_id;
+            self.check_width(seq_id, (seq.num_tokens + 1).div_ceil(block_size))?;
             self.slabs.push(slab);
         }
         cache.check_append_budget(&self.slabs, 1)?;
         let width = self.max_blocks_per_seq;
         for row in 0..self.rows.len() {
             let Row { slab, version, .. } = self.rows[row];
-            let stale = cache.sequences[slab as usize].version != version;
+            let stale = cache.slab_view(slab).version != version;
             let mut slot = PAD_SLOT;
             let ids = token_ids.map(|ids| std::slice::from_ref(&ids[row]));
             cache.append_to(slab, 1, ids, |_, new_slot| slot = new_slot)?;
@@ -277,7 +271,7 @@ impl BatchTable {
                 self.rewrite_row(row, cache);
                 continue;
             }
-            let seq = &cache.sequences[slab as usize];
+            let seq = cache.slab_view(slab);
             let last = seq.blocks.len() - 1;
             self.block_tables[row * width + last] = seq.blocks[last] as i32;
             self.context_lens[row] = seq.num_tokens as i32;
@@ -290,7 +284,7 @@ impl BatchTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alloc_util::MAX_BOOKKEEPING_BYTES;
+    use crate::alloc::fallible::MAX_BOOKKEEPING_BYTES;
 
     #[test]
     fn huge_sizes_are_errors_naming_the_argument_not_aborts() {

@@ -1,0 +1,166 @@
+//! Growing sequences: the block budget of an append (copy-on-write included) and the append
+//! itself, batched.
+
+use super::{allocate_checked, swapped_out, KvCache};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{BlockMove, MoveKind};
+
+impl KvCache {
+    /// How many blocks appending `n` tokens to one sequence would take now.
+    pub fn blocks_to_append(&mut self, seq_id: u64, n: usize) -> CoreResult<usize> {
+        let slab = self.slab_of(seq_id)?;
+        self.append_need(&[slab], n)
+    }
+
+    /// Checks that appending `n` tokens to each sequence in `slabs` (all distinct) fits, and
+    /// fails with `OutOfBlocks` otherwise.
+    pub(super) fn check_append_budget(&mut self, slabs: &[u32], n: usize) -> CoreResult<()> {
+        let needed = self.append_need(slabs, n)?;
+        let available = self.block_pool.num_free();
+        if needed > available {
+            return Err(CoreError::OutOfBlocks { needed, available });
+        }
+        Ok(())
+    }
+
+    /// Blocks that appending `n` tokens to each sequence in `slabs` (all distinct) takes: the
+    /// blocks the sequences grow by, plus the copy-on-write replacements of shared, partly
+    /// filled last blocks. When every holder of such a block appends in this batch, the last
+    /// one to do so keeps the block, so a block held by k sequences costs k - 1 copies, not k.
+    fn append_need(&mut self, slabs: &[u32], n: usize) -> CoreResult<usize> {
+        let block_size = self.block_size();
+        let mut needed = 0;
+        self.scratch_blocks.clear();
+        for &slab in slabs {
+            let seq = &self.sequences[slab as usize];
+            if seq.swapped {
+                return Err(swapped_out(seq.seq_id));
+            }
+            let total = seq.num_tokens + n;
+            ensure!(
+                total <= self.max_seq_tokens(),
+                "sequence {} would hold {total} tokens; the pool holds at most {} per sequence",
+                seq.seq_id,
+                self.max_seq_tokens()
+            );
+            needed += total.div_ceil(block_size) - seq.blocks.len();
+            if let (true, Some(&last)) = (seq.num_tokens % block_size != 0, seq.blocks.last()) {
+                if self.block_pool.ref_count(last) > 1 {
+                    self.scratch_blocks.push(last);
+                }
+            }
+        }
+        self.scratch_blocks.sort_unstable();
+        for holders in self.scratch_blocks.chunk_by(|a, b| a == b) {
+            let every_holder_appends =
+                holders.len() == self.block_pool.ref_count(holders[0]) as usize;
+            needed += holders.len() - usize::from(every_holder_appends);
+        }
+        Ok(needed)
+    }
+
+    /// Appends `n` tokens to every sequence of the batch and writes their slots, sequence by
+    /// sequence, into `slots` (which it clears first). `token_ids`, when given, holds `n` ids
+    /// per sequence in the same order and lets filled blocks join the prefix cache.
+    /// All-or-nothing.
+    pub fn append_tokens(
+        &mut self,
+        seq_ids: &[u64],
+        n: usize,
+        token_ids: Option<&[u32]>,
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        ensure!(n != 0, "n must be at least 1, got 0");
+        let total = seq_ids
+            .len()
+            .checked_mul(n)
+            .ok_or_else(|| invalid!("batch × n overflows"))?;
+        if let Some(ids) = token_ids {
+            ensure!(
+                ids.len() == total,
+                "token_ids holds {} ids; {} sequences × n={n} need {total}",
+                ids.len(),
+                seq_ids.len()
+            );
+        }
+        self.resolve_batch(seq_ids)?;
+        let slabs = std::mem::take(&mut self.scratch_slabs);
+        let result = self.append_resolved(&slabs, n, token_ids, slots);
+        self.scratch_slabs = slabs;
+        result
+    }
+
+    fn append_resolved(
+        &mut self,
+        slabs: &[u32],
+        n: usize,
+        token_ids: Option<&[u32]>,
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        self.check_append_budget(slabs, n)?;
+        slots.clear();
+        slots.resize(slabs.len() * n, 0);
+        for (i, (&slab, out)) in slabs.iter().zip(slots.chunks_exact_mut(n)).enumerate() {
+            let ids = token_ids.map(|ids| &ids[i * n..(i + 1) * n]);
+            self.append_to(slab, n, ids, |t, slot| out[t] = slot)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `n` tokens to one sequence whose budget was checked; `emit(t, slot)` receives
+    /// the slot of the t-th new token.
+    #[inline]
+    pub(super) fn append_to(
+        &mut self,
+        slab: u32,
+        n: usize,
+        token_ids: Option<&[u32]>,
+        mut emit: impl FnMut(usize, i32),
+    ) -> CoreResult<()> {
+        let version = self.bump_version();
+        let block_size = self.block_size();
+        let KvCache {
+            sequences,
+            block_pool,
+            pending_moves,
+            ..
+        } = self;
+        let seq = &mut sequences[slab as usize];
+        if seq.num_tokens % block_size != 0 {
+            if let Some(last) = seq.blocks.last_mut() {
+                if block_pool.ref_count(*last) > 1 {
+                    let copy = allocate_checked(block_pool)?;
+                    pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
+                    block_pool.release(*last);
+                    *last = copy;
+                    seq.layout = version;
+                }
+            }
+        }
+        if token_ids.is_none() && seq.hashable {
+            seq.hashable = false;
+            seq.partial_tokens.clear();
+            seq.hashes.clear();
+        }
+        for t in 0..n {
+            let position = seq.num_tokens + t;
+            let offset = position % block_size;
+            if offset == 0 {
+                seq.blocks.push(allocate_checked(block_pool)?);
+            }
+            let block = seq.blocks[position / block_size];
+            emit(t, (block as usize * block_size + offset) as i32);
+            if let (Some(ids), true) = (token_ids, seq.hashable) {
+                seq.partial_tokens.push(ids[t]);
+                if seq.partial_tokens.len() == block_size {
+                    let parent = seq.hashes.last().copied().unwrap_or(seq.root_hash);
+                    seq.hashes.push(parent.chain(&seq.partial_tokens));
+                    seq.partial_tokens.clear();
+                }
+            }
+        }
+        seq.num_tokens += n;
+        seq.version = version;
+        Ok(())
+    }
+}

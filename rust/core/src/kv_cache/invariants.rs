@@ -1,0 +1,70 @@
+//! Every invariant of the cache and its block pools, checked from scratch (for tests).
+
+use super::{KvCache, NO_BLOCK};
+use crate::alloc::NULL_BLOCK;
+
+impl KvCache {
+    /// Verifies every invariant of the cache and its block pool (for tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let block_size = self.block_size();
+        let mut holders = vec![0u32; self.num_blocks()];
+        let mut host_holders = vec![0u32; self.num_host_blocks() + 1];
+        for (&seq_id, &slab) in &self.index {
+            let seq = &self.sequences[slab as usize];
+            if !seq.live || seq.seq_id != seq_id {
+                return Err(format!(
+                    "index entry {seq_id} points at slab {slab} holding {}",
+                    seq.seq_id
+                ));
+            }
+            if seq.num_tokens == 0 || seq.blocks.len() != seq.num_tokens.div_ceil(block_size) {
+                return Err(format!(
+                    "sequence {seq_id}: {} tokens in {} blocks",
+                    seq.num_tokens,
+                    seq.blocks.len()
+                ));
+            }
+            if seq.hashable
+                && (seq.partial_tokens.len() != seq.num_tokens % block_size
+                    || seq.hashes.len() != seq.num_tokens / block_size)
+            {
+                return Err(format!(
+                    "sequence {seq_id}: block ids or hashes out of step"
+                ));
+            }
+            if seq.num_computed > seq.num_tokens || seq.num_registered > seq.blocks.len() {
+                return Err(format!(
+                    "sequence {seq_id}: {} computed of {} tokens, {} registered of {} blocks",
+                    seq.num_computed,
+                    seq.num_tokens,
+                    seq.num_registered,
+                    seq.blocks.len()
+                ));
+            }
+            let tier = if seq.swapped {
+                &mut host_holders
+            } else {
+                &mut holders
+            };
+            for &block in &seq.blocks {
+                if block == NULL_BLOCK || block as usize >= tier.len() {
+                    return Err(format!("sequence {seq_id} holds invalid block {block}"));
+                }
+                tier[block as usize] += 1;
+            }
+        }
+        let live = self.sequences.iter().filter(|seq| seq.live).count();
+        if live != self.index.len() || live + self.vacant.len() != self.sequences.len() {
+            return Err("sequence slab and index disagree".into());
+        }
+        if let Some(host_pool) = &self.host_pool {
+            host_pool
+                .check_invariants(&host_holders)
+                .map_err(|error| format!("host tier: {error}"))?;
+        }
+        if self.scratch_moves.iter().any(|&moved| moved != NO_BLOCK) {
+            return Err("swap scratch left dirty".into());
+        }
+        self.block_pool.check_invariants(&holders)
+    }
+}

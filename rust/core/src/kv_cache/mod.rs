@@ -1,0 +1,298 @@
+//! Sequences mapped onto blocks: allocation with prefix reuse, batched append, fork with
+//! copy-on-write, swap to a host tier, and the block tables and slot mappings that
+//! paged-attention kernels read.
+//!
+//! Every public call checks all of its arguments and its block budget before it changes
+//! anything, so a call that fails leaves the cache exactly as it was. Sequences live in a slab
+//! whose vectors keep their capacity when a sequence ends, so steady-state churn allocates
+//! nothing. One file per concern: [`lifecycle`](self) (admit, fork, mark computed, free),
+//! append, tables, swap, stats, invariants; block moves and the batch table are the two
+//! parts other layers see.
+
+mod append;
+mod batch_table;
+mod block_move;
+mod invariants;
+mod lifecycle;
+mod sequence;
+mod stats;
+mod swap;
+mod tables;
+
+use hashbrown::HashMap;
+
+pub use batch_table::{BatchTable, PAD_SLOT};
+pub use block_move::{pairs_of, BlockMove, MoveKind};
+use sequence::Sequence;
+pub use sequence::SEQUENCE_BYTES;
+pub use stats::KvCacheStats;
+
+use crate::alloc::{BlockHash, BlockPool};
+use crate::error::{CoreError, CoreResult};
+use crate::layout::KvLayout;
+
+/// What `alloc_sequence` is given: a token count, or the token ids themselves (which lets
+/// full blocks be found in, and added to, the prefix cache).
+#[derive(Debug, Clone, Copy)]
+pub enum Tokens<'a> {
+    Count(usize),
+    Ids(&'a [u32]),
+}
+
+impl Tokens<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Count(count) => *count,
+            Tokens::Ids(ids) => ids.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    block_pool: BlockPool,
+    /// Host tier for swapped-out sequences (block 0 unused there too).
+    host_pool: Option<BlockPool>,
+    layout: KvLayout,
+    bytes_per_block: usize,
+    sequences: Vec<Sequence>,
+    vacant: Vec<u32>,
+    index: HashMap<u64, u32>,
+    /// Block moves decided but not yet executed, in the order they must run.
+    pending_moves: Vec<BlockMove>,
+    /// Set once any fork happened: only then can a shared, partly filled block (and so a
+    /// copy-on-write) appear.
+    has_forked: bool,
+    next_version: u64,
+    query_tokens: u64,
+    hit_tokens: u64,
+    // Reused per call so that hot paths allocate nothing.
+    scratch_hashes: Vec<BlockHash>,
+    scratch_blocks: Vec<u32>,
+    scratch_slabs: Vec<u32>,
+    /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
+    scratch_moves: Vec<u32>,
+}
+
+/// A sequence as the batch table sees it: the only window it has into the slab.
+struct SlabView<'a> {
+    /// `None` when the slab is vacant.
+    pub seq_id: Option<u64>,
+    pub swapped: bool,
+    pub blocks: &'a [u32],
+    pub num_tokens: usize,
+    pub version: u64,
+}
+
+const NO_BLOCK: u32 = u32::MAX;
+
+impl KvCache {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        layout: KvLayout,
+        enable_prefix_caching: bool,
+    ) -> CoreResult<Self> {
+        layout.validate()?;
+        let block_pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching)?;
+        let bytes_per_block = layout.bytes_per_block(block_size).ok_or_else(|| {
+            CoreError::invalid(
+                "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
+            )
+        })?;
+        Ok(KvCache {
+            block_pool,
+            host_pool: None,
+            layout,
+            bytes_per_block,
+            sequences: Vec::new(),
+            vacant: Vec::new(),
+            index: HashMap::new(),
+            pending_moves: Vec::new(),
+            has_forked: false,
+            next_version: 1,
+            query_tokens: 0,
+            hit_tokens: 0,
+            scratch_hashes: Vec::new(),
+            scratch_blocks: Vec::new(),
+            scratch_slabs: Vec::new(),
+            scratch_moves: Vec::new(),
+        })
+    }
+
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_pool.block_size()
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.block_pool.num_blocks()
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    pub fn bytes_per_block(&self) -> usize {
+        self.bytes_per_block
+    }
+
+    pub fn enable_prefix_caching(&self) -> bool {
+        self.block_pool.enable_prefix_caching()
+    }
+
+    /// Whether any fork happened (only then can a copy-on-write be decided).
+    pub fn has_forked(&self) -> bool {
+        self.has_forked
+    }
+
+    /// Blocks an allocation can take now (free plus evictable cached blocks).
+    pub fn num_free_blocks(&self) -> usize {
+        self.block_pool.num_free()
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn contains(&self, seq_id: u64) -> bool {
+        self.index.contains_key(&seq_id)
+    }
+
+    /// Most tokens one sequence can ever hold: every block but the null block.
+    pub fn max_seq_tokens(&self) -> usize {
+        (self.num_blocks() - 1) * self.block_size()
+    }
+
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.block_pool
+    }
+
+    /// Ids of the live sequences, in no particular order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
+    #[inline]
+    fn slab_of(&self, seq_id: u64) -> CoreResult<u32> {
+        self.index
+            .get(&seq_id)
+            .copied()
+            .ok_or(CoreError::UnknownSequence(seq_id))
+    }
+
+    /// What the batch table reads of the sequence in slab `slab` (live or not).
+    #[inline]
+    fn slab_view(&self, slab: u32) -> SlabView<'_> {
+        let seq = &self.sequences[slab as usize];
+        SlabView {
+            seq_id: seq.live.then_some(seq.seq_id),
+            swapped: seq.swapped,
+            blocks: &seq.blocks,
+            num_tokens: seq.num_tokens,
+            version: seq.version,
+        }
+    }
+
+    #[inline]
+    fn sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
+        Ok(&self.sequences[self.slab_of(seq_id)? as usize])
+    }
+
+    /// A sequence whose blocks are on the device (not swapped out).
+    #[inline]
+    fn device_sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
+        let seq = self.sequence(seq_id)?;
+        if seq.swapped {
+            return Err(swapped_out(seq_id));
+        }
+        Ok(seq)
+    }
+
+    pub fn is_swapped(&self, seq_id: u64) -> CoreResult<bool> {
+        Ok(self.sequence(seq_id)?.swapped)
+    }
+
+    pub fn seq_len(&self, seq_id: u64) -> CoreResult<usize> {
+        Ok(self.sequence(seq_id)?.num_tokens)
+    }
+
+    /// The blocks of one sequence, in token order (host blocks while it is swapped out).
+    pub fn block_table(&self, seq_id: u64) -> CoreResult<&[u32]> {
+        Ok(&self.sequence(seq_id)?.blocks)
+    }
+
+    fn check_token_count(&self, count: usize, what: &str) -> CoreResult<()> {
+        ensure!(count != 0, "{what} must be at least 1, got 0");
+        ensure!(
+            count <= self.max_seq_tokens(),
+            "{what} = {count} can never fit: the pool holds at most {} tokens per sequence \
+             ({} usable blocks of {})",
+            self.max_seq_tokens(),
+            self.num_blocks() - 1,
+            self.block_size()
+        );
+        Ok(())
+    }
+
+    fn vacant_slab(&mut self) -> u32 {
+        self.vacant.pop().unwrap_or_else(|| {
+            self.sequences.push(Sequence::default());
+            (self.sequences.len() - 1) as u32
+        })
+    }
+
+    fn bump_version(&mut self) -> u64 {
+        let version = self.next_version;
+        self.next_version += 1;
+        version
+    }
+
+    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
+    ///
+    /// Each named sequence gets a fresh version; one whose version is already from this
+    /// batch was named before. (A failed batch thus leaves new versions behind: that only
+    /// makes a batch table rewrite those rows, and changes nothing observable.)
+    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        let batch_start = self.next_version;
+        self.scratch_slabs.clear();
+        for &seq_id in seq_ids {
+            let slab = self.slab_of(seq_id)?;
+            ensure!(
+                self.sequences[slab as usize].version < batch_start,
+                "sequence {seq_id} appears twice in the batch"
+            );
+            self.sequences[slab as usize].version = self.bump_version();
+            self.scratch_slabs.push(slab);
+        }
+        Ok(())
+    }
+}
+
+fn swapped_out(seq_id: u64) -> CoreError {
+    invalid!("sequence {seq_id} is swapped out; swap_in() it first")
+}
+
+#[inline]
+fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
+    // Callers check the budget first; this is a guard, not a code path.
+    block_pool.allocate().ok_or(CoreError::OutOfBlocks {
+        needed: 1,
+        available: 0,
+    })
+}
+
+fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    debug_assert_ne!(a, b);
+    if a < b {
+        let (low, high) = items.split_at_mut(b);
+        (&mut low[a], &mut high[0])
+    } else {
+        let (low, high) = items.split_at_mut(a);
+        (&mut high[0], &mut low[b])
+    }
+}

@@ -1,0 +1,37 @@
+//! One sequence's state in the cache's slab.
+
+use crate::alloc::BlockHash;
+
+/// Bytes of one sequence's fixed state (for memory accounting).
+pub const SEQUENCE_BYTES: usize = std::mem::size_of::<Sequence>();
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct Sequence {
+    pub(super) seq_id: u64,
+    pub(super) live: bool,
+    pub(super) num_tokens: usize,
+    /// Device blocks, or host blocks while `swapped`.
+    pub(super) blocks: Vec<u32>,
+    /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
+    pub(super) swapped: bool,
+    /// Whether every token id of the sequence is known, so its full blocks can be named.
+    pub(super) hashable: bool,
+    /// Root of the hash chain (from the cache salt).
+    pub(super) root_hash: BlockHash,
+    /// Hash of every full block, in order (only while `hashable`).
+    pub(super) hashes: Vec<BlockHash>,
+    /// Token ids of the partly filled last block (only while `hashable`).
+    pub(super) partial_tokens: Vec<u32>,
+    /// Leading tokens whose K/V the caller said are computed (`mark_computed`); only blocks
+    /// within them may join the prefix cache.
+    pub(super) num_computed: usize,
+    /// Leading blocks already offered to the prefix cache (hits, or registered).
+    pub(super) num_registered: usize,
+    /// Changes whenever the block list or length changes (and when a batch names the
+    /// sequence); unique across the cache's life.
+    pub(super) version: u64,
+    /// Changes whenever a block already in the list is replaced (allocation, fork,
+    /// copy-on-write, swap), but not when the list only grows: a table that holds the
+    /// list's first k blocks under this value still holds them.
+    pub(super) layout: u64,
+}

@@ -1,0 +1,109 @@
+//! Counters, sizes and fragmentation of the cache, and the bookkeeping's own memory.
+
+use super::{KvCache, Sequence};
+use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
+
+/// Counters and sizes reported by [`KvCache::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvCacheStats {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub blocks_used: usize,
+    pub blocks_free: usize,
+    pub blocks_cached: usize,
+    pub num_sequences: usize,
+    pub num_tokens: usize,
+    pub allocated_slots: usize,
+    pub used_slots: usize,
+    pub fragmentation: f64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_query_tokens: u64,
+    pub prefix_cache_hit_tokens: u64,
+    pub evictions: u64,
+    pub pending_copies: usize,
+    pub bytes_per_block: usize,
+    /// Usable host blocks (0 without a host tier).
+    pub host_blocks: usize,
+    pub host_blocks_used: usize,
+    pub num_swapped: usize,
+}
+
+impl KvCache {
+    pub fn stats(&self) -> KvCacheStats {
+        let block_size = self.block_size();
+        let pool = &self.block_pool;
+        let blocks_used = self.num_blocks() - 1 - pool.num_free();
+        let allocated_slots = blocks_used * block_size;
+        // A partly filled block shared by forks counts once: sort the (block, fill) pairs.
+        let mut partial: Vec<(u32, usize)> = self
+            .index
+            .values()
+            .map(|&slab| &self.sequences[slab as usize])
+            .filter(|seq| !seq.swapped && seq.num_tokens % block_size != 0)
+            .map(|seq| {
+                (
+                    *seq.blocks.last().unwrap_or(&NULL_BLOCK),
+                    seq.num_tokens % block_size,
+                )
+            })
+            .collect();
+        partial.sort_unstable();
+        partial.dedup();
+        let unused_slots: usize = partial.iter().map(|&(_, fill)| block_size - fill).sum();
+        let used_slots = allocated_slots - unused_slots;
+        let PrefixCacheCounters {
+            queries,
+            hits,
+            evictions,
+        } = pool.counters();
+        KvCacheStats {
+            num_blocks: self.num_blocks(),
+            block_size,
+            blocks_used,
+            blocks_free: pool.num_free() - pool.num_evictable(),
+            blocks_cached: pool.num_evictable(),
+            num_sequences: self.index.len(),
+            num_tokens: self
+                .index
+                .values()
+                .map(|&slab| self.sequences[slab as usize].num_tokens)
+                .sum(),
+            allocated_slots,
+            used_slots,
+            fragmentation: if allocated_slots == 0 {
+                0.0
+            } else {
+                unused_slots as f64 / allocated_slots as f64
+            },
+            prefix_cache_queries: queries,
+            prefix_cache_hits: hits,
+            prefix_cache_query_tokens: self.query_tokens,
+            prefix_cache_hit_tokens: self.hit_tokens,
+            evictions,
+            pending_copies: self.pending_moves.len(),
+            bytes_per_block: self.bytes_per_block,
+            host_blocks: self.num_host_blocks(),
+            host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
+            num_swapped: self
+                .index
+                .values()
+                .filter(|&&slab| self.sequences[slab as usize].swapped)
+                .count(),
+        }
+    }
+
+    /// Host memory held by the bookkeeping: the block pool plus the sequence slab and index
+    /// (excluding the block lists themselves, which are 4 bytes per block held).
+    pub fn heap_bytes(&self) -> (usize, usize) {
+        let per_sequence = self.sequences.capacity() * std::mem::size_of::<Sequence>()
+            + self
+                .sequences
+                .iter()
+                .map(|seq| seq.partial_tokens.capacity() * 4)
+                .sum::<usize>()
+            + self.vacant.capacity() * 4
+            + self.index.allocation_size();
+        (self.block_pool.heap_bytes(), per_sequence)
+    }
+}

@@ -1,0 +1,156 @@
+//! The host tier: swapping sequences out to host blocks and back in.
+
+use super::{allocate_checked, swapped_out, KvCache, NO_BLOCK};
+use crate::alloc::BlockPool;
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{BlockMove, MoveKind};
+
+impl KvCache {
+    /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to.
+    pub fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
+        ensure!(
+            self.host_pool.is_none() && self.index.is_empty(),
+            "the host tier is set once, before any sequence exists",
+        );
+        ensure!(
+            num_host_blocks != 0,
+            "num_host_blocks must be at least 1, got 0",
+        );
+        let host_pool = BlockPool::new(num_host_blocks + 1, self.block_size(), false)?;
+        self.scratch_moves = crate::alloc::fallible::try_filled_vec(
+            self.num_blocks().max(num_host_blocks + 1),
+            NO_BLOCK,
+            "num_host_blocks",
+        )?;
+        self.host_pool = Some(host_pool);
+        Ok(())
+    }
+
+    /// Usable host blocks (0 without a host tier).
+    pub fn num_host_blocks(&self) -> usize {
+        self.host_pool
+            .as_ref()
+            .map_or(0, |pool| pool.num_blocks() - 1)
+    }
+
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host_pool.as_ref().map_or(0, BlockPool::num_free)
+    }
+
+    /// Moves the sequences' blocks to the host tier and frees their device blocks. The
+    /// (device block → host block) moves join the pending moves (see [`KvCache::take_moves`]),
+    /// after any pending copy; a block the sequences share is moved once. All-or-nothing.
+    pub fn swap_out(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.swap(seq_ids, true)
+    }
+
+    /// Brings swapped-out sequences back into free device blocks (evicting cached ones if
+    /// need be); the (host block → device block) moves join the pending moves. The blocks
+    /// rejoin the prefix cache with the next `mark_computed`, once their bytes are back.
+    /// All-or-nothing.
+    pub fn swap_in(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.swap(seq_ids, false)
+    }
+
+    fn swap(&mut self, seq_ids: &[u64], out: bool) -> CoreResult<()> {
+        ensure!(
+            self.host_pool.is_some(),
+            "this KV cache has no host tier: construct it with num_host_blocks",
+        );
+        self.resolve_batch(seq_ids)?;
+        let slabs = std::mem::take(&mut self.scratch_slabs);
+        let result = self.swap_resolved(&slabs, out);
+        self.scratch_slabs = slabs;
+        result
+    }
+
+    /// Checks that every sequence of `slabs` can move in the direction `out` and that the
+    /// destination tier has a block for each distinct source block. Changes nothing.
+    fn check_swap(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
+        for &slab in slabs {
+            let seq = &self.sequences[slab as usize];
+            if seq.swapped == out {
+                return Err(match out {
+                    true => swapped_out(seq.seq_id),
+                    false => invalid!("sequence {} is not swapped out", seq.seq_id),
+                });
+            }
+        }
+        // Each distinct source block is copied once: count them with the scratch marks.
+        let mut needed = 0;
+        for pass in [true, false] {
+            for &slab in slabs {
+                for &block in &self.sequences[slab as usize].blocks {
+                    let mark = &mut self.scratch_moves[block as usize];
+                    if pass && *mark == NO_BLOCK {
+                        needed += 1;
+                    }
+                    *mark = if pass { 0 } else { NO_BLOCK };
+                }
+            }
+        }
+        let available = match out {
+            true => self.num_free_host_blocks(),
+            false => self.block_pool.num_free(),
+        };
+        if needed > available {
+            return Err(match out {
+                true => CoreError::OutOfHostBlocks { needed, available },
+                false => CoreError::OutOfBlocks { needed, available },
+            });
+        }
+        Ok(())
+    }
+
+    fn swap_resolved(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
+        self.check_swap(slabs, out)?;
+        let KvCache {
+            sequences,
+            block_pool,
+            host_pool,
+            scratch_moves,
+            pending_moves,
+            ..
+        } = self;
+        let Some(host_pool) = host_pool.as_mut() else {
+            return Ok(());
+        };
+        let (source, destination) = match out {
+            true => (block_pool, host_pool),
+            false => (host_pool, block_pool),
+        };
+        let kind = if out {
+            MoveKind::ToHost
+        } else {
+            MoveKind::ToDevice
+        };
+        let first_move = pending_moves.len();
+        for &slab in slabs {
+            let seq = &mut sequences[slab as usize];
+            for block in seq.blocks.iter_mut().rev() {
+                let moved = match scratch_moves[*block as usize] {
+                    NO_BLOCK => {
+                        let moved = allocate_checked(destination)?;
+                        scratch_moves[*block as usize] = moved;
+                        pending_moves.push(BlockMove::new(kind, *block, moved));
+                        moved
+                    }
+                    moved => {
+                        destination.share(moved);
+                        moved
+                    }
+                };
+                source.release(*block);
+                *block = moved;
+            }
+            seq.swapped = out;
+            seq.layout = seq.version;
+            // Fresh device blocks: offered to the prefix cache again once computed.
+            seq.num_registered = 0;
+        }
+        for planned in &pending_moves[first_move..] {
+            scratch_moves[planned.src as usize] = NO_BLOCK;
+        }
+        Ok(())
+    }
+}

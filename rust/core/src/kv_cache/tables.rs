@@ -1,0 +1,127 @@
+//! What kernels read: slot mappings, padded block tables, context lengths, FlashInfer's CSR
+//! page table; and the check that a kernel only writes slots some sequence holds.
+
+use super::KvCache;
+use crate::alloc::NULL_BLOCK;
+use crate::error::CoreResult;
+
+impl KvCache {
+    /// Slots of tokens `[starts[i], ends[i])` of each sequence, concatenated in batch order.
+    pub fn slot_mapping(
+        &self,
+        seq_ids: &[u64],
+        starts: &[i64],
+        ends: &[i64],
+        slots: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        ensure!(
+            starts.len() == seq_ids.len() && ends.len() == seq_ids.len(),
+            "seq_ids, starts and ends must have the same length, got {}, {} and {}",
+            seq_ids.len(),
+            starts.len(),
+            ends.len()
+        );
+        let mut total = 0usize;
+        for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
+            let len = self.device_sequence(seq_id)?.num_tokens;
+            ensure!(
+                start >= 0 && start <= end && end <= len as i64,
+                "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
+            );
+            total += (end - start) as usize;
+        }
+        slots.clear();
+        slots.reserve(total);
+        let block_size = self.block_size();
+        for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
+            let blocks = &self.sequence(seq_id)?.blocks;
+            slots.extend((start as usize..end as usize).map(|position| {
+                (blocks[position / block_size] as usize * block_size + position % block_size) as i32
+            }));
+        }
+        Ok(())
+    }
+
+    /// The blocks of a device sequence, its token count and its layout stamp (see
+    /// [`KvCache::block_table`]): what a step plan's row needs, in one lookup.
+    pub fn row_view(&self, seq_id: u64) -> CoreResult<(&[u32], usize, u64)> {
+        let seq = self.device_sequence(seq_id)?;
+        Ok((&seq.blocks, seq.num_tokens, seq.layout))
+    }
+
+    /// Padded block tables, row-major `[batch, max blocks in the batch]`. Returns the width.
+    pub fn block_tables(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<usize> {
+        let mut width = 0;
+        for &seq_id in seq_ids {
+            width = width.max(self.device_sequence(seq_id)?.blocks.len());
+        }
+        out.clear();
+        out.resize(seq_ids.len() * width, NULL_BLOCK as i32);
+        if width > 0 {
+            for (&seq_id, row) in seq_ids.iter().zip(out.chunks_exact_mut(width)) {
+                let blocks = &self.sequence(seq_id)?.blocks;
+                for (cell, &block) in row.iter_mut().zip(blocks) {
+                    *cell = block as i32;
+                }
+            }
+        }
+        Ok(width)
+    }
+
+    pub fn context_lens(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<()> {
+        out.clear();
+        out.reserve(seq_ids.len());
+        for &seq_id in seq_ids {
+            out.push(self.seq_len(seq_id)? as i32);
+        }
+        Ok(())
+    }
+
+    /// FlashInfer's CSR page table: `indptr[i]..indptr[i+1]` indexes sequence i's blocks in
+    /// `indices`; `last_page_len[i]` is how many slots of its last block hold tokens.
+    pub fn page_table_csr(
+        &self,
+        seq_ids: &[u64],
+        indptr: &mut Vec<i32>,
+        indices: &mut Vec<i32>,
+        last_page_len: &mut Vec<i32>,
+    ) -> CoreResult<()> {
+        let mut total = 0usize;
+        for &seq_id in seq_ids {
+            total += self.device_sequence(seq_id)?.blocks.len();
+        }
+        indptr.clear();
+        indices.clear();
+        last_page_len.clear();
+        indptr.reserve(seq_ids.len() + 1);
+        indices.reserve(total);
+        last_page_len.reserve(seq_ids.len());
+        indptr.push(0);
+        let block_size = self.block_size();
+        for &seq_id in seq_ids {
+            let seq = self.sequence(seq_id)?;
+            indices.extend(seq.blocks.iter().map(|&block| block as i32));
+            indptr.push(indices.len() as i32);
+            last_page_len.push(((seq.num_tokens - 1) % block_size + 1) as i32);
+        }
+        Ok(())
+    }
+
+    /// Checks that every slot a kernel is about to write lies in a block some sequence holds
+    /// (negative slots are padding and skipped).
+    pub fn check_slots(&self, slots: &[i32]) -> CoreResult<()> {
+        let block_size = self.block_size();
+        for &slot in slots.iter().filter(|&&slot| slot >= 0) {
+            let block = slot as usize / block_size;
+            if block >= self.num_blocks()
+                || block == NULL_BLOCK as usize
+                || self.block_pool.ref_count(block as u32) == 0
+            {
+                return Err(invalid!(
+                    "slot {slot} is in block {block}, which no sequence holds: refusing to write there"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

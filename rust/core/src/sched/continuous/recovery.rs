@@ -1,0 +1,100 @@
+//! Snapshots and their use: whether a step may move blocks, putting everything back when
+//! executing its moves failed, and the invariants (for tests).
+
+use super::requests::State;
+use super::{ContinuousScheduler, Preemption};
+use crate::kv_cache::{BlockMove, KvCache};
+
+impl ContinuousScheduler {
+    /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
+    /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
+    /// decode may find no free block), or a copy-on-write (only after a fork).
+    pub fn step_may_move(&self, cache: &KvCache) -> bool {
+        cache.num_pending_moves() > 0
+            || !self.swapped.is_empty()
+            || cache.has_forked()
+            || (self.config.preemption == Preemption::Swap
+                && cache.num_free_host_blocks() > 0
+                && (cache.num_free_blocks() < self.running.len()
+                    || self.running.len() > self.config.max_num_seqs))
+    }
+
+    /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after
+    /// executing the step's `moves` failed with the first `attempted` possibly run. Requests
+    /// whose bytes the partial execution destroyed end; their ids go to `aborted`.
+    pub fn recover_from_failed_moves(
+        &mut self,
+        cache: &mut KvCache,
+        snapshot: (ContinuousScheduler, KvCache),
+        moves: &[BlockMove],
+        attempted: usize,
+        aborted: &mut Vec<u64>,
+    ) {
+        let (scheduler, cache_snapshot) = snapshot;
+        *self = scheduler;
+        let first = aborted.len();
+        cache.recover_from_failed_moves(cache_snapshot, moves, attempted, aborted);
+        for &seq_id in &aborted[first..] {
+            if self.forget(seq_id).is_some() {
+                self.finished_since_plan.push(seq_id);
+            }
+        }
+    }
+
+    /// Checks the scheduler's bookkeeping against the cache (for tests).
+    pub fn check_invariants(&self, cache: &KvCache) -> Result<(), String> {
+        for (&seq_id, request) in &self.requests {
+            let key = request.queue_key(seq_id);
+            let (in_waiting, in_swapped, in_running) = (
+                self.waiting.contains(&key),
+                self.swapped.contains(&key),
+                self.running.contains(&seq_id),
+            );
+            let expected = match request.state {
+                State::Waiting => (true, false, false),
+                State::Swapped => (false, true, false),
+                State::Running => (false, false, true),
+            };
+            if (in_waiting, in_swapped, in_running) != expected {
+                return Err(format!(
+                    "request {seq_id} is {:?} but queued as {:?}",
+                    request.state,
+                    (in_waiting, in_swapped, in_running)
+                ));
+            }
+            let on_cache = cache.contains(seq_id);
+            if on_cache != (request.state != State::Waiting) {
+                return Err(format!(
+                    "request {seq_id} ({:?}) on the cache: {on_cache}",
+                    request.state
+                ));
+            }
+            if request.state == State::Running {
+                let slots = cache.seq_len(seq_id).map_err(|error| error.to_string())?;
+                if slots < request.num_computed || slots > request.num_tokens() {
+                    return Err(format!(
+                        "request {seq_id}: {slots} slots for {} computed of {} tokens",
+                        request.num_computed,
+                        request.num_tokens()
+                    ));
+                }
+            }
+            if request.num_computed > request.num_tokens()
+                || request.num_outputs >= request.max_new_tokens
+            {
+                return Err(format!("request {seq_id} overran: {request:?}"));
+            }
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(format!(
+                "{} running > max_num_seqs {}",
+                self.running.len(),
+                self.config.max_num_seqs
+            ));
+        }
+        if self.waiting.len() + self.swapped.len() + self.running.len() != self.requests.len() {
+            return Err("queues and requests disagree".into());
+        }
+        cache.check_invariants()
+    }
+}

@@ -1,0 +1,199 @@
+//! Requests arrive, sample tokens, finish or are aborted.
+
+use super::{ContinuousScheduler, QueueKey};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{KvCache, Tokens};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum State {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Request {
+    pub state: State,
+    pub priority: u32,
+    /// Arrival order; preempted requests get a key ahead of every arrival.
+    pub queue_key: i64,
+    /// When it was last admitted or resumed, to pick the newest as a preemption victim.
+    pub admitted: u64,
+    pub prompt_len: usize,
+    /// Prompt ids, then the sampled ids (empty when the prompt was given as a count).
+    pub token_ids: Vec<u32>,
+    pub has_ids: bool,
+    pub num_outputs: usize,
+    pub max_new_tokens: usize,
+    /// Tokens whose K/V is computed (or planned this step).
+    pub num_computed: usize,
+    /// A plan sampled its next token, not yet reported by `on_tokens`: it is not scheduled
+    /// until then, wherever a preemption put it meanwhile.
+    pub awaiting_token: bool,
+    /// Not admitted before this time.
+    pub arrival_ns: u64,
+}
+
+impl Request {
+    pub fn num_tokens(&self) -> usize {
+        self.prompt_len + self.num_outputs
+    }
+
+    pub fn queue_key(&self, seq_id: u64) -> QueueKey {
+        (self.priority, self.queue_key, seq_id)
+    }
+
+    /// What the cache is given when the request is (re)admitted: everything known so far.
+    pub fn tokens(&self) -> Tokens<'_> {
+        match self.has_ids {
+            true => Tokens::Ids(&self.token_ids),
+            false => Tokens::Count(self.num_tokens()),
+        }
+    }
+}
+
+impl ContinuousScheduler {
+    /// Queues a request. Refuses one that could never fit the cache.
+    pub fn add_request(
+        &mut self,
+        cache: &KvCache,
+        seq_id: u64,
+        prompt: Tokens<'_>,
+        max_new_tokens: usize,
+        priority: u32,
+        arrival_ns: u64,
+    ) -> CoreResult<()> {
+        if self.requests.contains_key(&seq_id) || cache.contains(seq_id) {
+            return Err(CoreError::DuplicateSequence(seq_id));
+        }
+        ensure!(
+            !prompt.is_empty() && max_new_tokens > 0,
+            "the prompt and max_new_tokens must be at least 1"
+        );
+        let longest = prompt.len() + max_new_tokens;
+        let room = (cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache))
+            * cache.block_size();
+        ensure!(
+            longest <= room,
+            "request {seq_id} may hold {longest} tokens; with the watermark the cache fits {room}"
+        );
+        ensure!(
+            self.config.enable_chunked_prefill || longest <= self.config.max_num_batched_tokens,
+            "request {seq_id} may need a {longest}-token prefill (after a preemption), more than \
+             max_num_batched_tokens={} without chunked prefill",
+            self.config.max_num_batched_tokens
+        );
+        let token_ids = match prompt {
+            Tokens::Ids(ids) => ids.to_vec(),
+            Tokens::Count(_) => Vec::new(),
+        };
+        let queue_key = self.next_arrival;
+        self.next_arrival += 1;
+        let request = Request {
+            state: State::Waiting,
+            priority,
+            queue_key,
+            admitted: 0,
+            prompt_len: prompt.len(),
+            has_ids: matches!(prompt, Tokens::Ids(_)),
+            token_ids,
+            num_outputs: 0,
+            max_new_tokens,
+            num_computed: 0,
+            awaiting_token: false,
+            arrival_ns,
+        };
+        self.waiting.insert(request.queue_key(seq_id));
+        self.requests.insert(seq_id, request);
+        Ok(())
+    }
+
+    /// Ends a request wherever it is, freeing its blocks — at once, or, if the last plan has
+    /// a row of it, once that plan ran (the next `step` or `on_tokens`).
+    pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
+        self.forget(seq_id)
+            .ok_or(CoreError::UnknownSequence(seq_id))?;
+        if self.in_flight.contains(&seq_id) {
+            self.deferred_frees.push(seq_id);
+        } else if cache.contains(seq_id) {
+            cache.free_sequence(seq_id)?;
+        }
+        self.finished_since_plan.push(seq_id);
+        Ok(())
+    }
+
+    /// Removes a request from the books and from whichever queue holds it.
+    pub(super) fn forget(&mut self, seq_id: u64) -> Option<Request> {
+        let request = self.requests.remove(&seq_id)?;
+        let key = request.queue_key(seq_id);
+        match request.state {
+            State::Waiting => self.waiting.remove(&key),
+            State::Swapped => self.swapped.remove(&key),
+            State::Running => {
+                self.running.retain(|&id| id != seq_id);
+                true
+            }
+        };
+        Some(request)
+    }
+
+    /// The last plan ran (the contract says so by now): free what aborts deferred.
+    pub(super) fn plan_executed(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        self.in_flight.clear();
+        for seq_id in self.deferred_frees.drain(..) {
+            if cache.contains(seq_id) {
+                cache.free_sequence(seq_id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the sampled tokens of the sequences the last step planned to sample. A
+    /// sequence that reached `max_new_tokens` (or sampled `eos_token_id`) finishes and its
+    /// blocks are freed; the finished ids are appended to `finished`. All-or-nothing.
+    pub fn on_tokens(
+        &mut self,
+        cache: &mut KvCache,
+        seq_ids: &[u64],
+        token_ids: &[u32],
+        eos_token_id: Option<u32>,
+        finished: &mut Vec<u64>,
+    ) -> CoreResult<()> {
+        ensure!(
+            seq_ids.len() == token_ids.len(),
+            "seq_ids and token_ids must have the same length"
+        );
+        for &seq_id in seq_ids {
+            ensure!(
+                self.request(seq_id)?.awaiting_token,
+                "sequence {seq_id} has no token to sample now"
+            );
+        }
+        self.scratch_ids.clear();
+        self.scratch_ids.extend_from_slice(seq_ids);
+        self.scratch_ids.sort_unstable();
+        if let Some(pair) = self.scratch_ids.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(invalid!("sequence {} appears twice", pair[0]));
+        }
+        self.plan_executed(cache)?;
+        for (&seq_id, &token) in seq_ids.iter().zip(token_ids) {
+            let Some(request) = self.requests.get_mut(&seq_id) else {
+                continue;
+            };
+            request.num_outputs += 1;
+            request.awaiting_token = false;
+            if request.has_ids {
+                request.token_ids.push(token);
+            }
+            if request.num_outputs >= request.max_new_tokens || Some(token) == eos_token_id {
+                self.forget(seq_id);
+                if cache.contains(seq_id) {
+                    cache.free_sequence(seq_id)?;
+                }
+                finished.push(seq_id);
+                self.finished_since_plan.push(seq_id);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,337 @@
+//! One step: the three phases (running, swapped, waiting) and the plan they produce.
+
+use super::requests::State;
+use super::{ContinuousScheduler, Preemption, StepPlan};
+use crate::error::CoreResult;
+use crate::kv_cache::KvCache;
+
+/// A batch row decided this step: `num_tokens` tokens of `seq_id`, a prefill chunk or a
+/// decode.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ScheduledRow {
+    seq_id: u64,
+    num_tokens: usize,
+    prefill: bool,
+}
+
+impl ContinuousScheduler {
+    /// Plans one step at time `now_ns` into `plan` (cleared first).
+    pub fn step(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        self.plan_executed(cache)?;
+        plan.clear();
+        // A lowered max_num_seqs takes effect now: the newest extra sequences make room.
+        while self.running.len() > self.config.max_num_seqs {
+            let victim = self.pick_victim(0);
+            self.preempt(cache, victim, plan)?;
+        }
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut rows = std::mem::take(&mut self.scratch_scheduled);
+        rows.clear();
+        let result = self.schedule(cache, now_ns, &mut budget, &mut rows, plan);
+        let result = result.and_then(|()| self.build_plan(cache, &rows, plan));
+        self.scratch_scheduled = rows;
+        result
+    }
+
+    fn schedule(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        budget: &mut usize,
+        rows: &mut Vec<ScheduledRow>,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        self.schedule_running(cache, budget, rows, plan)?;
+        // Nothing new starts while anything waits to resume, so none starves.
+        if plan.preempted_seq_ids.is_empty() {
+            self.swap_in_swapped(cache)?;
+            if self.swapped.is_empty() {
+                self.admit_waiting(cache, now_ns, budget, rows)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 1: running sequences, highest priority and oldest first.
+    fn schedule_running(
+        &mut self,
+        cache: &mut KvCache,
+        budget: &mut usize,
+        rows: &mut Vec<ScheduledRow>,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        let mut order = std::mem::take(&mut self.scratch_order);
+        order.clear();
+        order.extend(self.running.iter().map(|&id| {
+            let key = self.requests.get(&id).map(|r| (r.priority, r.admitted));
+            (key.unwrap_or_default(), id)
+        }));
+        order.sort_unstable();
+        let mut result = Ok(());
+        for &(_, seq_id) in &order {
+            if *budget == 0 {
+                break;
+            }
+            result = self.schedule_one_running(cache, seq_id, budget, rows, plan);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.scratch_order = order;
+        result
+    }
+
+    fn schedule_one_running(
+        &mut self,
+        cache: &mut KvCache,
+        seq_id: u64,
+        budget: &mut usize,
+        rows: &mut Vec<ScheduledRow>,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        let Some(request) = self.requests.get(&seq_id) else {
+            return Ok(());
+        };
+        if request.state != State::Running || request.awaiting_token {
+            return Ok(()); // preempted this step, or waiting for its sampled token
+        }
+        let remaining = request.num_tokens() - request.num_computed;
+        // Tokens that already have slots (a prompt, or everything a recompute brought back)
+        // are prefilled, in chunks; only a sampled token without a slot is a decode.
+        if request.num_computed < cache.seq_len(seq_id)? {
+            return self.schedule_prefill(cache, seq_id, remaining, budget, rows);
+        }
+        // A decode: one more slot, which may need a block, and a copy-on-write one: make
+        // room by preempting the newest, lowest-priority sequences (possibly this one).
+        while cache.num_free_blocks() < 2 {
+            if cache.blocks_to_append(seq_id, 1)? <= cache.num_free_blocks() {
+                break;
+            }
+            let victim = self.pick_victim(seq_id);
+            self.preempt(cache, victim, plan)?;
+            if victim == seq_id {
+                return Ok(());
+            }
+        }
+        let Some(request) = self.requests.get_mut(&seq_id) else {
+            return Ok(());
+        };
+        // The last sampled token's id joins the sequence's history with its slot.
+        let last = request.num_tokens() - 1;
+        let token_id = request.token_ids.get(last..).filter(|_| request.has_ids);
+        cache.append_tokens(&[seq_id], 1, token_id, &mut self.scratch_slots)?;
+        request.num_computed += 1;
+        cache.mark_computed(seq_id, Some(request.num_computed))?;
+        rows.push(ScheduledRow {
+            seq_id,
+            num_tokens: 1,
+            prefill: false,
+        });
+        *budget -= 1;
+        Ok(())
+    }
+
+    /// Phase 2: swapped-out sequences come back (oldest preemption first) while blocks beyond
+    /// the watermark and `max_num_seqs` allow.
+    fn swap_in_swapped(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        while let Some(&key) = self.swapped.first() {
+            let seq_id = key.2;
+            let blocks = cache.block_table(seq_id)?.len();
+            if self.running.len() >= self.config.max_num_seqs
+                || blocks + self.watermark_blocks(cache) > cache.num_free_blocks()
+            {
+                break;
+            }
+            cache.swap_in(&[seq_id])?;
+            self.swapped.remove(&key);
+            self.resume(seq_id, State::Running);
+        }
+        Ok(())
+    }
+
+    /// Phase 3: waiting requests that have arrived, by priority then arrival, while their
+    /// whole prompt's blocks (beyond the watermark) are free; prefix hits count as computed.
+    fn admit_waiting(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        budget: &mut usize,
+        rows: &mut Vec<ScheduledRow>,
+    ) -> CoreResult<()> {
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let requests = &self.requests;
+            let Some(&key) = self.waiting.iter().find(|&&(_, _, id)| {
+                requests
+                    .get(&id)
+                    .is_some_and(|r| r.arrival_ns <= now_ns && !r.awaiting_token)
+            }) else {
+                break;
+            };
+            let seq_id = key.2;
+            let request = self.request(seq_id)?;
+            let total = request.num_tokens();
+            let needed = cache.blocks_to_allocate(request.tokens(), None)?;
+            if needed + self.watermark_blocks(cache) > cache.num_free_blocks() {
+                break;
+            }
+            let cached = cache.alloc_sequence(seq_id, request.tokens(), None)?;
+            self.waiting.remove(&key);
+            self.resume(seq_id, State::Running);
+            self.request_mut(seq_id)?.num_computed = cached;
+            // Without chunking, a prompt larger than what is left of the budget waits, with
+            // its blocks, for a later step.
+            self.schedule_prefill(cache, seq_id, total - cached, budget, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget`.
+    fn schedule_prefill(
+        &mut self,
+        cache: &mut KvCache,
+        seq_id: u64,
+        remaining: usize,
+        budget: &mut usize,
+        rows: &mut Vec<ScheduledRow>,
+    ) -> CoreResult<()> {
+        let chunk = remaining.min(*budget);
+        // Without chunked prefill a prompt waits for a step with room for all of it — unless
+        // no step ever has (the budget was lowered after it was accepted): then it is chunked.
+        let never_fits = remaining > self.config.max_num_batched_tokens;
+        if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill && !never_fits) {
+            return Ok(());
+        }
+        let request = self.request_mut(seq_id)?;
+        request.num_computed += chunk;
+        cache.mark_computed(seq_id, Some(request.num_computed))?;
+        rows.push(ScheduledRow {
+            seq_id,
+            num_tokens: chunk,
+            prefill: true,
+        });
+        *budget -= chunk;
+        Ok(())
+    }
+
+    fn resume(&mut self, seq_id: u64, state: State) {
+        let admitted = self.next_admission;
+        self.next_admission += 1;
+        if let Some(request) = self.requests.get_mut(&seq_id) {
+            request.state = state;
+            request.admitted = admitted;
+        }
+        self.running.push(seq_id);
+    }
+
+    /// The newest, lowest-priority running sequence.
+    fn pick_victim(&self, fallback: u64) -> u64 {
+        self.running
+            .iter()
+            .copied()
+            .max_by_key(|id| {
+                self.requests
+                    .get(id)
+                    .map(|r| (r.priority, r.admitted))
+                    .unwrap_or_default()
+            })
+            .unwrap_or(fallback)
+    }
+
+    /// Swaps the sequence out if the host tier has room (with `Preemption::Swap`), else
+    /// frees its blocks to recompute it later; either way it resumes before new arrivals.
+    fn preempt(&mut self, cache: &mut KvCache, seq_id: u64, plan: &mut StepPlan) -> CoreResult<()> {
+        self.running.retain(|&id| id != seq_id);
+        self.num_preemptions += 1;
+        plan.preempted_seq_ids.push(seq_id);
+        let Some(request) = self.requests.get_mut(&seq_id) else {
+            return Ok(());
+        };
+        let blocks = cache.block_table(seq_id)?.len();
+        let swap =
+            self.config.preemption == Preemption::Swap && blocks <= cache.num_free_host_blocks();
+        request.queue_key = self.next_front;
+        self.next_front -= 1;
+        if swap {
+            cache.swap_out(&[seq_id])?;
+            request.state = State::Swapped;
+            self.swapped.insert(request.queue_key(seq_id));
+        } else {
+            // Recompute: everything known so far becomes the prompt of a fresh prefill.
+            cache.free_sequence(seq_id)?;
+            request.num_computed = 0;
+            request.state = State::Waiting;
+            self.waiting.insert(request.queue_key(seq_id));
+        }
+        Ok(())
+    }
+
+    /// Turns the scheduled rows into the plan: prefills first, then decodes, each in
+    /// scheduling order.
+    fn build_plan(
+        &mut self,
+        cache: &mut KvCache,
+        rows: &[ScheduledRow],
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        let prefills = rows.iter().filter(|row| row.prefill);
+        let decodes = rows.iter().filter(|row| !row.prefill);
+        plan.query_start_loc.push(0);
+        for row in prefills.chain(decodes) {
+            self.add_row(cache, row, plan)?;
+        }
+        for seq_id in &plan.sample_seq_ids {
+            if let Some(request) = self.requests.get_mut(seq_id) {
+                request.awaiting_token = true;
+            }
+        }
+        cache.take_moves(&mut plan.moves);
+        plan.finished_seq_ids.append(&mut self.finished_since_plan);
+        self.in_flight.extend_from_slice(&plan.prefill_seq_ids);
+        self.in_flight.extend_from_slice(&plan.decode_seq_ids);
+        Ok(())
+    }
+
+    fn add_row(&self, cache: &KvCache, row: &ScheduledRow, plan: &mut StepPlan) -> CoreResult<()> {
+        let ScheduledRow {
+            seq_id,
+            num_tokens,
+            prefill,
+        } = *row;
+        let request = self.request(seq_id)?;
+        if prefill {
+            plan.prefill_seq_ids.push(seq_id);
+            plan.prefill_tokens.push(num_tokens as i32);
+        } else {
+            plan.decode_seq_ids.push(seq_id);
+        }
+        let end = request.num_computed;
+        let start = end - num_tokens;
+        plan.num_batched_tokens += num_tokens;
+        if end == request.num_tokens() {
+            plan.sample_seq_ids.push(seq_id);
+            plan.logits_indices.push(plan.num_batched_tokens as i32 - 1);
+        }
+        plan.query_lens.push(num_tokens as i32);
+        plan.context_lens.push(end as i32);
+        plan.query_start_loc.push(plan.num_batched_tokens as i32);
+        match request.has_ids {
+            true => plan
+                .input_ids
+                .extend(request.token_ids[start..end].iter().map(|&id| id as i32)),
+            false => plan.input_ids.resize(plan.num_batched_tokens, -1),
+        }
+        plan.positions.extend(start as i32..end as i32);
+        let (blocks, _, _) = cache.row_view(seq_id)?;
+        let block_size = cache.block_size();
+        plan.slot_mapping.extend((start..end).map(|position| {
+            (blocks[position / block_size] as usize * block_size + position % block_size) as i32
+        }));
+        plan.block_table_width = plan.block_table_width.max(blocks.len());
+        Ok(())
+    }
+}

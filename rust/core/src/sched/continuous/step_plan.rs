@@ -1,0 +1,83 @@
+//! The decisions of one step and the inputs a paged-attention runner feeds its kernels.
+
+use crate::kv_cache::BlockMove;
+
+/// kernels (named as vLLM's model runner names them). Batch rows are the scheduled sequences,
+/// prefills first; token arrays are flat over the rows' tokens, row by row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub prefill_seq_ids: Vec<u64>,
+    pub prefill_tokens: Vec<i32>,
+    pub decode_seq_ids: Vec<u64>,
+    /// Sequences whose step ends with a sampled token (decodes and finished prefills).
+    pub sample_seq_ids: Vec<u64>,
+    pub preempted_seq_ids: Vec<u64>,
+    /// Requests that ended (finished or aborted) since the previous plan.
+    pub finished_seq_ids: Vec<u64>,
+    /// Block moves, in the order they must be executed (before the model runs).
+    pub moves: Vec<BlockMove>,
+    /// Per batch row: tokens computed this step, and K/V length after it (`seq_lens`).
+    pub query_lens: Vec<i32>,
+    pub context_lens: Vec<i32>,
+    /// `[rows + 1]`: where each row's tokens start in the flat token arrays.
+    pub query_start_loc: Vec<i32>,
+    /// Columns the rows' block tables need (the most blocks of any row); the table itself
+    /// is written in place by [`ContinuousScheduler::write_block_tables`].
+    pub block_table_width: usize,
+    /// Per token: its id (prompt ids, then the last sampled token; -1 when the request was
+    /// given as a token count), its position in its sequence, and its K/V slot.
+    pub input_ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slot_mapping: Vec<i32>,
+    /// Per sampling row (in `sample_seq_ids` order): the flat index of its last token.
+    pub logits_indices: Vec<i32>,
+    pub num_batched_tokens: usize,
+}
+
+impl StepPlan {
+    /// Empties every field, keeping the buffers' capacity.
+    pub fn clear(&mut self) {
+        let StepPlan {
+            prefill_seq_ids,
+            prefill_tokens,
+            decode_seq_ids,
+            sample_seq_ids,
+            preempted_seq_ids,
+            finished_seq_ids,
+            moves,
+            query_lens,
+            context_lens,
+            query_start_loc,
+            block_table_width,
+            input_ids,
+            positions,
+            slot_mapping,
+            logits_indices,
+            num_batched_tokens,
+        } = self;
+        for ids in [
+            prefill_seq_ids,
+            decode_seq_ids,
+            sample_seq_ids,
+            preempted_seq_ids,
+            finished_seq_ids,
+        ] {
+            ids.clear();
+        }
+        for cells in [
+            prefill_tokens,
+            query_lens,
+            context_lens,
+            query_start_loc,
+            input_ids,
+            positions,
+            slot_mapping,
+            logits_indices,
+        ] {
+            cells.clear();
+        }
+        moves.clear();
+        *block_table_width = 0;
+        *num_batched_tokens = 0;
+    }
+}

@@ -1,0 +1,14 @@
+//! Scheduling: which requests run when.
+//!
+//! - [`continuous`]: continuous batching over a KV cache (Orca / vLLM), one step plan per
+//!   model forward, with chunked prefill, preemption and the persistent block table.
+//! - [`request_batcher`]: whole requests grouped into batches of at most `max_batch_size`
+//!   or after `timeout_ms` (ATB's DynamicBatchScheduler, Triton's dynamic batcher).
+
+mod continuous;
+mod request_batcher;
+
+pub use continuous::{
+    BlockTableWriter, ContinuousScheduler, Preemption, SchedulerConfig, StepPlan,
+};
+pub use request_batcher::{BatcherConfig, Poll, RequestBatcher, TimeoutAction};
