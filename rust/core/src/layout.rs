@@ -34,6 +34,14 @@ impl KvDtype {
         }
     }
 
+    /// Every dtype, by name.
+    pub const ALL: [KvDtype; 4] = [
+        KvDtype::Float16,
+        KvDtype::BFloat16,
+        KvDtype::Float32,
+        KvDtype::Int8,
+    ];
+
     pub fn itemsize(self) -> usize {
         match self {
             KvDtype::Float16 | KvDtype::BFloat16 => 2,
@@ -73,6 +81,11 @@ impl KvLayout {
             ensure!(value != 0, "{name} must be at least 1, got 0");
         }
         Ok(())
+    }
+
+    /// Bytes of K plus V for one token across all layers, `None` on overflow.
+    pub fn bytes_per_token(&self) -> Option<usize> {
+        self.bytes_per_block(1)
     }
 
     /// Bytes of K plus V for one block across all layers, `None` on overflow.

@@ -17,6 +17,8 @@
 
 #[macro_use]
 mod error;
+#[macro_use]
+mod figures;
 mod alloc;
 mod kv_cache;
 mod layout;
@@ -27,6 +29,7 @@ pub use alloc::{
     PrefixCacheCounters, MAX_BOOKKEEPING_BYTES, MAX_SLOTS, NULL_BLOCK,
 };
 pub use error::{CoreError, CoreResult};
+pub use figures::{Figure, Figures};
 pub use kv_cache::{
     pairs_of, BatchTable, BlockMove, KvCache, KvCacheStats, MoveKind, Tokens, PAD_SLOT,
     SEQUENCE_BYTES,

@@ -1,16 +1,15 @@
 //! Python bindings of atb-mem: argument conversion, locking and error mapping around the
-//! Rust core. No policy lives here.
+//! Rust core. No policy lives here. The folders mirror the core's: `alloc` (MemPool),
+//! `kv_cache` (the cache, its batch table, byte movers and transactions), `sched` (the
+//! continuous scheduler, its step plan, the request batcher).
 
+mod alloc;
 mod convert;
 mod errors;
-mod host_copy;
 mod kv_cache;
+mod layout;
 mod lock;
-mod mem_pool;
-mod request_batcher;
-mod scheduler;
-mod step_plan;
-mod transfer;
+mod sched;
 
 use pyo3::prelude::*;
 
@@ -19,14 +18,16 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
     module.add_class::<kv_cache::PyKvCachePool>()?;
     module.add_class::<kv_cache::PyBatchTable>()?;
-    module.add_class::<mem_pool::PyMemPool>()?;
-    module.add_class::<mem_pool::PyAllocation>()?;
-    module.add_class::<mem_pool::HostRegion>()?;
-    module.add_class::<request_batcher::PyRequestBatcher>()?;
-    module.add_class::<scheduler::PyContinuousScheduler>()?;
-    module.add_class::<step_plan::PyStepPlan>()?;
-    module.add_function(wrap_pyfunction!(host_copy::scatter_rows, module)?)?;
-    module.add_function(wrap_pyfunction!(host_copy::copy_blocks, module)?)?;
+    module.add_class::<alloc::PyMemPool>()?;
+    module.add_class::<alloc::PyAllocation>()?;
+    module.add_class::<alloc::HostRegion>()?;
+    module.add_class::<sched::PyRequestBatcher>()?;
+    module.add_class::<sched::PyContinuousScheduler>()?;
+    module.add_class::<sched::PyStepPlan>()?;
+    module.add_function(wrap_pyfunction!(kv_cache::host_copy::scatter_rows, module)?)?;
+    module.add_function(wrap_pyfunction!(kv_cache::host_copy::copy_blocks, module)?)?;
+    module.add_function(wrap_pyfunction!(layout::kv_layout_bytes, module)?)?;
+    module.add("KV_DTYPES", layout::dtype_names())?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
     module.add("PAD_SLOT", atb_mem_core::PAD_SLOT)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;

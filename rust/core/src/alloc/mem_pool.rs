@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::alloc::fallible::check_bookkeeping;
 use crate::alloc::range_allocator::{AllocFailure, RangeAllocator};
 use crate::error::{CoreError, CoreResult};
+use crate::figures::{Figure, Figures};
 
 /// Largest region a pool manages.
 pub const MAX_CAPACITY: u64 = 1 << 48;
@@ -64,6 +65,7 @@ pub struct PoolAllocation {
 pub struct MemPoolStats {
     pub capacity: u64,
     pub alignment: u64,
+    pub policy: AlignmentPolicy,
     pub allocated_bytes: u64,
     pub allocated_bytes_peak: u64,
     pub requested_bytes: u64,
@@ -81,6 +83,32 @@ pub struct MemPoolStats {
     pub num_frees: u64,
     pub num_ooms: u64,
     pub max_allocations: u64,
+}
+
+/// Named as torch's `memory_stats()` names them, where it has the figure.
+impl Figures for MemPoolStats {
+    fn figures(&self) -> Vec<(&'static str, Figure)> {
+        figures![
+            "capacity" => self.capacity,
+            "alignment" => self.alignment,
+            "policy" => self.policy.name(),
+            "allocated_bytes.current" => self.allocated_bytes,
+            "allocated_bytes.peak" => self.allocated_bytes_peak,
+            "requested_bytes.current" => self.requested_bytes,
+            "reserved_bytes.current" => self.reserved_bytes,
+            "reserved_bytes.peak" => self.reserved_bytes_peak,
+            "active_allocations.current" => self.active_allocations,
+            "free_bytes" => self.free_bytes,
+            "largest_free" => self.largest_free,
+            "free_ranges" => self.free_ranges,
+            "fragmentation" => self.fragmentation,
+            "sawicki_fragmentation" => self.sawicki_fragmentation,
+            "num_allocs" => self.num_allocs,
+            "num_frees" => self.num_frees,
+            "num_ooms" => self.num_ooms,
+            "max_allocations" => self.max_allocations,
+        ]
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -374,6 +402,7 @@ impl MemPool {
         MemPoolStats {
             capacity: self.capacity,
             alignment: self.alignment,
+            policy: self.policy,
             allocated_bytes: self.allocated_bytes,
             allocated_bytes_peak: self.allocated_bytes_peak,
             requested_bytes: self.requested_bytes,

@@ -2,6 +2,7 @@
 
 use super::{KvCache, Sequence};
 use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
+use crate::figures::{Figure, Figures};
 
 /// Counters and sizes reported by [`KvCache::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -27,6 +28,53 @@ pub struct KvCacheStats {
     pub host_blocks: usize,
     pub host_blocks_used: usize,
     pub num_swapped: usize,
+}
+
+impl KvCacheStats {
+    /// Prefix-cache hits per lookup (0 before the first lookup).
+    pub fn prefix_cache_hit_rate(&self) -> f64 {
+        match self.prefix_cache_queries {
+            0 => 0.0,
+            queries => self.prefix_cache_hits as f64 / queries as f64,
+        }
+    }
+
+    /// Bytes of K/V the blocks hold in all, the null block included.
+    pub fn bytes_total(&self) -> u128 {
+        self.bytes_per_block as u128 * self.num_blocks as u128
+    }
+}
+
+impl Figures for KvCacheStats {
+    fn figures(&self) -> Vec<(&'static str, Figure)> {
+        figures![
+            "num_blocks" => self.num_blocks,
+            "block_size" => self.block_size,
+            "blocks_total" => self.num_blocks,
+            // The null block: padding in block tables, never handed out.
+            "blocks_reserved" => 1usize,
+            "blocks_used" => self.blocks_used,
+            "blocks_free" => self.blocks_free,
+            "blocks_cached" => self.blocks_cached,
+            "num_sequences" => self.num_sequences,
+            "num_tokens" => self.num_tokens,
+            "allocated_slots" => self.allocated_slots,
+            "used_slots" => self.used_slots,
+            "fragmentation" => self.fragmentation,
+            "prefix_cache_queries" => self.prefix_cache_queries,
+            "prefix_cache_hits" => self.prefix_cache_hits,
+            "prefix_cache_query_tokens" => self.prefix_cache_query_tokens,
+            "prefix_cache_hit_tokens" => self.prefix_cache_hit_tokens,
+            "prefix_cache_hit_rate" => self.prefix_cache_hit_rate(),
+            "evictions" => self.evictions,
+            "pending_copies" => self.pending_copies,
+            "bytes_per_block" => self.bytes_per_block,
+            "bytes_total" => self.bytes_total(),
+            "host_blocks" => self.host_blocks,
+            "host_blocks_used" => self.host_blocks_used,
+            "num_swapped" => self.num_swapped,
+        ]
+    }
 }
 
 impl KvCache {

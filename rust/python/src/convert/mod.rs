@@ -1,4 +1,4 @@
-//! Python arguments into core types: every check of type and range a caller can get wrong,
+//! Python arguments into core types (and core results back, in `arrays`): every check of type and range a caller can get wrong,
 //! with a message that names the argument. Numpy arrays of the natural dtype are borrowed,
 //! not copied.
 
@@ -9,6 +9,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
 use crate::errors::{type_error, value_error};
+
+mod args;
+mod arrays;
+
+pub use args::{
+    BlockPairs, CacheSalt, Count, Dtype, Nanos, Positions, Prompt, SeqId, SeqIds, TokenIds,
+};
+pub use arrays::{figures_to_dict, narrow_slots, pairs_to_array, to_2d};
 
 const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
 
@@ -147,13 +155,7 @@ impl<Signed: numpy::Element, Unsigned: numpy::Element> Ints<'_, Signed, Unsigned
     }
 }
 
-/// Sequence ids: a list/tuple of ints or a 1-D numpy integer array.
-pub type SeqIds<'py> = Ints<'py, i64, u64>;
-
-/// Token ids, each in `[0, 2**32)`.
-pub type TokenIds<'py> = Ints<'py, i32, u32>;
-
-pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<SeqIds<'py>> {
+pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Ints<'py, i64, u64>> {
     if let Some(array) = as_array(obj) {
         if array.ndim() != 1 {
             return Err(value_error(format!(
@@ -228,7 +230,7 @@ pub fn token_ids<'py>(
     obj: &Bound<'py, PyAny>,
     what: &str,
     shape: Option<[usize; 2]>,
-) -> PyResult<TokenIds<'py>> {
+) -> PyResult<Ints<'py, i32, u32>> {
     let array = match as_array(obj) {
         Some(array) => array,
         None if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() => {
@@ -357,23 +359,6 @@ pub fn positions(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
     }
     Err(type_error(format!(
         "{what} must be a list of ints or a 1-D numpy integer array, got {}",
-        type_name(obj)
-    )))
-}
-
-/// `cache_salt`: str or bytes.
-pub fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
-    let Some(obj) = obj.filter(|obj| !obj.is_none()) else {
-        return Ok(None);
-    };
-    if let Ok(text) = obj.cast::<pyo3::types::PyString>() {
-        return Ok(Some(text.to_str()?.as_bytes().to_vec()));
-    }
-    if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
-        return Ok(Some(bytes.as_bytes().to_vec()));
-    }
-    Err(type_error(format!(
-        "cache_salt must be str or bytes, got {}",
         type_name(obj)
     )))
 }

@@ -1,20 +1,18 @@
 //! `ContinuousBatchScheduler`'s core: convert, lock (the KV cache, then the scheduler, as
 //! every caller does), call, map errors. One `step` call builds every array of the plan.
 
-use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan, Tokens};
 use std::sync::Mutex;
 
+use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
-use crate::convert;
-use crate::errors::block_move_error;
-use crate::errors::{type_error, value_error, IntoPyResult};
-use crate::kv_cache::PyKvCachePool;
+use super::step_plan::PyStepPlan;
+use crate::convert::{self, Count, Nanos, Prompt, SeqId, SeqIds, TokenIds};
+use crate::errors::{block_move_error, type_error, value_error, IntoPyResult};
+use crate::kv_cache::{transfer, PyKvCachePool};
 use crate::lock::{lock, Guard, PyLock};
-use crate::step_plan::PyStepPlan;
-use crate::transfer;
 
 /// The configuration from a dict with the keys `config()` returns.
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
@@ -160,27 +158,24 @@ impl PyContinuousScheduler {
     #[pyo3(signature = (seq_id, prompt, max_new_tokens, priority, arrival_ns))]
     fn add_request(
         &self,
-        seq_id: &Bound<'_, PyAny>,
-        prompt: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
-        priority: &Bound<'_, PyAny>,
-        arrival_ns: &Bound<'_, PyAny>,
+        seq_id: SeqId,
+        prompt: Prompt<'_>,
+        max_new_tokens: Count<1>,
+        priority: Count<0>,
+        arrival_ns: Nanos,
     ) -> PyResult<()> {
-        let seq_id = convert::seq_id(seq_id, "seq_id")?;
-        let max_new_tokens = convert::count(max_new_tokens, "max_new_tokens", 1)?;
-        let priority = u32::try_from(convert::count(priority, "priority", 0)?)
+        let priority = u32::try_from(priority.get())
             .map_err(|_| value_error("priority must be below 2**32"))?;
-        let arrival_ns = convert::count(arrival_ns, "arrival_time", 0)? as u64;
-        let ids;
-        let tokens = if convert::is_sequence_like(prompt) {
-            ids = convert::token_ids(prompt, "prompt", None)?;
-            Tokens::Ids(ids.as_slice())
-        } else {
-            Tokens::Count(convert::count(prompt, "prompt", 1)?)
-        };
         let cache = self.pool.get().lock()?;
         self.lock()?
-            .add_request(&cache, seq_id, tokens, max_new_tokens, priority, arrival_ns)
+            .add_request(
+                &cache,
+                seq_id.0,
+                prompt.tokens(),
+                max_new_tokens.get(),
+                priority,
+                arrival_ns.as_u64(),
+            )
             .into_py_result()
     }
 
@@ -194,11 +189,11 @@ impl PyContinuousScheduler {
     fn step<'py>(
         &self,
         py: Python<'py>,
-        now_ns: &Bound<'py, PyAny>,
-        execute: Option<&Bound<'py, PyAny>>,
+        now_ns: Nanos,
+        execute: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyStepPlan> {
-        let now_ns = convert::count(now_ns, "now", 0)? as u64;
-        let execute = execute.filter(|execute| !execute.is_none());
+        let now_ns = now_ns.as_u64();
+        let execute = execute.as_ref();
         let mut plan = StepPlan::default();
         let tables = {
             let mut cache = self.pool.get().lock_running_python()?;
@@ -238,15 +233,13 @@ impl PyContinuousScheduler {
     fn on_tokens<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'py, PyAny>,
-        token_ids: &Bound<'py, PyAny>,
-        eos_token_id: Option<&Bound<'py, PyAny>>,
+        seq_ids: SeqIds<'py>,
+        token_ids: TokenIds<'py>,
+        eos_token_id: Option<Count<0>>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-        let seq_ids = convert::seq_ids(seq_ids, "seq_ids")?;
-        let token_ids = convert::token_ids(token_ids, "token_ids", None)?;
-        let eos = match eos_token_id.filter(|eos| !eos.is_none()) {
+        let eos = match eos_token_id {
             Some(eos) => Some(
-                u32::try_from(convert::count(eos, "eos_token_id", 0)?)
+                u32::try_from(eos.get())
                     .map_err(|_| value_error("eos_token_id must be below 2**32"))?,
             ),
             None => None,
@@ -268,15 +261,15 @@ impl PyContinuousScheduler {
     }
 
     /// Ends a request wherever it is and frees its blocks.
-    fn abort(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+    fn abort(&self, seq_id: SeqId) -> PyResult<()> {
+        let seq_id = seq_id.0;
         let mut cache = self.pool.get().lock()?;
         self.lock()?.abort(&mut cache, seq_id).into_py_result()
     }
 
     /// (prompt length, tokens sampled so far, max_new_tokens).
-    fn progress(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<(usize, usize, usize)> {
-        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+    fn progress(&self, seq_id: SeqId) -> PyResult<(usize, usize, usize)> {
+        let seq_id = seq_id.0;
         self.lock()?.progress(seq_id).into_py_result()
     }
 
@@ -290,8 +283,8 @@ impl PyContinuousScheduler {
         Ok(dict)
     }
 
-    fn __contains__(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let seq_id = convert::seq_id(seq_id, "seq_id")?;
+    fn __contains__(&self, seq_id: SeqId) -> PyResult<bool> {
+        let seq_id = seq_id.0;
         Ok(self.lock()?.contains(seq_id))
     }
 

@@ -5,8 +5,8 @@ use atb_mem_core::{pairs_of, BlockMove, MoveKind, StepPlan};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 
-use crate::kv_cache::pairs_to_array;
-use crate::transfer::moves_to_array;
+use crate::convert::pairs_to_array;
+use crate::kv_cache::transfer::moves_to_array;
 
 /// One step's decisions, and the arrays a paged-attention model runner feeds its kernels
 /// (vLLM's model-runner names). Rows are the scheduled sequences, prefills first. All int32

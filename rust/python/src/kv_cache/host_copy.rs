@@ -8,9 +8,10 @@
 
 use std::borrow::Cow;
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use crate::convert::BlockPairs;
 use crate::errors::value_error;
 
 /// Copies smaller than this run with the GIL held: releasing it costs more than they do.
@@ -137,13 +138,9 @@ pub fn copy_blocks(
     src: Option<&Bound<'_, PyArray1<u8>>>,
     src_blocks: usize,
     chunk_bytes: usize,
-    pairs: PyReadonlyArray2<'_, i32>,
+    pairs: BlockPairs,
 ) -> PyResult<()> {
     let dst_extent = extent(dst, "dst")?;
-    let pairs = pairs.as_array();
-    if pairs.ncols() != 2 {
-        return Err(value_error("pairs must have shape [k, 2]"));
-    }
     let group_bytes = checked(dst_blocks, chunk_bytes, "dst_blocks × chunk_bytes")?;
     if group_bytes == 0 || dst_extent.1 % group_bytes != 0 {
         return Err(value_error(
@@ -172,15 +169,14 @@ pub fn copy_blocks(
             ));
         }
     }
-    let mut moves = Vec::with_capacity(pairs.nrows());
-    for pair in pairs.rows() {
-        let (from, to) = (pair[0], pair[1]);
-        if from < 0 || to < 0 || from as usize >= src_blocks || to as usize >= dst_blocks {
-            return Err(value_error(format!(
-                "block pair ({from}, {to}) is out of range"
-            )));
-        }
-        moves.push((from as usize, to as usize));
+    let moves = pairs.0;
+    if let Some([from, to]) = moves
+        .iter()
+        .find(|&&[from, to]| from >= src_blocks || to >= dst_blocks)
+    {
+        return Err(value_error(format!(
+            "block pair ({from}, {to}) is out of range"
+        )));
     }
     let mut dst = destination(dst)?;
     let dst = dst
@@ -192,7 +188,7 @@ pub fn copy_blocks(
         .saturating_mul(chunk_bytes);
     run(py, total, || {
         for group in 0..groups {
-            for &(from, to) in &moves {
+            for &[from, to] in &moves {
                 let to = (group * dst_blocks + to) * chunk_bytes;
                 match &src_bytes {
                     Some(src) => {

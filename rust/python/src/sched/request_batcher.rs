@@ -7,7 +7,7 @@ use atb_mem_core::{BatcherConfig, RequestBatcher, TimeoutAction};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert;
+use crate::convert::{self, Count, Nanos, SeqId};
 use crate::errors::{value_error, IntoPyResult};
 use crate::lock::lock;
 
@@ -117,29 +117,28 @@ impl PyRequestBatcher {
     #[pyo3(signature = (request_id, priority, now_ns, timeout_ns=None))]
     fn submit(
         &self,
-        request_id: &Bound<'_, PyAny>,
-        priority: &Bound<'_, PyAny>,
-        now_ns: &Bound<'_, PyAny>,
-        timeout_ns: Option<&Bound<'_, PyAny>>,
+        request_id: SeqId,
+        priority: Count<0>,
+        now_ns: Nanos,
+        timeout_ns: Option<Nanos>,
     ) -> PyResult<()> {
-        let request_id = convert::seq_id(request_id, "request_id")?;
-        let priority = convert::count(priority, "priority", 0)?;
-        let now_ns = convert::count(now_ns, "now_ns", 0)? as u64;
-        let timeout_ns = ns(timeout_ns, "timeout_ns")?;
+        let request_id = request_id.0;
+        let (priority, now_ns) = (priority.get(), now_ns.as_u64());
+        let timeout_ns = timeout_ns.map(Nanos::as_u64);
         self.lock()
             .submit(request_id, priority, now_ns, timeout_ns)
             .into_py_result()
     }
 
     /// Takes a request out of the queue; False if it was not queued.
-    fn cancel(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let request_id = convert::seq_id(request_id, "request_id")?;
+    fn cancel(&self, request_id: SeqId) -> PyResult<bool> {
+        let request_id = request_id.0;
         Ok(self.lock().cancel(request_id))
     }
 
     /// (batch ids, expired ids, next wake-up in ns or None) at time `now_ns`.
-    fn poll(&self, now_ns: &Bound<'_, PyAny>) -> PyResult<(Vec<u64>, Vec<u64>, Option<u64>)> {
-        let now_ns = convert::count(now_ns, "now_ns", 0)? as u64;
+    fn poll(&self, now_ns: Nanos) -> PyResult<(Vec<u64>, Vec<u64>, Option<u64>)> {
+        let now_ns = now_ns.as_u64();
         let poll = self.lock().poll(now_ns);
         Ok((poll.batch, poll.expired, poll.next_wakeup_ns))
     }
@@ -153,8 +152,8 @@ impl PyRequestBatcher {
         self.lock().len()
     }
 
-    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let request_id = convert::seq_id(request_id, "request_id")?;
+    fn __contains__(&self, request_id: SeqId) -> PyResult<bool> {
+        let request_id = request_id.0;
         Ok(self.lock().contains(request_id))
     }
 }

@@ -15,7 +15,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use crate::convert;
+use crate::convert::{self, Count};
 use crate::errors::{invalid_handle, to_py_err, type_error, value_error, IntoPyResult};
 use crate::lock::lock;
 
@@ -83,13 +83,9 @@ impl HostRegion {
 impl HostRegion {
     #[new]
     #[pyo3(signature = (nbytes, alignment=None), text_signature = "(nbytes, alignment=4096)")]
-    fn new(nbytes: &Bound<'_, PyAny>, alignment: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let nbytes = convert::count(nbytes, "nbytes", 1)?;
-        let alignment = match alignment {
-            Some(alignment) => convert::count(alignment, "alignment", 1)?,
-            None => 4096,
-        };
-        HostRegion::allocate(nbytes, alignment, "nbytes")
+    fn new(nbytes: Count<1>, alignment: Option<Count<1>>) -> PyResult<Self> {
+        let alignment = alignment.map_or(4096, Count::get);
+        HostRegion::allocate(nbytes.get(), alignment, "nbytes")
     }
 
     /// Base address of the region.
@@ -271,10 +267,10 @@ impl PyMemPool {
     fn new(
         py: Python<'_>,
         capacity: &Bound<'_, PyAny>,
-        alignment: Option<&Bound<'_, PyAny>>,
+        alignment: Option<Count<1>>,
         policy: Option<&str>,
         backing: BackingArg,
-        max_allocations: Option<&Bound<'_, PyAny>>,
+        max_allocations: Option<Count<1>>,
     ) -> PyResult<Self> {
         let capacity = match convert::count(capacity, "capacity", 1) {
             Ok(capacity) => capacity as u64,
@@ -285,14 +281,8 @@ impl PyMemPool {
             }
             Err(error) => return Err(error),
         };
-        let alignment = match alignment {
-            Some(alignment) => convert::count(alignment, "alignment", 1)? as u64,
-            None => 64,
-        };
-        let max_allocations = match max_allocations {
-            Some(limit) => convert::count(limit, "max_allocations", 1)?,
-            None => 1 << 16,
-        };
+        let alignment = alignment.map_or(64, Count::as_u64);
+        let max_allocations = max_allocations.map_or(1 << 16, Count::get);
         let max_allocations = u32::try_from(max_allocations)
             .map_err(|_| value_error(format!("max_allocations is too large: {max_allocations}")))?;
         let policy = AlignmentPolicy::parse(policy.unwrap_or("default")).into_py_result()?;
@@ -367,14 +357,12 @@ impl PyMemPool {
     }
 
     /// Bytes `malloc(size)` would take.
-    fn rounded_size(&self, size: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let size = convert::count(size, "size", 1)? as u64;
-        Ok(self.lock()?.pool.rounded_size(size))
+    fn rounded_size(&self, size: Count<1>) -> PyResult<u64> {
+        Ok(self.lock()?.pool.rounded_size(size.as_u64()))
     }
 
-    fn malloc(&self, size: &Bound<'_, PyAny>) -> PyResult<PyAllocation> {
-        let size = convert::count(size, "size", 1)? as u64;
-        let allocation = self.lock()?.pool.malloc(size).into_py_result()?;
+    fn malloc(&self, size: Count<1>) -> PyResult<PyAllocation> {
+        let allocation = self.lock()?.pool.malloc(size.as_u64()).into_py_result()?;
         Ok(self.handle(allocation))
     }
 
@@ -487,9 +475,8 @@ impl PyMemPool {
 
     /// Gives back the free tail of the region beyond `min_bytes_to_keep`; returns the bytes
     /// released. A later `malloc` that needs them takes them back.
-    fn trim_to(&self, min_bytes_to_keep: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let keep = convert::count(min_bytes_to_keep, "min_bytes_to_keep", 0)? as u64;
-        Ok(self.lock()?.pool.trim_to(keep))
+    fn trim_to(&self, min_bytes_to_keep: Count<0>) -> PyResult<u64> {
+        Ok(self.lock()?.pool.trim_to(min_bytes_to_keep.as_u64()))
     }
 
     /// Frees everything and drops the pool's reference to its bytes (views keep theirs).
@@ -503,30 +490,8 @@ impl PyMemPool {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (stats, policy) = {
-            let state = self.lock()?;
-            (state.pool.stats(), state.pool.policy().name())
-        };
-        let dict = PyDict::new(py);
-        dict.set_item("capacity", stats.capacity)?;
-        dict.set_item("alignment", stats.alignment)?;
-        dict.set_item("policy", policy)?;
-        dict.set_item("allocated_bytes.current", stats.allocated_bytes)?;
-        dict.set_item("allocated_bytes.peak", stats.allocated_bytes_peak)?;
-        dict.set_item("requested_bytes.current", stats.requested_bytes)?;
-        dict.set_item("reserved_bytes.current", stats.reserved_bytes)?;
-        dict.set_item("reserved_bytes.peak", stats.reserved_bytes_peak)?;
-        dict.set_item("active_allocations.current", stats.active_allocations)?;
-        dict.set_item("free_bytes", stats.free_bytes)?;
-        dict.set_item("largest_free", stats.largest_free)?;
-        dict.set_item("free_ranges", stats.free_ranges)?;
-        dict.set_item("fragmentation", stats.fragmentation)?;
-        dict.set_item("sawicki_fragmentation", stats.sawicki_fragmentation)?;
-        dict.set_item("num_allocs", stats.num_allocs)?;
-        dict.set_item("num_frees", stats.num_frees)?;
-        dict.set_item("num_ooms", stats.num_ooms)?;
-        dict.set_item("max_allocations", stats.max_allocations)?;
-        Ok(dict)
+        let stats = self.lock()?.pool.stats();
+        convert::figures_to_dict(py, &stats)
     }
 
     /// Live allocations in address order: dicts of offset, size, requested and ptr.

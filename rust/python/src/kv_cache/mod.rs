@@ -1,0 +1,518 @@
+//! `KVCachePool`: convert, lock, call the core, map errors. Its batch table, the byte
+//! movers for host backings and the plan → execute → commit transactions are submodules.
+
+mod batch_table;
+pub mod host_copy;
+pub mod transfer;
+
+use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pub use batch_table::PyBatchTable;
+
+use crate::convert::{
+    self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, Positions, Prompt, SeqId,
+    SeqIds, TokenIds,
+};
+use crate::errors::IntoPyResult;
+use crate::lock::{Guard, PyLock};
+
+/// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
+pub(crate) const DETACH_ABOVE: usize = 4096;
+
+/// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
+/// copy-on-write forks.
+#[pyclass(frozen, subclass, name = "KVCachePool", module = "atb_mem._core")]
+pub struct PyKvCachePool {
+    cache: PyLock<KvCache>,
+}
+
+impl PyKvCachePool {
+    pub(crate) fn lock(&self) -> PyResult<Guard<'_, KvCache>> {
+        self.cache.lock()
+    }
+
+    /// The lock for a transaction that runs Python (the byte executor) while holding it.
+    pub(crate) fn lock_running_python(&self) -> PyResult<Guard<'_, KvCache>> {
+        self.cache.lock_running_python()
+    }
+
+    /// Runs `work` on the locked cache, releasing the GIL (not the lock) when `size` is large.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        work: impl FnOnce(&mut KvCache) -> R + Send,
+    ) -> PyResult<R> {
+        let mut guard = self.lock()?;
+        let cache: &mut KvCache = &mut guard;
+        Ok(if size > DETACH_ABOVE {
+            py.detach(|| work(cache))
+        } else {
+            work(cache)
+        })
+    }
+
+    /// A swap as one transaction: plan it, execute every pending move with `execute` (None:
+    /// leave them pending for the caller), and commit — or roll back if executing raised.
+    /// Returns the swap's own (source, destination) pairs.
+    fn swap<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        execute: Option<&Bound<'py, PyAny>>,
+        out: bool,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = seq_ids.as_slice();
+        let mut cache = self.lock_running_python()?;
+        let execute = execute.filter(|execute| !execute.is_none());
+        let snapshot = execute.map(|_| cache.clone());
+        let first = cache.num_pending_moves();
+        match out {
+            true => cache.swap_out(ids),
+            false => cache.swap_in(ids),
+        }
+        .into_py_result()?;
+        let kind = if out {
+            MoveKind::ToHost
+        } else {
+            MoveKind::ToDevice
+        };
+        let pairs: Vec<[u32; 2]> = match (execute, snapshot) {
+            (Some(execute), Some(snapshot)) => {
+                let moves = transfer::execute_pending(py, &mut cache, snapshot, execute)?;
+                if !out {
+                    // The bytes are back: the blocks may serve prefix hits again.
+                    for &seq_id in ids {
+                        cache.mark_computed(seq_id, None).into_py_result()?;
+                    }
+                }
+                pairs_of(&moves, kind).collect()
+            }
+            _ => pairs_of(&cache.pending_moves()[first..], kind).collect(),
+        };
+        pairs_to_array(py, &pairs)
+    }
+}
+
+#[pymethods]
+impl PyKvCachePool {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
+                        dtype=None, enable_prefix_caching=true, num_host_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: Count<2>,
+        block_size: Count<1>,
+        num_layers: Option<Count<1>>,
+        num_kv_heads: Option<Count<1>>,
+        head_dim: Option<Count<1>>,
+        dtype: Option<Dtype>,
+        enable_prefix_caching: bool,
+        num_host_blocks: Option<Count<1>>,
+    ) -> PyResult<Self> {
+        let num_blocks = num_blocks.0;
+        let block_size = block_size.0;
+        let dtype = dtype.map_or(KvDtype::Float16, |dtype| dtype.0);
+        let layout = KvLayout {
+            num_layers: num_layers.map_or(1, Count::get),
+            num_kv_heads: num_kv_heads.map_or(1, Count::get),
+            head_dim: head_dim.map_or(1, Count::get),
+            dtype,
+        };
+        let mut cache =
+            KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
+        if let Some(Count(num_host_blocks)) = num_host_blocks {
+            cache.enable_host_tier(num_host_blocks).into_py_result()?;
+        }
+        Ok(PyKvCachePool {
+            cache: PyLock::new(cache),
+        })
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_blocks())
+    }
+
+    #[getter]
+    fn block_size(&self) -> PyResult<usize> {
+        Ok(self.lock()?.block_size())
+    }
+
+    #[getter]
+    fn num_layers(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().num_layers)
+    }
+
+    #[getter]
+    fn num_kv_heads(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().num_kv_heads)
+    }
+
+    #[getter]
+    fn head_dim(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layout().head_dim)
+    }
+
+    #[getter]
+    fn dtype(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.layout().dtype.name())
+    }
+
+    #[getter]
+    fn enable_prefix_caching(&self) -> PyResult<bool> {
+        Ok(self.lock()?.enable_prefix_caching())
+    }
+
+    #[getter]
+    fn bytes_per_block(&self) -> PyResult<usize> {
+        Ok(self.lock()?.bytes_per_block())
+    }
+
+    /// Blocks an allocation can take now: free plus evictable cached blocks.
+    #[getter]
+    fn num_free_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free_blocks())
+    }
+
+    #[pyo3(signature = (seq_id, tokens, *, cache_salt=None))]
+    fn alloc_sequence(
+        &self,
+        py: Python<'_>,
+        seq_id: SeqId,
+        tokens: Prompt<'_>,
+        cache_salt: Option<CacheSalt>,
+    ) -> PyResult<usize> {
+        let seq_id = seq_id.0;
+        let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
+        let tokens = tokens.tokens();
+        self.run(py, tokens.len(), |cache| {
+            cache.alloc_sequence(seq_id, tokens, salt)
+        })?
+        .into_py_result()
+    }
+
+    #[pyo3(signature = (tokens, *, cache_salt=None))]
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        tokens: Prompt<'_>,
+        cache_salt: Option<CacheSalt>,
+    ) -> PyResult<bool> {
+        let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
+        let tokens = tokens.tokens();
+        self.run(py, tokens.len(), |cache| cache.can_allocate(tokens, salt))?
+            .into_py_result()
+    }
+
+    fn seq_len(&self, seq_id: SeqId) -> PyResult<usize> {
+        let seq_id = seq_id.0;
+        self.lock()?.seq_len(seq_id).into_py_result()
+    }
+
+    fn __contains__(&self, seq_id: SeqId) -> PyResult<bool> {
+        let seq_id = seq_id.0;
+        Ok(self.lock()?.contains(seq_id))
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_sequences())
+    }
+
+    /// Ids of the live sequences, sorted.
+    fn seq_ids(&self) -> PyResult<Vec<u64>> {
+        let mut ids: Vec<u64> = self.lock()?.seq_ids().collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    #[pyo3(signature = (seq_ids, n=None, token_ids=None))]
+    fn append_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        n: Option<Count<1>>,
+        token_ids: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = n.map_or(1, Count::get);
+        let ids = seq_ids.as_slice();
+        let token_ids = match token_ids {
+            Some(obj) => Some(TokenIds::extract_shaped(&obj, [ids.len(), n])?),
+            None => None,
+        };
+        let token_slice = token_ids.as_ref().map(|ids| ids.as_slice());
+        let mut slots = Vec::new();
+        self.run(py, ids.len().saturating_mul(n), |cache| {
+            cache.append_tokens(ids, n, token_slice, &mut slots)
+        })?
+        .into_py_result()?;
+        Ok(slots.into_pyarray(py))
+    }
+
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        starts: Positions,
+        ends: Positions,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let starts = starts.0;
+        let ends = ends.0;
+        let ids = seq_ids.as_slice();
+        let size: i64 = starts
+            .iter()
+            .zip(&ends)
+            .map(|(start, end)| end.saturating_sub(*start).max(0))
+            .fold(0i64, |total, span| total.saturating_add(span));
+        let mut slots = Vec::new();
+        self.run(py, size as usize, |cache| {
+            cache.slot_mapping(ids, &starts, &ends, &mut slots)
+        })?
+        .into_py_result()?;
+        Ok(slots.into_pyarray(py))
+    }
+
+    fn fork(&self, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {
+        let parent_id = parent_id.0;
+        let child_id = child_id.0;
+        self.lock()?.fork(parent_id, child_id).into_py_result()
+    }
+
+    fn free_sequence(&self, seq_id: SeqId) -> PyResult<()> {
+        let seq_id = seq_id.0;
+        self.lock()?.free_sequence(seq_id).into_py_result()
+    }
+
+    /// Records that the K/V of the first `num_tokens` tokens (all, with None) of the
+    /// sequence is written; full blocks within them join the prefix cache. Returns how many.
+    #[pyo3(signature = (seq_id, num_tokens=None))]
+    fn mark_computed(&self, seq_id: SeqId, num_tokens: Option<Count<0>>) -> PyResult<usize> {
+        let seq_id = seq_id.0;
+        let mut cache = self.lock()?;
+        let num_tokens = match num_tokens {
+            Some(Count(n)) => n,
+            None => cache.seq_len(seq_id).into_py_result()?,
+        };
+        cache
+            .mark_computed(seq_id, Some(num_tokens))
+            .into_py_result()
+    }
+
+    /// Tokens of the sequence whose K/V is known to be computed.
+    fn num_computed(&self, seq_id: SeqId) -> PyResult<usize> {
+        let seq_id = seq_id.0;
+        self.lock()?.num_computed(seq_id).into_py_result()
+    }
+
+    /// The pending block moves, int32 `[k, 3]` of (kind, src, dst), without taking them.
+    fn pending_moves<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        transfer::moves_to_array(py, self.lock()?.pending_moves())
+    }
+
+    /// Executes every pending move with `execute(moves)` as one transaction (see
+    /// `BlockMoveError`); returns how many moves ran.
+    fn execute_pending_moves(&self, py: Python<'_>, execute: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut cache = self.lock_running_python()?;
+        if cache.num_pending_moves() == 0 {
+            return Ok(0);
+        }
+        let snapshot = cache.clone();
+        Ok(transfer::execute_pending(py, &mut cache, snapshot, execute)?.len())
+    }
+
+    /// Takes the pending moves and returns the copy-on-write pairs among them, int32
+    /// `[k, 2]` of (src, dst) blocks, for a caller that moves the bytes itself.
+    fn take_pending_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let mut moves = Vec::new();
+        self.lock()?.take_moves(&mut moves);
+        let pairs: Vec<[u32; 2]> = pairs_of(&moves, MoveKind::Copy).collect();
+        pairs_to_array(py, &pairs)
+    }
+
+    /// Checks `slots` and, holding the cache locked throughout, first executes the pending
+    /// moves with `execute` (a copy-on-write must land before a write into its block), then
+    /// calls `write()`: no other thread can free or take the slots' blocks in between.
+    fn write_slots(
+        &self,
+        py: Python<'_>,
+        slots: Positions,
+        execute: &Bound<'_, PyAny>,
+        write: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let slots = slots.0;
+        let narrow = narrow_slots(&slots)?;
+        let mut cache = self.lock_running_python()?;
+        if cache.num_pending_moves() > 0 {
+            let snapshot = cache.clone();
+            transfer::execute_pending(py, &mut cache, snapshot, execute)?;
+        }
+        cache.check_slots(&narrow).into_py_result()?;
+        write.call0()?;
+        Ok(())
+    }
+
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = seq_ids.as_slice();
+        let mut cells = Vec::new();
+        let width = self
+            .run(py, ids.len() * 16, |cache| {
+                cache.block_tables(ids, &mut cells)
+            })?
+            .into_py_result()?;
+        to_2d(py, cells, ids.len(), width)
+    }
+
+    /// The blocks of one sequence, int32, in token order.
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: SeqId,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let seq_id = seq_id.0;
+        let blocks: Vec<i32> = self
+            .lock()?
+            .block_table(seq_id)
+            .into_py_result()?
+            .iter()
+            .map(|&block| block as i32)
+            .collect();
+        Ok(blocks.into_pyarray(py))
+    }
+
+    fn context_lens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let ids = seq_ids.as_slice();
+        let mut lens = Vec::new();
+        self.run(py, ids.len(), |cache| cache.context_lens(ids, &mut lens))?
+            .into_py_result()?;
+        Ok(lens.into_pyarray(py))
+    }
+
+    /// FlashInfer's page table: (kv_indptr, kv_indices, kv_last_page_len), all int32.
+    #[allow(clippy::type_complexity)]
+    fn page_table_csr<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+    )> {
+        let ids = seq_ids.as_slice();
+        let (mut indptr, mut indices, mut last_page_len) = (Vec::new(), Vec::new(), Vec::new());
+        self.run(py, ids.len() * 16, |cache| {
+            cache.page_table_csr(ids, &mut indptr, &mut indices, &mut last_page_len)
+        })?
+        .into_py_result()?;
+        Ok((
+            indptr.into_pyarray(py),
+            indices.into_pyarray(py),
+            last_page_len.into_pyarray(py),
+        ))
+    }
+
+    /// Persistent decode-step buffers for up to `max_seqs` running sequences.
+    fn batch_table(
+        slf: &Bound<'_, Self>,
+        max_seqs: Count<1>,
+        max_blocks_per_seq: Count<1>,
+    ) -> PyResult<PyBatchTable> {
+        let max_seqs = max_seqs.0;
+        let max_blocks_per_seq = max_blocks_per_seq.0;
+        let table = BatchTable::new(max_seqs, max_blocks_per_seq).into_py_result()?;
+        Ok(PyBatchTable {
+            pool: slf.clone().unbind(),
+            table: PyLock::new(table),
+        })
+    }
+
+    /// Usable host blocks (0 without a host tier).
+    #[getter]
+    fn num_host_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_host_blocks())
+    }
+
+    #[getter]
+    fn num_free_host_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free_host_blocks())
+    }
+
+    fn is_swapped(&self, seq_id: SeqId) -> PyResult<bool> {
+        let seq_id = seq_id.0;
+        self.lock()?.is_swapped(seq_id).into_py_result()
+    }
+
+    /// Moves the sequences to the host tier, as one transaction with `execute(moves)` (every
+    /// pending move, in order); returns the (device block, host block) pairs, int32 `[k, 2]`
+    /// (a block the sequences share is moved once). Without `execute` the moves stay pending.
+    #[pyo3(signature = (seq_ids, execute=None))]
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        execute: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        self.swap(py, seq_ids, execute, true)
+    }
+
+    /// Brings swapped-out sequences back, as `swap_out` does; returns the (host block, device
+    /// block) pairs.
+    #[pyo3(signature = (seq_ids, execute=None))]
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        execute: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        self.swap(py, seq_ids, execute, false)
+    }
+
+    /// Raises ValueError unless every slot (negative ones are padding) lies in a block some
+    /// sequence holds.
+    fn check_slots(&self, py: Python<'_>, slots: Positions) -> PyResult<()> {
+        let slots = slots.0;
+        let narrow = narrow_slots(&slots)?;
+        self.run(py, narrow.len(), |cache| cache.check_slots(&narrow))?
+            .into_py_result()
+    }
+
+    /// Drops every cached block no sequence uses; returns how many.
+    fn reset_prefix_cache(&self) -> PyResult<usize> {
+        Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.lock()?.stats();
+        convert::figures_to_dict(py, &stats)
+    }
+
+    /// Checks every internal invariant; raises AssertionError naming the first broken one.
+    fn _check_invariants(&self) -> PyResult<()> {
+        self.lock()?
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let cache = self.lock()?;
+        Ok(format!(
+            "KVCachePool(num_blocks={}, block_size={}, num_free_blocks={}, num_sequences={}, dtype='{}')",
+            cache.num_blocks(),
+            cache.block_size(),
+            cache.num_free_blocks(),
+            cache.num_sequences(),
+            cache.layout().dtype.name()
+        ))
+    }
+}

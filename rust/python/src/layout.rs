@@ -1,0 +1,41 @@
+//! Byte sizes of a K/V layout, from the core: the one place they are computed.
+
+use atb_mem_core::{KvDtype, KvLayout};
+use pyo3::prelude::*;
+
+use crate::convert::{Count, Dtype};
+use crate::errors::value_error;
+
+/// (itemsize, bytes per token, bytes per block) of K plus V over every layer.
+#[pyfunction]
+#[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, block_size))]
+pub fn kv_layout_bytes(
+    num_layers: Count<1>,
+    num_kv_heads: Count<1>,
+    head_dim: Count<1>,
+    dtype: Dtype,
+    block_size: Count<1>,
+) -> PyResult<(usize, usize, usize)> {
+    let num_layers = num_layers.0;
+    let num_kv_heads = num_kv_heads.0;
+    let head_dim = head_dim.0;
+    let dtype = dtype.0;
+    let block_size = block_size.0;
+    let layout = KvLayout {
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        dtype,
+    };
+    let overflow = || value_error("the K/V size overflows 64 bits");
+    Ok((
+        dtype.itemsize(),
+        layout.bytes_per_token().ok_or_else(overflow)?,
+        layout.bytes_per_block(block_size).ok_or_else(overflow)?,
+    ))
+}
+
+/// The dtype names a K/V cache accepts, canonical spelling.
+pub fn dtype_names() -> Vec<&'static str> {
+    KvDtype::ALL.iter().map(|dtype| dtype.name()).collect()
+}
