@@ -155,6 +155,36 @@ impl<Signed: numpy::Element, Unsigned: numpy::Element> Ints<'_, Signed, Unsigned
     }
 }
 
+impl<'py, Signed, Unsigned> Ints<'py, Signed, Unsigned>
+where
+    Signed: numpy::Element + Copy,
+    Unsigned: numpy::Element + Copy,
+{
+    /// A contiguous 1-D array of either dtype, borrowed without a copy: `Some(None)` when a
+    /// value fails its range check, `None` when the array is of another dtype or layout.
+    fn borrow(
+        array: &Bound<'py, PyUntypedArray>,
+        signed_ok: impl Fn(Signed) -> bool,
+        unsigned_ok: impl Fn(Unsigned) -> bool,
+    ) -> Option<Option<Self>> {
+        if let Ok(signed) = array.cast::<numpy::PyArray1<Signed>>() {
+            let readonly = signed.try_readonly().ok()?;
+            if let Ok(values) = readonly.as_slice() {
+                let valid = values.iter().all(|&value| signed_ok(value));
+                return Some(valid.then_some(Ints::Signed(readonly)));
+            }
+        }
+        if let Ok(unsigned) = array.cast::<numpy::PyArray1<Unsigned>>() {
+            let readonly = unsigned.try_readonly().ok()?;
+            if let Ok(values) = readonly.as_slice() {
+                let valid = values.iter().all(|&value| unsigned_ok(value));
+                return Some(valid.then_some(Ints::Unsigned(readonly)));
+            }
+        }
+        None
+    }
+}
+
 pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Ints<'py, i64, u64>> {
     if let Some(array) = as_array(obj) {
         if array.ndim() != 1 {
@@ -165,23 +195,9 @@ pub fn seq_ids<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Ints<'py, i
         }
         integer_kind(&array, what)?;
         let out_of_range = || type_error(format!("{what} must hold ints in [0, 2**63)"));
-        if let Ok(signed) = array.cast::<numpy::PyArray1<i64>>() {
-            let readonly = signed.try_readonly()?;
-            if let Ok(ids) = readonly.as_slice() {
-                if ids.iter().any(|&id| id < 0) {
-                    return Err(out_of_range());
-                }
-                return Ok(Ints::Signed(readonly));
-            }
-        }
-        if let Ok(unsigned) = array.cast::<numpy::PyArray1<u64>>() {
-            let readonly = unsigned.try_readonly()?;
-            if let Ok(ids) = readonly.as_slice() {
-                if ids.iter().any(|&id| id > i64::MAX as u64) {
-                    return Err(out_of_range());
-                }
-                return Ok(Ints::Unsigned(readonly));
-            }
+        if let Some(ids) = Ints::borrow(&array, |id: i64| id >= 0, |id: u64| id <= i64::MAX as u64)
+        {
+            return ids.ok_or_else(out_of_range);
         }
         let wide = converted(&array, "int64")?;
         let wide = wide.cast::<numpy::PyArray1<i64>>()?.try_readonly()?;
@@ -277,20 +293,8 @@ pub fn token_ids<'py>(
     integer_kind(&array, what)?;
     let out_of_range = || value_error(format!("{what} must be in [0, 2**32)"));
     if dims.len() == 1 {
-        if let Ok(signed) = array.cast::<numpy::PyArray1<i32>>() {
-            let readonly = signed.try_readonly()?;
-            if let Ok(ids) = readonly.as_slice() {
-                if ids.iter().any(|&id| id < 0) {
-                    return Err(out_of_range());
-                }
-                return Ok(Ints::Signed(readonly));
-            }
-        }
-        if let Ok(unsigned) = array.cast::<numpy::PyArray1<u32>>() {
-            let readonly = unsigned.try_readonly()?;
-            if readonly.as_slice().is_ok() {
-                return Ok(Ints::Unsigned(readonly));
-            }
+        if let Some(ids) = Ints::borrow(&array, |id: i32| id >= 0, |_: u32| true) {
+            return ids.ok_or_else(out_of_range);
         }
     }
     // Other integer dtypes, non-contiguous or 2-D arrays: widen, check, narrow.
