@@ -53,9 +53,6 @@ class NumpyBackend:
     def is_tensor(self, value: object) -> bool:
         return isinstance(value, np.ndarray)
 
-    def indices(self, values: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(values, dtype=np.int64)
-
     def to_numpy(self, values: Any) -> np.ndarray:
         return np.asarray(values)
 
@@ -71,9 +68,6 @@ class NumpyBackend:
                    key: np.ndarray, value: np.ndarray) -> None:
         _host_scatter_kv(kv_bytes, tuple(kv.shape), kv.itemsize, layer, slots,
                          self.bytes_of(key), self.bytes_of(value))
-
-    def synchronize(self) -> None:
-        pass
 
 
 class TorchRegion:
@@ -151,7 +145,6 @@ class TorchBackend:
             return None
         return tensor.detach().contiguous().view(self.torch.uint8).numpy().reshape(-1)
 
-
     def copy_blocks(self, dst: Any, dst_blocks: np.ndarray, src: Any,
                     src_blocks: np.ndarray) -> None:
         if self._on_host(dst) and self._on_host(src):
@@ -183,12 +176,6 @@ class TorchBackend:
                 if len(keep) != len(slots):
                     values = values.index_select(0, self.indices(keep, str(kv.device)))
                 kv[layer, half].view(flat).index_copy_(0, index, values)
-
-    def synchronize(self) -> None:
-        if self.device.startswith("cuda"):
-            self.torch.cuda.synchronize(self.device)
-        elif self.device.startswith("npu"):
-            self.torch.npu.synchronize()
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
