@@ -1,9 +1,11 @@
-"""The `atb-mem` command, run end to end through its installed entry point."""
+"""The `atb-mem` command, run end to end in a child interpreter (``python -m atb_mem``, what
+the console script runs too)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +13,17 @@ from pathlib import Path
 import pytest
 
 import atb_mem
-from atb_mem.cli import parse_size
+from atb_mem.tools.cli import parse_size
 
 PLAN = ["plan", "--total-memory", "80GiB", "--model-memory", "16GiB", "--layers", "32",
         "--kv-heads", "8", "--head-dim", "128", "--max-model-len", "8192"]
 
 
 def atb_mem_command(*args: str) -> subprocess.CompletedProcess:
-    executable = shutil.which("atb-mem") or str(Path(sys.executable).with_name("atb-mem"))
-    assert Path(executable).exists(), "the atb-mem console script is not installed"
-    return subprocess.run([executable, *args], capture_output=True, text=True, timeout=300,
-                          check=False)
+    # The module, not an installed console script: a script installed from another checkout
+    # would run that checkout's code.
+    return subprocess.run([sys.executable, "-m", "atb_mem", *args], capture_output=True,
+                          text=True, timeout=300, check=False)
 
 
 def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
@@ -75,9 +77,18 @@ def test_bench_ops_quick(tmp_path: Path) -> None:
 def test_help_version_and_module_entry() -> None:
     assert atb_mem_command("--version").stdout.strip().endswith(atb_mem.__version__)
     assert "plan" in atb_mem_command("--help").stdout
-    result = subprocess.run([sys.executable, "-m", "atb_mem", "bench", "--help"],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = atb_mem_command("bench", "--help")
     assert result.returncode == 0 and "ops" in result.stdout
+
+
+def test_console_script_names_the_entry_point() -> None:
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    target = re.search(r'^atb-mem = "([\w.]+):(\w+)"$', pyproject, flags=re.M)
+    assert target, "pyproject.toml declares no atb-mem console script"
+    module, function = target.groups()
+    from atb_mem.tools.cli import main
+
+    assert getattr(importlib.import_module(module), function) is main
 
 
 def test_sizes_accept_units() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem.kv_tensors import MOVE_COPY, MOVE_TO_DEVICE, MOVE_TO_HOST, KVTensors
+from atb_mem.kv.tensors import MOVE_COPY, MOVE_TO_DEVICE, MOVE_TO_HOST, KVTensors
 
 BLOCK = 4
 
@@ -294,7 +294,7 @@ def test_step_plan_carries_the_runner_inputs() -> None:
 
 
 def test_a_batched_copy_never_reads_a_block_its_own_run_writes() -> None:
-    from atb_mem.kv_tensors import _run_end
+    from atb_mem.kv.tensors import _run_end
 
     moves = np.array([[MOVE_COPY, 1, 2], [MOVE_COPY, 2, 3], [MOVE_COPY, 4, 5],
                       [MOVE_TO_HOST, 5, 1], [MOVE_TO_HOST, 6, 1]], dtype=np.int32)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem.attention import dense_attention, paged_attention
+from atb_mem.kv.attention import dense_attention, paged_attention
 
 
 def require_torch() -> Any:
@@ -267,7 +267,8 @@ def test_bytes_come_from_a_given_mem_pool() -> None:
     host_pool = atb_mem.MemPool(1 << 20)
     pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8, pool=host_pool)
     assert pool.device == "host" and isinstance(pool.kv_cache, np.ndarray)
-    device_pool = atb_mem.MemPool(1 << 20, backing=atb_mem.backends.TorchRegion(1 << 20, "cpu"))
+    backing = atb_mem.memory.backends.TorchRegion(1 << 20, "cpu")
+    device_pool = atb_mem.MemPool(1 << 20, backing=backing)
     workspace = device_pool.malloc(4096)
     pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8,
                                dtype="bfloat16", pool=device_pool)
@@ -319,7 +320,7 @@ def test_plan_kv_cache_arithmetic_and_refusals() -> None:
 def test_from_device_sizes_the_pool(device: str) -> None:
     if device != "host":
         make_pool(device)  # checks torch (and CUDA) are there
-    from atb_mem.kv_cache import device_memory
+    from atb_mem.kv.cache_pool import device_memory
 
     free, total = device_memory(device)
     assert 0 < free <= total

@@ -28,7 +28,7 @@ def scrape(collector) -> dict[str, dict[tuple, float]]:
 
 
 def test_kv_cache_mem_pool_and_scheduler_metrics() -> None:
-    from atb_mem.metrics import AtbMemCollector
+    from atb_mem.observability.metrics import AtbMemCollector
 
     pool = atb_mem.MemPool(1 << 20)
     kv = atb_mem.KVCachePool(33, 4, pool=pool)
@@ -61,7 +61,7 @@ def test_kv_cache_mem_pool_and_scheduler_metrics() -> None:
 
 
 def test_batcher_metrics_and_bad_arguments() -> None:
-    from atb_mem.metrics import AtbMemCollector
+    from atb_mem.observability.metrics import AtbMemCollector
 
     batcher = atb_mem.DynamicBatchScheduler(max_batch_size=2, timeout_ms=1000)
     for item in range(3):

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import atb_mem
-from atb_mem.kv_tensors import MOVE_COPY, MOVE_TO_DEVICE, MOVE_TO_HOST, KVTensors, _run_end
+from atb_mem.kv.tensors import MOVE_COPY, MOVE_TO_DEVICE, MOVE_TO_HOST, KVTensors, _run_end
 
 LONG = os.environ.get("ATB_MEM_LONG") == "1"
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem import ContinuousBatchScheduler, simulate
+from atb_mem import ContinuousBatchScheduler
+from atb_mem.tools import simulate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
 

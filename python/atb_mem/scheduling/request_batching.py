@@ -19,7 +19,7 @@ from typing import Any
 
 from atb_mem import _core
 from atb_mem._core import AtbMemError, RequestTimeoutError
-from atb_mem._times import MILLISECOND_NS, to_ns
+from atb_mem.scheduling._times import MILLISECOND_NS, to_ns
 
 __all__ = ["Batch", "DynamicBatchScheduler"]
 

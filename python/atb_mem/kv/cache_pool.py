@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
-from atb_mem.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
-from atb_mem.kv_tensors import KVTensors
-from atb_mem.mem_pool import MemPool
-from atb_mem.planning import plan_kv_cache
+from atb_mem.kv.planning import plan_kv_cache
+from atb_mem.kv.tensors import KVTensors
+from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
+from atb_mem.memory.mem_pool import MemPool
 
 __all__ = ["KVCachePool"]
 

@@ -22,7 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import atb_mem
-from atb_mem.planning import DTYPE_ITEMSIZE, plan_kv_cache
+from atb_mem.kv.planning import DTYPE_ITEMSIZE, plan_kv_cache
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
@@ -149,30 +149,30 @@ def bench() -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench_ops(quick: bool, json_path: str | None) -> None:
     """W1/W2/W3, MemPool and scheduler-step benchmarks as one table."""
-    from atb_mem import benchmarks
+    from atb_mem.tools import workloads
 
     scale = 20 if quick else 1
     rounds = 1 if quick else 3
-    prompts = benchmarks.prefix_prompts(10_000 // scale)
-    workloads: list[tuple[str, str, str, Callable[[], Any]]] = [
-        ("W1 alloc+free pair", "ns", "<= 150", lambda: 1e9 * benchmarks.median_per_operation(
-            benchmarks.churn_workload(1_000_000 // scale), rounds)),
+    prompts = workloads.prefix_prompts(10_000 // scale)
+    measured: list[tuple[str, str, str, Callable[[], Any]]] = [
+        ("W1 alloc+free pair", "ns", "<= 150", lambda: 1e9 * workloads.median_per_operation(
+            workloads.churn_workload(1_000_000 // scale), rounds)),
         ("W2 decode step via BatchTable (256 seqs)", "us", "<= 15",
-         lambda: 1e6 * benchmarks.median_per_operation(
-             benchmarks.decode_workload(2000 // scale), rounds)),
+         lambda: 1e6 * workloads.median_per_operation(
+             workloads.decode_workload(2000 // scale), rounds)),
         ("W3 prefix request", "us", "<= 30", lambda: (
-            1e6 * benchmarks.median_per_operation(benchmarks.prefix_workload(prompts), rounds),
-            benchmarks.prefix_workload(prompts)[0]()["prefix_cache_hit_rate"])),
-        ("MemPool malloc+free pair", "ns", "<= 300", lambda: 1e9 * benchmarks.median_per_operation(
-            benchmarks.mem_pool_workload(1_000_000 // scale), rounds)),
+            1e6 * workloads.median_per_operation(workloads.prefix_workload(prompts), rounds),
+            workloads.prefix_workload(prompts)[0]()["prefix_cache_hit_rate"])),
+        ("MemPool malloc+free pair", "ns", "<= 300", lambda: 1e9 * workloads.median_per_operation(
+            workloads.mem_pool_workload(1_000_000 // scale), rounds)),
         ("scheduler step + on_tokens (256 running)", "us", "<= 50",
-         lambda: 1e6 * benchmarks.median_per_operation(
-             benchmarks.scheduler_step_workload(), 300 // scale)),
+         lambda: 1e6 * workloads.median_per_operation(
+             workloads.scheduler_step_workload(), 300 // scale)),
     ]
     results = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarks", total=len(workloads))
-        for name, unit, target, run in workloads:
+        task = progress.add_task("benchmarks", total=len(measured))
+        for name, unit, target, run in measured:
             progress.update(task, description=name)
             value = run()
             extra = {}
@@ -221,7 +221,7 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
     """Replays requests through continuous batching for each KV memory strategy on the same
     memory budget: paged blocks per block size, contiguous max-length and exact-size
     reservations."""
-    from atb_mem import simulate
+    from atb_mem.tools import simulate
 
     if plot_path:
         _require_matplotlib()
@@ -306,7 +306,7 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
     (Optuna's TPE) for the most throughput with p99 latency under the bound, replaying the
     trace as the objective. Throughput is output tokens per second of step time (serving
     capacity), so an arrival-bound trace still tells configurations apart."""
-    from atb_mem import simulate
+    from atb_mem.tools import simulate
 
     try:
         import optuna

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from atb_mem._core import InvalidHandleError
-from atb_mem.mem_pool import MemPool
+from atb_mem.memory.mem_pool import MemPool
 
 __all__ = [
     "ACL_RT_MEM_POOL_ATTR_RELEASE_THRESHOLD",

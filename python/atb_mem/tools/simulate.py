@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import atb_mem
-from atb_mem.planning import DTYPE_ITEMSIZE
+from atb_mem.kv.planning import DTYPE_ITEMSIZE
 
 __all__ = ["CostModel", "ReplayResult", "Request", "load_trace", "replay_paged",
            "replay_reserved", "synthetic_workload"]

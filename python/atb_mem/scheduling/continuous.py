@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
-from atb_mem._times import SECOND_NS, to_ns
-from atb_mem.kv_cache import KVCachePool
+from atb_mem.kv.cache_pool import KVCachePool
+from atb_mem.scheduling._times import SECOND_NS, to_ns
 
 __all__ = ["ContinuousBatchScheduler", "StepPlan"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.backends import NumpyBackend, TorchBackend
+from atb_mem.memory.backends import NumpyBackend, TorchBackend
 
 __all__ = ["MOVE_COPY", "MOVE_TO_DEVICE", "MOVE_TO_HOST", "KVTensors"]
 

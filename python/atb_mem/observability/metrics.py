@@ -1,7 +1,7 @@
 """Prometheus metrics for a KV cache, a MemPool and the schedulers.
 
     from prometheus_client import REGISTRY, start_http_server
-    from atb_mem.metrics import AtbMemCollector
+    from atb_mem.observability.metrics import AtbMemCollector
     REGISTRY.register(AtbMemCollector(kv_cache=kv, mem_pool=pool, scheduler=sched))
     start_http_server(9400)
 
@@ -19,7 +19,7 @@ try:
     from prometheus_client.registry import Collector
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "atb_mem.metrics needs prometheus_client: pip install 'atb-mem[metrics]'"
+        "atb_mem.observability.metrics needs prometheus_client: pip install 'atb-mem[metrics]'"
     ) from error
 
 __all__ = ["AtbMemCollector"]
