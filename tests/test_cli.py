@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import atb_mem
-from atb_mem.tools.cli import parse_size
+from atb_mem.tools.options import parse_size
 
 PLAN = ["plan", "--total-memory", "80GiB", "--model-memory", "16GiB", "--layers", "32",
         "--kv-heads", "8", "--head-dim", "128", "--max-model-len", "8192"]
