@@ -18,7 +18,8 @@ import pytest
 import atb_mem
 from atb_mem.tools import simulate, workloads
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
+# The first 1,000 requests of the Azure code trace (tests/data/README.md says whence).
+TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "azure_llm_code_2023.csv"
 STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
 
 

@@ -12,7 +12,8 @@ import atb_mem
 from atb_mem import ContinuousBatchScheduler
 from atb_mem.tools import simulate
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
+# The first 1,000 requests of the Azure code trace (tests/data/README.md says whence).
+TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_code_2023.csv"
 
 
 def drive(scheduler: ContinuousBatchScheduler, requests: dict[int, int], max_steps: int = 100_000,
