@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import atb_mem
-from conftest import snapshot
+from tests.support.unchanged import assert_unchanged, kv_snapshot
 
 
 @pytest.fixture
@@ -31,10 +31,7 @@ def busy_pool() -> atb_mem.KVCachePool:
 def expect_unchanged(
     kv: atb_mem.KVCachePool, call: Callable[[], Any], error: type[BaseException], match: str
 ) -> None:
-    before = snapshot(kv)
-    with pytest.raises(error, match=match):
-        call()
-    assert snapshot(kv) == before
+    assert_unchanged(lambda: kv_snapshot(kv), error, call, match=match)
     kv._check_invariants()
 
 
@@ -159,11 +156,9 @@ def test_batch_table_errors_change_nothing(busy_pool: atb_mem.KVCachePool) -> No
     batch = busy_pool.batch_table(2, 3)
     batch.add(1)
 
-    def table_state() -> tuple[Any, ...]:
-        return (batch.seq_ids, batch.block_tables.tolist(), batch.context_lens.tolist(),
-                batch.slot_mapping.tolist(), snapshot(busy_pool))
+    def observe() -> dict[str, Any]:
+        return kv_snapshot(busy_pool, batch)
 
-    before = table_state()
     for call, error, match in [
         (lambda: batch.add(1), ValueError, "already in the batch table"),
         (lambda: batch.add(99), atb_mem.UnknownSequenceError, "99"),
@@ -172,27 +167,19 @@ def test_batch_table_errors_change_nothing(busy_pool: atb_mem.KVCachePool) -> No
         (lambda: batch.append_tokens(token_ids=[-1]), ValueError, r"2\*\*32"),
         (lambda: batch.add("x"), TypeError, "seq_id"),
     ]:
-        with pytest.raises(error, match=match):
-            call()
-        assert table_state() == before
+        assert_unchanged(observe, error, call, match=match)
     batch.add(2)
     with pytest.raises(ValueError, match="batch table is full"):
         batch.add(3)
     # Row 0 holds 10 tokens in 3 blocks; two more steps need a 4th block: the table is too narrow.
     batch.append_tokens()
     batch.append_tokens()
-    before = table_state()
-    with pytest.raises(ValueError, match="holds 3 per row"):
-        batch.append_tokens()
-    assert table_state() == before
+    assert_unchanged(observe, ValueError, batch.append_tokens, match="holds 3 per row")
     # A freed sequence still in the table fails the whole step, changing nothing.
     batch.remove(1)
     batch.add(3)
     busy_pool.free_sequence(3)
-    before = table_state()
-    with pytest.raises(atb_mem.UnknownSequenceError, match="3"):
-        batch.append_tokens()
-    assert table_state() == before
+    assert_unchanged(observe, atb_mem.UnknownSequenceError, batch.append_tokens, match="3")
 
 
 def test_bad_constructor_arguments() -> None:

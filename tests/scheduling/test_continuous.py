@@ -3,17 +3,13 @@ reconfiguration, and a replay of a real request trace with no model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import atb_mem
 from atb_mem import ContinuousBatchScheduler
 from atb_mem.tools import simulate
-
-# The first 1,000 requests of the Azure code trace (tests/data/README.md says whence).
-TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_code_2023.csv"
+from tests.support.data import AZURE_CODE_TRACE
 
 
 def drive(scheduler: ContinuousBatchScheduler, requests: dict[int, int], max_steps: int = 100_000,
@@ -189,7 +185,7 @@ def test_abort_and_finish_free_the_blocks() -> None:
 
 
 def load_trace(limit: int) -> list[tuple[float, int, int]]:
-    return [(r.arrival, r.prompt, r.output) for r in simulate.load_trace(TRACE, limit)]
+    return [(r.arrival, r.prompt, r.output) for r in simulate.load_trace(AZURE_CODE_TRACE, limit)]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

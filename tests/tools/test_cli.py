@@ -14,6 +14,7 @@ import pytest
 
 import atb_mem
 from atb_mem.tools.options import parse_size
+from tests.support.data import AZURE_CODE_TRACE
 
 PLAN = ["plan", "--total-memory", "80GiB", "--model-memory", "16GiB", "--layers", "32",
         "--kv-heads", "8", "--head-dim", "128", "--max-model-len", "8192"]
@@ -82,7 +83,7 @@ def test_help_version_and_module_entry() -> None:
 
 
 def test_console_script_names_the_entry_point() -> None:
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     target = re.search(r'^atb-mem = "([\w.]+):(\w+)"$', pyproject, flags=re.M)
     assert target, "pyproject.toml declares no atb-mem console script"
     module, function = target.groups()
@@ -101,8 +102,7 @@ def test_sizes_accept_units() -> None:
             parse_size(bad)
 
 
-# The first 1,000 requests of the Azure code trace (tests/data/README.md says whence).
-TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_code_2023.csv"
+TRACE = AZURE_CODE_TRACE
 
 
 @pytest.mark.parametrize("source", ["synthetic", "azure"])
