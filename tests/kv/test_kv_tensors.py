@@ -1,59 +1,16 @@
-"""KV bytes on host memory (numpy) and CPU torch: views, write_kv, copy-on-write, swapping,
-and the reference paged attention checked against dense attention on random data."""
+"""KV bytes on host memory (numpy) and CPU torch: views, write_kv, copy-on-write, swapping, the
+host tier, and the host copy kernels."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem.kv.attention import dense_attention, paged_attention
-
-
-def require_torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        if os.environ.get("ATB_MEM_REQUIRE_TORCH"):
-            pytest.fail("torch is required here (ATB_MEM_REQUIRE_TORCH is set) but missing")
-        pytest.skip("torch is not installed")
-    return torch
-
-
-DEVICES = ["host", "cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 3e-2}
-
-
-def make_pool(device: str, dtype: str = "float32", **kwargs: Any) -> atb_mem.KVCachePool:
-    if device != "host":
-        torch = require_torch()
-        if device == "cuda" and not torch.cuda.is_available():
-            pytest.fail("the cuda tests were asked for (-m cuda) but CUDA is not available")
-    options = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": dtype} | kwargs
-    return atb_mem.KVCachePool(64, 4, device=device, **options)
-
-
-def random_kv(pool: atb_mem.KVCachePool, n: int, rng: np.random.Generator) -> tuple[Any, Any]:
-    shape = (n, pool.num_kv_heads, pool.head_dim)
-    key = rng.standard_normal(shape).astype(np.float32) + 0.5  # never zeros
-    value = rng.standard_normal(shape).astype(np.float32) - 0.5
-    return convert(pool, key), convert(pool, value)
-
-
-def convert(pool: atb_mem.KVCachePool, array: np.ndarray) -> Any:
-    if pool.device == "host":
-        return array.astype(pool.kv_cache.dtype)
-    torch = require_torch()
-    return torch.from_numpy(array).to(dtype=pool.kv_cache.dtype, device=pool.kv_cache.device)
-
-
-def as_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value.astype(np.float32)
-    return value.detach().float().cpu().numpy()
+from tests.kv.kv_arrays import as_numpy, check_attention, make_pool, random_kv
+from tests.support.devices import DEVICES, require_torch
 
 
 def read_tokens(pool: atb_mem.KVCachePool, layer: int, seq_id: int) -> tuple[Any, Any]:
@@ -135,73 +92,6 @@ def test_write_kv_checks_dtype_and_device() -> None:
         pool.write_kv(0, slots, np.ones((2, 2, 8), np.float16), np.ones((2, 2, 8), np.float16))
 
 
-@pytest.mark.parametrize(("device", "dtype"), [
-    ("host", "float32"), ("host", "float16"), ("cpu", "float32"), ("cpu", "float16"),
-    ("cpu", "bfloat16"),
-    pytest.param("cuda", "float16", marks=pytest.mark.cuda),
-    pytest.param("cuda", "bfloat16", marks=pytest.mark.cuda),
-])
-def test_paged_attention_matches_dense(device: str, dtype: str) -> None:
-    rng = np.random.default_rng(3)
-    pool = make_pool(device, dtype=dtype, num_kv_heads=2, head_dim=16)
-    lengths = [1, 4, 5, 13, 30]
-    history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for seq_id, length in enumerate(lengths):
-        pool.alloc_sequence(seq_id, length)
-        slots = pool.slot_mapping([seq_id], [0], [length])
-        key, value = random_kv(pool, length, rng)
-        pool.write_kv(1, slots, key, value)
-        history[seq_id] = (as_numpy(key), as_numpy(value))
-    check_attention(pool, history, lengths, rng, dtype)
-
-
-def check_attention(pool: atb_mem.KVCachePool, history: dict[int, tuple[Any, Any]],
-                    lengths: list[int], rng: np.random.Generator, dtype: str) -> None:
-    seq_ids = list(history)
-    heads = 8  # grouped-query: 8 query heads share 2 KV heads
-    query = rng.standard_normal((len(seq_ids), heads, pool.head_dim)).astype(np.float32)
-    tables, lens = pool.block_tables(seq_ids), pool.context_lens(seq_ids)
-    assert lens.tolist() == lengths
-    out = paged_attention(convert(pool, query), pool.key_cache(1), pool.value_cache(1),
-                          tables, lens)
-    rounded = as_numpy(convert(pool, query))
-    expected = dense_attention(rounded, [history[s][0] for s in seq_ids],
-                               [history[s][1] for s in seq_ids])
-    np.testing.assert_allclose(as_numpy(out), expected, rtol=TOLERANCE[dtype],
-                               atol=TOLERANCE[dtype])
-    if pool.device != "host":
-        torch = require_torch()
-        for row, seq_id in enumerate(seq_ids):
-            keys, values = (torch.from_numpy(t).transpose(0, 1) for t in history[seq_id])
-            q = torch.from_numpy(rounded[row]).unsqueeze(1)        # [heads, 1, d]
-            group = heads // pool.num_kv_heads
-            sdpa = torch.nn.functional.scaled_dot_product_attention(
-                q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0))
-            np.testing.assert_allclose(as_numpy(out)[row], sdpa.squeeze(1).numpy(),
-                                       rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_attention_after_fork_and_copy_on_write(device: str) -> None:
-    rng = np.random.default_rng(4)
-    pool = make_pool(device, head_dim=16)
-    pool.alloc_sequence(1, 6)  # the second block is partly filled
-    key, value = random_kv(pool, 6, rng)
-    pool.write_kv(1, pool.slot_mapping([1], [0], [6]), key, value)
-    prefix = (as_numpy(key), as_numpy(value))
-    pool.fork(1, 2)
-    history = {}
-    for seq_id in (1, 2):  # each branch samples its own next token
-        slots = pool.append_tokens([seq_id])
-        assert pool.apply_pending_copies() == (1 if seq_id == 1 else 0)
-        new_key, new_value = random_kv(pool, 1, rng)
-        pool.write_kv(1, slots, new_key, new_value)
-        history[seq_id] = (np.concatenate([prefix[0], as_numpy(new_key)]),
-                           np.concatenate([prefix[1], as_numpy(new_value)]))
-    assert pool.block_table(1)[1] != pool.block_table(2)[1]
-    check_attention(pool, history, [7, 7], rng, "float32")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_swap_out_and_in_keeps_the_bytes(device: str) -> None:
     rng = np.random.default_rng(5)
@@ -262,25 +152,6 @@ def test_int8_and_bfloat16() -> None:
     assert make_pool("cpu", dtype="bfloat16").kv_cache.dtype == torch.bfloat16
 
 
-def test_bytes_come_from_a_given_mem_pool() -> None:
-    torch = require_torch()
-    host_pool = atb_mem.MemPool(1 << 20)
-    pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8, pool=host_pool)
-    assert pool.device == "host" and isinstance(pool.kv_cache, np.ndarray)
-    backing = atb_mem.memory.backends.TorchRegion(1 << 20, "cpu")
-    device_pool = atb_mem.MemPool(1 << 20, backing=backing)
-    workspace = device_pool.malloc(4096)
-    pool = atb_mem.KVCachePool(16, 4, num_layers=2, num_kv_heads=2, head_dim=8,
-                               dtype="bfloat16", pool=device_pool)
-    assert pool.device == "cpu" and pool.kv_cache.dtype == torch.bfloat16
-    assert pool.region.offset >= workspace.size
-    assert device_pool.view(workspace, torch.float32).shape == (1024,)
-    pool.close()
-    assert len(device_pool) == 1
-    with pytest.raises(ValueError, match="offsets-only"):
-        atb_mem.KVCachePool(16, 4, pool=atb_mem.MemPool(1 << 20, backing=None))
-
-
 def test_device_none_has_no_bytes_and_unknown_devices_fail() -> None:
     pool = atb_mem.KVCachePool(16, 4, device=None)
     assert pool.device is None and pool.region is None
@@ -288,54 +159,6 @@ def test_device_none_has_no_bytes_and_unknown_devices_fail() -> None:
         pool.key_cache(0)
     with pytest.raises(ValueError, match="unknown device"):
         atb_mem.KVCachePool(16, 4, device="tpu")
-
-
-def test_plan_kv_cache_arithmetic_and_refusals() -> None:
-    gib = 1 << 30
-    plan = atb_mem.plan_kv_cache(80 * gib, 16 * gib, gpu_memory_utilization=0.9,
-                                 block_size=16, num_layers=32, num_kv_heads=8, head_dim=128,
-                                 dtype="float16", max_model_len=8192)
-    assert plan.bytes_per_block == 2 * 32 * 16 * 8 * 128 * 2
-    usable = int(80 * gib * 0.9) - 16 * gib
-    assert plan.usable_bytes == usable
-    assert plan.num_blocks == usable // plan.bytes_per_block
-    assert plan.blocks_per_seq == 512
-    assert plan.max_num_seqs == int(usable / (512 * plan.bytes_per_block) * 0.9)
-    base = {"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
-            "dtype": "float16", "max_model_len": 8192}
-    for args, kwargs, match in [
-        ((80 * gib, 16 * gib), {"gpu_memory_utilization": 0.0}, "utilization"),
-        ((80 * gib, 16 * gib), {"gpu_memory_utilization": 1.5}, "utilization"),
-        ((80 * gib, 90 * gib), {}, "does not fit"),
-        ((17 * gib, 16 * gib), {"gpu_memory_utilization": 1.0}, "fewer than one"),
-        ((80 * gib, 16 * gib), {"safety": 0}, "safety"),
-        ((80 * gib, 16 * gib), {"dtype": "float8"}, "dtype"),
-        ((80 * gib, -1), {}, "model_bytes"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            atb_mem.plan_kv_cache(*args, **(base | kwargs))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_from_device_sizes_the_pool(device: str) -> None:
-    if device != "host":
-        make_pool(device)  # checks torch (and CUDA) are there
-    from atb_mem.kv.cache_pool import device_memory
-
-    free, total = device_memory(device)
-    assert 0 < free <= total
-    pool = atb_mem.KVCachePool.from_device(
-        device, gpu_memory_utilization=0.001, model_bytes=0, block_size=16, num_layers=2,
-        num_kv_heads=2, head_dim=64, dtype="float16", max_model_len=256)
-    plan = atb_mem.plan_kv_cache(total, 0, gpu_memory_utilization=0.001, block_size=16,
-                                 num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16",
-                                 max_model_len=256)
-    assert pool.num_blocks == min(plan.num_blocks, free // plan.bytes_per_block)
-    assert pool.bytes_per_block == plan.bytes_per_block
-    assert pool.device.startswith(device)
-    with pytest.raises(ValueError, match="does not fit"):
-        atb_mem.KVCachePool.from_device(device, model_bytes=total, block_size=16, num_layers=2,
-                                        num_kv_heads=2, head_dim=64, max_model_len=256)
 
 
 def test_npu_without_torch_npu_says_what_to_install() -> None:

@@ -16,21 +16,16 @@ gave away with ``trim_to`` before it gives up.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, event, note, settings
+from hypothesis import event, note
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import atb_mem
 from atb_mem import InvalidHandleError, MemPool, OutOfMemoryError
+from tests.support.state_machine import PoolMachine, machine_settings
+from tests.support.unchanged import Snapshot, failed_malloc_counted, mem_pool_snapshot
 
 Span = tuple[int, int, int]  # offset, usable size, requested size
 
@@ -47,7 +42,7 @@ def pattern(seed: int, size: int) -> np.ndarray:
     return out
 
 
-class MemPoolMachine(RuleBasedStateMachine):
+class MemPoolMachine(PoolMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool: MemPool | None = None
@@ -85,14 +80,12 @@ class MemPoolMachine(RuleBasedStateMachine):
             return self.usable - 32
         return self.usable
 
-    def full_snapshot(self) -> dict[str, Any]:
+    def observe(self) -> Snapshot:
         assert self.pool is not None
-        return {
-            "stats": self.pool.stats(),
-            "snapshot": self.pool.snapshot(),
-            "free_ranges": self.pool.free_ranges(),
-            "len": len(self.pool),
-        }
+        return mem_pool_snapshot(self.pool)
+
+    def allowed_change(self, before: Snapshot, after: Snapshot, error: BaseException) -> None:
+        failed_malloc_counted(before, after, error)
 
     def write(self, allocation: atb_mem.Allocation) -> None:
         self.seeds += 1
@@ -140,24 +133,16 @@ class MemPoolMachine(RuleBasedStateMachine):
         fits_reserved = any(gap >= rounded for _, gap in self.gaps(self.end))
         fits_anywhere = any(gap >= rounded for _, gap in self.gaps(self.usable))
         too_many = len(self.live) >= self.max_allocations
-        before = self.full_snapshot()
-        try:
-            allocation = self.pool.malloc(size)
-        except OutOfMemoryError as error:
-            message = str(error)
-            # Exactness: an OOM only when nothing fits (or the handle table is full).
-            assert too_many or not fits_anywhere, (size, rounded, self.gaps(self.usable))
-            assert f"requested {size} bytes" in message
-            if too_many:
-                assert "max_allocations" in message
+        note(f"malloc({size}): rounded {rounded}, gaps {self.gaps(self.usable)}")
+        if too_many or not fits_anywhere:
+            # Exactness: an OOM exactly when nothing fits (or the handle table is full).
+            raised = self.expect_unchanged(OutOfMemoryError, lambda: self.pool.malloc(size),
+                                           match=f"requested {size} bytes")
+            assert not too_many or "max_allocations" in str(raised)
             self.num_ooms += 1
-            after = self.full_snapshot()
-            assert after["stats"]["num_ooms"] == before["stats"]["num_ooms"] + 1
-            after["stats"]["num_ooms"] -= 1
-            assert after == before
             event("malloc: OOM (max_allocations)" if too_many else "malloc: OOM")
             return
-        assert not too_many and fits_anywhere, (size, rounded, self.gaps(self.usable))
+        allocation = self.pool.malloc(size)
         offset = allocation.offset
         assert allocation.size == rounded
         assert offset % self.alignment == 0
@@ -196,15 +181,9 @@ class MemPoolMachine(RuleBasedStateMachine):
         if size < 1:
             return
         if size > self.max_request():
-            before = self.full_snapshot()
-            try:
-                self.pool.malloc(size)
-            except ValueError as error:
-                assert not isinstance(error, OutOfMemoryError)
-                assert "exceeds the pool's capacity" in str(error)
-            else:
-                raise AssertionError(f"malloc({size}) beyond the capacity succeeded")
-            assert self.full_snapshot() == before
+            # A ValueError, not an OutOfMemoryError: no state of the pool could serve it.
+            self.expect_unchanged(ValueError, lambda: self.pool.malloc(size),
+                                  match="exceeds the pool's capacity")
             return
         self.do_malloc(size)
 
@@ -237,20 +216,10 @@ class MemPoolMachine(RuleBasedStateMachine):
         if by_ptr and allocation.offset in live_starts:
             by_ptr = False  # that pointer belongs to a live allocation now
         assert not self.pool.owns(allocation)
-        before = self.full_snapshot()
-        try:
-            self.pool.free(allocation.ptr if by_ptr else allocation)
-        except InvalidHandleError as error:
-            assert ("no live allocation" if by_ptr else "already freed") in str(error)
-        else:
-            raise AssertionError(f"freeing stale {allocation!r} (by_ptr={by_ptr}) succeeded")
-        assert self.full_snapshot() == before
-        try:
-            self.pool.view(allocation, np.uint8)
-        except InvalidHandleError:
-            pass
-        else:
-            raise AssertionError(f"a view of stale {allocation!r} succeeded")
+        self.expect_unchanged(InvalidHandleError,
+                              lambda: self.pool.free(allocation.ptr if by_ptr else allocation),
+                              match="no live allocation" if by_ptr else "already freed")
+        self.expect_unchanged(InvalidHandleError, lambda: self.pool.view(allocation, np.uint8))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), offset_units=st.integers(1, 64))
@@ -260,14 +229,7 @@ class MemPoolMachine(RuleBasedStateMachine):
         if allocation.size < 2:
             return
         inside = min(offset_units, allocation.size - 1)
-        before = self.full_snapshot()
-        try:
-            self.pool.free(allocation.ptr + inside)
-        except InvalidHandleError:
-            pass
-        else:
-            raise AssertionError(f"free(ptr + {inside}) of {allocation!r} succeeded")
-        assert self.full_snapshot() == before
+        self.expect_unchanged(InvalidHandleError, lambda: self.pool.free(allocation.ptr + inside))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -312,7 +274,6 @@ class MemPoolMachine(RuleBasedStateMachine):
     def structure(self) -> None:
         if self.pool is None:
             return
-        self.pool._check_invariants()
         spans = sorted(self.live.values())
         cursor = 0
         for offset, size, _ in spans:
@@ -383,10 +344,5 @@ class MemPoolMachine(RuleBasedStateMachine):
             self.pool.close()
 
 
-MemPoolMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+MemPoolMachine.TestCase.settings = machine_settings(max_examples=100)
 TestMemPoolStateMachine = MemPoolMachine.TestCase
