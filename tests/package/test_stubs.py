@@ -1,4 +1,5 @@
-"""`_core.pyi` describes exactly what the extension exports, with the same signatures."""
+"""`_core.pyi` describes exactly what the extension exports, with the same signatures (the
+shapes of the dicts it returns are checked in test_types.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import atb_mem
 from atb_mem import _core
 
 STUB = Path(atb_mem.__file__).with_name("_core.pyi")
-TYPE_ALIASES = {"Int32Array", "MoveExecutor", "SeqIdsLike", "TokenIdsLike"}
+TYPE_ALIASES = {"Int32Array", "IntsLike", "MoveExecutor", "SeqIdsLike", "TokenIdsLike"}
 # Slots every pyclass carries that the stub need not repeat.
 IMPLICIT = {"__doc__", "__module__", "__new__", "__repr__", "__dict__", "__weakref__",
             "__init__", "__hash__", "__getattribute__", "__delattr__", "__setattr__",

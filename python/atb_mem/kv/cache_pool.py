@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._types import KVCachePoolStats
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -55,6 +56,10 @@ class KVCachePool(_core.KVCachePool):
     """
 
     __slots__ = ("_mem_pool", "_own_pool", "_region", "_tensors")
+    _mem_pool: MemPool | None
+    _own_pool: MemPool | None
+    _region: _core.Allocation | None
+    _tensors: KVTensors | None
 
     def __new__(cls, num_blocks: int, block_size: int, *, device: Any = _DEFAULT_DEVICE,
                 pool: MemPool | None = None, num_host_blocks: int | None = None,
@@ -66,7 +71,7 @@ class KVCachePool(_core.KVCachePool):
         self._mem_pool = pool
         self._own_pool = None
         self._region = None
-        self._tensors: KVTensors | None = None
+        self._tensors = None
         if pool is None and device is None:
             return self
         if pool is not None:
@@ -210,16 +215,13 @@ class KVCachePool(_core.KVCachePool):
         pairs moved."""
         return super().swap_in(seq_ids, execute or self._executor)
 
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = super().stats()
-        stats["device"] = self.device
+    def stats(self) -> KVCachePoolStats:
         tensors = self.tensors
         held = 0 if tensors is None else self.num_blocks * self.bytes_per_block
         host = 0 if tensors is None or tensors.host_kv is None else \
             (self.num_host_blocks + 1) * self.bytes_per_block
-        stats["bytes_device"] = held
-        stats["bytes_host_tier"] = host
-        return stats
+        return {**super().stats(), "device": self.device, "bytes_device": held,
+                "bytes_host_tier": host}
 
     def close(self) -> None:
         """Gives the block region back to its ``MemPool`` and drops the views. Idempotent."""
@@ -309,12 +311,14 @@ def device_memory(device: str) -> tuple[int, int]:
     if name in ("host", "cpu"):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    backend = backend_for(name)
-    torch = backend.torch
+    backend_for(name)  # torch, and torch_npu for an npu, are there
+    import torch
+
     if name.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(name))
     else:
-        free, total = torch.npu.mem_get_info(torch.device(name))
+        # torch_npu adds torch.npu; torch itself does not declare it.
+        free, total = torch.npu.mem_get_info(torch.device(name))  # type: ignore[attr-defined]
     return int(free), int(total)
 
 

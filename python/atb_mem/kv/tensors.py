@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from atb_mem.memory.backends import NumpyBackend, TorchBackend
 
@@ -49,7 +50,7 @@ class KVTensors:
                 raise
             start = end
 
-    def _checked(self, moves: Any) -> np.ndarray:
+    def _checked(self, moves: npt.ArrayLike) -> np.ndarray:
         """``moves`` as int ``[k, 3]``, every kind known and block in range — checked before
         anything is copied, so a bad list moves nothing."""
         moves = np.asarray(moves)

@@ -15,7 +15,7 @@ lives in host memory unless ``backing`` says otherwise (a device backing object)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from atb_mem._core import InvalidHandleError
 from atb_mem.memory.mem_pool import MemPool
@@ -42,7 +42,9 @@ ACL_RT_MEM_POOL_ATTR_RESERVED_MEM_HIGH = 0x6
 ACL_RT_MEM_POOL_ATTR_USED_MEM_CURRENT = 0x7
 ACL_RT_MEM_POOL_ATTR_USED_MEM_HIGH = 0x8
 
-_STAT_OF_ATTR = {
+_StatName = Literal["reserved_bytes.current", "reserved_bytes.peak", "allocated_bytes.current",
+                   "allocated_bytes.peak"]
+_STAT_OF_ATTR: dict[int, _StatName] = {
     ACL_RT_MEM_POOL_ATTR_RESERVED_MEM_CURRENT: "reserved_bytes.current",
     ACL_RT_MEM_POOL_ATTR_RESERVED_MEM_HIGH: "reserved_bytes.peak",
     ACL_RT_MEM_POOL_ATTR_USED_MEM_CURRENT: "allocated_bytes.current",

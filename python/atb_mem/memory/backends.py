@@ -19,11 +19,18 @@ torch is imported only when a torch device is asked for; ``"npu"`` imports torch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from atb_mem import _core
+from atb_mem._types import BackendName
+
+if TYPE_CHECKING:
+    import torch
+
+Bytes = npt.NDArray[np.uint8]
 
 __all__ = ["NumpyBackend", "TorchBackend", "TorchRegion", "backend_for"]
 
@@ -36,7 +43,7 @@ _NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.flo
 class NumpyBackend:
     """Host memory as numpy arrays."""
 
-    name = "numpy"
+    name: BackendName = "numpy"
     device = "host"
 
     def region(self, nbytes: int) -> _core.HostRegion:
@@ -61,11 +68,12 @@ class NumpyBackend:
         _host_copy_blocks(_bytes_of(dst), dst.shape, None if src is dst else _bytes_of(src),
                           src.shape, dst.itemsize, dst_blocks, src_blocks)
 
-    def bytes_of(self, tensor: np.ndarray) -> np.ndarray:
+    def bytes_of(self, tensor: np.ndarray) -> Bytes:
         return _bytes_of(np.ascontiguousarray(tensor))
 
-    def scatter_kv(self, kv: np.ndarray, kv_bytes: np.ndarray, layer: int, slots: np.ndarray,
+    def scatter_kv(self, kv: np.ndarray, kv_bytes: Bytes | None, layer: int, slots: np.ndarray,
                    key: np.ndarray, value: np.ndarray) -> None:
+        assert kv_bytes is not None  # host memory always has them
         _host_scatter_kv(kv_bytes, tuple(kv.shape), kv.itemsize, layer, slots,
                          self.bytes_of(key), self.bytes_of(value))
 
@@ -78,7 +86,9 @@ class TorchRegion:
     """
 
     def __init__(self, nbytes: int, device: str = "cpu") -> None:
-        torch = _import_torch(device)
+        _require_torch(device)
+        import torch
+
         # Zeroed once at start-up, like the host backing: stale bytes in a padded block can
         # otherwise turn into NaNs in kernels that read past a sequence.
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -108,11 +118,14 @@ class TorchRegion:
 class TorchBackend:
     """One torch tensor on ``cpu``, ``cuda[:N]`` or ``npu[:N]``."""
 
-    name = "torch"
+    name: BackendName = "torch"
 
     def __init__(self, device: str) -> None:
-        self.torch = _import_torch(device)
-        self.device = str(self.torch.device(device))
+        _require_torch(device)
+        import torch
+
+        self.torch = torch
+        self.device = str(torch.device(device))
 
     def region(self, nbytes: int) -> TorchRegion:
         return TorchRegion(nbytes, self.device)
@@ -128,7 +141,7 @@ class TorchBackend:
     def is_tensor(self, value: object) -> bool:
         return isinstance(value, self.torch.Tensor)
 
-    def indices(self, values: np.ndarray, device: str | None = None) -> Any:
+    def indices(self, values: np.ndarray, device: str | None = None) -> torch.Tensor:
         return self.torch.as_tensor(np.asarray(values, dtype=np.int64), device=device or "cpu")
 
     def to_numpy(self, values: Any) -> np.ndarray:
@@ -136,21 +149,20 @@ class TorchBackend:
             return values.detach().to("cpu").numpy()
         return np.asarray(values)
 
-    def _on_host(self, tensor: Any) -> bool:
-        return tensor.device.type == "cpu"
-
-    def bytes_of(self, tensor: Any) -> np.ndarray | None:
+    def bytes_of(self, tensor: torch.Tensor) -> Bytes | None:
         """The tensor's bytes as a flat numpy uint8 array (no copy); None off the host."""
-        if not self._on_host(tensor):
+        if tensor.device.type != "cpu":
             return None
-        return tensor.detach().contiguous().view(self.torch.uint8).numpy().reshape(-1)
+        flat: Bytes = tensor.detach().contiguous().view(self.torch.uint8).numpy().reshape(-1)
+        return flat
 
-    def copy_blocks(self, dst: Any, dst_blocks: np.ndarray, src: Any,
+    def copy_blocks(self, dst: torch.Tensor, dst_blocks: np.ndarray, src: torch.Tensor,
                     src_blocks: np.ndarray) -> None:
-        if self._on_host(dst) and self._on_host(src):
-            _host_copy_blocks(self.bytes_of(dst), tuple(dst.shape),
-                              None if src is dst else self.bytes_of(src), tuple(src.shape),
-                              dst.element_size(), dst_blocks, src_blocks)
+        dst_bytes = self.bytes_of(dst)
+        src_bytes = dst_bytes if src is dst else self.bytes_of(src)
+        if dst_bytes is not None and src_bytes is not None:  # both on the host
+            _host_copy_blocks(dst_bytes, tuple(dst.shape), None if src is dst else src_bytes,
+                              tuple(src.shape), dst.element_size(), dst_blocks, src_blocks)
             return
         src_index = self.indices(src_blocks, str(src.device))
         dst_index = self.indices(dst_blocks, str(dst.device))
@@ -162,11 +174,14 @@ class TorchBackend:
                 moved = moved.to(dst.device, non_blocking=dst.device.type != "cpu")
             dst.index_copy_(2, dst_index, moved)
 
-    def scatter_kv(self, kv: Any, kv_bytes: np.ndarray | None, layer: int, slots: np.ndarray,
-                   key: Any, value: Any) -> None:
+    def scatter_kv(self, kv: torch.Tensor, kv_bytes: Bytes | None, layer: int,
+                   slots: np.ndarray, key: torch.Tensor, value: torch.Tensor) -> None:
         if kv_bytes is not None:
+            key_bytes, value_bytes = self.bytes_of(key), self.bytes_of(value)
+            # write_kv let them through only on the cache's device: the host, here.
+            assert key_bytes is not None and value_bytes is not None
             _host_scatter_kv(kv_bytes, tuple(kv.shape), kv.element_size(), layer, slots,
-                             self.bytes_of(key), self.bytes_of(value))
+                             key_bytes, value_bytes)
             return
         keep = np.flatnonzero(slots >= 0)
         index = self.indices(slots[keep], str(kv.device))
@@ -178,14 +193,14 @@ class TorchBackend:
                 kv[layer, half].view(flat).index_copy_(0, index, values)
 
 
-def _bytes_of(array: np.ndarray) -> np.ndarray:
+def _bytes_of(array: np.ndarray) -> Bytes:
     """A contiguous array's bytes as a flat uint8 view (no copy)."""
     if not array.flags.c_contiguous:
         raise ValueError("KV tensors must be contiguous")
     return array.reshape(-1).view(np.uint8)
 
 
-def _host_copy_blocks(dst: np.ndarray, dst_shape: tuple[int, ...], src: np.ndarray | None,
+def _host_copy_blocks(dst: Bytes, dst_shape: tuple[int, ...], src: Bytes | None,
                       src_shape: tuple[int, ...], itemsize: int, dst_blocks: np.ndarray,
                       src_blocks: np.ndarray) -> None:
     """Tiers shaped ``[layers, 2, blocks, *block]``: copy whole blocks for every layer."""
@@ -194,8 +209,8 @@ def _host_copy_blocks(dst: np.ndarray, dst_shape: tuple[int, ...], src: np.ndarr
     _core.copy_blocks(dst, dst_shape[2], src, src_shape[2], chunk, pairs)
 
 
-def _host_scatter_kv(kv_bytes: np.ndarray, kv_shape: tuple[int, ...], itemsize: int,
-                     layer: int, slots: np.ndarray, key: np.ndarray, value: np.ndarray) -> None:
+def _host_scatter_kv(kv_bytes: Bytes, kv_shape: tuple[int, ...], itemsize: int,
+                     layer: int, slots: np.ndarray, key: Bytes, value: Bytes) -> None:
     """Tiers shaped ``[layers, 2, blocks, block_size, heads, head_dim]``: one layer's K and V
     rows (a row is one token's heads × head_dim) from ``key``/``value`` into ``slots``."""
     _, _, blocks, block_size, heads, head_dim = kv_shape
@@ -206,9 +221,10 @@ def _host_scatter_kv(kv_bytes: np.ndarray, kv_shape: tuple[int, ...], itemsize: 
                        [(offsets[0], key), (offsets[1], value)])
 
 
-def _import_torch(device: str) -> Any:
+def _require_torch(device: str) -> None:
+    """Raises ImportError, saying what to install, unless ``device`` can be used."""
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError as error:
         raise ImportError(
             f"device {device!r} needs PyTorch: pip install 'atb-mem[torch]'"
@@ -221,10 +237,9 @@ def _import_torch(device: str) -> Any:
                 f"device {device!r} needs torch-npu (Ascend): pip install torch-npu, "
                 "matching your torch and CANN versions"
             ) from error
-    return torch
 
 
-def _torch_dtype(dtype: Any) -> Any:
+def _torch_dtype(dtype: Any) -> torch.dtype:
     import torch
 
     if isinstance(dtype, torch.dtype):
@@ -238,7 +253,7 @@ def _torch_dtype(dtype: Any) -> Any:
     return table[name]
 
 
-def backend_for(device: str) -> NumpyBackend | TorchBackend:
+def backend_for(device: str | torch.device) -> NumpyBackend | TorchBackend:
     """``"host"`` → numpy; ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"`` → torch."""
     if not isinstance(device, str):
         device = str(device)  # a torch.device

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from atb_mem import _core
 
 __all__ = ["MemPool"]
@@ -47,7 +45,7 @@ class MemPool(_core.MemPool):
 
     def memory_summary(self) -> str:
         """A readable table of the pool's state, in the spirit of torch's memory_summary()."""
-        stats: dict[str, Any] = self.stats()
+        stats = self.stats()
         live = self.snapshot()
         rows = [
             ("capacity", _bytes(stats["capacity"])),

@@ -7,11 +7,12 @@ call into it that returns every decision and array the model runner needs.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._types import ContinuousBatchSchedulerStats, ContinuousSchedulerConfig, Preemption
 from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling._times import SECOND_NS, to_ns
 
@@ -52,7 +53,7 @@ class ContinuousBatchScheduler:
 
     def __init__(self, kv_cache: KVCachePool, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
-                 preemption: str = "recompute", watermark: float = 0.01,
+                 preemption: Preemption = "recompute", watermark: float = 0.01,
                  eos_token_id: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.eos_token_id = eos_token_id
@@ -60,7 +61,7 @@ class ContinuousBatchScheduler:
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "enable_chunked_prefill": bool(enable_chunked_prefill), "preemption": preemption,
             "watermark": watermark})
-        self._new_settings: dict[str, Any] | None = None
+        self._new_settings: ContinuousSchedulerConfig | None = None
         self._finished = 0
         self._last_batch = (0, 0)  # (sequences, tokens) of the last step
 
@@ -119,31 +120,31 @@ class ContinuousBatchScheduler:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._core
 
-    def stats(self) -> dict[str, Any]:
-        counts = self._core.counts()
-        counts["finished"] = self._finished
-        counts["last_batch_size"], counts["last_batch_tokens"] = self._last_batch
-        return counts
+    def stats(self) -> ContinuousBatchSchedulerStats:
+        batch_size, batch_tokens = self._last_batch
+        return {**self._core.counts(), "finished": self._finished,
+                "last_batch_size": batch_size, "last_batch_tokens": batch_tokens}
 
     # ---- configuration ---------------------------------------------------------------------
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> ContinuousSchedulerConfig:
         return self._core.config()
 
-    def reconfigure(self, **changes: Any) -> dict[str, Any]:
+    def reconfigure(self, **changes: Any) -> ContinuousSchedulerConfig:
         """Changes settings while requests flow: validated now (a bad value changes nothing
         and raises), applied at the next step. Returns the previous configuration."""
         unknown = sorted(set(changes) - set(_SETTINGS))
         if unknown:
             raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
-        new = dict(self._new_settings or self.config) | changes
+        # Checked on the next line: the core refuses a missing, extra or ill-typed setting.
+        new = cast(ContinuousSchedulerConfig, dict(self._new_settings or self.config) | changes)
         _core.ContinuousScheduler(self.kv_cache, new)  # validates, changes nothing
         previous = self.config
         self._new_settings = new
         return previous
 
-    def _apply_new_settings(self) -> dict[str, Any] | None:
+    def _apply_new_settings(self) -> ContinuousSchedulerConfig | None:
         """Applies the pending settings; returns the ones they replaced (None if none)."""
         if self._new_settings is None:
             return None

@@ -15,10 +15,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from atb_mem import _core
 from atb_mem._core import AtbMemError, RequestTimeoutError
+from atb_mem._types import (
+    DynamicBatchSchedulerConfig,
+    DynamicBatchSchedulerStats,
+    RequestBatcherConfig,
+    TimeoutAction,
+)
 from atb_mem.scheduling._times import MILLISECOND_NS, to_ns
 
 __all__ = ["Batch", "DynamicBatchScheduler"]
@@ -49,7 +55,7 @@ class Batch:
     __slots__ = ("_done", "_futures", "_scheduler", "_sequence", "items")
 
     def __init__(self, scheduler: DynamicBatchScheduler, sequence: int, items: list[Any],
-                 futures: list[Future]) -> None:
+                 futures: list[Future[Any]]) -> None:
         self.items = items
         self._futures = futures
         self._scheduler = scheduler
@@ -99,7 +105,7 @@ class DynamicBatchScheduler:
     def __init__(self, max_batch_size: int = 8, timeout_ms: float = 50, *,
                  preferred_batch_sizes: Sequence[int] = (), max_queue_size: int | None = None,
                  priority_levels: int = 1, default_timeout_ms: float | None = None,
-                 timeout_action: str = "reject", preserve_ordering: bool = False,
+                 timeout_action: TimeoutAction = "reject", preserve_ordering: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = self._validated({
             "max_batch_size": max_batch_size, "timeout_ms": timeout_ms,
@@ -110,24 +116,25 @@ class DynamicBatchScheduler:
         self._clock = clock
         self._preserve_ordering = bool(preserve_ordering)
         self._condition = threading.Condition()
-        self._pending: dict[int, tuple[Any, Future]] = {}
+        self._pending: dict[int, tuple[Any, Future[Any]]] = {}
         self._next_id = 0
         self._next_sequence = 0
         self._next_to_deliver = 0
-        self._held: dict[int, list[tuple[Future, Any, BaseException | None]]] = {}
+        self._held: dict[int, list[tuple[Future[Any], Any, BaseException | None]]] = {}
         # Released batches whose async consumer was cancelled; served before any new one.
         self._returned: deque[Batch] = deque()
-        self._new_settings: dict[str, Any] | None = None
+        self._new_settings: DynamicBatchSchedulerConfig | None = None
         self._closed = False
         self._released = (0, 0, 0)  # batches, requests, size of the last batch
 
     # ---- configuration ---------------------------------------------------------------------
 
     @staticmethod
-    def _core_config(settings: dict[str, Any]) -> dict[str, Any]:
+    def _core_config(settings: DynamicBatchSchedulerConfig) -> RequestBatcherConfig:
         """The settings in the core's terms (nanoseconds)."""
         return {"max_batch_size": settings["max_batch_size"],
-                "timeout_ns": _ms_to_ns("timeout_ms", settings["timeout_ms"]),
+                "timeout_ns": to_ns("timeout_ms", settings["timeout_ms"], MILLISECOND_NS,
+                                    "milliseconds"),
                 "preferred_batch_sizes": list(settings["preferred_batch_sizes"]),
                 "max_queue_size": settings["max_queue_size"],
                 "priority_levels": settings["priority_levels"],
@@ -136,22 +143,22 @@ class DynamicBatchScheduler:
                 "timeout_action": settings["timeout_action"]}
 
     @classmethod
-    def _make_core(cls, settings: dict[str, Any]) -> _core.RequestBatcher:
+    def _make_core(cls, settings: DynamicBatchSchedulerConfig) -> _core.RequestBatcher:
         return _core.RequestBatcher(cls._core_config(settings))
 
-    def _validated(self, settings: dict[str, Any]) -> dict[str, Any]:
+    def _validated(self, settings: DynamicBatchSchedulerConfig) -> DynamicBatchSchedulerConfig:
         if settings["timeout_ms"] is None:
             raise TypeError("timeout_ms must be a number of milliseconds, got None")
         self._make_core(settings)  # raises on anything the core refuses
         return settings
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> DynamicBatchSchedulerConfig:
         """The configuration in force (a reconfiguration counts once applied)."""
         with self._condition:
-            return dict(self._settings)
+            return self._settings.copy()
 
-    def reconfigure(self, **changes: Any) -> dict[str, Any]:
+    def reconfigure(self, **changes: Any) -> DynamicBatchSchedulerConfig:
         """Changes settings while requests flow. Validated at once (a bad value changes
         nothing, and raises); applied atomically at the next batch boundary. Returns the
         previous configuration, so a caller can roll back with ``reconfigure(**previous)``."""
@@ -162,8 +169,9 @@ class DynamicBatchScheduler:
             base = dict(self._new_settings or self._settings)
             if "preferred_batch_sizes" in changes:
                 changes["preferred_batch_sizes"] = tuple(changes["preferred_batch_sizes"])
-            new = self._validated(base | changes)
-            previous = dict(self._settings)
+            # _validated checks the result: the core refuses what is not a setting of its own.
+            new = self._validated(cast(DynamicBatchSchedulerConfig, base | changes))
+            previous = self._settings.copy()
             self._new_settings = new
             self._condition.notify_all()
             return previous
@@ -180,10 +188,11 @@ class DynamicBatchScheduler:
     def _now_ns(self) -> int:
         return int(self._clock() * 1e9)
 
-    def submit(self, item: Any, *, priority: int = 0, timeout_ms: float | None = None) -> Future:
+    def submit(self, item: Any, *, priority: int = 0,
+               timeout_ms: float | None = None) -> Future[Any]:
         """Queues a request; returns the ``Future`` of its result."""
         timeout_ns = _ms_to_ns("timeout_ms", timeout_ms)
-        future: Future = Future()
+        future: Future[Any] = Future()
         with self._condition:
             if self._closed:
                 raise AtbMemError("the scheduler is closed")
@@ -201,7 +210,7 @@ class DynamicBatchScheduler:
         return await asyncio.wrap_future(self.submit(item, priority=priority,
                                                      timeout_ms=timeout_ms))
 
-    def _on_cancel(self, request_id: int, future: Future) -> None:
+    def _on_cancel(self, request_id: int, future: Future[Any]) -> None:
         if future.cancelled():
             with self._condition:
                 if self._pending.pop(request_id, None) is not None:
@@ -227,7 +236,7 @@ class DynamicBatchScheduler:
     def _next_batch(self, timeout: float | None, claim: _AsyncClaim | None) -> Batch | None:
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
-            expired: list[Future] = []
+            expired: list[Future[Any]] = []
             batch = None
             wakeup_ns = None
             with self._condition:
@@ -277,7 +286,7 @@ class DynamicBatchScheduler:
         self._released = (batches + 1, requests + len(items), len(items))
         return Batch(self, sequence, items, futures)
 
-    def _complete(self, batch: Batch, outcomes: list[tuple[Future, Any, Any]]) -> None:
+    def _complete(self, batch: Batch, outcomes: list[tuple[Future[Any], Any, Any]]) -> None:
         with self._condition:
             if batch._done:
                 raise AtbMemError("this batch was already completed")
@@ -352,7 +361,7 @@ class DynamicBatchScheduler:
         for future in cancelled:
             future.cancel()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> DynamicBatchSchedulerStats:
         """Queue length, and the batches released so far."""
         with self._condition:
             batches, requests, last = self._released

@@ -4,6 +4,7 @@ on a replayed trace (``fragmentation``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -109,16 +110,15 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
     if max_model_len < longest:
         raise click.BadParameter(f"the trace has a {longest}-token request",
                                  param_hint="--max-model-len")
-    runs: list[tuple[str, Callable[[], Any]]] = [
+    runs: list[tuple[str, Callable[[], simulate.ReplayResult]]] = [
         (f"paged, block size {size}",
-         lambda size=size: simulate.replay_paged(requests, memory, token_bytes, size,
-                                                 max_num_seqs=max_num_seqs,
-                                                 max_num_batched_tokens=max_num_batched_tokens))
+         partial(simulate.replay_paged, requests, memory, token_bytes, size,
+                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
         for size in block_sizes]
     runs += [(f"contiguous {kind}",
-              lambda exact=exact: simulate.replay_reserved(
-                  requests, memory, token_bytes, exact=exact, max_model_len=max_model_len,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+              partial(simulate.replay_reserved, requests, memory, token_bytes, exact=exact,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens))
              for kind, exact in (("max", False), ("exact", True))]
     results = []
     with Progress(console=console, transient=True) as progress:

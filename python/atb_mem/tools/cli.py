@@ -79,8 +79,8 @@ def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_
                       f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
                       f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}")
     console.print(table)
-    for error in errors:
-        console.print(f"[yellow]skipped[/yellow] {error}")
+    for skipped in errors:
+        console.print(f"[yellow]skipped[/yellow] {skipped}")
     write_json(json_path, {"rows": rows, "skipped": errors})
 
 

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -207,7 +208,7 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
     pool = atb_mem.MemPool(memory_bytes, alignment=bytes_per_token, backing=None,
                            max_allocations=max(1, min(1 << 20, memory_bytes // bytes_per_token)))
     waiting: deque[int] = deque()
-    running: dict[int, list] = {}  # id -> [allocation, reserved tokens, computed, sampled]
+    running: dict[int, list[Any]] = {}  # id -> [allocation, reserved tokens, computed, sampled]
     finish: dict[int, float] = {}
     timeline = _Timeline()
     now, next_request = 0.0, 0

@@ -8,17 +8,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 import atb_mem
+from atb_mem._types import KVCachePoolStats
 
 SEED = 20240607
 NUM_BLOCKS, BLOCK_SIZE = 65_536, 16
-Workload = tuple[Callable[[], object], int]
+_Result = TypeVar("_Result")
+# What to time, and how many operations one call of it performs.
+Workload = tuple[Callable[[], _Result], int]
 
 
-def churn_workload(pairs: int = 1_000_000) -> Workload:
+def churn_workload(pairs: int = 1_000_000) -> Workload[None]:
     """W1: allocate one block's worth of tokens for a sequence and free it."""
     kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
 
@@ -39,7 +43,8 @@ def decode_lengths(count: int = 20_000) -> tuple[list[int], list[int]]:
     return prompts.astype(int).tolist(), outputs.astype(int).tolist()
 
 
-def decode_workload(steps: int = 2000, *, batch_table: bool = True, running: int = 256) -> Workload:
+def decode_workload(steps: int = 2000, *, batch_table: bool = True,
+                    running: int = 256) -> Workload[None]:
     """W2: `running` sequences each get a token per step, through a BatchTable (one call) or
     through append_tokens plus a full block_tables/context_lens rebuild; finished sequences
     are freed and replaced (prefill allocates the whole prompt)."""
@@ -92,10 +97,10 @@ def prefix_prompts(requests: int = 10_000) -> list[np.ndarray]:
     return prompts
 
 
-def prefix_workload(prompts: list[np.ndarray]) -> Workload:
+def prefix_workload(prompts: list[np.ndarray]) -> Workload[KVCachePoolStats]:
     """W3: allocate each prompt with its token ids, then free it. Returns the stats."""
 
-    def run() -> dict:
+    def run() -> KVCachePoolStats:
         kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
         for seq_id, tokens in enumerate(prompts):
             kv.alloc_sequence(seq_id, tokens)
@@ -106,7 +111,7 @@ def prefix_workload(prompts: list[np.ndarray]) -> Workload:
     return run, len(prompts)
 
 
-def mem_pool_workload(pairs: int = 1_000_000) -> Workload:
+def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
     """MemPool malloc + free of 256 KiB, with a few other ranges in the bins."""
     pool = atb_mem.MemPool(1 << 30, backing=None)
     keep = [pool.malloc(4096 * (i % 7 + 1)) for i in range(64)]
@@ -120,7 +125,7 @@ def mem_pool_workload(pairs: int = 1_000_000) -> Workload:
     return churn, pairs
 
 
-def scheduler_step_workload(running: int = 256) -> Workload:
+def scheduler_step_workload(running: int = 256) -> Workload[None]:
     """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences."""
     prompts, _ = decode_lengths(running)
     # Room for every prompt and a few thousand decode steps, whatever `running` is.
@@ -143,7 +148,7 @@ def scheduler_step_workload(running: int = 256) -> Workload:
     return step, 1
 
 
-def median_per_operation(workload: Workload, rounds: int, *, warmup: bool = False,
+def median_per_operation(workload: Workload[object], rounds: int, *, warmup: bool = False,
                          synchronize: Callable[[], object] | None = None) -> float:
     """Median seconds per operation over `rounds` calls (after one untimed call with
     `warmup`); `synchronize` waits for a device to finish inside each timed call."""
