@@ -25,7 +25,7 @@ def main() -> int:
         return 2
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-q",
-               "-s", "--benchmark-enable", "tests/test_kv_tensors.py",
+               "-s", "--benchmark-enable", "tests/kv",
                "benches/test_bench_kv_tensors.py"]
     return subprocess.call(command, cwd=ROOT)
 

@@ -1,4 +1,4 @@
-"""Workloads W1-W3 of issue 2 (pytest-benchmark); the workloads are atb_mem.benchmarks'.
+"""Workloads W1-W3 of issue 2 (pytest-benchmark); the workloads are atb_mem.tools.workloads'.
 
     python -m pytest benches --benchmark-enable --benchmark-only --benchmark-columns=median,rounds
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from atb_mem import benchmarks
+from atb_mem.tools import workloads
 
 
 def report(benchmark, name: str, per: float, unit: str, count: int) -> None:
@@ -24,7 +24,7 @@ def report(benchmark, name: str, per: float, unit: str, count: int) -> None:
 
 def test_w1_churn(benchmark) -> None:
     """Allocate one block's worth of tokens for a sequence and free it, 1,000,000 times."""
-    run, pairs = benchmarks.churn_workload(1_000_000)
+    run, pairs = workloads.churn_workload(1_000_000)
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     report(benchmark, "W1 ns per alloc+free pair", 1e9, "ns", pairs)
 
@@ -32,7 +32,7 @@ def test_w1_churn(benchmark) -> None:
 @pytest.mark.parametrize("mode", ["batch_table", "rebuild"])
 def test_w2_decode(benchmark, mode: str) -> None:
     """256 running sequences, 2,000 steps; finished ones freed and replaced."""
-    run, steps = benchmarks.decode_workload(2000, batch_table=mode == "batch_table")
+    run, steps = workloads.decode_workload(2000, batch_table=mode == "batch_table")
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     report(benchmark, f"W2 us per decode step ({mode}, incl. replacing finished)", 1e6, "us",
            steps)
@@ -40,11 +40,11 @@ def test_w2_decode(benchmark, mode: str) -> None:
 
 def test_w3_prefix(benchmark) -> None:
     """10,000 requests sharing a 1,024-token system prompt; allocate with ids, free."""
-    prompts = benchmarks.prefix_prompts(10_000)
-    run, requests = benchmarks.prefix_workload(prompts)
+    prompts = workloads.prefix_prompts(10_000)
+    run, requests = workloads.prefix_workload(prompts)
     # The exact possible hit rate: every request but the first hits the 64 system blocks.
-    queries = sum((len(p) - 1) // benchmarks.BLOCK_SIZE for p in prompts)
-    exact = (len(prompts) - 1) * (1024 // benchmarks.BLOCK_SIZE) / queries
+    queries = sum((len(p) - 1) // workloads.BLOCK_SIZE for p in prompts)
+    exact = (len(prompts) - 1) * (1024 // workloads.BLOCK_SIZE) / queries
     stats = benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     assert stats["prefix_cache_queries"] == queries
     assert stats["prefix_cache_hit_rate"] == pytest.approx(exact, abs=1e-12)
@@ -56,9 +56,9 @@ def test_w2_batch_table_call_alone(benchmark) -> None:
     """Just the per-step call: 256 rows, one BatchTable.append_tokens()."""
     import atb_mem
 
-    prompts, _ = benchmarks.decode_lengths(256)
-    kv = atb_mem.KVCachePool(benchmarks.NUM_BLOCKS, benchmarks.BLOCK_SIZE, device=None)
-    table = kv.batch_table(256, (4096 + 2048) // benchmarks.BLOCK_SIZE)
+    prompts, _ = workloads.decode_lengths(256)
+    kv = atb_mem.KVCachePool(workloads.NUM_BLOCKS, workloads.BLOCK_SIZE, device=None)
+    table = kv.batch_table(256, (4096 + 2048) // workloads.BLOCK_SIZE)
     for seq_id, prompt in enumerate(prompts):
         kv.alloc_sequence(seq_id, prompt)
         table.add(seq_id)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem import benchmarks
+from atb_mem.tools import workloads
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
@@ -32,7 +32,7 @@ def synchronizer(device: str) -> Callable[[], None]:
 
 
 def median_seconds(run: Callable[[], object], device: str, repeat: int = 7) -> float:
-    return benchmarks.median_per_operation((run, 1), repeat, warmup=True,
+    return workloads.median_per_operation((run, 1), repeat, warmup=True,
                                            synchronize=synchronizer(device))
 
 

@@ -1,4 +1,4 @@
-"""MemPool benchmarks (pytest-benchmark); the workload is atb_mem.benchmarks'.
+"""MemPool benchmarks (pytest-benchmark); the workload is atb_mem.tools.workloads'.
 
     python -m pytest benches/test_bench_mem_pool.py --benchmark-enable --benchmark-only -s
 
@@ -8,12 +8,12 @@ The churn-at-high-occupancy comparison with a first-fit allocator is a Rust benc
 
 from __future__ import annotations
 
-from atb_mem import benchmarks
+from atb_mem.tools import workloads
 
 
 def test_malloc_free_pair(benchmark) -> None:
     """malloc + free of 256 KiB from Python, 1,000,000 times."""
-    run, pairs = benchmarks.mem_pool_workload(1_000_000)
+    run, pairs = workloads.mem_pool_workload(1_000_000)
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     if benchmark.stats is not None:
         median = benchmark.stats.stats.median

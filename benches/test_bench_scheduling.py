@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 
 import atb_mem
-from atb_mem import benchmarks, simulate
+from atb_mem.tools import simulate, workloads
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023.csv"
+# The first 1,000 requests of the Azure code trace (tests/data/README.md says whence).
+TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "azure_llm_code_2023.csv"
 STEP_BASE, STEP_PER_TOKEN = 0.005, 2e-5
 
 
 @pytest.mark.parametrize("running", [256, 4096])
 def test_step_overhead(benchmark, running: int) -> None:
     """step() + on_tokens() with `running` decoding sequences: the cost must stay linear."""
-    run, _ = benchmarks.scheduler_step_workload(running)
+    run, _ = workloads.scheduler_step_workload(running)
     rounds = 300 if running <= 256 else 60
     benchmark.pedantic(run, rounds=rounds, iterations=1)
     if benchmark.stats is not None:

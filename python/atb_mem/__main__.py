@@ -1,5 +1,5 @@
 import sys
 
-from atb_mem.cli import main
+from atb_mem.tools.cli import main
 
 sys.exit(main())

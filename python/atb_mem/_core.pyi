@@ -1,10 +1,24 @@
-"""Type stubs of the Rust extension ``atb_mem._core`` (kept in sync by tests/test_stubs.py)."""
+"""Stubs of the Rust extension ``atb_mem._core``, kept in sync by tests/package/test_stubs.py."""
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
+
+from atb_mem._types import (
+    AlignmentPolicy,
+    ContinuousSchedulerConfig,
+    KVCacheStats,
+    KVDtype,
+    KVDtypeAlias,
+    LiveAllocation,
+    MemoryBacking,
+    MemPoolStats,
+    RequestBatcherConfig,
+    SchedulerCounts,
+)
 
 __version__: str
 NULL_BLOCK: int
@@ -13,8 +27,9 @@ PAD_SLOT: int
 """-1: slot-mapping entry of a batch-table row with no new token (kernels skip it)."""
 
 Int32Array = npt.NDArray[np.int32]
-SeqIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
-TokenIdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+SeqIdsLike = IntsLike
+TokenIdsLike = IntsLike
 
 class AtbMemError(Exception):
     """Base class of every error atb-mem raises."""
@@ -57,18 +72,11 @@ class KVCachePool:
     A call that raises leaves the pool exactly as it was.
     """
 
-    def __new__(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        *,
-        num_layers: int | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        dtype: str | Any | None = None,
-        enable_prefix_caching: bool = True,
-        num_host_blocks: int | None = None,
-    ) -> KVCachePool: ...
+    def __new__(cls, num_blocks: int, block_size: int, *, num_layers: int | None = None,
+                num_kv_heads: int | None = None, head_dim: int | None = None,
+                dtype: KVDtype | KVDtypeAlias | type[np.generic] | np.dtype[Any] | None = None,
+                enable_prefix_caching: bool = True,
+                num_host_blocks: int | None = None) -> Self: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -80,7 +88,7 @@ class KVCachePool:
     @property
     def head_dim(self) -> int: ...
     @property
-    def dtype(self) -> str: ...
+    def dtype(self) -> KVDtype: ...
     @property
     def enable_prefix_caching(self) -> bool: ...
     @property
@@ -115,10 +123,7 @@ class KVCachePool:
         ``token_ids`` (``[batch, n]`` or flat) lets blocks that fill up join the prefix cache.
         All-or-nothing for the whole batch.
         """
-    def slot_mapping(
-        self, seq_ids: SeqIdsLike, starts: Sequence[int] | npt.NDArray[np.integer[Any]],
-        ends: Sequence[int] | npt.NDArray[np.integer[Any]],
-    ) -> Int32Array:
+    def slot_mapping(self, seq_ids: SeqIdsLike, starts: IntsLike, ends: IntsLike) -> Int32Array:
         """Slots of tokens ``[starts[i], ends[i])`` of each sequence, concatenated."""
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; appends copy on write."""
@@ -136,10 +141,9 @@ class KVCachePool:
     def take_pending_copies(self) -> Int32Array:
         """Takes the pending moves; returns the copy-on-write pairs among them, int32
         ``[k, 2]`` of (src, dst), for a caller that moves the bytes itself."""
-    def write_slots(self, slots: Sequence[int] | npt.NDArray[np.integer[Any]],
-                    execute: MoveExecutor, write: Callable[[], object]) -> None:
-        """Under the pool's lock: executes pending moves, checks ``slots``, calls
-        ``write()``."""
+    def write_slots(self, slots: IntsLike, execute: MoveExecutor,
+                    write: Callable[[], object]) -> None:
+        """Under the pool's lock: executes pending moves, checks ``slots``, calls ``write()``."""
     def block_tables(self, seq_ids: SeqIdsLike) -> Int32Array:
         """int32 ``[batch, max_blocks]`` padded with block 0."""
     def block_table(self, seq_id: int) -> Int32Array:
@@ -160,11 +164,11 @@ class KVCachePool:
         every pending move; without, the moves stay pending. All-or-nothing."""
     def swap_in(self, seq_ids: SeqIdsLike, execute: MoveExecutor | None = None) -> Int32Array:
         """Brings swapped-out sequences back; returns int32 ``[k, 2]`` (host, device) pairs."""
-    def check_slots(self, slots: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
+    def check_slots(self, slots: IntsLike) -> None:
         """Raises ValueError unless every slot (negative = padding) is in a held block."""
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""
-    def stats(self) -> dict[str, int | float]: ...
+    def stats(self) -> KVCacheStats: ...
     def _check_invariants(self) -> None:
         """Raises AssertionError naming the first broken internal invariant."""
 
@@ -238,23 +242,18 @@ class MemPool:
     call raises ``InvalidHandleError``.
     """
 
-    def __new__(
-        cls,
-        capacity: int,
-        *,
-        alignment: int | None = None,
-        policy: str | None = None,
-        backing: Any = "host",
-        max_allocations: int | None = None,
-    ) -> MemPool: ...
+    def __new__(cls, capacity: int, *, alignment: int | None = None,
+                policy: AlignmentPolicy | None = None,
+                backing: Literal["host"] | MemoryBacking | None = "host",
+                max_allocations: int | None = None) -> Self: ...
     @property
     def capacity(self) -> int: ...
     @property
     def alignment(self) -> int: ...
     @property
-    def policy(self) -> str: ...
+    def policy(self) -> AlignmentPolicy: ...
     @property
-    def backing(self) -> Any:
+    def backing(self) -> MemoryBacking | None:
         """The object that owns the bytes (a ``HostRegion`` by default; None offsets-only)."""
     @property
     def base_ptr(self) -> int: ...
@@ -278,34 +277,24 @@ class MemPool:
         """Releases the free tail beyond ``min_bytes_to_keep``; returns the bytes released."""
     def close(self) -> None:
         """Frees everything and drops the pool's reference to its bytes."""
-    def stats(self) -> dict[str, int | float | str]:
+    def stats(self) -> MemPoolStats:
         """torch-style keys: ``allocated_bytes.current``, ``reserved_bytes.peak``, ..."""
-    def snapshot(self) -> list[dict[str, int]]:
+    def snapshot(self) -> list[LiveAllocation]:
         """Live allocations in address order: offset, size, requested, ptr."""
     def free_ranges(self) -> list[tuple[int, int]]:
         """Free ranges in address order: (offset, size)."""
     def _check_invariants(self) -> None: ...
     def __len__(self) -> int: ...
 
-def scatter_rows(
-    dst: npt.NDArray[np.uint8],
-    row_bytes: int,
-    rows_per_source: int,
-    rows: npt.NDArray[np.int64],
-    sources: list[tuple[int, npt.NDArray[np.uint8]]],
-) -> None:
+def scatter_rows(dst: npt.NDArray[np.uint8], row_bytes: int, rows_per_source: int,
+                 rows: npt.NDArray[np.int64],
+                 sources: list[tuple[int, npt.NDArray[np.uint8]]]) -> None:
     """Host ReshapeAndCache: for each ``(offset, src)``, ``dst`` from ``offset`` on is rows of
     ``row_bytes`` and row ``rows[i]`` gets ``src``'s i-th row (negative rows are padding).
     Bounds-checked; used by the host backings' ``write_kv``."""
 
-def copy_blocks(
-    dst: npt.NDArray[np.uint8],
-    dst_blocks: int,
-    src: npt.NDArray[np.uint8] | None,
-    src_blocks: int,
-    chunk_bytes: int,
-    pairs: npt.NDArray[np.int32],
-) -> None:
+def copy_blocks(dst: npt.NDArray[np.uint8], dst_blocks: int, src: npt.NDArray[np.uint8] | None,
+                src_blocks: int, chunk_bytes: int, pairs: npt.NDArray[np.int32]) -> None:
     """Host block copies between tiers laid out ``[groups, blocks, chunk_bytes]``: for every
     group, block ``pairs[i, 1]`` of ``dst`` gets block ``pairs[i, 0]`` of ``src`` (of ``dst``
     itself when ``src`` is None). Bounds-checked."""
@@ -313,14 +302,12 @@ def copy_blocks(
 class RequestBatcher:
     """Deterministic request-batching policy behind ``DynamicBatchScheduler`` (times in ns).
 
-    A configuration is a dict with the keys ``config()`` returns: ``max_batch_size``,
-    ``timeout_ns``, ``preferred_batch_sizes``, ``max_queue_size``, ``priority_levels``,
-    ``default_timeout_ns``, ``timeout_action``.
+    A configuration is a ``RequestBatcherConfig``: every key, nothing else.
     """
 
-    def __new__(cls, config: dict[str, Any]) -> RequestBatcher: ...
-    def config(self) -> dict[str, Any]: ...
-    def set_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def __new__(cls, config: RequestBatcherConfig) -> RequestBatcher: ...
+    def config(self) -> RequestBatcherConfig: ...
+    def set_config(self, config: RequestBatcherConfig) -> RequestBatcherConfig:
         """Validated first; returns the previous configuration."""
     def submit(
         self, request_id: int, priority: int, now_ns: int, timeout_ns: int | None = None
@@ -390,18 +377,16 @@ class StepPlan:
 class ContinuousScheduler:
     """Continuous-batching policy behind ``ContinuousBatchScheduler`` (times in ns).
 
-    A configuration is a dict with the keys ``config()`` returns: ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``preemption``, ``watermark``.
+    A configuration is a ``ContinuousSchedulerConfig``: every key, nothing else.
     """
 
-    def __new__(cls, kv_cache: KVCachePool, config: dict[str, Any]) -> ContinuousScheduler: ...
-    def config(self) -> dict[str, Any]: ...
-    def set_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def __new__(cls, kv_cache: KVCachePool,
+                config: ContinuousSchedulerConfig) -> ContinuousScheduler: ...
+    def config(self) -> ContinuousSchedulerConfig: ...
+    def set_config(self, config: ContinuousSchedulerConfig) -> ContinuousSchedulerConfig:
         """Validated first; returns the previous configuration."""
-    def add_request(
-        self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int, priority: int,
-        arrival_ns: int,
-    ) -> None: ...
+    def add_request(self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int,
+                    priority: int, arrival_ns: int) -> None: ...
     def step(self, now_ns: int, execute: MoveExecutor | None = None) -> StepPlan:
         """The step plan as numpy arrays (see ``atb_mem.StepPlan``)."""
     def on_tokens(
@@ -410,6 +395,6 @@ class ContinuousScheduler:
         """Returns the ids of the sequences that finished."""
     def abort(self, seq_id: int) -> None: ...
     def progress(self, seq_id: int) -> tuple[int, int, int]: ...
-    def counts(self) -> dict[str, int]: ...
+    def counts(self) -> SchedulerCounts: ...
     def __contains__(self, seq_id: int) -> bool: ...
     def _check_invariants(self) -> None: ...

@@ -1,0 +1,173 @@
+"""The shapes of what atb-mem takes and returns: the dicts (``stats()``, ``config()``,
+``snapshot()``) as TypedDicts, and the closed sets of strings as Literals.
+
+The binding's (``_core.pyi`` uses them) come first, then what the Python classes add.
+tests/package/test_types.py checks every TypedDict against a dict the code really returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, TypedDict
+
+# ---- choices --------------------------------------------------------------------------------
+
+KVDtype = Literal["float16", "bfloat16", "float32", "int8"]
+"""A KV cache's element type, as ``KVCachePool.dtype`` names it."""
+KVDtypeAlias = Literal["fp16", "half", "bf16", "fp32", "float"]
+"""Other names the constructor accepts for the same types."""
+AlignmentPolicy = Literal["default", "ascend"]
+"""How a ``MemPool`` rounds a request: to its alignment, or by CANN's rule (ALIGN_UP(n, 32) +
+32, from a 64-byte boundary)."""
+Preemption = Literal["recompute", "swap"]
+"""What the continuous scheduler does with a sequence it preempts."""
+TimeoutAction = Literal["reject", "delay"]
+"""What the request batcher does with a request that outlived its timeout."""
+BackendName = Literal["numpy", "torch"]
+"""What holds a KV cache's bytes: numpy arrays on the host, or torch tensors on a device."""
+
+
+class MemoryBacking(Protocol):
+    """What can own a ``MemPool``'s bytes: a base address, a size, and views of byte ranges
+    (``HostRegion``, ``atb_mem.memory.backends.TorchRegion``, or a caller's object)."""
+
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def view(self, offset: int, nbytes: int, dtype: Any, shape: Any) -> Any: ...
+
+
+# ---- the binding's dicts ----------------------------------------------------------------------
+
+
+class KVCacheStats(TypedDict):
+    """``_core.KVCachePool.stats()``: blocks, tokens, slots and the prefix cache's counters."""
+
+    num_blocks: int
+    block_size: int
+    blocks_total: int
+    blocks_reserved: int  # the null block
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    num_sequences: int
+    num_tokens: int
+    allocated_slots: int
+    used_slots: int
+    fragmentation: float  # allocated but unused slots over allocated slots
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    evictions: int
+    pending_copies: int
+    bytes_per_block: int
+    bytes_total: int
+    host_blocks: int
+    host_blocks_used: int
+    num_swapped: int
+
+
+# torch's key names have dots, so the functional form.
+MemPoolStats = TypedDict("MemPoolStats", {
+    "capacity": int,
+    "alignment": int,
+    "policy": AlignmentPolicy,
+    "allocated_bytes.current": int,
+    "allocated_bytes.peak": int,
+    "requested_bytes.current": int,
+    "reserved_bytes.current": int,
+    "reserved_bytes.peak": int,
+    "active_allocations.current": int,
+    "free_bytes": int,
+    "largest_free": int,
+    "free_ranges": int,
+    "fragmentation": float,
+    "sawicki_fragmentation": float,
+    "num_allocs": int,
+    "num_frees": int,
+    "num_ooms": int,
+    "max_allocations": int,
+})
+"""``MemPool.stats()``, in torch's ``memory_stats()`` names where there is one."""
+
+
+class LiveAllocation(TypedDict):
+    """One entry of ``MemPool.snapshot()``."""
+
+    offset: int
+    size: int
+    requested: int
+    ptr: int
+
+
+class RequestBatcherConfig(TypedDict):
+    """``_core.RequestBatcher``'s configuration (times in nanoseconds)."""
+
+    max_batch_size: int
+    timeout_ns: int
+    preferred_batch_sizes: list[int]
+    max_queue_size: int | None
+    priority_levels: int
+    default_timeout_ns: int | None
+    timeout_action: TimeoutAction
+
+
+class ContinuousSchedulerConfig(TypedDict):
+    """The continuous scheduler's configuration (``ContinuousBatchScheduler.config``)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    preemption: Preemption
+    watermark: float
+
+
+class SchedulerCounts(TypedDict):
+    """``_core.ContinuousScheduler.counts()``: requests by state, and preemptions so far."""
+
+    waiting: int
+    running: int
+    swapped: int
+    preemptions: int
+
+
+# ---- what the Python classes add ------------------------------------------------------------
+
+
+class KVCachePoolStats(KVCacheStats):
+    """``KVCachePool.stats()``: the core's, and where the bytes are."""
+
+    device: str | None
+    bytes_device: int
+    bytes_host_tier: int
+
+
+class ContinuousBatchSchedulerStats(SchedulerCounts):
+    """``ContinuousBatchScheduler.stats()``."""
+
+    finished: int
+    last_batch_size: int
+    last_batch_tokens: int
+
+
+class DynamicBatchSchedulerConfig(TypedDict):
+    """``DynamicBatchScheduler.config`` (times in milliseconds, as given)."""
+
+    max_batch_size: int
+    timeout_ms: float
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_size: int | None
+    priority_levels: int
+    default_timeout_ms: float | None
+    timeout_action: TimeoutAction
+
+
+class DynamicBatchSchedulerStats(TypedDict):
+    """``DynamicBatchScheduler.stats()``."""
+
+    queue_length: int
+    batches: int
+    requests_batched: int
+    last_batch_size: int

@@ -1,0 +1,147 @@
+"""Prometheus metrics for a KV cache, a MemPool and the schedulers.
+
+    from prometheus_client import REGISTRY, start_http_server
+    from atb_mem.observability.metrics import AtbMemCollector
+    REGISTRY.register(AtbMemCollector(kv_cache=kv, mem_pool=pool, scheduler=sched))
+    start_http_server(9400)
+
+The collector reads each object's ``stats()`` at scrape time (one lock each), so it adds no
+work to the serving path. Needs ``prometheus_client`` (``pip install 'atb-mem[metrics]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "atb_mem.observability.metrics needs prometheus_client: pip install 'atb-mem[metrics]'"
+    ) from error
+
+if TYPE_CHECKING:
+    from atb_mem import ContinuousBatchScheduler, DynamicBatchScheduler, KVCachePool, MemPool
+    from atb_mem._types import (
+        ContinuousBatchSchedulerStats,
+        DynamicBatchSchedulerStats,
+        KVCachePoolStats,
+        MemPoolStats,
+    )
+
+__all__ = ["AtbMemCollector"]
+
+
+def _gauge(name: str, documentation: str, value: float, labels: dict[str, str]) -> Metric:
+    family = GaugeMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _counter(name: str, documentation: str, value: float, labels: dict[str, str]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+class AtbMemCollector(Collector):
+    """Collects from any of: a ``KVCachePool``, a ``MemPool``, a ``ContinuousBatchScheduler``
+    and a ``DynamicBatchScheduler``. ``labels`` are added to every sample (e.g. a model name)."""
+
+    def __init__(self, *, kv_cache: KVCachePool | None = None, mem_pool: MemPool | None = None,
+                 scheduler: ContinuousBatchScheduler | None = None,
+                 batcher: DynamicBatchScheduler | None = None, namespace: str = "atb_mem",
+                 labels: dict[str, str] | None = None) -> None:
+        if all(source is None for source in (kv_cache, mem_pool, scheduler, batcher)):
+            raise ValueError("give at least one of kv_cache, mem_pool, scheduler, batcher")
+        self.kv_cache, self.mem_pool = kv_cache, mem_pool
+        self.scheduler, self.batcher = scheduler, batcher
+        self.namespace = namespace
+        self.labels = dict(labels or {})
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily; no fixed description needed at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self.kv_cache is not None:
+            yield from self._kv_cache(self.kv_cache.stats())
+        if self.mem_pool is not None:
+            yield from self._mem_pool(self.mem_pool.stats())
+        if self.scheduler is not None:
+            yield from self._scheduler(self.scheduler.stats())
+        if self.batcher is not None:
+            yield from self._batcher(self.batcher.stats())
+
+    def _kv_cache(self, stats: KVCachePoolStats) -> Iterator[Metric]:
+        prefix, labels = self.namespace, self.labels
+        usable = max(1, stats["num_blocks"] - 1)
+        yield _gauge(f"{prefix}_kv_cache_usage_ratio",
+                     "Share of the usable KV blocks held by sequences.",
+                     stats["blocks_used"] / usable, labels)
+        blocks = GaugeMetricFamily(f"{prefix}_kv_cache_blocks",
+                                   "KV blocks by state (used, free, cached).",
+                                   labels=[*labels, "state"])
+        for state, count in (("used", stats["blocks_used"]), ("free", stats["blocks_free"]),
+                             ("cached", stats["blocks_cached"])):
+            blocks.add_metric([*labels.values(), state], count)
+        yield blocks
+        yield _gauge(f"{prefix}_kv_cache_fragmentation_ratio",
+                     "Allocated but unused slots over allocated slots.",
+                     stats["fragmentation"], labels)
+        yield _gauge(f"{prefix}_kv_cache_sequences", "Live sequences.",
+                     stats["num_sequences"], labels)
+        yield _gauge(f"{prefix}_kv_cache_prefix_cache_hit_ratio",
+                     "Prefix-cache block hits over lookups since start.",
+                     stats["prefix_cache_hit_rate"], labels)
+        yield _counter(f"{prefix}_kv_cache_prefix_cache_queries",
+                       "Full blocks looked up in the prefix cache.",
+                       stats["prefix_cache_queries"], labels)
+        yield _counter(f"{prefix}_kv_cache_prefix_cache_hits",
+                       "Full blocks found in the prefix cache.",
+                       stats["prefix_cache_hits"], labels)
+        yield _counter(f"{prefix}_kv_cache_evictions", "Cached blocks reused for other data.",
+                       stats["evictions"], labels)
+
+    def _mem_pool(self, stats: MemPoolStats) -> Iterator[Metric]:
+        prefix, labels = self.namespace, self.labels
+        for value, name, text in (
+                (stats["allocated_bytes.current"], "allocated_bytes", "Bytes in live allocations."),
+                (stats["reserved_bytes.current"], "reserved_bytes", "Bytes the pool manages."),
+                (stats["free_bytes"], "free_bytes", "Free bytes."),
+                (stats["largest_free"], "largest_free_bytes", "The largest free range.")):
+            yield _gauge(f"{prefix}_mem_pool_{name}", text, value, labels)
+        yield _gauge(f"{prefix}_mem_pool_fragmentation_ratio",
+                     "1 - largest free range / free bytes.", stats["fragmentation"], labels)
+        yield _counter(f"{prefix}_mem_pool_allocations", "malloc calls that succeeded.",
+                       stats["num_allocs"], labels)
+        yield _counter(f"{prefix}_mem_pool_ooms", "malloc calls that ran out of memory.",
+                       stats["num_ooms"], labels)
+
+    def _scheduler(self, stats: ContinuousBatchSchedulerStats) -> Iterator[Metric]:
+        prefix, labels = self.namespace, self.labels
+        requests = GaugeMetricFamily(f"{prefix}_scheduler_requests",
+                                     "Requests by state (waiting, running, swapped).",
+                                     labels=[*labels, "state"])
+        for state, count in (("waiting", stats["waiting"]), ("running", stats["running"]),
+                             ("swapped", stats["swapped"])):
+            requests.add_metric([*labels.values(), state], count)
+        yield requests
+        yield _counter(f"{prefix}_scheduler_preemptions", "Sequences preempted.",
+                       stats["preemptions"], labels)
+        yield _counter(f"{prefix}_scheduler_finished", "Requests finished.",
+                       stats["finished"], labels)
+        yield _gauge(f"{prefix}_scheduler_batch_size", "Sequences in the last step.",
+                     stats["last_batch_size"], labels)
+        yield _gauge(f"{prefix}_scheduler_batch_tokens", "Tokens in the last step.",
+                     stats["last_batch_tokens"], labels)
+
+    def _batcher(self, stats: DynamicBatchSchedulerStats) -> Iterator[Metric]:
+        prefix, labels = self.namespace, self.labels
+        yield _gauge(f"{prefix}_batcher_queue_length", "Requests waiting for a batch.",
+                     stats["queue_length"], labels)
+        yield _gauge(f"{prefix}_batcher_batch_size", "Requests in the last batch.",
+                     stats["last_batch_size"], labels)
+        yield _counter(f"{prefix}_batcher_batches", "Batches released.",
+                       stats["batches"], labels)

@@ -1,0 +1,111 @@
+"""The `atb-mem` command: capacity planning and benchmarks.
+
+    atb-mem plan --total-memory 80GiB --model-memory 16GiB --layers 32 --kv-heads 8 \\
+        --head-dim 128 --dtype float16 --max-model-len 8192
+    atb-mem bench ops [--quick] [--json out.json]
+
+Every subcommand takes ``--json PATH`` for machine-readable results. Errors are one line on
+stderr and a non-zero exit code: 2 for a bad command line, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import click
+from rich.table import Table
+
+import atb_mem
+from atb_mem.kv.planning import plan_kv_cache
+from atb_mem.tools.bench import bench
+from atb_mem.tools.options import DTYPES, SIZE, CommaList, console, write_json
+from atb_mem.tools.tuning import tune
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(atb_mem.__version__, prog_name="atb-mem")
+def cli() -> None:
+    """atb-mem: the KV-cache memory layer of an LLM inference server."""
+
+
+@cli.command()
+@click.option("--total-memory", type=SIZE, required=True, help="Device memory, e.g. 80GiB.")
+@click.option("--model-memory", type=SIZE, required=True, help="Weights, e.g. 16GiB.")
+@click.option("--layers", type=click.IntRange(min=1), required=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), required=True)
+@click.option("--head-dim", type=click.IntRange(min=1), required=True)
+@click.option("--dtype", type=click.Choice(DTYPES),
+              default="float16", show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), required=True)
+@click.option("--utilization", "utilizations", type=CommaList(float, "numbers"),
+              default="0.8,0.85,0.9,0.95", show_default=True,
+              help="gpu_memory_utilization values to tabulate.")
+@click.option("--block-sizes", type=CommaList(int, "ints"), default="16,32,64,128",
+              show_default=True)
+@click.option("--safety", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+              show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_dim: int,
+         dtype: str, max_model_len: int, utilizations: list[float], block_sizes: list[int],
+         safety: float, json_path: str | None) -> None:
+    """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size."""
+    rows, errors = [], []
+    for utilization in utilizations:
+        for block_size in block_sizes:
+            try:
+                result = plan_kv_cache(total_memory, model_memory,
+                                       gpu_memory_utilization=utilization,
+                                       block_size=block_size, num_layers=layers,
+                                       num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                       max_model_len=max_model_len, safety=safety)
+            except ValueError as error:
+                errors.append(f"utilization {utilization}, block size {block_size}: {error}")
+                continue
+            rows.append({"gpu_memory_utilization": utilization, "block_size": block_size,
+                         "num_blocks": result.num_blocks,
+                         "bytes_per_block": result.bytes_per_block,
+                         "usable_bytes": result.usable_bytes,
+                         "bytes_per_seq": result.bytes_per_seq,
+                         "max_num_seqs": result.max_num_seqs})
+    if not rows:
+        raise click.ClickException(errors[0])
+    table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
+    for column in ("utilization", "block size", "blocks", "bytes/block", "usable GiB",
+                   "max_num_seqs"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(f"{row['gpu_memory_utilization']:.2f}", str(row["block_size"]),
+                      f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
+                      f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}")
+    console.print(table)
+    for skipped in errors:
+        console.print(f"[yellow]skipped[/yellow] {skipped}")
+    write_json(json_path, {"rows": rows, "skipped": errors})
+
+
+cli.add_command(bench)
+cli.add_command(tune)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: click's errors and any failure become one line on stderr."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name="atb-mem",
+                 standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return done.exit_code
+    except click.ClickException as error:
+        print(f"atb-mem: error: {error.format_message()}", file=sys.stderr)
+        return error.exit_code
+    except click.exceptions.Abort:
+        print("atb-mem: aborted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, atb_mem.AtbMemError) as error:
+        print(f"atb-mem: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The operation workloads of the earlier issues, shared by `atb-mem bench ops` (which times
+them itself) and the pytest-benchmark suite in ``benches/`` (which times them with
+pytest-benchmark). Each ``*_workload`` function prepares what it needs and returns the
+callable to time and how many operations one call performs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+import atb_mem
+from atb_mem._types import KVCachePoolStats
+
+SEED = 20240607
+NUM_BLOCKS, BLOCK_SIZE = 65_536, 16
+_Result = TypeVar("_Result")
+# What to time, and how many operations one call of it performs.
+Workload = tuple[Callable[[], _Result], int]
+
+
+def churn_workload(pairs: int = 1_000_000) -> Workload[None]:
+    """W1: allocate one block's worth of tokens for a sequence and free it."""
+    kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+
+    def churn() -> None:
+        alloc, free = kv.alloc_sequence, kv.free_sequence
+        for seq_id in range(pairs):
+            alloc(seq_id, BLOCK_SIZE)
+            free(seq_id)
+
+    return churn, pairs
+
+
+def decode_lengths(count: int = 20_000) -> tuple[list[int], list[int]]:
+    """W2's prompt and output lengths (lognormal around 300 and 200 tokens)."""
+    rng = np.random.default_rng(SEED)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(300), 1.0, count)), 8, 4096)
+    outputs = np.clip(np.rint(rng.lognormal(np.log(200), 1.0, count)), 1, 2048)
+    return prompts.astype(int).tolist(), outputs.astype(int).tolist()
+
+
+def decode_workload(steps: int = 2000, *, batch_table: bool = True,
+                    running: int = 256) -> Workload[None]:
+    """W2: `running` sequences each get a token per step, through a BatchTable (one call) or
+    through append_tokens plus a full block_tables/context_lens rebuild; finished sequences
+    are freed and replaced (prefill allocates the whole prompt)."""
+    prompts, outputs = decode_lengths()
+
+    def run() -> None:
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+        table = kv.batch_table(running, (4096 + 2048) // BLOCK_SIZE)
+        rows = np.zeros(running, dtype=np.int64)  # a replacement takes its predecessor's row
+        finishing: dict[int, list[int]] = {}
+        next_request = 0
+
+        def admit(row: int, now: int) -> None:
+            nonlocal next_request
+            seq_id, next_request = next_request, next_request + 1
+            kv.alloc_sequence(seq_id, prompts[seq_id])
+            rows[row] = seq_id
+            finishing.setdefault(now + outputs[seq_id], []).append(row)
+            if batch_table:
+                table.add(seq_id)
+
+        for row in range(running):
+            admit(row, 0)
+        for now in range(1, steps + 1):
+            if batch_table:
+                table.append_tokens()
+            else:
+                kv.append_tokens(rows)
+                kv.block_tables(rows)
+                kv.context_lens(rows)
+            for row in finishing.pop(now, ()):
+                seq_id = int(rows[row])
+                if batch_table:
+                    table.remove(seq_id)
+                kv.free_sequence(seq_id)
+                admit(row, now)
+
+    return run, steps
+
+
+def prefix_prompts(requests: int = 10_000) -> list[np.ndarray]:
+    """W3's prompts: a shared 1,024-token system prompt plus a unique 64-512-token suffix."""
+    rng = np.random.default_rng(SEED)
+    system = rng.integers(0, 32_000, 1024, dtype=np.int32)
+    prompts = []
+    for i in range(requests):
+        suffix = rng.integers(0, 32_000, int(rng.integers(64, 513)), dtype=np.int32)
+        suffix[0] = 100_000 + i  # unique, so the only possible hits are the system prompt's
+        prompts.append(np.concatenate([system, suffix]))
+    return prompts
+
+
+def prefix_workload(prompts: list[np.ndarray]) -> Workload[KVCachePoolStats]:
+    """W3: allocate each prompt with its token ids, then free it. Returns the stats."""
+
+    def run() -> KVCachePoolStats:
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+        for seq_id, tokens in enumerate(prompts):
+            kv.alloc_sequence(seq_id, tokens)
+            kv.mark_computed(seq_id)  # the prefill ran
+            kv.free_sequence(seq_id)
+        return kv.stats()
+
+    return run, len(prompts)
+
+
+def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
+    """MemPool malloc + free of 256 KiB, with a few other ranges in the bins."""
+    pool = atb_mem.MemPool(1 << 30, backing=None)
+    keep = [pool.malloc(4096 * (i % 7 + 1)) for i in range(64)]
+
+    def churn() -> None:
+        malloc, free = pool.malloc, pool.free
+        for _ in range(pairs):
+            free(malloc(262_144))
+        assert len(pool) == len(keep)
+
+    return churn, pairs
+
+
+def scheduler_step_workload(running: int = 256) -> Workload[None]:
+    """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences."""
+    prompts, _ = decode_lengths(running)
+    # Room for every prompt and a few thousand decode steps, whatever `running` is.
+    needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
+    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None)
+    scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
+                                                 max_num_batched_tokens=8192)
+    for seq_id, prompt in enumerate(prompts):
+        scheduler.add_request(seq_id, prompt, 1_000_000)
+    while True:  # until every sequence decodes
+        plan = scheduler.step(now=0.0)
+        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
+        if len(plan.decode_seq_ids) == running:
+            break
+
+    def step() -> None:
+        plan = scheduler.step(now=0.0)
+        scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
+
+    return step, 1
+
+
+def median_per_operation(workload: Workload[object], rounds: int, *, warmup: bool = False,
+                         synchronize: Callable[[], object] | None = None) -> float:
+    """Median seconds per operation over `rounds` calls (after one untimed call with
+    `warmup`); `synchronize` waits for a device to finish inside each timed call."""
+    run, operations = workload
+    sync = synchronize or (lambda: None)
+    if warmup:
+        run()
+        sync()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / operations

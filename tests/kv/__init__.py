@@ -1,0 +1,1 @@
+"""Tests of atb_mem.kv: KVCachePool and BatchTable, their bytes, attention, planning."""

@@ -1,0 +1,1 @@
+"""Tests of atb_mem.memory: MemPool, the acl names, the backings."""

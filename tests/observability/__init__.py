@@ -1,0 +1,1 @@
+"""Tests of atb_mem.observability: the Prometheus collector."""

@@ -1,0 +1,1 @@
+"""Tests of atb_mem.tools: the atb-mem command."""

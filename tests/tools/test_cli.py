@@ -1,0 +1,201 @@
+"""The `atb-mem` command, run end to end in a child interpreter (``python -m atb_mem``, what
+the console script runs too)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import atb_mem
+from atb_mem.tools.options import parse_size
+from tests.support.data import AZURE_CODE_TRACE
+
+PLAN = ["plan", "--total-memory", "80GiB", "--model-memory", "16GiB", "--layers", "32",
+        "--kv-heads", "8", "--head-dim", "128", "--max-model-len", "8192"]
+
+
+def atb_mem_command(*args: str) -> subprocess.CompletedProcess:
+    # The module, not an installed console script: a script installed from another checkout
+    # would run that checkout's code.
+    return subprocess.run([sys.executable, "-m", "atb_mem", *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = atb_mem_command(*PLAN, "--utilization", "0.85,0.9", "--block-sizes", "16,64",
+                             "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "max_num_seqs" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        expected = atb_mem.plan_kv_cache(
+            80 << 30, 16 << 30, gpu_memory_utilization=row["gpu_memory_utilization"],
+            block_size=row["block_size"], num_layers=32, num_kv_heads=8, head_dim=128,
+            dtype="float16", max_model_len=8192)
+        assert row["num_blocks"] == expected.num_blocks
+        assert row["max_num_seqs"] == expected.max_num_seqs
+        assert row["bytes_per_block"] == 2 * 32 * row["block_size"] * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(("args", "code", "fragment"), [
+    (["plan", "--total-memory", "8XB", "--model-memory", "1", "--layers", "1", "--kv-heads", "1",
+      "--head-dim", "1", "--max-model-len", "1"], 2, "not a size"),
+    ([*PLAN[:4], "99GiB", *PLAN[5:]], 1, "does not fit"),
+    ([*PLAN, "--utilization", "0.5,abc"], 2, "comma-separated"),
+    ([*PLAN, "--dtype", "float8"], 2, "float8"),
+    ([*PLAN, "--layers", "0"], 2, "layers"),
+    (["plan"], 2, "Missing option"),
+    (["frobnicate"], 2, "No such command"),
+    ([*PLAN, "--json", "/nonexistent/dir/out.json"], 1, "No such file"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(args: list[str], code: int,
+                                                  fragment: str) -> None:
+    result = atb_mem_command(*args)
+    assert result.returncode == code
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atb-mem: error:") and fragment in lines[0]
+
+
+def test_bench_ops_quick(tmp_path: Path) -> None:
+    out = tmp_path / "ops.json"
+    result = atb_mem_command("bench", "ops", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["unit"] for r in results] == ["ns", "us", "us", "ns", "us"]
+    assert all(r["value"] > 0 for r in results)
+    assert 0.5 < results[2]["block_hit_rate"] < 1
+
+
+def test_help_version_and_module_entry() -> None:
+    assert atb_mem_command("--version").stdout.strip().endswith(atb_mem.__version__)
+    assert "plan" in atb_mem_command("--help").stdout
+    result = atb_mem_command("bench", "--help")
+    assert result.returncode == 0 and "ops" in result.stdout
+
+
+def test_console_script_names_the_entry_point() -> None:
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    target = re.search(r'^atb-mem = "([\w.]+):(\w+)"$', pyproject, flags=re.M)
+    assert target, "pyproject.toml declares no atb-mem console script"
+    module, function = target.groups()
+    from atb_mem.tools.cli import main
+
+    assert getattr(importlib.import_module(module), function) is main
+
+
+def test_sizes_accept_units() -> None:
+    assert parse_size("64GiB") == 64 << 30
+    assert parse_size("14GB") == 14 * 10**9
+    assert parse_size("1.5 TiB") == int(1.5 * 2**40)
+    assert parse_size("4096") == 4096
+    for bad in ("", "GiB", "-1GiB", "5 parsecs"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+TRACE = AZURE_CODE_TRACE
+
+
+@pytest.mark.parametrize("source", ["synthetic", "azure"])
+def test_bench_fragmentation_numbers_are_consistent(tmp_path: Path, source: str) -> None:
+    out = tmp_path / "fragmentation.json"
+    args = ["bench", "fragmentation", "--requests", "200", "--block-sizes", "1,16,256",
+            "--memory", "2GiB", "--json", str(out)]
+    if source == "azure":
+        args += ["--trace", str(TRACE)]
+    result = atb_mem_command(*args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    by_name = {(r["strategy"], r["block_size"]): r for r in report["results"]}
+    paged = [by_name[("paged", size)] for size in (1, 16, 256)]
+    contiguous_max = by_name[("contiguous-max", None)]
+    exact = by_name[("contiguous-exact", None)]
+    assert paged[0]["internal_fragmentation"] == 0  # a block of one slot is always full
+    assert [p["internal_fragmentation"] for p in paged] == sorted(
+        p["internal_fragmentation"] for p in paged)
+    assert contiguous_max["internal_fragmentation"] > paged[1]["internal_fragmentation"]
+    assert contiguous_max["peak_concurrency"] <= paged[1]["peak_concurrency"]
+    # contiguous-max reserves max_model_len per running sequence: its reserved token-seconds
+    # are that times the time-integral of concurrency (mean concurrency × makespan of steps).
+    steps_time = contiguous_max["reserved_token_seconds"] / report["max_model_len"]
+    assert steps_time / contiguous_max["mean_concurrency"] <= contiguous_max["makespan"] + 1e-9
+    assert exact["external_fragmentation"] is not None
+    assert paged[1]["external_fragmentation"] is None
+    for result in report["results"]:
+        assert result["requests"] == 200
+        assert result["throughput"] == pytest.approx(result["output_tokens"] / result["makespan"])
+        assert 0 <= result["internal_fragmentation"] < 1
+        assert result["latency_p50"] <= result["latency_p90"] <= result["latency_p99"]
+        assert result["internal_fragmentation"] == pytest.approx(
+            1 - result["used_token_seconds"] / result["reserved_token_seconds"])
+        assert 1 <= result["mean_concurrency"] <= result["peak_concurrency"]
+
+
+def test_bench_fragmentation_plot(tmp_path: Path) -> None:
+    png = tmp_path / "fragmentation.png"
+    result = atb_mem_command("bench", "fragmentation", "--requests", "50", "--block-sizes",
+                             "16", "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result.returncode == 1 and "pip install 'atb-mem[plot]'" in result.stderr
+        assert "Traceback" not in result.stderr
+    else:
+        assert result.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "does not exist"),
+    ("time,prompt,output\n1,2,3\n", "expected columns"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,-5,3\n", "line 2"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,3\n"
+     "2023-11-16 18:17:01.1,5,3\n", "not sorted"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n", "cannot parse"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+])
+def test_bad_traces_are_refused_in_one_line(tmp_path: Path, content: str | None,
+                                            fragment: str) -> None:
+    trace = tmp_path / "trace.csv"
+    if content is not None:
+        trace.write_text(content)
+    result = atb_mem_command("bench", "fragmentation", "--trace", str(trace))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
+
+
+def test_tune_finds_the_best_feasible_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "tune.json"
+    result = atb_mem_command("tune", "--trace", str(TRACE), "--requests", "120", "--trials",
+                             "12", "--latency-p99", "30", "--speedup", "20", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    feasible = [t for t in report["trials"] if "infeasible" not in t]
+    assert len(report["trials"]) == 12 and feasible
+    assert report["best"]["value"] == max(t["value"] for t in feasible)
+    assert report["best"]["latency_p99"] <= 30
+    assert len({round(t["value"], 6) for t in feasible}) > 1  # the search space matters here
+    assert all(t["value"] == 0 for t in report["trials"] if "infeasible" in t)
+    for trial in report["trials"]:
+        assert trial["block_size"] in (8, 16, 32, 64, 128)
+        assert 0.5 <= trial["gpu_memory_utilization"] <= 0.99
+
+
+def test_tune_refuses_impossible_bounds_in_one_line() -> None:
+    for args, fragment in [
+        (["--latency-p99", "0.000001", "--trials", "3", "--requests", "30"], "no configuration"),
+        (["--latency-p99", "5", "--model-memory", "90GiB"], "model"),
+        (["--latency-p99", "-1"], "latency-p99"),
+    ]:
+        result = atb_mem_command("tune", *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1 and fragment in lines[0]
