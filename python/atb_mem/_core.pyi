@@ -25,6 +25,11 @@ NULL_BLOCK: int
 """Block 0: owned by no sequence; block tables are padded with it."""
 PAD_SLOT: int
 """-1: slot-mapping entry of a batch-table row with no new token (kernels skip it)."""
+KV_DTYPES: list[KVDtype]
+"""The dtypes a KV cache takes, by canonical name."""
+def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
+                    dtype: KVDtype | KVDtypeAlias | Any, block_size: int) -> tuple[int, int, int]:
+    """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core."""
 
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -33,22 +38,16 @@ TokenIdsLike = IntsLike
 
 class AtbMemError(Exception):
     """Base class of every error atb-mem raises."""
-
 class OutOfMemoryError(AtbMemError, MemoryError):
     """The pool or the KV-cache blocks are exhausted, or host memory ran out."""
-
 class UnknownSequenceError(AtbMemError, KeyError):
     """No sequence has this id."""
-
 class DuplicateSequenceError(AtbMemError, ValueError):
     """A sequence with this id exists already."""
-
 class InvalidHandleError(AtbMemError, ValueError):
     """A double free, or a stale or foreign handle."""
-
 class QueueFullError(AtbMemError, RuntimeError):
     """The request queue is full."""
-
 class RequestTimeoutError(AtbMemError, TimeoutError):
     """A request waited longer than its timeout."""
 

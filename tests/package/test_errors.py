@@ -68,8 +68,10 @@ CASES: list[tuple[str, Callable[[atb_mem.KVCachePool], Any], type[BaseException]
     ("empty token list", lambda kv: kv.alloc_sequence(9, []), ValueError, "at least 1"),
     ("float tokens", lambda kv: kv.alloc_sequence(9, 3.0), TypeError, "tokens"),
     ("str tokens", lambda kv: kv.alloc_sequence(9, "abc"), TypeError, "tokens"),
-    ("zero n", lambda kv: kv.append_tokens([1], n=0), ValueError, "n must be at least 1"),
-    ("float n", lambda kv: kv.append_tokens([1], n=1.5), TypeError, "n must be an int"),
+    ("zero n", lambda kv: kv.append_tokens([1], n=0), ValueError,
+     r"at least 1, got 0\nwhile processing 'n'"),  # the argument's name is PyO3's note
+    ("float n", lambda kv: kv.append_tokens([1], n=1.5), TypeError,
+     r"must be an int, got 1.5\nwhile processing 'n'"),
     ("append past the pool", lambda kv: kv.append_tokens([1], n=16 * 4), ValueError,
      "at most"),
     # token ids that are not integers or do not fit

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DTYPE_ITEMSIZE", "KVCachePlan", "plan_kv_cache"]
+from atb_mem._core import KV_DTYPES, kv_layout_bytes
 
-# Bytes per element of each KV-cache dtype.
-DTYPE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
+__all__ = ["KV_DTYPES", "KVCachePlan", "plan_kv_cache"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1], got {safety}")
-    if dtype not in DTYPE_ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPE_ITEMSIZE)}")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(KV_DTYPES)}")
     dims = {name: _positive_int(name, value) for name, value in (
         ("block_size", block_size), ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
         ("head_dim", head_dim), ("max_model_len", max_model_len))}
@@ -69,8 +68,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
             f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
         )
     usable = budget - model_bytes
-    bytes_per_block = (2 * dims["num_layers"] * dims["block_size"] * dims["num_kv_heads"]
-                       * dims["head_dim"] * DTYPE_ITEMSIZE[dtype])
+    _, _, bytes_per_block = kv_layout_bytes(dims["num_layers"], dims["num_kv_heads"],
+                                            dims["head_dim"], dtype, dims["block_size"])
     num_blocks = usable // bytes_per_block
     blocks_per_seq = math.ceil(dims["max_model_len"] / dims["block_size"])
     bytes_per_seq = blocks_per_seq * bytes_per_block

@@ -12,7 +12,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from atb_mem.kv.planning import DTYPE_ITEMSIZE
+from atb_mem._core import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
@@ -56,7 +56,7 @@ class CommaList(click.ParamType):
 
 
 SIZE = _Size()
-DTYPES = list(DTYPE_ITEMSIZE)
+DTYPES = list(KV_DTYPES)
 # Wide tables when the output is not a terminal (a file, a CI log): rich would use 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import atb_mem
-from atb_mem.kv.planning import DTYPE_ITEMSIZE
+from atb_mem._core import kv_layout_bytes
 
 __all__ = ["CostModel", "ReplayResult", "Request", "load_trace", "replay_paged",
            "replay_reserved", "synthetic_workload"]
@@ -255,7 +255,7 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_ITEMSIZE[dtype]
+    return kv_layout_bytes(num_layers, num_kv_heads, head_dim, dtype, 1)[1]
 
 
 def max_length(requests: list[Request]) -> int:
