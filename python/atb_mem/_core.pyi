@@ -53,11 +53,8 @@ class RequestTimeoutError(AtbMemError, TimeoutError):
 
 class BlockMoveError(AtbMemError, RuntimeError):
     """Executing block moves failed; the pool was put back as it was before the operation.
-
-    ``aborted_seq_ids`` lists the sequences whose bytes the partial execution destroyed,
-    which were ended. The executor's exception is ``__cause__``.
-    """
-
+    ``aborted_seq_ids``: the sequences whose bytes the partial execution destroyed (ended).
+    The executor's exception is ``__cause__``."""
     aborted_seq_ids: list[int]
 
 MoveExecutor = Callable[[Int32Array], object]
@@ -165,6 +162,8 @@ class KVCachePool:
         """Brings swapped-out sequences back; returns int32 ``[k, 2]`` (host, device) pairs."""
     def check_slots(self, slots: IntsLike) -> None:
         """Raises ValueError unless every slot (negative = padding) is in a held block."""
+    def unused_blocks(self) -> Int32Array:
+        """Blocks no sequence holds and the prefix cache does not keep (nothing may read them)."""
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""
     def stats(self) -> KVCacheStats: ...
@@ -393,6 +392,8 @@ class ContinuousScheduler:
     ) -> npt.NDArray[np.uint64]:
         """Returns the ids of the sequences that finished."""
     def abort(self, seq_id: int) -> None: ...
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Parallel sampling: the child shares a sampled parent's blocks, copy-on-write."""
     def progress(self, seq_id: int) -> tuple[int, int, int]: ...
     def counts(self) -> SchedulerCounts: ...
     def __contains__(self, seq_id: int) -> bool: ...

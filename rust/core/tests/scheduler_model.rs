@@ -53,6 +53,10 @@ enum Op {
     FreeFork {
         pick: usize,
     },
+    /// Parallel sampling: fork a request the last step sampled, through the scheduler.
+    ForkRequest {
+        pick: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -64,6 +68,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
         3 => (0usize..16).prop_map(|pick| Op::Fork { pick }),
         1 => (0usize..16).prop_map(|pick| Op::FreeFork { pick }),
+        2 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
     ]
 }
 
@@ -154,6 +159,7 @@ struct Counts {
     hit_steps: usize,
     failures: usize,
     aborted_by_recovery: usize,
+    forked_requests: usize,
 }
 
 impl Harness {
@@ -259,6 +265,7 @@ impl Harness {
                     self.forks.push(child);
                 }
             }
+            Op::ForkRequest { pick } => self.fork_request(*pick),
             Op::FreeFork { pick } => {
                 if !self.forks.is_empty() {
                     let child = self.forks.swap_remove(pick % self.forks.len());
@@ -267,6 +274,34 @@ impl Harness {
                     }
                 }
             }
+        }
+    }
+
+    /// Forks a sampled request with known ids (a counted prompt's values name its sequence,
+    /// so a child could not hold them). It must work exactly when the parent still runs on
+    /// the device, awaiting its token.
+    fn fork_request(&mut self, pick: usize) {
+        let sampled = &self.plan.sample_seq_ids;
+        let Some(&parent) = sampled.get(pick % sampled.len().max(1)) else {
+            return;
+        };
+        let Some(ids) = self
+            .ids
+            .get(&parent)
+            .filter(|ids| ids[0].is_some())
+            .cloned()
+        else {
+            return;
+        };
+        let on_device = self.cache.contains(parent) && !self.cache.is_swapped(parent).unwrap();
+        let child = self.next_id;
+        self.next_id += 1;
+        let forked = self.scheduler.fork(&mut self.cache, parent, child);
+        assert_eq!(forked.is_ok(), on_device, "fork of {parent}: {forked:?}");
+        if forked.is_ok() {
+            self.ids.insert(child, ids);
+            self.plan.sample_seq_ids.push(child);
+            self.counts.forked_requests += 1;
         }
     }
 
@@ -460,10 +495,12 @@ fn injected_failures_happen_and_sometimes_cost_requests() {
         total.hit_steps += counts.hit_steps;
         total.failures += counts.failures;
         total.aborted_by_recovery += counts.aborted_by_recovery;
+        total.forked_requests += counts.forked_requests;
     }
     println!("{total:?}");
     assert!(total.copies > 20 && total.swaps > 100, "{total:?}");
     assert!(total.hit_steps > 100 && total.failures > 20, "{total:?}");
+    assert!(total.forked_requests > 50, "{total:?}");
     // Recoveries that must end a request (a swap-out's freed block rewritten by a later
     // move of the same step) are rare here; tests/test_correct_under_load.py pins one down.
 }

@@ -169,6 +169,13 @@ impl BlockPool {
         self.enable_prefix_caching && self.is_cached[block as usize]
     }
 
+    /// Blocks no sequence holds and the prefix cache does not keep (the null block aside):
+    /// nothing may read their bytes before they are written again.
+    pub fn unused_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        (1..self.ref_counts.len() as u32)
+            .filter(|&block| self.ref_counts[block as usize] == 0 && !self.is_cached(block))
+    }
+
     /// Takes the least valuable block (a free one, else the least recently used cached one)
     /// and hands it out with one reference. `None` when the queue is empty.
     #[inline]

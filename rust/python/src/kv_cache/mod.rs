@@ -487,6 +487,17 @@ impl PyKvCachePool {
             .into_py_result()
     }
 
+    /// Blocks no sequence holds and the prefix cache does not keep: garbage nothing may read.
+    fn unused_blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let blocks: Vec<i32> = self
+            .lock()?
+            .block_pool()
+            .unused_blocks()
+            .map(|block| block as i32)
+            .collect();
+        Ok(blocks.into_pyarray(py))
+    }
+
     /// Drops every cached block no sequence uses; returns how many.
     fn reset_prefix_cache(&self) -> PyResult<usize> {
         Ok(self.lock()?.reset_prefix_cache())

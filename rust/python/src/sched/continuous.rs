@@ -267,6 +267,15 @@ impl PyContinuousScheduler {
         self.lock()?.abort(&mut cache, seq_id).into_py_result()
     }
 
+    /// Parallel sampling: `child` becomes a copy-on-write copy of `parent`, which a step
+    /// sampled and `on_tokens` has not yet been told about.
+    fn fork(&self, parent_seq_id: SeqId, child_seq_id: SeqId) -> PyResult<()> {
+        let mut cache = self.pool.get().lock()?;
+        self.lock()?
+            .fork(&mut cache, parent_seq_id.0, child_seq_id.0)
+            .into_py_result()
+    }
+
     /// (prompt length, tokens sampled so far, max_new_tokens).
     fn progress(&self, seq_id: SeqId) -> PyResult<(usize, usize, usize)> {
         let seq_id = seq_id.0;

@@ -70,6 +70,9 @@ pub struct ContinuousScheduler {
     /// Aborted requests with rows in flight: their blocks are freed once the plan ran, so
     /// the runner can still write every row, and no block it writes was handed out again.
     deferred_frees: Vec<u64>,
+    /// Requests forked since the last step: they may run beyond `max_num_seqs` until the
+    /// next step preempts the extra ones.
+    forked_since_step: usize,
     scratch_slots: Vec<i32>,
     scratch_ids: Vec<u64>,
     /// Running sequences by (priority, admission), then id.
@@ -94,6 +97,7 @@ impl ContinuousScheduler {
             finished_since_plan: Vec::new(),
             in_flight: Vec::new(),
             deferred_frees: Vec::new(),
+            forked_since_step: 0,
             scratch_slots: Vec::new(),
             scratch_ids: Vec::new(),
             scratch_order: Vec::new(),

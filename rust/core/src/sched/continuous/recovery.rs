@@ -85,11 +85,12 @@ impl ContinuousScheduler {
                 return Err(format!("request {seq_id} overran: {request:?}"));
             }
         }
-        if self.running.len() > self.config.max_num_seqs {
+        if self.running.len() > self.config.max_num_seqs + self.forked_since_step {
             return Err(format!(
-                "{} running > max_num_seqs {}",
+                "{} running > max_num_seqs {} (+ {} forked since the step)",
                 self.running.len(),
-                self.config.max_num_seqs
+                self.config.max_num_seqs,
+                self.forked_since_step
             ));
         }
         if self.waiting.len() + self.swapped.len() + self.running.len() != self.requests.len() {

@@ -122,6 +122,29 @@ impl ContinuousScheduler {
         Ok(())
     }
 
+    /// Parallel sampling: between the step that sampled `parent` and its `on_tokens`, makes
+    /// `child` a copy of it that shares every block copy-on-write and awaits its own token
+    /// from the same logits — a prompt is prefilled once for `n` samples (vLLM v0's fork of
+    /// a sequence group). The child runs with the parent's priority and limits; beyond
+    /// `max_num_seqs`, the next step preempts the newest.
+    pub fn fork(&mut self, cache: &mut KvCache, parent: u64, child: u64) -> CoreResult<()> {
+        if self.requests.contains_key(&child) || cache.contains(child) {
+            return Err(CoreError::DuplicateSequence(child));
+        }
+        let request = self.request(parent)?;
+        ensure!(
+            request.state == State::Running && request.awaiting_token,
+            "sequence {parent} can be forked only after a step sampled it and before its \
+             on_tokens"
+        );
+        let copy = request.clone();
+        cache.fork(parent, child)?;
+        self.running.push(child);
+        self.requests.insert(child, copy);
+        self.forked_since_step += 1;
+        Ok(())
+    }
+
     /// Removes a request from the books and from whichever queue holds it.
     pub(super) fn forget(&mut self, seq_id: u64) -> Option<Request> {
         let request = self.requests.remove(&seq_id)?;

@@ -29,6 +29,7 @@ impl ContinuousScheduler {
             let victim = self.pick_victim(0);
             self.preempt(cache, victim, plan)?;
         }
+        self.forked_since_step = 0;
         let mut budget = self.config.max_num_batched_tokens;
         let mut rows = std::mem::take(&mut self.scratch_scheduled);
         rows.clear();

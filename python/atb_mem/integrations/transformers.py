@@ -1,0 +1,234 @@
+"""Hugging Face transformers models over atb-mem's paged KV cache.
+
+transformers (≥ 5) looks attention up by name in ``AttentionInterface``; this module registers
+``"atb_mem_paged"`` there. A model switched to it (:func:`use_paged_attention`) keeps its own
+code for everything else — projections, rotary embeddings, q/k norms, experts — and calls back
+here once per layer with the step's new queries, keys and values. The attention function
+writes the new K/V into the cache's slots (ATB's ReshapeAndCache) and attends over each
+sequence's paged K/V, causal within the sequence's new tokens, with grouped-query heads.
+
+The step it serves is described by a :class:`StepAttention` built once per step from the
+scheduler's ``StepPlan`` and shared by every layer; :class:`ModelRunner` does that and runs
+the model over the plan's flattened tokens (one batch row, no padding between sequences).
+transformers never builds a mask or a cache of its own here: no mask function is registered
+under the name, so it skips the mask, and the model runs with ``use_cache=False``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from atb_mem.kv.cache_pool import KVCachePool
+    from atb_mem.scheduling.continuous import StepPlan
+
+__all__ = ["ATTN_IMPLEMENTATION", "ModelRunner", "StepAttention", "kv_cache_layout",
+           "paged_attention_forward", "paged_step", "use_paged_attention"]
+
+ATTN_IMPLEMENTATION = "atb_mem_paged"
+
+_TORCH_TO_KV_DTYPE = {"torch.float32": "float32", "torch.float16": "float16",
+                      "torch.bfloat16": "bfloat16"}
+
+_current_step: ContextVar[StepAttention | None] = ContextVar("atb_mem_step", default=None)
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """What every layer's attention needs for one step, as tensors on the model's device.
+
+    Rows are the plan's sequences; ``T`` its tokens; ``Q`` the longest row's new tokens and
+    ``L`` the longest row's K/V length. Padding positions gather slot 0 and are masked out
+    (and zeroed, so a poisoned block behind them cannot leak NaN into the sums).
+    """
+
+    layer_caches: list[tuple[Any, Any]]
+    """Per layer, the key and value caches flattened to ``[slots, kv_heads, head_dim]``."""
+    slot_mapping: torch.Tensor
+    """int64 ``[T]``: where each new token's K/V is written."""
+    query_index: torch.Tensor
+    """int64 ``[rows, Q]``: token index of each row's ``j``-th new token (0 for padding)."""
+    token_row: torch.Tensor
+    token_col: torch.Tensor
+    """int64 ``[T]``: each token's row and place among the row's new tokens."""
+    kv_slots: torch.Tensor
+    """int64 ``[rows, L]``: the slot of each row's ``j``-th K/V position (0 for padding)."""
+    kv_valid: torch.Tensor
+    """bool ``[rows, L, 1, 1]``: ``j`` < the row's length."""
+    mask: torch.Tensor
+    """bool ``[rows, 1, Q, L]``: the new token may attend position ``j`` (causal)."""
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
+                  device: Any) -> StepAttention:
+        import torch
+
+        query_lens = plan.query_lens.astype(np.int64)
+        seq_lens = plan.seq_lens.astype(np.int64)
+        rows, tokens = len(query_lens), int(query_lens.sum())
+        width, length = int(query_lens.max()), int(seq_lens.max())
+        token_row = np.repeat(np.arange(rows), query_lens)
+        token_col = np.arange(tokens) - plan.query_start_loc[:-1].astype(np.int64)[token_row]
+        query_index = np.zeros((rows, width), dtype=np.int64)
+        query_index[token_row, token_col] = np.arange(tokens)
+        positions = np.arange(length)
+        kv_valid = positions[None, :] < seq_lens[:, None]
+        tables = plan.block_tables
+        columns = np.minimum(positions // block_size, tables.shape[1] - 1)
+        kv_slots = tables[:, columns].astype(np.int64) * block_size + positions % block_size
+        kv_slots[~kv_valid] = 0
+        # The j-th new token of a row sits at position seq_len - query_len + j.
+        query_positions = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
+        mask = (positions[None, None, :] <= query_positions[:, :, None]) & kv_valid[:, None, :]
+        padded = np.arange(width)[None, :] >= query_lens[:, None]
+        mask[padded] = kv_valid[np.nonzero(padded)[0]]  # padding rows: any finite softmax
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        return cls(layer_caches=layer_caches,
+                   slot_mapping=tensor(plan.slot_mapping.astype(np.int64)),
+                   query_index=tensor(query_index), token_row=tensor(token_row),
+                   token_col=tensor(token_col), kv_slots=tensor(kv_slots),
+                   kv_valid=tensor(kv_valid[:, :, None, None]), mask=tensor(mask[:, None]))
+
+
+@contextmanager
+def paged_step(step: StepAttention) -> Iterator[StepAttention]:
+    """Makes ``step`` the one the attention function serves while the block runs."""
+    token = _current_step.set(step)
+    try:
+        yield step
+    finally:
+        _current_step.reset(token)
+
+
+def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: ``query`` ``[1, heads, T, D]``, ``key``/``value``
+    ``[1, kv_heads, T, D]`` (this step's new tokens); returns ``[1, T, heads, D]``."""
+    import torch
+    import torch.nn.functional as F
+
+    step = _current_step.get()
+    if step is None:
+        raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention runs inside a step: call the "
+                           "model through atb_mem's ModelRunner (or within paged_step)")
+    if query.shape[0] != 1 or query.shape[2] != step.slot_mapping.shape[0]:
+        raise ValueError(f"expected the step's {step.slot_mapping.shape[0]} tokens as one batch "
+                         f"row, got queries of shape {tuple(query.shape)}")
+    key_cache, value_cache = step.layer_caches[module.layer_idx]
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
+    key_cache.index_copy_(0, step.slot_mapping, new_keys.to(key_cache.dtype))
+    value_cache.index_copy_(0, step.slot_mapping, new_values.to(value_cache.dtype))
+    rows, length = step.kv_slots.shape
+    slots = step.kv_slots.reshape(-1)
+    # [rows, L, kv, D] -> [rows, kv, L, D]; padding zeroed (0 * NaN would still be NaN).
+    keys = torch.where(step.kv_valid, key_cache.index_select(0, slots).view(
+        rows, length, *key_cache.shape[1:]), 0).to(query.dtype).transpose(1, 2)
+    values = torch.where(step.kv_valid, value_cache.index_select(0, slots).view(
+        rows, length, *value_cache.shape[1:]), 0).to(query.dtype).transpose(1, 2)
+    queries = query[0].transpose(0, 1)[step.query_index].transpose(1, 2)    # [rows, H, Q, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=step.mask,
+                                         scale=scaling, enable_gqa=True)
+    out = out.transpose(1, 2)[step.token_row, step.token_col]              # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def use_paged_attention(model: Any) -> None:
+    """Registers the attention function and switches ``model`` to it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def kv_cache_layout(model: Any) -> dict[str, Any]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` of a model's KV cache."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = _TORCH_TO_KV_DTYPE.get(str(model.dtype))
+    if dtype is None:
+        raise ValueError(f"atb-mem holds K/V as {sorted(_TORCH_TO_KV_DTYPE.values())}; the model "
+                         f"computes in {model.dtype}")
+    return {"num_layers": config.num_hidden_layers,
+            "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": head_dim, "dtype": dtype}
+
+
+def _check_supported(model: Any) -> None:
+    config = model.config.get_text_config()
+    windows = [kind for kind in getattr(config, "layer_types", None) or []
+               if kind != "full_attention"]
+    if windows or getattr(config, "use_sliding_window", bool(getattr(config, "sliding_window",
+                                                                      None))):
+        raise NotImplementedError(
+            f"{type(model).__name__} has sliding-window or chunked attention layers; atb-mem "
+            "serves full-attention models for now")
+
+
+class ModelRunner:
+    """Runs a transformers causal LM for each ``StepPlan`` over a ``KVCachePool``'s bytes.
+
+    ``execute(plan)`` returns the logits of the plan's ``sample_seq_ids``, in that order.
+    """
+
+    def __init__(self, model: Any, kv_cache: KVCachePool) -> None:
+        import torch
+
+        _check_supported(model)
+        layout = kv_cache_layout(model)
+        for name, expected in layout.items():
+            if getattr(kv_cache, name) != expected:
+                raise ValueError(f"the KV cache has {name}={getattr(kv_cache, name)!r}; the model "
+                                 f"needs {expected!r}")
+        if kv_cache.tensors is None or kv_cache.tensors.backend.name != "torch":
+            raise ValueError("the KV cache must hold its bytes in torch tensors (device='cpu', "
+                             "'cuda', ...) on the model's device")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = torch.device(model.device)
+        if torch.device(kv_cache.kv_cache.device) != self.device:
+            raise ValueError(f"the KV cache is on {kv_cache.kv_cache.device}; the model on "
+                             f"{self.device}")
+        if self.device.type == "cuda":
+            warnings.warn("atb-mem: no paged-attention kernel is wired for CUDA yet; using the "
+                          "torch reference", stacklevel=2)
+        shape = (-1, kv_cache.num_kv_heads, kv_cache.head_dim)
+        self.layer_caches = [(kv_cache.key_cache(layer).view(shape),
+                              kv_cache.value_cache(layer).view(shape))
+                             for layer in range(kv_cache.num_layers)]
+        use_paged_attention(model)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Runs the model over the plan's tokens; float32 logits ``[len(sample_seq_ids), V]``."""
+        import torch
+
+        if plan.num_batched_tokens == 0:
+            return torch.empty((0, 0), dtype=torch.float32)
+        input_ids = plan.input_ids
+        if input_ids.size and input_ids.min() < 0:
+            raise ValueError("the plan has tokens without ids: give requests their token ids")
+        step = StepAttention.from_plan(plan, self.layer_caches, self.kv_cache.block_size,
+                                       self.device)
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array.astype(np.int64)).to(self.device)
+
+        with torch.inference_mode(), paged_step(step):
+            output = self.model(input_ids=tensor(input_ids)[None],
+                                position_ids=tensor(plan.positions)[None], use_cache=False,
+                                logits_to_keep=tensor(plan.logits_indices))
+        logits: torch.Tensor = output.logits[0].float()
+        return logits
