@@ -104,6 +104,12 @@ class ContinuousBatchScheduler:
         self._finished += len(finished)
         return finished
 
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Parallel sampling: after a step sampled ``parent_seq_id`` and before ``on_tokens``,
+        ``child_seq_id`` becomes its copy, sharing its blocks copy-on-write; report a token
+        for both. The prompt is prefilled once for every sample."""
+        self._core.fork(parent_seq_id, child_seq_id)
+
     def finish(self, seq_id: int) -> None:
         """Ends a sequence now (a stop string, a client that has enough) and frees it."""
         self._core.abort(seq_id)

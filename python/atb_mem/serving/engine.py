@@ -1,0 +1,322 @@
+"""``Engine``: a transformers model served through atb-mem's KV cache and scheduler.
+
+Each ``step()`` is one scheduler step (continuous batching, chunked prefill, preemption),
+one forward of the model over the step's tokens through the paged attention of
+``atb_mem.integrations.transformers``, and one sampled token per sequence that finished its
+prefill or decoded. A request of ``n`` samples is prefilled once: at its first token the
+scheduler forks it ``n - 1`` times, copy-on-write.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from atb_mem._core import kv_layout_bytes
+from atb_mem._types import Preemption
+from atb_mem.integrations.transformers import ModelRunner, kv_cache_layout
+from atb_mem.kv.cache_pool import KVCachePool
+from atb_mem.scheduling.continuous import ContinuousBatchScheduler
+from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from atb_mem.serving.sampler import sample
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Engine"]
+
+# Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
+_HOST_KV_BUDGET = 4 << 30
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class _Sample:
+    """One of a request's ``n`` sequences."""
+
+    seq_id: int
+    index: int
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    reported: int = 0          # tokens step() has returned
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    forked: bool = False
+
+
+class Engine:
+    """Serves a loaded ``PreTrainedModel`` (on its device, in its dtype) with a paged KV cache.
+
+    ``num_blocks=None`` sizes the cache: on an accelerator from its free memory with
+    ``plan_kv_cache`` (``gpu_memory_utilization``); on the host from ``kv_cache_memory_bytes``
+    (default: what ``max_num_seqs`` sequences of the model's full length need, at most 4 GiB).
+    The model is switched to atb-mem's attention (``model.set_attn_implementation``).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
+                 block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 preemption: Preemption = "recompute", num_host_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None) -> None:
+        layout = kv_cache_layout(model)
+        config = model.config.get_text_config()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len: int = int(config.max_position_embeddings)
+        self.vocab_size: int = int(config.vocab_size)
+        device = str(model.device)
+        if num_blocks is None:
+            num_blocks = _num_blocks(model, layout, block_size, max_num_seqs, self.max_model_len,
+                                     gpu_memory_utilization, kv_cache_memory_bytes)
+        self.kv_cache = KVCachePool(num_blocks, block_size, device=device,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    num_host_blocks=num_host_blocks, **layout)
+        self.scheduler = ContinuousBatchScheduler(
+            self.kv_cache, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
+        self._next_seq_id = itertools.count(1)
+        self._aborted: list[_Request] = []
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: Any = None, dtype: Any = None,
+                        **engine_kwargs: Any) -> Engine:
+        """Loads a checkpoint directory (model and, if there is one, its tokenizer)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+        model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tokenizer = None
+        return cls(model, tokenizer, **engine_kwargs)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | None = None) -> None:
+        """Queues a request. Raises (and changes nothing) for a duplicate id, a bad prompt, or
+        one that the model's length or the cache could never hold."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_ids(prompt)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt's {len(token_ids)} tokens plus max_tokens="
+                             f"{params.max_tokens} exceed the model's {self.max_model_len}")
+        seq_id = next(self._next_seq_id)
+        self.scheduler.add_request(seq_id, token_ids, params.max_tokens)
+        first = _Sample(seq_id, 0, _generator(params, 0, self.runner.device))
+        request = _Request(request_id, token_ids, params, [first], forked=params.n == 1)
+        self._requests[request_id] = request
+        self._by_seq[seq_id] = (request, first)
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancels a request; its blocks are freed. The next ``step()`` reports it, ended with
+        ``"abort"``. Unknown (or finished) ids are ignored, as a client may abort late."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for one in request.samples:
+            if one.finish_reason is None:
+                self.scheduler.abort(one.seq_id)
+                one.finish_reason = "abort"
+            self._by_seq.pop(one.seq_id, None)
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; returns the requests that progressed, each with
+        this step's new tokens (and text) per sample, in order of arrival."""
+        plan = self.scheduler.step()
+        progressed: dict[str, _Request] = {}
+        if plan.num_batched_tokens:
+            logits = self.runner.execute(plan)
+            rows, samples = self._rows_to_sample(plan.sample_seq_ids)
+            tokens = sample(logits[rows], [request.params for request, _ in samples],
+                            [one.generator for _, one in samples])
+            seq_ids = np.fromiter((one.seq_id for _, one in samples), np.uint64, len(samples))
+            finished = set(self.scheduler.on_tokens(seq_ids, tokens).tolist())
+            for (request, one), token in zip(samples, tokens.tolist(), strict=True):
+                self._record(request, one, token, one.seq_id in finished)
+                progressed[request.request_id] = request
+        outputs = [self._delta(request) for request in self._aborted]
+        self._aborted.clear()
+        outputs += [self._delta(request) for request in progressed.values()]
+        return outputs
+
+    def _rows_to_sample(self, seq_ids: np.ndarray) -> tuple[list[int],
+                                                           list[tuple[_Request, _Sample]]]:
+        """Logits rows and samples to draw; a request's first token forks its ``n`` samples,
+        which then all draw from the prompt's logits."""
+        rows: list[int] = []
+        samples: list[tuple[_Request, _Sample]] = []
+        for row, seq_id in enumerate(seq_ids.tolist()):
+            request, first = self._by_seq[seq_id]
+            rows.append(row)
+            samples.append((request, first))
+            if not request.forked:
+                request.forked = True
+                for index in range(1, request.params.n):
+                    child = _Sample(next(self._next_seq_id), index,
+                                    _generator(request.params, index, self.runner.device))
+                    self.scheduler.fork(seq_id, child.seq_id)
+                    request.samples.append(child)
+                    self._by_seq[child.seq_id] = (request, child)
+                    rows.append(row)
+                    samples.append((request, child))
+        return rows, samples
+
+    def _record(self, request: _Request, one: _Sample, token: int, at_length: bool) -> None:
+        one.token_ids.append(token)
+        stop = token in request.params.stop_token_ids or (
+            not request.params.ignore_eos and token in self.eos_token_ids)
+        if stop and not at_length:
+            self.scheduler.finish(one.seq_id)
+        if stop or at_length:
+            one.finish_reason = "stop" if stop else "length"
+            del self._by_seq[one.seq_id]
+        if self.tokenizer is not None:
+            one.text = self.tokenizer.decode(one.token_ids, skip_special_tokens=True)
+        if all(s.finish_reason is not None for s in request.samples) and \
+                len(request.samples) == request.params.n:
+            self._requests.pop(request.request_id, None)
+
+    def _delta(self, request: _Request) -> RequestOutput:
+        outputs = []
+        for one in request.samples:
+            new = one.token_ids[one.reported:]
+            if not new and one.reported and one.finish_reason != "abort":
+                continue
+            text_before = (self.tokenizer.decode(one.token_ids[:one.reported],
+                                                 skip_special_tokens=True)
+                           if self.tokenizer is not None and one.reported else "")
+            outputs.append(CompletionOutput(one.index, new, one.text[len(text_before):],
+                                            one.finish_reason))
+            one.reported = len(one.token_ids)
+        finished = request.request_id not in self._requests
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished)
+
+    # ---- the whole thing -------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs the prompts to completion; one output per prompt, in order, with every token.
+        The engine must be idle (requests of ``add_request`` are served by ``step``)."""
+        if self._requests:
+            raise RuntimeError("generate() needs an idle engine; step() serves the requests "
+                               "already added")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"generate-{index}" for index in range(len(prompts))]
+        try:
+            for request_id, prompt, one in zip(ids, prompts, params, strict=True):
+                self.add_request(request_id, prompt, one)
+        except BaseException:
+            for request_id in ids:
+                self.abort_request(request_id)
+            self._aborted.clear()
+            raise
+        results = {request_id: self._requests[request_id] for request_id in ids}
+        while self._requests:
+            self.step()
+        return [RequestOutput(request.request_id, request.prompt_token_ids,
+                              [CompletionOutput(one.index, list(one.token_ids), one.text,
+                                                one.finish_reason) for one in request.samples],
+                              finished=True) for request in results.values()]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: give Engine one, or token ids")
+            token_ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            token_ids = [int(token) for token in np.asarray(prompt).reshape(-1)] \
+                if isinstance(prompt, np.ndarray) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int | np.integer) or \
+                    not 0 <= token < self.vocab_size:
+                raise ValueError(f"prompt token {token!r} is not an id in [0, {self.vocab_size})")
+        return [int(token) for token in token_ids]
+
+
+def _generator(params: SamplingParams, index: int, device: Any) -> torch.Generator | None:
+    if params.seed is None or params.greedy:
+        return None
+    import torch
+
+    return torch.Generator(device=device).manual_seed(params.seed + index)
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(token) for token in source)
+    return frozenset(ids)
+
+
+def _num_blocks(model: Any, layout: dict[str, Any], block_size: int, max_num_seqs: int,
+                max_model_len: int, gpu_memory_utilization: float,
+                kv_cache_memory_bytes: int | None) -> int:
+    _, _, bytes_per_block = kv_layout_bytes(layout["num_layers"], layout["num_kv_heads"],
+                                            layout["head_dim"], layout["dtype"], block_size)
+    if kv_cache_memory_bytes is not None:
+        return int(kv_cache_memory_bytes) // bytes_per_block
+    if model.device.type != "cpu":
+        from atb_mem.kv.cache_pool import device_memory
+        from atb_mem.kv.planning import plan_kv_cache
+
+        free, total = device_memory(str(model.device))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan = plan_kv_cache(total, weights, gpu_memory_utilization=gpu_memory_utilization,
+                             block_size=block_size, max_model_len=max_model_len, **layout)
+        return min(plan.num_blocks, free // bytes_per_block)
+    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
+    return min(wanted, _HOST_KV_BUDGET // bytes_per_block)

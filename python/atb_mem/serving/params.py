@@ -1,0 +1,91 @@
+"""What a request asks for (vLLM's names), and what it gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "SamplingParams"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a request's tokens.
+
+    ``temperature`` 0 is greedy; ``top_k`` -1 (or 0) and ``top_p`` 1 keep every token. A
+    ``seed`` gives the request its own generator (sample ``i`` of ``n`` uses ``seed + i``), so
+    its tokens are the same run after run, whatever else is in the batch. ``n`` samples share
+    one prefill of the prompt. A request stops at ``max_tokens`` new tokens, at one of
+    ``stop_token_ids``, or at the tokenizer's end-of-sequence token unless ``ignore_eos``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _int("max_tokens", self.max_tokens, 1)
+        _int("n", self.n, 1)
+        _int("top_k", self.top_k, -1)
+        if _float("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be at least 0, got {self.temperature}")
+        if not 0 < _float("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _int("seed", self.seed, 0)
+        stops = tuple(self.stop_token_ids or ())
+        for token in stops:
+            _int("a stop token id", token, 0)
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` samples: its tokens (all of them from ``generate``, this
+    step's from ``step``), their text when the engine has a tokenizer, and why it ended."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's samples; ``finished`` once every sample is."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
