@@ -34,6 +34,7 @@ __all__ = ["Engine"]
 _HOST_KV_BUDGET = 4 << 30
 
 Prompt = str | Sequence[int]
+"""Text (the engine needs a tokenizer) or token ids."""
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Engine:
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
         model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -203,7 +204,7 @@ class Engine:
 
     def _record(self, request: _Request, one: _Sample, token: int, at_length: bool) -> None:
         one.token_ids.append(token)
-        stop = token in request.params.stop_token_ids or (
+        stop = token in (request.params.stop_token_ids or ()) or (
             not request.params.ignore_eos and token in self.eos_token_ids)
         if stop and not at_length:
             self.scheduler.finish(one.seq_id)
@@ -241,9 +242,7 @@ class Engine:
         if self._requests:
             raise RuntimeError("generate() needs an idle engine; step() serves the requests "
                                "already added")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -271,15 +270,25 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer: give Engine one, or token ids")
             token_ids = list(self.tokenizer(prompt)["input_ids"])
         else:
-            token_ids = [int(token) for token in np.asarray(prompt).reshape(-1)] \
-                if isinstance(prompt, np.ndarray) else list(prompt)
+            token_ids = np.asarray(prompt).reshape(-1).tolist()
         if not token_ids:
             raise ValueError("the prompt is empty")
         for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, int | np.integer) or \
+            if isinstance(token, bool) or not isinstance(token, int) or \
                     not 0 <= token < self.vocab_size:
                 raise ValueError(f"prompt token {token!r} is not an id in [0, {self.vocab_size})")
         return [int(token) for token in token_ids]
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """One prompt (text or token ids) or a sequence of them, as a list of prompts."""
+    one: list[Prompt] = [prompts]
+    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+        return one
+    items = list(prompts)
+    if items and not isinstance(items[0], str | Sequence | np.ndarray):
+        return one  # token ids
+    return items
 
 
 def _generator(params: SamplingParams, index: int, device: Any) -> torch.Generator | None:
