@@ -1,0 +1,99 @@
+"""Tiny transformers models built from configs (nothing is downloaded), their HF reference
+outputs, and NaN poisoning of the blocks nothing may read."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+
+from tests.support.devices import require_torch
+
+ARCHITECTURES = ["llama", "qwen3", "qwen3_moe"]
+
+_SHARED = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 512}
+
+
+def require_transformers() -> Any:
+    """transformers; skipped without it, or failed when ATB_MEM_REQUIRE_TORCH is set (CI)."""
+    require_torch()
+    try:
+        import transformers
+    except ImportError:
+        if os.environ.get("ATB_MEM_REQUIRE_TORCH"):
+            pytest.fail("transformers is required here (ATB_MEM_REQUIRE_TORCH is set)")
+        pytest.skip("transformers is not installed")
+    return transformers
+
+
+def tiny_model(architecture: str, seed: int = 0) -> Any:
+    """A float32 model in eval mode: Llama; Qwen3 (q/k norms, explicit head_dim); Qwen3-MoE
+    (4 experts, 2 per token, in every layer)."""
+    transformers = require_transformers()
+    torch = require_torch()
+    if architecture == "llama":
+        config = transformers.LlamaConfig(**_SHARED)
+        cls = transformers.LlamaForCausalLM
+    elif architecture == "qwen3":
+        config = transformers.Qwen3Config(**_SHARED, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    elif architecture == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**_SHARED, head_dim=16, moe_intermediate_size=32,
+                                             num_experts=4, num_experts_per_tok=2,
+                                             decoder_sparse_step=1, mlp_only_layers=[])
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(architecture)
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def model_pair(architecture: str, seed: int = 0) -> tuple[Any, Any]:
+    """(a model for the engine, which switches its attention; an identical HF reference)."""
+    model = tiny_model(architecture, seed)
+    return model, copy.deepcopy(model)
+
+
+def hf_greedy(reference: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's own ``generate``: greedy, stopping at the model's EOS like the engine."""
+    torch = require_torch()
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+    tokens: list[int] = out[0, len(prompt):].tolist()
+    return tokens
+
+
+def poison_unused_blocks(kv_cache: Any) -> int:
+    """Fills every block no sequence holds and the prefix cache does not keep with NaN, so a
+    stale read turns the logits into NaN. Returns how many blocks."""
+    torch = require_torch()
+    blocks = torch.from_numpy(kv_cache.unused_blocks()).long()
+    kv_cache.kv_cache[:, :, blocks] = float("nan")
+    return len(blocks)
+
+
+def run_poisoned(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any]]]
+                 | None = None) -> dict[str, Any]:
+    """Steps ``engine`` until idle, poisoning unused blocks before every step; ``arrivals``
+    adds requests before the step of that number. Returns each request's final output."""
+    arrivals = dict(arrivals or {})
+    results: dict[str, Any] = {}
+    step = 0
+    while engine.has_unfinished_requests() or arrivals:
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+        poison_unused_blocks(engine.kv_cache)
+        for output in engine.step():
+            merged = results.setdefault(output.request_id, {})
+            for completion in output.outputs:
+                tokens, _ = merged.get(completion.index, ([], None))
+                merged[completion.index] = (tokens + completion.token_ids,
+                                            completion.finish_reason)
+        step += 1
+        assert step < 10_000, "the engine does not finish"
+    return results
