@@ -7,19 +7,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.support.models import require_transformers
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
 
+def readme_examples() -> list[str]:
+    blocks: list[str] = re.findall(r"^```python\n(.*?)^```$", README.read_text(),
+                                   flags=re.S | re.M)
+    assert len(blocks) == 2, "the README's Python examples: the quickstart, then serving"
+    return blocks
+
+
 def readme_example() -> str:
-    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
-    assert len(blocks) == 1, "the README has exactly one Python example"
-    return blocks[0]
+    return readme_examples()[0]
 
 
-def test_readme_example_runs() -> None:
-    exec(compile(readme_example(), str(README), "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("index", [0, 1])
+def test_readme_example_runs(index: int) -> None:
+    if index == 1:
+        require_transformers()
+    exec(compile(readme_examples()[index], str(README), "exec"), {"__name__": "__readme__"})
 
 
 def test_quickstart_is_the_readme_example() -> None:
