@@ -97,3 +97,30 @@ def run_poisoned(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any
         step += 1
         assert step < 10_000, "the engine does not finish"
     return results
+
+
+CORPUS = ["the cache holds blocks of tokens", "a block table maps a sequence to its blocks",
+          "prefix caching shares the blocks of a common prompt", "hello world",
+          "paged attention reads keys and values through the block table"] * 4
+
+
+def save_tiny_checkpoint(path: Any, architecture: str = "llama") -> Any:
+    """A model and a BPE tokenizer trained here on a few sentences, saved with
+    ``save_pretrained`` to ``path`` (what ``Engine.from_pretrained`` and the CLI load)."""
+    transformers = require_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    model = tiny_model(architecture)
+    model.resize_token_embeddings(len(fast))
+    model.config.eos_token_id = model.generation_config.eos_token_id = fast.eos_token_id
+    model.config.bos_token_id = model.generation_config.bos_token_id = fast.bos_token_id
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return fast
