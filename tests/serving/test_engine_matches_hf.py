@@ -19,9 +19,10 @@ def prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_single_prompts_around_block_boundaries(architecture: str) -> None:
-    model, reference = model_pair(architecture)
+def test_single_prompts_around_block_boundaries(architecture: str, device: str) -> None:
+    model, reference = (one.to(device) for one in model_pair(architecture))
     engine = Engine(model, num_blocks=32, block_size=BLOCK_SIZE)
     for length in (1, 3, 4, 5, 8, 9, 16, 17):
         tokens = prompt(length, length)

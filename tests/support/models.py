@@ -62,7 +62,8 @@ def hf_greedy(reference: Any, prompt: list[int], max_new_tokens: int) -> list[in
     """HF's own ``generate``: greedy, stopping at the model's EOS like the engine."""
     torch = require_torch()
     with torch.inference_mode():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+        out = reference.generate(torch.tensor([prompt], device=reference.device),
+                                 max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=0)
     tokens: list[int] = out[0, len(prompt):].tolist()
     return tokens
@@ -72,7 +73,7 @@ def poison_unused_blocks(kv_cache: Any) -> int:
     """Fills every block no sequence holds and the prefix cache does not keep with NaN, so a
     stale read turns the logits into NaN. Returns how many blocks."""
     torch = require_torch()
-    blocks = torch.from_numpy(kv_cache.unused_blocks()).long()
+    blocks = torch.from_numpy(kv_cache.unused_blocks()).long().to(kv_cache.kv_cache.device)
     kv_cache.kv_cache[:, :, blocks] = float("nan")
     return len(blocks)
 
