@@ -157,3 +157,24 @@ def test_generate_needs_an_idle_engine_and_matching_params() -> None:
     engine.add_request("busy", [1, 2, 3])
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate([1, 2, 3])
+
+
+def test_a_failed_forward_ends_its_requests_and_the_engine_goes_on() -> None:
+    engine, reference, _ = engine_counting_prefill()
+    engine.add_request("doomed", prompt(1, 9), SamplingParams(max_tokens=5, temperature=0))
+    execute = engine.runner.execute
+
+    def fail(plan: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    engine.runner.execute = fail  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    [aborted] = engine.step()
+    assert aborted.request_id == "doomed" and aborted.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+    tokens = prompt(2, 7)
+    [output] = engine.generate(tokens, SamplingParams(max_tokens=5, temperature=0))
+    assert output.outputs[0].token_ids == hf_greedy(reference, tokens, 5)

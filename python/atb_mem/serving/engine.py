@@ -166,7 +166,15 @@ class Engine:
         plan = self.scheduler.step()
         progressed: dict[str, _Request] = {}
         if plan.num_batched_tokens:
-            logits = self.runner.execute(plan)
+            try:
+                logits = self.runner.execute(plan)
+            except BaseException:
+                # The plan's rows would wait forever for their tokens: end their requests
+                # (blocks freed, reported as aborted by the next step), then let it propagate.
+                for seq_id in plan.seq_ids.tolist():
+                    if seq_id in self._by_seq:
+                        self.abort_request(self._by_seq[seq_id][0].request_id)
+                raise
             rows, samples = self._rows_to_sample(plan.sample_seq_ids)
             tokens = sample(logits[rows], [request.params for request, _ in samples],
                             [one.generator for _, one in samples])
