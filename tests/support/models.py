@@ -105,6 +105,10 @@ CORPUS = ["the cache holds blocks of tokens", "a block table maps a sequence to 
           "paged attention reads keys and values through the block table"] * 4
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+
+
 def save_tiny_checkpoint(path: Any, architecture: str = "llama") -> Any:
     """A model and a BPE tokenizer trained here on a few sentences, saved with
     ``save_pretrained`` to ``path`` (what ``Engine.from_pretrained`` and the CLI load)."""
@@ -118,6 +122,7 @@ def save_tiny_checkpoint(path: Any, architecture: str = "llama") -> Any:
         vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
                                                 bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     model = tiny_model(architecture)
     model.resize_token_embeddings(len(fast))
     model.config.eos_token_id = model.generation_config.eos_token_id = fast.eos_token_id

@@ -4,6 +4,7 @@
         --head-dim 128 --dtype float16 --max-model-len 8192
     atb-mem bench ops [--quick] [--json out.json]
     atb-mem generate MODEL_DIR --prompt TEXT [--max-tokens N] [--temperature T]
+    atb-mem serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [engine options]
 
 Every subcommand takes ``--json PATH`` for machine-readable results. Errors are one line on
 stderr and a non-zero exit code: 2 for a bad command line, 1 for anything else.
@@ -22,6 +23,7 @@ from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.tools.bench import bench
 from atb_mem.tools.generate import generate
 from atb_mem.tools.options import DTYPES, SIZE, CommaList, console, write_json
+from atb_mem.tools.serve import serve
 from atb_mem.tools.tuning import tune
 
 
@@ -88,6 +90,7 @@ def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_
 
 cli.add_command(bench)
 cli.add_command(generate)
+cli.add_command(serve)
 cli.add_command(tune)
 
 

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP server behind ``atb-mem serve`` (FastAPI).
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` as server-sent
+events in OpenAI's chunk format), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Handlers only queue requests with the ``EngineLoop`` and read their outputs; a client that
+disconnects has its request aborted (its blocks are freed). Bad requests get OpenAI-style
+JSON errors with status 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from atb_mem.serving import protocol
+from atb_mem.serving.engine_loop import EngineLoop, RequestStream
+from atb_mem.serving.params import CompletionOutput, RequestOutput, SamplingParams
+from atb_mem.serving.protocol import ChatCompletionRequest, CompletionRequest
+from atb_mem.serving.server_metrics import ServerMetrics
+
+__all__ = ["ApiServer", "build_app"]
+
+
+class BadRequest(Exception):
+    """Answered with 400 and OpenAI's error body."""
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, kind), status_code=status)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics) -> FastAPI:
+    """The app; the caller starts ``engine_loop`` (with ``metrics.observe``) and stops it."""
+    app = FastAPI(title="atb-mem", docs_url=None, redoc_url=None)
+    engine = engine_loop.engine
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
+                             for item in error.errors())
+        return _error(400, problems or "malformed request")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
+        return _error(400, str(error))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.alive:
+            return _error(503, f"the engine stopped: {engine_loop.error}", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "atb-mem",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def check(body: protocol._Sampling) -> None:
+        if body.model != model_name:
+            raise BadRequest(f"the model {body.model!r} does not exist; this server serves "
+                             f"{model_name!r}")
+        problem = body.unsupported()
+        if problem:
+            raise BadRequest(problem)
+
+    def sampling(body: protocol._Sampling, max_tokens: int) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens)
+        except (ValueError, TypeError) as error:
+            raise BadRequest(str(error)) from error
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check(body)
+        if isinstance(body.prompt, str) and engine.tokenizer is None:
+            raise BadRequest("this model has no tokenizer: send the prompt as token ids")
+        params = sampling(body, body.max_tokens or 16)
+        stream = await _submit(engine_loop, body.prompt, params, "cmpl")
+        if body.stream:
+            header = protocol.header("cmpl", stream.request_id, model_name)
+            return _sse(engine_loop, stream, lambda one: [protocol.completion_chunk(header, one)])
+        final = await _collect(engine_loop, stream, request)
+        if final is None:
+            return Response(status_code=499)
+        return JSONResponse(protocol.completion_response(
+            stream.request_id, model_name, len(final.prompt_token_ids), final.outputs))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check(body)
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+            raise BadRequest("this model's tokenizer has no chat template")
+        prompt = _chat_prompt(engine.tokenizer, body)
+        room = engine.max_model_len - len(prompt)
+        params = sampling(body, body.max_completion_tokens or body.max_tokens or max(room, 1))
+        stream = await _submit(engine_loop, prompt, params, "chatcmpl")
+        if body.stream:
+            header = protocol.header("chatcmpl", stream.request_id, model_name)
+            started: set[int] = set()
+
+            def chunks(one: CompletionOutput) -> list[dict[str, Any]]:
+                out = []
+                if one.index not in started:
+                    started.add(one.index)
+                    out.append(protocol.chat_chunk(header, one.index,
+                                                   {"role": "assistant", "content": ""}, None))
+                out.append(protocol.chat_chunk(header, one.index, {"content": one.text},
+                                               one.finish_reason))
+                return out
+
+            return _sse(engine_loop, stream, chunks)
+        final = await _collect(engine_loop, stream, request)
+        if final is None:
+            return Response(status_code=499)
+        return JSONResponse(protocol.chat_response(
+            stream.request_id, model_name, len(final.prompt_token_ids), final.outputs))
+
+    return app
+
+
+def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    messages = [message.model_dump() for message in body.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except Exception as error:  # a template that raises on these messages
+        raise BadRequest(f"the chat template refused the messages: {error}") from error
+    return [int(token) for token in ids]
+
+
+async def _submit(engine_loop: EngineLoop, prompt: Any, params: SamplingParams,
+                  prefix: str) -> RequestStream:
+    stream = engine_loop.submit(prompt, params, prefix)
+    first = await stream.get()
+    if isinstance(first, (ValueError, TypeError)):
+        raise BadRequest(str(first))
+    if isinstance(first, BaseException):
+        raise first
+    return stream
+
+
+async def _collect(engine_loop: EngineLoop, stream: RequestStream,
+                   request: Request) -> RequestOutput | None:
+    """Every delta merged into one output; None if the client went away first (aborted)."""
+    merged: dict[int, CompletionOutput] = {}
+    final: RequestOutput | None = None
+    disconnected = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        while final is None:
+            item = asyncio.ensure_future(stream.get())
+            done, _ = await asyncio.wait({item, disconnected},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if item not in done:
+                item.cancel()
+                engine_loop.abort(stream.request_id)
+                return None
+            output = item.result()
+            if isinstance(output, BaseException):
+                raise output
+            for one in output.outputs:
+                seen = merged.setdefault(one.index, CompletionOutput(one.index, []))
+                seen.token_ids += one.token_ids
+                seen.text += one.text
+                seen.finish_reason = one.finish_reason
+            if output.finished:
+                final = RequestOutput(output.request_id, output.prompt_token_ids,
+                                      [merged[index] for index in sorted(merged)], True)
+    finally:
+        disconnected.cancel()
+    return final
+
+
+def _sse(engine_loop: EngineLoop, stream: RequestStream,
+         chunks: Callable[[CompletionOutput], list[dict[str, Any]]]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            while not stream.finished:
+                output = await stream.get()
+                if isinstance(output, BaseException):
+                    error = protocol.error_body(str(output), "server_error")
+                    yield f"data: {json.dumps(error)}\n\n"
+                    return
+                for one in output.outputs:
+                    for chunk in chunks(one):
+                        yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.finished:  # the client went away mid-stream
+                engine_loop.abort(stream.request_id)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class ApiServer:
+    """The engine loop, the app and uvicorn together: ``run()`` serves until Ctrl-C (then
+    stops the engine cleanly); ``start()``/``shutdown()`` do it in a background thread."""
+
+    def __init__(self, engine: Any, model_name: str, host: str = "127.0.0.1",
+                 port: int = 8000) -> None:
+        import uvicorn
+
+        self.metrics = ServerMetrics(engine, model_name)
+        self.engine_loop = EngineLoop(engine, self.metrics.observe)
+        self.app = build_app(self.engine_loop, model_name, self.metrics)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                                    log_level="warning", access_log=False))
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        self.engine_loop.start()
+        try:
+            self.server.run()
+        finally:
+            self.engine_loop.stop()
+
+    def start(self, timeout: float = 30.0) -> ApiServer:
+        self._thread = threading.Thread(target=self.run, name="atb-mem-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(30)

@@ -1,0 +1,51 @@
+"""``atb-mem serve MODEL_DIR``: the OpenAI-compatible server over an ``Engine``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--served-model-name", default=None,
+              help="The name clients send as `model` (default: MODEL_DIR's name).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if any).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+              default="auto", show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--num-blocks", type=click.IntRange(min=2), default=None,
+              help="KV-cache blocks (default: sized from memory).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
+              show_default=True)
+@click.option("--preemption", type=click.Choice(["recompute", "swap"]), default="recompute",
+              show_default=True)
+@click.option("--num-host-blocks", type=click.IntRange(min=1), default=None,
+              help="Host-tier blocks for swap preemption.")
+@click.option("--no-prefix-caching", is_flag=True)
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              default=0.9, show_default=True)
+def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
+          device: str | None, dtype: str, block_size: int, num_blocks: int | None,
+          max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
+          num_host_blocks: int | None, no_prefix_caching: bool,
+          gpu_memory_utilization: float) -> None:
+    """Serves the checkpoint in MODEL_DIR: /v1/completions, /v1/chat/completions,
+    /v1/models, /health and /metrics. Ctrl-C stops it."""
+    from atb_mem.serving import Engine
+    from atb_mem.serving.api_server import ApiServer
+
+    engine = Engine.from_pretrained(
+        model_dir, device=device, dtype=None if dtype == "auto" else dtype,
+        block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
+        num_host_blocks=num_host_blocks, enable_prefix_caching=not no_prefix_caching,
+        gpu_memory_utilization=gpu_memory_utilization)
+    name = served_model_name or Path(model_dir).resolve().name
+    click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
+               f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens)")
+    ApiServer(engine, name, host, port).run()
