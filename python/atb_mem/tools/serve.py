@@ -48,4 +48,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
     name = served_model_name or Path(model_dir).resolve().name
     click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
                f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens)")
-    ApiServer(engine, name, host, port).run()
+    try:
+        ApiServer(engine, name, host, port).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    click.echo("atb-mem: stopped")
