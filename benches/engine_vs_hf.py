@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from atb_mem.integrations import transformers as paged
+from atb_mem.integrations.transformers import ATTN_IMPLEMENTATION
 from atb_mem.serving import Engine, SamplingParams
 
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "azure_llm_code_2023.csv"
@@ -56,15 +58,19 @@ def run_engine(model: Any, work: list[tuple[list[int], int]], max_num_seqs: int)
     execute, plan_step = engine.runner.execute, engine.scheduler.step
 
     def timed(name: str, call: Any) -> Any:
-        def wrapper(*args: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
             try:
-                return call(*args)
+                return call(*args, **kwargs)
             finally:
                 timers[name] += time.perf_counter() - began
         return wrapper
 
     engine.runner.execute = timed("model", execute)  # type: ignore[method-assign]
+    # The attention function is looked up per layer call: time it inside the forward.
+    timers["attention"] = 0.0
+    AttentionInterface.register(ATTN_IMPLEMENTATION,
+                                timed("attention", paged.paged_attention_forward))
     engine.scheduler.step = timed("scheduler", plan_step)  # type: ignore[method-assign]
     peak_blocks, tokens = 0, 0
     while engine.has_unfinished_requests():
@@ -78,7 +84,8 @@ def run_engine(model: Any, work: list[tuple[list[int], int]], max_num_seqs: int)
     rest = elapsed - timers["model"] - timers["scheduler"]
     print(f"atb-mem Engine     {tokens / elapsed:8.1f} tok/s  {percentiles(list(first.values()))}"
           f"  peak KV {peak_blocks * bytes_per_block / 2**20:8.1f} MiB")
-    print(f"    where the time went: model {timers['model'] / elapsed:.0%}, scheduler + cache "
+    print(f"    where the time went: model {timers['model'] / elapsed:.0%} (of which paged "
+          f"attention {timers['attention'] / elapsed:.0%}), scheduler + cache "
           f"{timers['scheduler'] / elapsed:.0%}, sampling and the rest {rest / elapsed:.0%}")
 
 

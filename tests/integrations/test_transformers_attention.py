@@ -83,7 +83,8 @@ def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     def permute(step: Any) -> dict[str, Any]:
         # Rows read each other's block tables. (Reordering a row's own blocks is invisible to
         # decode attention, a sum over positions: the rows must change.)
-        return {"kv_slots": step.kv_slots.roll(1, dims=0)}
+        return {"paged": [dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
+                          for rows in step.paged]}
 
     corrupt(monkeypatch, permute)
     assert mismatches("llama") > 0

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from atb_mem.kv.cache_pool import KVCachePool
     from atb_mem.scheduling.continuous import StepPlan
 
-__all__ = ["ATTN_IMPLEMENTATION", "ModelRunner", "StepAttention", "kv_cache_layout",
+__all__ = ["ATTN_IMPLEMENTATION", "ModelRunner", "PagedRows", "StepAttention", "kv_cache_layout",
            "paged_attention_forward", "paged_step", "use_paged_attention"]
 
 ATTN_IMPLEMENTATION = "atb_mem_paged"
@@ -43,23 +43,17 @@ _current_step: ContextVar[StepAttention | None] = ContextVar("atb_mem_step", def
 
 
 @dataclass(frozen=True)
-class StepAttention:
-    """What every layer's attention needs for one step, as tensors on the model's device.
+class PagedRows:
+    """Rows attended together over K/V gathered through their block tables: ``Q`` is the
+    longest row's new tokens, ``L`` the longest row's K/V length. Padding gathers slot 0 and is
+    masked out and zeroed (0 × NaN is NaN: a poisoned block behind padding must not leak)."""
 
-    Rows are the plan's sequences; ``T`` its tokens; ``Q`` the longest row's new tokens and
-    ``L`` the longest row's K/V length. Padding positions gather slot 0 and are masked out
-    (and zeroed, so a poisoned block behind them cannot leak NaN into the sums).
-    """
-
-    layer_caches: list[tuple[Any, Any]]
-    """Per layer, the key and value caches flattened to ``[slots, kv_heads, head_dim]``."""
-    slot_mapping: torch.Tensor
-    """int64 ``[T]``: where each new token's K/V is written."""
-    query_index: torch.Tensor
-    """int64 ``[rows, Q]``: token index of each row's ``j``-th new token (0 for padding)."""
+    tokens: torch.Tensor
+    """int64 ``[rows, Q]``: the step-token index of each row's ``j``-th new token (0: padding)."""
+    token_ids: torch.Tensor
     token_row: torch.Tensor
     token_col: torch.Tensor
-    """int64 ``[T]``: each token's row and place among the row's new tokens."""
+    """int64 ``[n]``: the rows' real tokens, and each one's row and place in the row."""
     kv_slots: torch.Tensor
     """int64 ``[rows, L]``: the slot of each row's ``j``-th K/V position (0 for padding)."""
     kv_valid: torch.Tensor
@@ -68,21 +62,22 @@ class StepAttention:
     """bool ``[rows, 1, Q, L]``: the new token may attend position ``j`` (causal)."""
 
     @classmethod
-    def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
-                  device: Any) -> StepAttention:
+    def build(cls, plan: StepPlan, rows: np.ndarray, block_size: int, device: Any) -> PagedRows:
         import torch
 
-        query_lens = plan.query_lens.astype(np.int64)
-        seq_lens = plan.seq_lens.astype(np.int64)
-        rows, tokens = len(query_lens), int(query_lens.sum())
+        query_lens = plan.query_lens.astype(np.int64)[rows]
+        seq_lens = plan.seq_lens.astype(np.int64)[rows]
+        starts = plan.query_start_loc.astype(np.int64)[rows]
         width, length = int(query_lens.max()), int(seq_lens.max())
-        token_row = np.repeat(np.arange(rows), query_lens)
-        token_col = np.arange(tokens) - plan.query_start_loc[:-1].astype(np.int64)[token_row]
-        query_index = np.zeros((rows, width), dtype=np.int64)
-        query_index[token_row, token_col] = np.arange(tokens)
+        token_row = np.repeat(np.arange(len(rows)), query_lens)
+        token_col = np.arange(len(token_row)) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                          query_lens)
+        token_ids = starts[token_row] + token_col
+        tokens = np.zeros((len(rows), width), dtype=np.int64)
+        tokens[token_row, token_col] = token_ids
         positions = np.arange(length)
         kv_valid = positions[None, :] < seq_lens[:, None]
-        tables = plan.block_tables
+        tables = plan.block_tables[rows]
         columns = np.minimum(positions // block_size, tables.shape[1] - 1)
         kv_slots = tables[:, columns].astype(np.int64) * block_size + positions % block_size
         kv_slots[~kv_valid] = 0
@@ -95,11 +90,44 @@ class StepAttention:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-        return cls(layer_caches=layer_caches,
-                   slot_mapping=tensor(plan.slot_mapping.astype(np.int64)),
-                   query_index=tensor(query_index), token_row=tensor(token_row),
-                   token_col=tensor(token_col), kv_slots=tensor(kv_slots),
-                   kv_valid=tensor(kv_valid[:, :, None, None]), mask=tensor(mask[:, None]))
+        return cls(tokens=tensor(tokens), token_ids=tensor(token_ids),
+                   token_row=tensor(token_row), token_col=tensor(token_col),
+                   kv_slots=tensor(kv_slots), kv_valid=tensor(kv_valid[:, :, None, None]),
+                   mask=tensor(mask[:, None]))
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """What every layer's attention needs for one step, on the model's device, built once.
+
+    Rows are split so no row pays for another's length: a row whose K/V is all new this step
+    (a prefill without cached context) attends causally over its own new keys; decodes are
+    batched; any other row (a later prefill chunk, a prefix hit) is gathered alone.
+    """
+
+    layer_caches: list[tuple[Any, Any]]
+    """Per layer, the key and value caches flattened to ``[slots, kv_heads, head_dim]``."""
+    slot_mapping: torch.Tensor
+    """int64 ``[T]``: where each new token's K/V is written."""
+    fresh: list[tuple[int, int]]
+    """Token ranges of the rows whose K/V is all new."""
+    paged: list[PagedRows]
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
+                  device: Any) -> StepAttention:
+        import torch
+
+        query_lens, seq_lens = plan.query_lens, plan.seq_lens
+        starts = plan.query_start_loc.tolist()
+        is_fresh = query_lens == seq_lens
+        decodes = np.flatnonzero((query_lens == 1) & ~is_fresh)
+        alone = np.flatnonzero((query_lens > 1) & ~is_fresh)
+        groups = ([decodes] if len(decodes) else []) + [alone[i:i + 1] for i in range(len(alone))]
+        slots = torch.from_numpy(plan.slot_mapping.astype(np.int64)).to(device)
+        return cls(layer_caches=layer_caches, slot_mapping=slots,
+                   fresh=[(starts[row], starts[row + 1]) for row in np.flatnonzero(is_fresh)],
+                   paged=[PagedRows.build(plan, rows, block_size, device) for rows in groups])
 
 
 @contextmanager
@@ -131,18 +159,39 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
     key_cache.index_copy_(0, step.slot_mapping, new_keys.to(key_cache.dtype))
     value_cache.index_copy_(0, step.slot_mapping, new_values.to(value_cache.dtype))
-    rows, length = step.kv_slots.shape
-    slots = step.kv_slots.reshape(-1)
-    # [rows, L, kv, D] -> [rows, kv, L, D]; padding zeroed (0 * NaN would still be NaN).
-    keys = torch.where(step.kv_valid, key_cache.index_select(0, slots).view(
-        rows, length, *key_cache.shape[1:]), 0).to(query.dtype).transpose(1, 2)
-    values = torch.where(step.kv_valid, value_cache.index_select(0, slots).view(
-        rows, length, *value_cache.shape[1:]), 0).to(query.dtype).transpose(1, 2)
-    queries = query[0].transpose(0, 1)[step.query_index].transpose(1, 2)    # [rows, H, Q, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=step.mask,
-                                         scale=scaling, enable_gqa=True)
-    out = out.transpose(1, 2)[step.token_row, step.token_col]              # [T, H, D]
+    out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
+                      device=query.device)                                 # [T, H, D]
+    for start, end in step.fresh:
+        attended = F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            is_causal=True, scale=scaling, enable_gqa=True)
+        out[start:end] = attended[0].transpose(0, 1)
+    queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
+    for rows in step.paged:
+        out[rows.token_ids] = _attend_paged(queries_by_token, key_cache, value_cache, rows,
+                                            scaling)
     return out.unsqueeze(0), None
+
+
+def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, rows: PagedRows,
+                  scaling: float | None) -> torch.Tensor:
+    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``."""
+    import torch
+    import torch.nn.functional as F
+
+    count, length = rows.kv_slots.shape
+    slots = rows.kv_slots.reshape(-1)
+    dtype = queries_by_token.dtype
+    # [rows, L, kv, D] -> [rows, kv, L, D], padding zeroed.
+    keys = torch.where(rows.kv_valid, key_cache.index_select(0, slots).view(
+        count, length, *key_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
+    values = torch.where(rows.kv_valid, value_cache.index_select(0, slots).view(
+        count, length, *value_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
+    queries = queries_by_token[rows.tokens].transpose(1, 2)               # [rows, H, Q, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=rows.mask,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)[rows.token_row, rows.token_col]
 
 
 def use_paged_attention(model: Any) -> None:
