@@ -37,9 +37,14 @@ class RequestStream:
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
 
-    def put(self, item: Any) -> None:
-        """From the loop thread: hand ``item`` to the stream's event loop."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: Any) -> bool:
+        """From the loop thread: hands ``item`` to the stream's event loop; False when that
+        loop is closed (nobody can read the stream any more)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     async def get(self) -> Any:
         item = await self.queue.get()
@@ -128,7 +133,8 @@ class EngineLoop:
                 stream.put(error)
                 return
             self._streams[stream.request_id] = stream
-            stream.put(ACCEPTED)
+            if not stream.put(ACCEPTED):
+                self._drop(stream.request_id)
         elif kind == "abort":
             self.engine.abort_request(payload)
 
@@ -142,7 +148,14 @@ class EngineLoop:
                 self.observe(stream, output, now)
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+                stream.put(output)
+            elif not stream.put(output):
+                self._drop(output.request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """A stream whose event loop has closed: its request is aborted, not left running,
+        through the queue like a client's abort, so it is reported (and counted) as one."""
+        self._command("abort", request_id)
 
     def _close_all(self) -> None:
         error = self.error or RuntimeError("the engine stopped")
