@@ -12,6 +12,9 @@ import pytest
 from tests.support.devices import require_torch
 
 ARCHITECTURES = ["llama", "qwen3", "qwen3_moe"]
+# Sliding-window and chunked attention, with a window of WINDOW tokens.
+HYBRID_ARCHITECTURES = ["mistral", "gemma3", "gpt_oss", "llama4"]
+WINDOW = 6
 
 _SHARED = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -46,10 +49,39 @@ def tiny_model(architecture: str, seed: int = 0) -> Any:
                                              num_experts=4, num_experts_per_tok=2,
                                              decoder_sparse_step=1, mlp_only_layers=[])
         cls = transformers.Qwen3MoeForCausalLM
+    elif architecture in HYBRID_ARCHITECTURES:
+        config, cls = _hybrid_config(transformers, architecture)
     else:
         raise ValueError(architecture)
     torch.manual_seed(seed)
     return cls(config).eval()
+
+
+def _hybrid_config(transformers: Any, architecture: str) -> tuple[Any, Any]:
+    """Mistral (every layer sliding); Gemma 3 text and gpt-oss (sliding and full layers; gpt-oss
+    with attention sinks and experts); Llama 4 text (chunked and full layers, experts)."""
+    shared = {**_SHARED, "num_hidden_layers": 3}
+    mixed = ["sliding_attention", "full_attention", "sliding_attention"]
+    if architecture == "mistral":
+        return (transformers.MistralConfig(**shared, sliding_window=WINDOW),
+                transformers.MistralForCausalLM)
+    if architecture == "gemma3":
+        return (transformers.Gemma3TextConfig(**shared, head_dim=16, sliding_window=WINDOW,
+                                              layer_types=mixed),
+                transformers.Gemma3ForCausalLM)
+    if architecture == "gpt_oss":
+        return (transformers.GptOssConfig(**shared, head_dim=16, sliding_window=WINDOW,
+                                          layer_types=mixed, num_local_experts=4,
+                                          num_experts_per_tok=2),
+                transformers.GptOssForCausalLM)
+    # Llama 4: NoPE layers attend fully, the others in chunks (temperature tuning off: it reads
+    # positions from HF's own cache, which atb-mem replaces).
+    return (transformers.Llama4TextConfig(**shared, head_dim=16, attention_chunk_size=WINDOW,
+                                          no_rope_layers=[1, 0, 1], num_local_experts=2,
+                                          num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                          intermediate_size_mlp=128,
+                                          attn_temperature_tuning=False),
+            transformers.Llama4ForCausalLM)
 
 
 def model_pair(architecture: str, seed: int = 0) -> tuple[Any, Any]:

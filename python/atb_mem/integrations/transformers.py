@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from atb_mem.kv.cache_pool import KVCachePool
     from atb_mem.scheduling.continuous import StepPlan
 
-__all__ = ["ATTN_IMPLEMENTATION", "ModelRunner", "PagedRows", "StepAttention", "kv_cache_layout",
-           "paged_attention_forward", "paged_step", "use_paged_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "LayerAttention", "ModelRunner", "PagedRows", "StepAttention",
+           "kv_cache_layout", "layer_attention", "paged_attention_forward", "paged_step",
+           "use_paged_attention"]
 
 ATTN_IMPLEMENTATION = "atb_mem_paged"
 
@@ -40,6 +41,59 @@ _TORCH_TO_KV_DTYPE = {"torch.float32": "float32", "torch.float16": "float16",
                       "torch.bfloat16": "bfloat16"}
 
 _current_step: ContextVar[StepAttention | None] = ContextVar("atb_mem_step", default=None)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which earlier positions a layer's queries see: all (``"full_attention"``), the last
+    ``window`` including their own (``"sliding_attention"``: ``q - window < k``), or those in
+    their own chunk of ``window`` positions (``"chunked_attention"``); causal in every case."""
+
+    kind: str = "full_attention"
+    window: int | None = None
+
+    def visible(self, query: np.ndarray, key: np.ndarray) -> np.ndarray:
+        """Whether positions ``query`` see positions ``key`` (broadcast)."""
+        seen = key <= query
+        if self.kind == "sliding_attention":
+            seen &= key > query - self.window
+        elif self.kind == "chunked_attention":
+            seen &= key // self.window == query // self.window
+        return np.asarray(seen)
+
+    @property
+    def is_full(self) -> bool:
+        return self.kind == "full_attention"
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+def layer_attention(config: Any) -> list[LayerAttention]:
+    """Each layer's attention, read from a transformers config the way its models read it:
+    ``layer_types`` with ``sliding_window`` / ``attention_chunk_size``, or (Mistral-style
+    configs without ``layer_types``) ``sliding_window`` for every layer."""
+    config = config.get_text_config()
+    count = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        window = getattr(config, "sliding_window", None)
+        if not getattr(config, "use_sliding_window", True):
+            window = None
+        types = ["sliding_attention" if window else "full_attention"] * count
+    if len(types) != count:
+        raise ValueError(f"the config names {len(types)} layer types for {count} layers")
+    windows = {"full_attention": None, "sliding_attention": getattr(config, "sliding_window", None),
+               "chunked_attention": getattr(config, "attention_chunk_size", None)}
+    layers = []
+    for kind in types:
+        if kind not in windows:
+            raise NotImplementedError(f"atb-mem serves {sorted(windows)} layers, not {kind!r}")
+        window = windows[kind]
+        if kind != "full_attention" and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"{kind} layers need a window of at least 1 token, got {window!r}")
+        layers.append(LayerAttention(kind, window))
+    return layers
 
 
 @dataclass(frozen=True)
@@ -58,11 +112,12 @@ class PagedRows:
     """int64 ``[rows, L]``: the slot of each row's ``j``-th K/V position (0 for padding)."""
     kv_valid: torch.Tensor
     """bool ``[rows, L, 1, 1]``: ``j`` < the row's length."""
-    mask: torch.Tensor
-    """bool ``[rows, 1, Q, L]``: the new token may attend position ``j`` (causal)."""
+    masks: dict[LayerAttention, torch.Tensor]
+    """Per kind of layer, bool ``[rows, 1, Q, L]``: the new token may attend position ``j``."""
 
     @classmethod
-    def build(cls, plan: StepPlan, rows: np.ndarray, block_size: int, device: Any) -> PagedRows:
+    def build(cls, plan: StepPlan, rows: np.ndarray, block_size: int, device: Any,
+              kinds: set[LayerAttention]) -> PagedRows:
         import torch
 
         query_lens = plan.query_lens.astype(np.int64)[rows]
@@ -83,17 +138,21 @@ class PagedRows:
         kv_slots[~kv_valid] = 0
         # The j-th new token of a row sits at position seq_len - query_len + j.
         query_positions = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
-        mask = (positions[None, None, :] <= query_positions[:, :, None]) & kv_valid[:, None, :]
-        padded = np.arange(width)[None, :] >= query_lens[:, None]
-        mask[padded] = kv_valid[np.nonzero(padded)[0]]  # padding rows: any finite softmax
+        padded = np.nonzero(np.arange(width)[None, :] >= query_lens[:, None])
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
+        def mask(kind: LayerAttention) -> torch.Tensor:
+            visible = kind.visible(query_positions[:, :, None], positions[None, None, :])
+            visible &= kv_valid[:, None, :]
+            visible[padded] = kv_valid[padded[0]]  # padding rows: any finite softmax
+            return tensor(visible[:, None])
+
         return cls(tokens=tensor(tokens), token_ids=tensor(token_ids),
                    token_row=tensor(token_row), token_col=tensor(token_col),
                    kv_slots=tensor(kv_slots), kv_valid=tensor(kv_valid[:, :, None, None]),
-                   mask=tensor(mask[:, None]))
+                   masks={kind: mask(kind) for kind in kinds})
 
 
 @dataclass(frozen=True)
@@ -101,33 +160,50 @@ class StepAttention:
     """What every layer's attention needs for one step, on the model's device, built once.
 
     Rows are split so no row pays for another's length: a row whose K/V is all new this step
-    (a prefill without cached context) attends causally over its own new keys; decodes are
-    batched; any other row (a later prefill chunk, a prefix hit) is gathered alone.
+    (a prefill without cached context) attends over its own new keys; decodes are batched;
+    any other row (a later prefill chunk, a prefix hit) is gathered alone. Masks are built
+    once per kind of layer (full, each window, each chunk size) and shared by its layers.
     """
 
     layer_caches: list[tuple[Any, Any]]
     """Per layer, the key and value caches flattened to ``[slots, kv_heads, head_dim]``."""
+    layers: list[LayerAttention]
     slot_mapping: torch.Tensor
     """int64 ``[T]``: where each new token's K/V is written."""
     fresh: list[tuple[int, int]]
     """Token ranges of the rows whose K/V is all new."""
+    fresh_masks: dict[LayerAttention, list[torch.Tensor | None]]
+    """Per kind of layer and fresh row, bool ``[1, 1, q, q]``; None where causal is all."""
     paged: list[PagedRows]
 
     @classmethod
     def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
-                  device: Any) -> StepAttention:
+                  device: Any, layers: list[LayerAttention] | None = None) -> StepAttention:
         import torch
 
+        layers = layers or [FULL_ATTENTION] * len(layer_caches)
+        kinds = set(layers)
         query_lens, seq_lens = plan.query_lens, plan.seq_lens
         starts = plan.query_start_loc.tolist()
         is_fresh = query_lens == seq_lens
         decodes = np.flatnonzero((query_lens == 1) & ~is_fresh)
         alone = np.flatnonzero((query_lens > 1) & ~is_fresh)
         groups = ([decodes] if len(decodes) else []) + [alone[i:i + 1] for i in range(len(alone))]
+        fresh = [(starts[row], starts[row + 1]) for row in np.flatnonzero(is_fresh)]
+
+        def fresh_mask(kind: LayerAttention, length: int) -> torch.Tensor | None:
+            if kind.is_full or length <= (kind.window or 0):
+                return None  # the window cuts nothing off: causal is all
+            positions = np.arange(length)
+            visible = kind.visible(positions[:, None], positions[None, :])
+            return torch.from_numpy(visible[None, None]).to(device)
+
         slots = torch.from_numpy(plan.slot_mapping.astype(np.int64)).to(device)
-        return cls(layer_caches=layer_caches, slot_mapping=slots,
-                   fresh=[(starts[row], starts[row + 1]) for row in np.flatnonzero(is_fresh)],
-                   paged=[PagedRows.build(plan, rows, block_size, device) for rows in groups])
+        return cls(layer_caches=layer_caches, layers=layers, slot_mapping=slots, fresh=fresh,
+                   fresh_masks={kind: [fresh_mask(kind, end - start) for start, end in fresh]
+                                for kind in kinds},
+                   paged=[PagedRows.build(plan, rows, block_size, device, kinds)
+                          for rows in groups])
 
 
 @contextmanager
@@ -146,7 +222,6 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     """transformers' attention signature: ``query`` ``[1, heads, T, D]``, ``key``/``value``
     ``[1, kv_heads, T, D]`` (this step's new tokens); returns ``[1, T, heads, D]``."""
     import torch
-    import torch.nn.functional as F
 
     step = _current_step.get()
     if step is None:
@@ -156,29 +231,55 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise ValueError(f"expected the step's {step.slot_mapping.shape[0]} tokens as one batch "
                          f"row, got queries of shape {tuple(query.shape)}")
     key_cache, value_cache = step.layer_caches[module.layer_idx]
+    kind = step.layers[module.layer_idx]
+    sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per head that takes a softmax share
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
     key_cache.index_copy_(0, step.slot_mapping, new_keys.to(key_cache.dtype))
     value_cache.index_copy_(0, step.slot_mapping, new_values.to(value_cache.dtype))
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
                       device=query.device)                                 # [T, H, D]
-    for start, end in step.fresh:
-        attended = F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            is_causal=True, scale=scaling, enable_gqa=True)
+    for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
+        attended = _attention(query[:, :, start:end], key[:, :, start:end],
+                              value[:, :, start:end], mask, scaling, sinks)
         out[start:end] = attended[0].transpose(0, 1)
     queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
     for rows in step.paged:
         out[rows.token_ids] = _attend_paged(queries_by_token, key_cache, value_cache, rows,
-                                            scaling)
+                                            rows.masks[kind], scaling, sinks)
     return out.unsqueeze(0), None
 
 
-def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, rows: PagedRows,
-                  scaling: float | None) -> torch.Tensor:
-    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``."""
+def _attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float | None,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """``[B, H, Q, D]`` queries over ``[B, kv, L, D]`` keys and values; ``mask`` None means
+    causal with Q == L. With ``sinks`` (``[H]``) each head's softmax also spreads over one
+    extra logit that carries no value, as gpt-oss trains it."""
     import torch
     import torch.nn.functional as F
+
+    if sinks is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                              is_causal=mask is None, scale=scaling,
+                                              enable_gqa=True)
+    if mask is None:
+        length = keys.shape[2]
+        mask = torch.ones((length, length), dtype=torch.bool, device=keys.device).tril()
+    group = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    logits = torch.matmul(queries, keys.transpose(2, 3)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+    weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(values.dtype), values)
+
+
+def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, rows: PagedRows, mask: torch.Tensor,
+                  scaling: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``."""
+    import torch
 
     count, length = rows.kv_slots.shape
     slots = rows.kv_slots.reshape(-1)
@@ -189,8 +290,7 @@ def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
     values = torch.where(rows.kv_valid, value_cache.index_select(0, slots).view(
         count, length, *value_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
     queries = queries_by_token[rows.tokens].transpose(1, 2)               # [rows, H, Q, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=rows.mask,
-                                         scale=scaling, enable_gqa=True)
+    out = _attention(queries, keys, values, mask, scaling, sinks)
     return out.transpose(1, 2)[rows.token_row, rows.token_col]
 
 
@@ -216,15 +316,18 @@ def kv_cache_layout(model: Any) -> dict[str, Any]:
             "head_dim": head_dim, "dtype": dtype}
 
 
-def _check_supported(model: Any) -> None:
+def _check_supported(model: Any) -> list[LayerAttention]:
+    """Each layer's attention; refuses what this function does not compute as the model does."""
     config = model.config.get_text_config()
-    windows = [kind for kind in getattr(config, "layer_types", None) or []
-               if kind != "full_attention"]
-    if windows or getattr(config, "use_sliding_window", bool(getattr(config, "sliding_window",
-                                                                      None))):
-        raise NotImplementedError(
-            f"{type(model).__name__} has sliding-window or chunked attention layers; atb-mem "
-            "serves full-attention models for now")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise NotImplementedError(f"{type(model).__name__} caps attention logits (softcapping); "
+                                  "atb-mem's attention does not")
+    if getattr(config, "attn_temperature_tuning", False) and \
+            not all(getattr(config, "no_rope_layers", None) or [1]):
+        # Llama 4 scales NoPE layers' queries by position read from its own cache's length.
+        raise NotImplementedError(f"{type(model).__name__} tunes attention temperature from its "
+                                  "own cache; set attn_temperature_tuning=False to serve it here")
+    return layer_attention(config)
 
 
 class ModelRunner:
@@ -236,7 +339,7 @@ class ModelRunner:
     def __init__(self, model: Any, kv_cache: KVCachePool) -> None:
         import torch
 
-        _check_supported(model)
+        self.layers = _check_supported(model)
         layout = kv_cache_layout(model)
         for name, expected in layout.items():
             if getattr(kv_cache, name) != expected:
@@ -270,7 +373,7 @@ class ModelRunner:
         if input_ids.size and input_ids.min() < 0:
             raise ValueError("the plan has tokens without ids: give requests their token ids")
         step = StepAttention.from_plan(plan, self.layer_caches, self.kv_cache.block_size,
-                                       self.device)
+                                       self.device, self.layers)
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)

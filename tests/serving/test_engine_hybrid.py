@@ -1,0 +1,127 @@
+"""Sliding-window and chunked attention through the engine: greedy tokens equal HF's own
+``generate`` for prompts and outputs running to several windows, alone and in a continuous
+batch with preemption and prefix hits, with unused blocks poisoned (NaN) before every step.
+A negative control shows the comparison sees the window: attending fully where the model
+slides fails it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atb_mem.integrations import transformers as paged
+from atb_mem.serving import Engine, SamplingParams
+from tests.support.models import (
+    HYBRID_ARCHITECTURES,
+    WINDOW,
+    hf_greedy,
+    model_pair,
+    require_transformers,
+    run_poisoned,
+)
+
+BLOCK_SIZE = 4
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
+    reference.generation_config.eos_token_id = None  # like ignore_eos
+    return hf_greedy(reference, tokens, count)
+
+
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_layer_attention_is_read_from_the_config(architecture: str) -> None:
+    model, _ = model_pair(architecture)
+    kinds = [(layer.kind, layer.window) for layer in paged.layer_attention(model.config)]
+    if architecture == "mistral":
+        assert kinds == [("sliding_attention", WINDOW)] * 3
+    elif architecture == "llama4":
+        assert kinds == [("chunked_attention", WINDOW), ("full_attention", None),
+                         ("chunked_attention", WINDOW)]
+    else:
+        assert kinds == [("sliding_attention", WINDOW), ("full_attention", None),
+                         ("sliding_attention", WINDOW)]
+
+
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_single_prompts_past_the_window(architecture: str) -> None:
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE)
+    # Outputs run to 3+ windows beyond prompts shorter than, equal to and longer than one.
+    for length in (3, WINDOW, 2 * WINDOW + 1, 3 * WINDOW + 2):
+        tokens = prompt(length, length)
+        results = run_poisoned(engine, {0: [("alone", tokens, greedy(3 * WINDOW))]})
+        assert results["alone"][0][0] == hf_tokens(reference, tokens, 3 * WINDOW), length
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
+def mixed_requests() -> dict[int, list[tuple[str, list[int], SamplingParams]]]:
+    shared = prompt(100, 3 * WINDOW)
+    specs = [(0, "a", prompt(1, 11), 2 * WINDOW), (0, "b", prompt(2, 5), 3),
+             (0, "c", shared, 3 * WINDOW), (2, "d", prompt(3, 17), 9),
+             (2, "e", [*shared, 7, 8], WINDOW), (5, "f", [*shared[:2 * WINDOW], 42], 12)]
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
+    for step, request_id, tokens, max_tokens in specs:
+        arrivals.setdefault(step, []).append((request_id, tokens, greedy(max_tokens)))
+    return arrivals
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_continuous_batch_with_preemption_and_prefix_hits(architecture: str,
+                                                          preemption: str) -> None:
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=20, block_size=BLOCK_SIZE, max_num_seqs=5,
+                    max_num_batched_tokens=24, preemption=preemption,  # type: ignore[arg-type]
+                    num_host_blocks=40 if preemption == "swap" else None)
+    results = run_poisoned(engine, mixed_requests())
+    for requests in mixed_requests().values():
+        for request_id, tokens, params in requests:
+            assert results[request_id][0][0] == hf_tokens(reference, tokens, params.max_tokens), \
+                request_id
+    assert engine.scheduler.stats()["preemptions"] > 0
+    assert engine.kv_cache.stats()["prefix_cache_hits"] > 0
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
+def test_attending_past_the_window_is_caught(architecture: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the runner told every layer attends fully gets other tokens."""
+    monkeypatch.setattr(paged, "layer_attention",
+                        lambda config: [paged.FULL_ATTENTION] * config.num_hidden_layers)
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE)
+    tokens = prompt(7, 2 * WINDOW + 1)
+    results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})
+    assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)
+
+
+def test_dropping_attention_sinks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for gpt-oss: attention without its sinks gets other tokens."""
+    attention = paged._attention
+    monkeypatch.setattr(paged, "_attention", lambda queries, keys, values, mask, scaling, sinks:
+                        attention(queries, keys, values, mask, scaling, None))
+    model, reference = model_pair("gpt_oss")
+    engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE)
+    tokens = prompt(7, 2 * WINDOW + 1)
+    results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})
+    assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)
+
+
+def test_a_softcapping_model_is_refused() -> None:
+    transformers = require_transformers()
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        Engine(transformers.Gemma2ForCausalLM(config).eval(), num_blocks=8, block_size=4)
