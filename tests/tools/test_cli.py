@@ -45,6 +45,46 @@ def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
         assert row["bytes_per_block"] == 2 * 32 * row["block_size"] * 8 * 128 * 2
 
 
+def model_config(tmp_path: Path) -> Path:
+    """A Gemma-3-like config.json: 32 layers, 5 sliding to 1 full, 8 KV heads of 128."""
+    path = tmp_path / "config.json"
+    types = ["full_attention" if (layer + 1) % 6 == 0 else "sliding_attention"
+             for layer in range(32)]
+    path.write_text(json.dumps({"dtype": "float16", "text_config": {
+        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "sliding_window": 1024, "layer_types": types}}))
+    return path
+
+
+def test_plan_from_a_model_config_equals_the_flags(tmp_path: Path) -> None:
+    by_flags, by_config = tmp_path / "flags.json", tmp_path / "config.json.out"
+    assert atb_mem_command(*PLAN, "--json", str(by_flags)).returncode == 0
+    result = atb_mem_command(*PLAN[:5], "--model-config", str(model_config(tmp_path)),
+                             "--max-model-len", "8192", "--json", str(by_config))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(by_config.read_text()) == json.loads(by_flags.read_text())
+    assert "counted at full length" in result.stdout  # the sliding layers, said honestly
+
+
+def test_a_model_config_and_its_flags_do_not_mix(tmp_path: Path) -> None:
+    both = atb_mem_command(*PLAN, "--model-config", str(model_config(tmp_path)))
+    assert both.returncode == 2 and "drop --layers, --kv-heads, --head-dim" in both.stderr
+    neither = atb_mem_command(*PLAN[:5], "--max-model-len", "8192")
+    assert neither.returncode == 2 and "give --model-config, or --layers" in neither.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_hidden_layers": 2}')
+    refused = atb_mem_command(*PLAN[:5], "--model-config", str(bad), "--max-model-len", "64")
+    assert refused.returncode == 2 and "num_attention_heads" in refused.stderr
+
+
+def test_bench_fragmentation_sizes_tokens_from_a_model_config(tmp_path: Path) -> None:
+    out = tmp_path / "fragmentation.json"
+    result = atb_mem_command("bench", "fragmentation", "--requests", "20", "--block-sizes", "16",
+                             "--model-config", str(model_config(tmp_path)), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+
+
 @pytest.mark.parametrize(("args", "code", "fragment"), [
     (["plan", "--total-memory", "8XB", "--model-memory", "1", "--layers", "1", "--kv-heads", "1",
       "--head-dim", "1", "--max-model-len", "1"], 2, "not a size"),
@@ -53,6 +93,7 @@ def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
     ([*PLAN, "--dtype", "float8"], 2, "float8"),
     ([*PLAN, "--layers", "0"], 2, "layers"),
     (["plan"], 2, "Missing option"),
+    ([*PLAN[:5], "--max-model-len", "64"], 2, "give --model-config"),
     (["frobnicate"], 2, "No such command"),
     ([*PLAN, "--json", "/nonexistent/dir/out.json"], 1, "No such file"),
 ])

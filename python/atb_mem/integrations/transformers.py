@@ -70,30 +70,18 @@ FULL_ATTENTION = LayerAttention()
 
 
 def layer_attention(config: Any) -> list[LayerAttention]:
-    """Each layer's attention, read from a transformers config the way its models read it:
-    ``layer_types`` with ``sliding_window`` / ``attention_chunk_size``, or (Mistral-style
-    configs without ``layer_types``) ``sliding_window`` for every layer."""
-    config = config.get_text_config()
-    count = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        window = getattr(config, "sliding_window", None)
-        if not getattr(config, "use_sliding_window", True):
-            window = None
-        types = ["sliding_attention" if window else "full_attention"] * count
-    if len(types) != count:
-        raise ValueError(f"the config names {len(types)} layer types for {count} layers")
-    windows = {"full_attention": None, "sliding_attention": getattr(config, "sliding_window", None),
-               "chunked_attention": getattr(config, "attention_chunk_size", None)}
-    layers = []
-    for kind in types:
-        if kind not in windows:
-            raise NotImplementedError(f"atb-mem serves {sorted(windows)} layers, not {kind!r}")
-        window = windows[kind]
-        if kind != "full_attention" and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"{kind} layers need a window of at least 1 token, got {window!r}")
-        layers.append(LayerAttention(kind, window))
-    return layers
+    """Each layer's attention, read from a transformers config the way its models read it
+    (``layer_types`` with ``sliding_window`` / ``attention_chunk_size``, or ``sliding_window``
+    for every layer in Mistral-style configs): :func:`atb_mem.kv.model_config.layer_types_of`."""
+    from atb_mem.kv.model_config import layer_types_of
+
+    text = config.get_text_config()
+    fields = {name: getattr(text, name, None) for name in (
+        "num_hidden_layers", "layer_types", "sliding_window", "attention_chunk_size")}
+    fields["use_sliding_window"] = getattr(text, "use_sliding_window", True)
+    windows = {"full_attention": None, "sliding_attention": fields["sliding_window"],
+               "chunked_attention": fields["attention_chunk_size"]}
+    return [LayerAttention(kind, windows[kind]) for kind in layer_types_of(fields)]
 
 
 @dataclass(frozen=True)

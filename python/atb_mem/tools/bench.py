@@ -11,7 +11,18 @@ import click
 from rich.progress import Progress
 from rich.table import Table
 
-from atb_mem.tools.options import DTYPES, SIZE, CommaList, console, require_matplotlib, write_json
+from atb_mem.tools.options import (
+    SIZE,
+    CommaList,
+    console,
+    model_dimensions,
+    model_options,
+    require_matplotlib,
+    write_json,
+)
+
+# The model the fragmentation replay sizes its tokens for when no --model-config is given.
+FRAGMENTATION_MODEL = {"layers": 32, "kv_heads": 8, "head_dim": 128}
 
 
 @click.group()
@@ -75,11 +86,7 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
               show_default=True)
 @click.option("--memory", type=SIZE, default="8GiB", show_default=True,
               help="KV memory budget shared by every strategy.")
-@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES),
-              default="float16", show_default=True)
+@model_options(FRAGMENTATION_MODEL)
 @click.option("--max-model-len", type=click.IntRange(min=1), default=None,
               help="Reservation of contiguous-max (default: the longest request).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
@@ -89,15 +96,17 @@ def bench_ops(quick: bool, json_path: str | None) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG of fragmentation and concurrency over time and per block size.")
 def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], memory: int,
-                        layers: int, kv_heads: int, head_dim: int, dtype: str,
-                        max_model_len: int | None, max_num_seqs: int,
-                        max_num_batched_tokens: int, json_path: str | None,
+                        model_config: str | None, layers: int | None, kv_heads: int | None,
+                        head_dim: int | None, dtype: str | None, max_model_len: int | None,
+                        max_num_seqs: int, max_num_batched_tokens: int, json_path: str | None,
                         plot_path: str | None) -> None:
     """Replays requests through continuous batching for each KV memory strategy on the same
     memory budget: paged blocks per block size, contiguous max-length and exact-size
     reservations."""
     from atb_mem.tools import simulate
 
+    layers, kv_heads, head_dim, dtype, _ = model_dimensions(model_config, layers, kv_heads,
+                                                            head_dim, dtype, FRAGMENTATION_MODEL)
     if plot_path:
         require_matplotlib()
     if any(size < 1 for size in block_sizes):

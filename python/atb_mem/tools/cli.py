@@ -2,6 +2,8 @@
 
     atb-mem plan --total-memory 80GiB --model-memory 16GiB --layers 32 --kv-heads 8 \\
         --head-dim 128 --dtype float16 --max-model-len 8192
+    atb-mem plan --total-memory 80GiB --model-memory 16GiB --model-config config.json \\
+        --max-model-len 8192
     atb-mem bench ops [--quick] [--json out.json]
     atb-mem generate MODEL_DIR --prompt TEXT [--max-tokens N] [--temperature T]
     atb-mem serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [engine options]
@@ -22,7 +24,14 @@ import atb_mem
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.tools.bench import bench
 from atb_mem.tools.generate import generate
-from atb_mem.tools.options import DTYPES, SIZE, CommaList, console, write_json
+from atb_mem.tools.options import (
+    SIZE,
+    CommaList,
+    console,
+    model_dimensions,
+    model_options,
+    write_json,
+)
 from atb_mem.tools.serve import serve
 from atb_mem.tools.tuning import tune
 
@@ -36,11 +45,7 @@ def cli() -> None:
 @cli.command()
 @click.option("--total-memory", type=SIZE, required=True, help="Device memory, e.g. 80GiB.")
 @click.option("--model-memory", type=SIZE, required=True, help="Weights, e.g. 16GiB.")
-@click.option("--layers", type=click.IntRange(min=1), required=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), required=True)
-@click.option("--head-dim", type=click.IntRange(min=1), required=True)
-@click.option("--dtype", type=click.Choice(DTYPES),
-              default="float16", show_default=True)
+@model_options({})
 @click.option("--max-model-len", type=click.IntRange(min=1), required=True)
 @click.option("--utilization", "utilizations", type=CommaList(float, "numbers"),
               default="0.8,0.85,0.9,0.95", show_default=True,
@@ -50,10 +55,13 @@ def cli() -> None:
 @click.option("--safety", type=click.FloatRange(0, 1, min_open=True), default=0.9,
               show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_dim: int,
-         dtype: str, max_model_len: int, utilizations: list[float], block_sizes: list[int],
-         safety: float, json_path: str | None) -> None:
+def plan(total_memory: int, model_memory: int, model_config: str | None, layers: int | None,
+         kv_heads: int | None, head_dim: int | None, dtype: str | None, max_model_len: int,
+         utilizations: list[float], block_sizes: list[int], safety: float,
+         json_path: str | None) -> None:
     """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size."""
+    layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
+                                                                head_dim, dtype, {})
     rows, errors = [], []
     for utilization in utilizations:
         for block_size in block_sizes:
@@ -83,6 +91,9 @@ def plan(total_memory: int, model_memory: int, layers: int, kv_heads: int, head_
                       f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
                       f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}")
     console.print(table)
+    if model is not None and set(model.layer_types) != {"full_attention"}:
+        console.print("sliding-window and chunked layers are counted at full length: this "
+                      "cache keeps every block for every layer")
     for skipped in errors:
         console.print(f"[yellow]skipped[/yellow] {skipped}")
     write_json(json_path, {"rows": rows, "skipped": errors})

@@ -61,6 +61,59 @@ DTYPES = list(KV_DTYPES)
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 
+def model_options(defaults: dict[str, int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--model-config`` or the dimension flags it stands for (``--layers``, ``--kv-heads``,
+    ``--head-dim``, ``--dtype``); :func:`model_dimensions` resolves them with the same
+    ``defaults`` (a flag without one must be given when no model config is)."""
+    options = [
+        click.option("--model-config", type=click.Path(exists=True), default=None,
+                     help="A transformers config.json (or its checkpoint directory) giving "
+                          "layers, KV heads, head dim, dtype and layer types."),
+        *[click.option(f"--{name.replace('_', '-')}", name, type=click.IntRange(min=1),
+                       default=None, help=f"(default {defaults[name]})" if name in defaults
+                       else "(or --model-config)")
+          for name in ("layers", "kv_heads", "head_dim")],
+        click.option("--dtype", type=click.Choice(DTYPES), default=None,
+                     help="(default float16, or the model config's)"),
+    ]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def model_dimensions(model_config: str | None, layers: int | None, kv_heads: int | None,
+                     head_dim: int | None, dtype: str | None,
+                     defaults: dict[str, int]) -> tuple[int, int, int, str, Any]:
+    """(layers, kv_heads, head_dim, dtype, the ModelKVConfig or None) from the options of
+    :func:`model_options`: a model config excludes the flags it stands for."""
+    from atb_mem.kv.model_config import read_model_config
+
+    flags = {"--layers": layers, "--kv-heads": kv_heads, "--head-dim": head_dim,
+             "--dtype": dtype}
+    if model_config is not None:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise click.UsageError(f"--model-config gives the model's dimensions: drop "
+                                   f"{', '.join(given)}")
+        try:
+            model = read_model_config(model_config)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--model-config") from error
+        return model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, model
+    resolved = {"layers": layers or defaults.get("layers"),
+                "kv_heads": kv_heads or defaults.get("kv_heads"),
+                "head_dim": head_dim or defaults.get("head_dim")}
+    missing = [f"--{name.replace('_', '-')}" for name, value in resolved.items() if value is None]
+    if missing:
+        raise click.UsageError(f"give --model-config, or {', '.join(missing)}")
+    return (int(resolved["layers"] or 0), int(resolved["kv_heads"] or 0),
+            int(resolved["head_dim"] or 0), dtype or "float16", None)
+
+
 def write_json(path: str | None, payload: Any) -> None:
     if path:
         with open(path, "w") as handle:
