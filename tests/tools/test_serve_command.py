@@ -23,10 +23,13 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     import httpx
 
     save_tiny_checkpoint(tmp_path)
+    config = tmp_path / "serve.json"
+    config.write_text('{"max_num_seqs": 5, "watermark": 0.02}')
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
-         "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny"],
+         "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
+         "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -43,6 +46,8 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
                               timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] >= 1
+        settings = httpx.get(f"http://127.0.0.1:{port}/admin/config").json()["config"]
+        assert (settings["max_num_seqs"], settings["watermark"]) == (5, 0.02)  # the file's
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
     finally:
@@ -52,3 +57,16 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert "Traceback" not in err
     assert f"serving 'tiny' on http://127.0.0.1:{port}" in out
     assert out.rstrip().endswith("atb-mem: stopped")
+
+
+def test_serve_refuses_a_bad_config_file_in_one_line(tmp_path: Path) -> None:
+    save_tiny_checkpoint(tmp_path)
+    config = tmp_path / "serve.json"
+    config.write_text('{"max_num_seqs": 0}')
+    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
+                             "--device", "cpu", "--num-blocks", "64", "--config", str(config)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]  # after transformers' loading bar
+    assert last.startswith("atb-mem: error:") and "max_num_seqs" in last
+    assert "Traceback" not in result.stderr

@@ -140,15 +140,22 @@ class ContinuousBatchScheduler:
     def reconfigure(self, **changes: Any) -> ContinuousSchedulerConfig:
         """Changes settings while requests flow: validated now (a bad value changes nothing
         and raises), applied at the next step. Returns the previous configuration."""
+        new = self.check_settings(**changes)
+        # What the next step would have run with: an earlier change not yet applied counts.
+        previous = self._new_settings or self.config
+        self._new_settings = new
+        return previous
+
+    def check_settings(self, **changes: Any) -> ContinuousSchedulerConfig:
+        """The configuration ``changes`` would make, validated (``ValueError``/``TypeError``
+        otherwise); changes nothing."""
         unknown = sorted(set(changes) - set(_SETTINGS))
         if unknown:
             raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
         # Checked on the next line: the core refuses a missing, extra or ill-typed setting.
         new = cast(ContinuousSchedulerConfig, dict(self._new_settings or self.config) | changes)
         _core.ContinuousScheduler(self.kv_cache, new)  # validates, changes nothing
-        previous = self.config
-        self._new_settings = new
-        return previous
+        return new
 
     def _apply_new_settings(self) -> ContinuousSchedulerConfig | None:
         """Applies the pending settings; returns the ones they replaced (None if none)."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server behind ``atb-mem serve`` (FastAPI).
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` as server-sent
-events in OpenAI's chunk format), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+events in OpenAI's chunk format), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
+``/admin/config`` for guarded live changes (``atb_mem.serving.admin``).
 Handlers only queue requests with the ``EngineLoop`` and read their outputs; a client that
 disconnects has its request aborted (its blocks are freed). Bad requests get OpenAI-style
 JSON errors with status 400.
@@ -21,6 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from atb_mem.serving import protocol
+from atb_mem.serving.admin import AdminState, add_admin_routes
+from atb_mem.serving.config_guard import ConfigGuard
 from atb_mem.serving.engine_loop import EngineLoop, RequestStream
 from atb_mem.serving.params import CompletionOutput, RequestOutput, SamplingParams
 from atb_mem.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -216,12 +219,20 @@ class ApiServer:
     stops the engine cleanly); ``start()``/``shutdown()`` do it in a background thread."""
 
     def __init__(self, engine: Any, model_name: str, host: str = "127.0.0.1",
-                 port: int = 8000) -> None:
+                 port: int = 8000, *, guard: ConfigGuard | None = None,
+                 admin_token: str | None = None, config_path: str | None = None) -> None:
         import uvicorn
 
         self.metrics = ServerMetrics(engine, model_name)
-        self.engine_loop = EngineLoop(engine, self.metrics.observe)
+        self.guard = guard or ConfigGuard(dict(engine.scheduler.check_settings()))
+        self.admin = AdminState(admin_token=admin_token, config_path=config_path,
+                                rollbacks=self.metrics.rollbacks)
+        self.engine_loop = EngineLoop(engine, self.metrics.observe, self.guard,
+                                      self.admin.on_decision)
+        self.metrics.model_time_ratio.set_function(
+            lambda: figures.model_time_ratio if (figures := self.guard.recent()) else 1.0)
         self.app = build_app(self.engine_loop, model_name, self.metrics)
+        add_admin_routes(self.app, self.engine_loop, self.admin)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                                     log_level="warning", access_log=False))
         self._thread: threading.Thread | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,8 @@ class Engine:
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_seq_id = itertools.count(1)
         self._aborted: list[_Request] = []
+        self.last_step_seconds = (0.0, 0.0)
+        """(model forward, whole step) of the last ``step()``, in seconds."""
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: Any = None, dtype: Any = None,
@@ -163,11 +166,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward; returns the requests that progressed, each with
         this step's new tokens (and text) per sample, in order of arrival."""
+        began = time.perf_counter()
         plan = self.scheduler.step()
         progressed: dict[str, _Request] = {}
+        model_seconds = 0.0
         if plan.num_batched_tokens:
             try:
+                forward = time.perf_counter()
                 logits = self.runner.execute(plan)
+                model_seconds = time.perf_counter() - forward
             except BaseException:
                 # The plan's rows would wait forever for their tokens: end their requests
                 # (blocks freed, reported as aborted by the next step), then let it propagate.
@@ -186,6 +193,7 @@ class Engine:
         outputs = [self._delta(request) for request in self._aborted]
         self._aborted.clear()
         outputs += [self._delta(request) for request in progressed.values()]
+        self.last_step_seconds = (model_seconds, time.perf_counter() - began)
         return outputs
 
     def _rows_to_sample(self, seq_ids: np.ndarray) -> tuple[list[int],

@@ -14,13 +14,19 @@ import itertools
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from atb_mem.serving.config_guard import ConfigGuard, Decision, StepSample
 from atb_mem.serving.engine import Engine, Prompt
 from atb_mem.serving.params import RequestOutput, SamplingParams
 
-__all__ = ["EngineLoop", "RequestStream"]
+__all__ = ["ChangeInProgress", "EngineLoop", "RequestStream"]
+
+
+class ChangeInProgress(RuntimeError):
+    """A configuration change is still being watched: one at a time."""
 
 ACCEPTED = "accepted"
 
@@ -55,11 +61,22 @@ class RequestStream:
 
 class EngineLoop:
     """Runs ``engine`` in a thread of its own until ``stop()``. ``observe`` (optional) is
-    called in the loop thread with (stream, output, now) for every delivered output."""
+    called in the loop thread with (stream, output, now) for every delivered output.
 
-    def __init__(self, engine: Engine, observe: Any = None) -> None:
+    With a ``guard``, every step is sampled for it, configuration changes go through
+    :meth:`reconfigure`, and the guard's decisions are applied here (a rollback reconfigures
+    the scheduler back) and then passed to ``on_decision``.
+    """
+
+    def __init__(self, engine: Engine, observe: Any = None, guard: ConfigGuard | None = None,
+                 on_decision: Any = None) -> None:
         self.engine = engine
         self.observe = observe
+        self.guard = guard
+        self.on_decision = on_decision
+        self._preemptions = 0
+        self._step_tokens = 0
+        self._first_token_latencies: list[float] = []
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, RequestStream] = {}
@@ -85,6 +102,19 @@ class EngineLoop:
         self._command("add", (stream, prompt, params))
         return stream
 
+    def reconfigure(self, changes: dict[str, Any], watch_s: float) -> Future[dict[str, Any]]:
+        """Applies scheduler settings at the next step boundary and has the guard watch them
+        for ``watch_s`` seconds. The future gives the configuration they replaced, or the
+        error that refused them (``ValueError``; ``ChangeInProgress``), nothing changed."""
+        if self.guard is None:
+            raise RuntimeError("this engine loop has no guard: changes are not watched")
+        future: Future[dict[str, Any]] = Future()
+        if not self.alive:
+            future.set_exception(RuntimeError("the engine is not running"))
+            return future
+        self._command("reconfigure", (dict(changes), watch_s, future))
+        return future
+
     def abort(self, request_id: str) -> None:
         """Cancels a request (a client that went away); its blocks are freed."""
         self._command("abort", request_id)
@@ -108,7 +138,12 @@ class EngineLoop:
                 with self._wake:
                     while not (self._commands or self._stopping
                                or self.engine.has_unfinished_requests()):
-                        self._wake.wait()
+                        if self.guard is not None and self.guard.watching:
+                            # Idle while a change is watched: its period still ends.
+                            self._wake.wait(1.0)
+                            self.guard.check(time.perf_counter(), self._decide)
+                        else:
+                            self._wake.wait()
                     if self._stopping:
                         break
                     commands = list(self._commands)
@@ -119,6 +154,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests() or \
                         any(kind == "abort" for kind, _ in commands):
                     self._deliver(self.engine.step())
+                    self._sample_step()
         except BaseException as error:  # the engine broke: every waiting client must hear it
             self.error = error
         finally:
@@ -137,15 +173,57 @@ class EngineLoop:
                 self._drop(stream.request_id)
         elif kind == "abort":
             self.engine.abort_request(payload)
+        elif kind == "reconfigure":
+            changes, watch_s, future = payload
+            assert self.guard is not None
+            try:
+                if self.guard.watching:
+                    raise ChangeInProgress("a configuration change is being watched; wait for "
+                                           "its decision")
+                previous = dict(self.engine.scheduler.reconfigure(**changes))
+                self.guard.begin(time.perf_counter(), changes, previous, watch_s)
+            except (ValueError, TypeError, ChangeInProgress) as error:
+                future.set_exception(error)
+            else:
+                future.set_result(previous)
+
+    def _sample_step(self) -> None:
+        if self.guard is None:
+            return
+        preemptions = self.engine.scheduler.stats()["preemptions"]
+        stats = self.engine.kv_cache.stats()
+        model_seconds, step_seconds = self.engine.last_step_seconds
+        sample = StepSample(
+            now=time.perf_counter(), output_tokens=self._step_tokens,
+            unfinished=self.engine.num_unfinished_requests,
+            kv_usage=stats["blocks_used"] / max(stats["num_blocks"] - 1, 1),
+            preemptions=preemptions - self._preemptions, model_seconds=model_seconds,
+            step_seconds=step_seconds, first_token_latencies=tuple(self._first_token_latencies))
+        self._preemptions = preemptions
+        self._first_token_latencies.clear()
+        self.guard.on_step(sample, self._decide)
+
+    def _decide(self, decision: Decision) -> None:
+        if decision.outcome == "rollback":
+            self.engine.scheduler.reconfigure(**decision.config)
+        if self.on_decision is not None:
+            self.on_decision(decision)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
+        self._step_tokens = 0
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            new = sum(len(one.token_ids) for one in output.outputs)
+            self._step_tokens += new
+            if new and stream.last_token_time is None:
+                self._first_token_latencies.append(now - stream.arrival)
             if self.observe is not None:
                 self.observe(stream, output, now)
+            if new:
+                stream.last_token_time = now
             if output.finished:
                 del self._streams[output.request_id]
                 stream.put(output)

@@ -3,9 +3,10 @@ collector, read at scrape time) and the server's own request counters and latenc
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from atb_mem.observability.metrics import AtbMemCollector
+from atb_mem.serving.config_guard import ROLLBACK_REASONS
 from atb_mem.serving.engine import Engine
 from atb_mem.serving.engine_loop import RequestStream
 from atb_mem.serving.params import RequestOutput
@@ -33,6 +34,13 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "atb_mem_inter_token_latency_seconds", "Between a request's consecutive tokens.",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.rollbacks = Counter("atb_mem_config_rollbacks", "Configuration changes the guard "
+                                 "rolled back, by reason.", ["reason"], registry=self.registry)
+        for reason in ROLLBACK_REASONS:  # exported at 0 from the start, for alerting rules
+            self.rollbacks.labels(reason)
+        self.model_time_ratio = Gauge(
+            "atb_mem_engine_model_time_ratio", "Share of step time in the model forward over "
+            "the guard's window (the kernels' share; healthy >= 0.65).", registry=self.registry)
         self.model_name = model_name
 
     def observe(self, stream: RequestStream, output: RequestOutput, now: float) -> None:

@@ -7,6 +7,7 @@
     atb-mem bench ops [--quick] [--json out.json]
     atb-mem generate MODEL_DIR --prompt TEXT [--max-tokens N] [--temperature T]
     atb-mem serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [engine options]
+    atb-mem ctl [--url URL] --get | --set KEY=VALUE ... [--then KEY=VALUE] [--live]
 
 Every subcommand takes ``--json PATH`` for machine-readable results. Errors are one line on
 stderr and a non-zero exit code: 2 for a bad command line, 1 for anything else.
@@ -23,6 +24,7 @@ from rich.table import Table
 import atb_mem
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.tools.bench import bench
+from atb_mem.tools.ctl import ctl
 from atb_mem.tools.generate import generate
 from atb_mem.tools.options import (
     SIZE,
@@ -100,6 +102,7 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
 
 
 cli.add_command(bench)
+cli.add_command(ctl)
 cli.add_command(generate)
 cli.add_command(serve)
 cli.add_command(tune)
