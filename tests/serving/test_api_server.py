@@ -13,18 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.models import require_transformers, save_tiny_checkpoint
-
 MODEL = "tiny"
 GREEDY = {"max_tokens": 8, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    require_transformers()
-    path = tmp_path_factory.mktemp("checkpoint")
-    save_tiny_checkpoint(path)
-    return path
 
 
 def new_engine(checkpoint: Path) -> Any:

@@ -13,7 +13,8 @@ STEP = 0.1  # seconds per step
 
 
 def run(guard: ConfigGuard, start: float, seconds: float, *, per_request_rate: float,
-        in_system: int, kv_usage: float = 0.5, model_share: float = 0.9) -> Any:
+        in_system: int, kv_usage: float = 0.5, model_share: float = 0.9,
+        ttft: float = 0.2) -> Any:
     """Steps for ``seconds``; returns the first decision (or None) and the clock."""
     now, decision = start, None
     while now < start + seconds - 1e-9:
@@ -21,7 +22,8 @@ def run(guard: ConfigGuard, start: float, seconds: float, *, per_request_rate: f
         sample = StepSample(now=now, output_tokens=round(per_request_rate * in_system * STEP),
                             unfinished=in_system, kv_usage=kv_usage, preemptions=0,
                             model_seconds=model_share * STEP, step_seconds=STEP,
-                            first_token_latencies=(0.2,))
+                            busy_seconds=STEP,
+                            first_token_latencies=(ttft,))
         decision = decision or guard.on_step(sample)
     return decision, now
 
@@ -45,6 +47,18 @@ def test_a_change_within_the_threshold_or_better_is_kept() -> None:
         decision, _ = run(guard, now, 25, per_request_rate=rate, in_system=20)
         assert decision.outcome == "stable", rate
         assert guard.stable == {"max_num_seqs": 96}
+
+
+def test_idle_time_in_the_window_before_does_not_hide_a_regression() -> None:
+    """Load starts 5 s before the change in a 30 s window: the server's speed is what it did
+    while busy, so halving it is seen (over the whole window it would look like a gain)."""
+    guard = ConfigGuard({"max_num_seqs": 64}, window_s=30)
+    _, now = run(guard, 25, 5, per_request_rate=100, in_system=20)
+    guard.begin(now, {"max_num_seqs": 1}, {"max_num_seqs": 64}, watch_s=20)
+    decision, _ = run(guard, now, 25, per_request_rate=50, in_system=20)
+    assert (decision.outcome, decision.reason) == ("rollback", "throughput")
+    assert decision.before.throughput == pytest.approx(100)
+    assert decision.before.busy_seconds == pytest.approx(5)
 
 
 def test_less_offered_load_is_not_a_regression() -> None:
@@ -78,6 +92,21 @@ def test_a_low_model_time_share_is_rolled_back() -> None:
     guard.begin(now, {"max_num_batched_tokens": 64}, {"max_num_batched_tokens": 2048}, 20)
     decision, _ = run(guard, now, 25, per_request_rate=100, in_system=20, model_share=0.5)
     assert (decision.outcome, decision.reason) == ("rollback", "model_time_ratio")
+
+
+def test_a_slower_first_token_is_rolled_back_unless_the_rise_is_noise() -> None:
+    """Same throughput, TTFT p90 up 50%: rolled back; up 20% but by 40 ms (under the noise
+    floor): kept; up 8% (under the threshold): kept."""
+    for ttft_before, ttft_after, outcome in ((0.4, 0.6, "rollback"), (0.2, 0.24, "stable"),
+                                             (1.0, 1.08, "stable")):
+        guard = ConfigGuard({"max_num_seqs": 64}, window_s=30)
+        _, now = run(guard, 0, 30, per_request_rate=100, in_system=20, ttft=ttft_before)
+        guard.begin(now, {"max_num_seqs": 96}, {"max_num_seqs": 64}, watch_s=20)
+        decision, _ = run(guard, now, 25, per_request_rate=100, in_system=20, ttft=ttft_after)
+        assert decision.outcome == outcome, (ttft_before, ttft_after)
+        if outcome == "rollback":
+            assert decision.reason == "ttft_p90"
+            assert decision.after.ttft_p90 == pytest.approx(ttft_after)
 
 
 def test_no_decision_before_the_watch_ends_and_one_change_at_a_time() -> None:

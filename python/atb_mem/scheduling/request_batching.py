@@ -162,19 +162,25 @@ class DynamicBatchScheduler:
         """Changes settings while requests flow. Validated at once (a bad value changes
         nothing, and raises); applied atomically at the next batch boundary. Returns the
         previous configuration, so a caller can roll back with ``reconfigure(**previous)``."""
-        unknown = sorted(set(changes) - set(_SETTINGS))
-        if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
         with self._condition:
-            base = dict(self._new_settings or self._settings)
-            if "preferred_batch_sizes" in changes:
-                changes["preferred_batch_sizes"] = tuple(changes["preferred_batch_sizes"])
-            # _validated checks the result: the core refuses what is not a setting of its own.
-            new = self._validated(cast(DynamicBatchSchedulerConfig, base | changes))
+            new = self.check_settings(**changes)
             previous = self._settings.copy()
             self._new_settings = new
             self._condition.notify_all()
             return previous
+
+    def check_settings(self, **changes: Any) -> DynamicBatchSchedulerConfig:
+        """The configuration ``changes`` would make (over a reconfiguration not yet applied),
+        validated (``ValueError``/``TypeError`` otherwise); changes nothing."""
+        unknown = sorted(set(changes) - set(_SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
+        if "preferred_batch_sizes" in changes:
+            changes["preferred_batch_sizes"] = tuple(changes["preferred_batch_sizes"])
+        with self._condition:
+            base = dict(self._new_settings or self._settings)
+        # _validated checks the result: the core refuses what is not a setting of its own.
+        return self._validated(cast(DynamicBatchSchedulerConfig, base | changes))
 
     def _apply_new_settings(self) -> None:
         if self._new_settings is None:

@@ -1,4 +1,4 @@
-"""``/admin/config``: the running server's scheduler configuration, changed live and guarded.
+"""``/admin/config``: the running server's scheduling configuration, changed live and guarded.
 
 ``GET`` answers the configuration in force, the last stable one, whether a change is being
 watched, and the history of decisions. ``POST {"set": {...}, "live": true, "watch_s": 300,
@@ -83,7 +83,7 @@ class AdminState:
 
 def add_admin_routes(app: FastAPI, engine_loop: EngineLoop, admin: AdminState) -> None:
     guard = engine_loop.guard
-    scheduler = engine_loop.engine.scheduler
+    settings = engine_loop.settings
     if guard is None:
         raise ValueError("the admin routes need an engine loop with a guard")
 
@@ -100,7 +100,7 @@ def add_admin_routes(app: FastAPI, engine_loop: EngineLoop, admin: AdminState) -
         if not admin.allowed(request):
             return refused()
         # The configuration the next step runs with (a live change waits for a step boundary).
-        return JSONResponse({"config": dict(scheduler.check_settings()),
+        return JSONResponse({"config": settings.check(),
                              "stable": dict(guard.stable),
                              "watching": guard.watching, "history": list(guard.history)})
 
@@ -122,7 +122,7 @@ def add_admin_routes(app: FastAPI, engine_loop: EngineLoop, admin: AdminState) -
         if persist and admin.config_path is None:
             return bad(400, "the server was started without --config: nothing to persist to")
         try:
-            proposed = dict(scheduler.check_settings(**changes))
+            proposed = settings.check(**changes)
         except (ValueError, TypeError) as error:
             return bad(400, str(error))
         if not live:

@@ -21,10 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from atb_mem.scheduling.request_batching import DynamicBatchScheduler
 from atb_mem.serving import protocol
 from atb_mem.serving.admin import AdminState, add_admin_routes
 from atb_mem.serving.config_guard import ConfigGuard
 from atb_mem.serving.engine_loop import EngineLoop, RequestStream
+from atb_mem.serving.live_settings import LiveSettings
 from atb_mem.serving.params import CompletionOutput, RequestOutput, SamplingParams
 from atb_mem.serving.protocol import ChatCompletionRequest, CompletionRequest
 from atb_mem.serving.server_metrics import ServerMetrics
@@ -220,15 +222,16 @@ class ApiServer:
 
     def __init__(self, engine: Any, model_name: str, host: str = "127.0.0.1",
                  port: int = 8000, *, guard: ConfigGuard | None = None,
-                 admin_token: str | None = None, config_path: str | None = None) -> None:
+                 admin_token: str | None = None, config_path: str | None = None,
+                 admission: DynamicBatchScheduler | None = None) -> None:
         import uvicorn
 
         self.metrics = ServerMetrics(engine, model_name)
-        self.guard = guard or ConfigGuard(dict(engine.scheduler.check_settings()))
+        self.guard = guard or ConfigGuard(LiveSettings(engine.scheduler, admission).check())
         self.admin = AdminState(admin_token=admin_token, config_path=config_path,
                                 rollbacks=self.metrics.rollbacks)
         self.engine_loop = EngineLoop(engine, self.metrics.observe, self.guard,
-                                      self.admin.on_decision)
+                                      self.admin.on_decision, admission)
         self.metrics.model_time_ratio.set_function(
             lambda: figures.model_time_ratio if (figures := self.guard.recent()) else 1.0)
         self.app = build_app(self.engine_loop, model_name, self.metrics)

@@ -1,12 +1,16 @@
 """Watching a live configuration change, and undoing one that hurts.
 
 After a change the guard compares the figures of the watch period with those of the window
-before it: output tokens per second *per request in the system* (throughput normalised by
-offered load: a server whose load halves is not worse, one that serves each request more
-slowly is), time-to-first-token p90, preemptions per second, KV usage and the share of step
-time spent in the model forward. At the end of the watch period it decides: **rollback** if
-throughput fell by more than ``threshold`` (default 10%) or a health indicator stayed outside
-its range for the whole period; otherwise the change becomes the **stable** configuration.
+before it: output tokens per busy second *per request in the system* (throughput normalised by
+offered load: a server whose load halves, or that idles part of the window, is not worse; one
+that serves each request more slowly is), time-to-first-token p90, preemptions per second, KV
+usage and the share of step time spent in the model forward. At the end of the watch period it
+decides: **rollback** if throughput fell by more than ``threshold`` (default 10%),
+time-to-first-token p90 rose by more than ``threshold`` (and by more than
+``HealthRanges.ttft_noise_s``: a p90 of a few requests is noisy), or a health indicator stayed
+outside its range for the whole period; otherwise the change becomes the **stable**
+configuration. Preemptions per second are compared and reported with the decision; they are not
+a trigger of their own, since what they cost shows in the throughput and TTFT.
 
 The guard is pure: time comes in with each :class:`StepSample`, decisions go out as return
 values, and the engine loop applies them. That makes it testable with an injected clock.
@@ -23,7 +27,7 @@ from typing import Any
 __all__ = ["ROLLBACK_REASONS", "ConfigGuard", "Decision", "HealthRanges", "StepSample",
            "WindowFigures"]
 
-ROLLBACK_REASONS = ("throughput", "kv_usage", "model_time_ratio")
+ROLLBACK_REASONS = ("throughput", "ttft_p90", "kv_usage", "model_time_ratio")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class HealthRanges:
     min_model_time_ratio: float = 0.6
     """Share of step time in the model forward (the kernels' share); lower means the device
     waits on scheduling, copies or Python."""
+    ttft_noise_s: float = 0.05
+    """A TTFT p90 rise smaller than this is noise, whatever its ratio."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class StepSample:
     """Preemptions during this step."""
     model_seconds: float
     step_seconds: float
+    busy_seconds: float
+    """The loop's time for this step: its commands, the step and the delivery, not the wait
+    for work before them (an idle server is not a slow one)."""
     first_token_latencies: tuple[float, ...] = ()
 
 
@@ -57,8 +66,9 @@ class StepSample:
 class WindowFigures:
     steps: int
     seconds: float
+    busy_seconds: float
     throughput: float
-    """Output tokens per second per request in the system."""
+    """Output tokens per busy second per request in the system."""
     ttft_p90: float | None
     preemptions_per_s: float
     kv_usage: float
@@ -67,18 +77,19 @@ class WindowFigures:
     @classmethod
     def of(cls, samples: list[StepSample], start: float, end: float) -> WindowFigures | None:
         """The figures of ``samples`` over ``[start, end]``; None without any load."""
-        busy = [sample for sample in samples if sample.unfinished or sample.output_tokens]
-        seconds = end - start
-        if not busy or seconds <= 0:
+        busy = [sample for sample in samples
+                if start <= sample.now <= end and (sample.unfinished or sample.output_tokens)]
+        busy_seconds = sum(sample.busy_seconds for sample in busy)
+        if not busy or busy_seconds <= 0:
             return None
         in_system = sum(sample.unfinished for sample in busy) / len(busy)
         tokens = sum(sample.output_tokens for sample in busy)
         latencies = sorted(t for sample in busy for t in sample.first_token_latencies)
         step_time = sum(sample.step_seconds for sample in busy)
-        return cls(steps=len(busy), seconds=seconds,
-                   throughput=tokens / seconds / max(in_system, 1.0),
+        return cls(steps=len(busy), seconds=end - start, busy_seconds=busy_seconds,
+                   throughput=tokens / busy_seconds / max(in_system, 1.0),
                    ttft_p90=latencies[math.ceil(0.9 * len(latencies)) - 1] if latencies else None,
-                   preemptions_per_s=sum(sample.preemptions for sample in busy) / seconds,
+                   preemptions_per_s=sum(sample.preemptions for sample in busy) / busy_seconds,
                    kv_usage=sum(sample.kv_usage for sample in busy) / len(busy),
                    model_time_ratio=sum(sample.model_seconds for sample in busy)
                    / step_time if step_time > 0 else 1.0)
@@ -192,4 +203,9 @@ class ConfigGuard:
             return "stable", "no load to compare"
         if after.throughput < (1 - self.threshold) * watch.before.throughput:
             return "rollback", "throughput"
+        before_ttft, after_ttft = watch.before.ttft_p90, after.ttft_p90
+        if before_ttft is not None and after_ttft is not None \
+                and after_ttft > (1 + self.threshold) * before_ttft \
+                and after_ttft - before_ttft > self.ranges.ttft_noise_s:
+            return "rollback", "ttft_p90"
         return "stable", "held its figures"

@@ -5,6 +5,10 @@ they never touch the engine. The loop thread applies the queued commands (add, a
 between steps, steps while there is work, and hands each step's outputs to their streams
 through the streams' event loops. A request the engine refuses gets the error as its first
 item, so a handler can answer 400 before it starts a response.
+
+With an ``admission`` batcher (a ``DynamicBatchScheduler``), submitted requests wait there
+and reach the engine together, up to ``max_batch_size`` at a time or once the oldest has
+waited ``timeout_ms``, so their prefills share steps instead of trickling in one per step.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from atb_mem.scheduling.request_batching import DynamicBatchScheduler
 from atb_mem.serving.config_guard import ConfigGuard, Decision, StepSample
 from atb_mem.serving.engine import Engine, Prompt
+from atb_mem.serving.live_settings import LiveSettings
 from atb_mem.serving.params import RequestOutput, SamplingParams
 
 __all__ = ["ChangeInProgress", "EngineLoop", "RequestStream"]
@@ -69,8 +75,14 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, observe: Any = None, guard: ConfigGuard | None = None,
-                 on_decision: Any = None) -> None:
+                 on_decision: Any = None, admission: DynamicBatchScheduler | None = None) -> None:
         self.engine = engine
+        self.admission = admission
+        self.settings = LiveSettings(engine.scheduler, admission)
+        # Requests in the admission batcher, with their place in its queue (None for a moment
+        # while being submitted); an abort takes a request out of here, so it never reaches
+        # the engine.
+        self._admitting: dict[str, tuple[RequestStream, Future[Any] | None]] = {}
         self.observe = observe
         self.guard = guard
         self.on_decision = on_decision
@@ -87,6 +99,8 @@ class EngineLoop:
 
     def start(self) -> EngineLoop:
         self._thread.start()
+        if self.admission is not None:
+            self.admission.run(self._admit)
         return self
 
     @property
@@ -99,8 +113,34 @@ class EngineLoop:
         if not self.alive:
             stream.queue.put_nowait(RuntimeError("the engine is not running"))
             return stream
-        self._command("add", (stream, prompt, params))
+        if self.admission is None:
+            self._command("add", (stream, prompt, params))
+            return stream
+        with self._wake:
+            self._admitting[stream.request_id] = (stream, None)
+        try:
+            future = self.admission.submit((stream, prompt, params))
+        except Exception as error:  # a full queue, or a server stopping
+            with self._wake:
+                self._admitting.pop(stream.request_id, None)
+            stream.queue.put_nowait(error)
+            return stream
+        with self._wake:
+            if stream.request_id in self._admitting:
+                self._admitting[stream.request_id] = (stream, future)
+            else:  # aborted while being submitted
+                future.cancel()
         return stream
+
+    def _admit(self, items: list[Any]) -> list[None]:
+        """The admission batcher's handler (its thread): a released batch goes to the engine
+        in one go, less the requests aborted while they waited."""
+        with self._wake:
+            for item in items:
+                if self._admitting.pop(item[0].request_id, None) is not None:
+                    self._commands.append(("add", item))
+            self._wake.notify()
+        return [None] * len(items)
 
     def reconfigure(self, changes: dict[str, Any], watch_s: float) -> Future[dict[str, Any]]:
         """Applies scheduler settings at the next step boundary and has the guard watch them
@@ -117,10 +157,17 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Cancels a request (a client that went away); its blocks are freed."""
-        self._command("abort", request_id)
+        with self._wake:
+            admitting = self._admitting.pop(request_id, None)
+        if admitting is None:
+            self._command("abort", request_id)
+        elif admitting[1] is not None:
+            admitting[1].cancel()  # leaves the batcher's queue, unless already released
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts every request, stops the thread and waits for it."""
+        if self.admission is not None:
+            self.admission.close(drain=False)
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -148,13 +195,14 @@ class EngineLoop:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
+                busy_since = time.perf_counter()
                 for kind, payload in commands:
                     self._apply(kind, payload)
                 # A step also reports aborts (and drops the engine's record of them).
                 if self.engine.has_unfinished_requests() or \
                         any(kind == "abort" for kind, _ in commands):
                     self._deliver(self.engine.step())
-                    self._sample_step()
+                    self._sample_step(busy_since)
         except BaseException as error:  # the engine broke: every waiting client must hear it
             self.error = error
         finally:
@@ -180,32 +228,34 @@ class EngineLoop:
                 if self.guard.watching:
                     raise ChangeInProgress("a configuration change is being watched; wait for "
                                            "its decision")
-                previous = dict(self.engine.scheduler.reconfigure(**changes))
+                previous = self.settings.apply(**changes)
                 self.guard.begin(time.perf_counter(), changes, previous, watch_s)
             except (ValueError, TypeError, ChangeInProgress) as error:
                 future.set_exception(error)
             else:
                 future.set_result(previous)
 
-    def _sample_step(self) -> None:
+    def _sample_step(self, busy_since: float) -> None:
         if self.guard is None:
             return
+        now = time.perf_counter()
         preemptions = self.engine.scheduler.stats()["preemptions"]
         stats = self.engine.kv_cache.stats()
         model_seconds, step_seconds = self.engine.last_step_seconds
         sample = StepSample(
-            now=time.perf_counter(), output_tokens=self._step_tokens,
+            now=now, output_tokens=self._step_tokens,
             unfinished=self.engine.num_unfinished_requests,
             kv_usage=stats["blocks_used"] / max(stats["num_blocks"] - 1, 1),
             preemptions=preemptions - self._preemptions, model_seconds=model_seconds,
-            step_seconds=step_seconds, first_token_latencies=tuple(self._first_token_latencies))
+            step_seconds=step_seconds, busy_seconds=now - busy_since,
+            first_token_latencies=tuple(self._first_token_latencies))
         self._preemptions = preemptions
         self._first_token_latencies.clear()
         self.guard.on_step(sample, self._decide)
 
     def _decide(self, decision: Decision) -> None:
         if decision.outcome == "rollback":
-            self.engine.scheduler.reconfigure(**decision.config)
+            self.settings.apply(**decision.config)
         if self.on_decision is not None:
             self.on_decision(decision)
 
@@ -237,10 +287,15 @@ class EngineLoop:
 
     def _close_all(self) -> None:
         error = self.error or RuntimeError("the engine stopped")
-        for kind, payload in self._commands:
-            if kind == "add":
-                payload[0].put(error)
-        self._commands.clear()
+        if self.admission is not None:
+            self.admission.close(drain=False)
+        with self._wake:
+            refused = [stream for stream, _ in self._admitting.values()]
+            refused += [payload[0] for kind, payload in self._commands if kind == "add"]
+            self._admitting.clear()
+            self._commands.clear()
+        for stream in refused:
+            stream.put(error)
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             stream.put(error)

@@ -35,7 +35,7 @@ def _setting(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
     try:
         value = float(text.removesuffix("s"))
     except ValueError:
@@ -106,9 +106,20 @@ def ctl(url: str, token: str | None, get_: bool, first: tuple[str, ...], then: t
         click.echo(json.dumps(state, indent=2))
         write_json(json_path, state)
         return
-    watch_s = _seconds(watch)
+    watch_s = seconds(watch)
     steps = [dict(_setting(item) for item in first)] + [dict([_setting(item)]) for item in then]
-    results = []
+    results: list[dict[str, Any]] = []
+    try:
+        apply_steps(client, steps, live=live, watch_s=watch_s, persist=persist,
+                    results=results)
+    finally:
+        write_json(json_path, results)
+
+
+def apply_steps(client: AdminClient, steps: list[dict[str, Any]], *, live: bool,
+                watch_s: float, persist: bool, results: list[dict[str, Any]]) -> None:
+    """Applies ``steps`` one after the other, each watched to its decision (appended to
+    ``results``); a step that is rolled back raises and stops the sequence."""
     for changes in steps:
         before = len(client.call()["history"])
         answer = client.call({"set": changes, "live": live, "watch_s": watch_s,
@@ -122,7 +133,5 @@ def ctl(url: str, token: str | None, get_: bool, first: tuple[str, ...], then: t
         results.append(decision)
         click.echo(f"{decision['outcome']}: {decision['reason']}")
         if decision["outcome"] == "rollback":
-            write_json(json_path, results)
             raise click.ClickException(f"{json.dumps(changes)} was rolled back "
                                        f"({decision['reason']}); later steps not applied")
-    write_json(json_path, results)

@@ -29,25 +29,41 @@ import click
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
+              help="Batch requests on admission: up to N reach the engine together "
+                   "(default: each as it comes).")
+@click.option("--timeout-ms", type=click.FloatRange(min=0), default=None,
+              help="With --max-batch-size: the longest a request waits for its batch to fill "
+                   "[default: 10].")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="A JSON file of scheduler settings (max_num_seqs, watermark, ...), applied "
-                   "over the flags at start; `atb-mem ctl --persist` writes kept changes to it.")
+              help="A JSON file of scheduling settings (max_num_seqs, max_batch_size, ...), "
+                   "applied over the flags at start; `atb-mem ctl --persist` writes kept "
+                   "changes to it.")
 @click.option("--admin-token", default=None, envvar="ATB_MEM_ADMIN_TOKEN",
               help="Lets non-loopback clients use /admin/config with this bearer token.")
 def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, no_prefix_caching: bool,
-          gpu_memory_utilization: float, config_path: str | None,
-          admin_token: str | None) -> None:
+          gpu_memory_utilization: float, max_batch_size: int | None,
+          timeout_ms: float | None, config_path: str | None, admin_token: str | None) -> None:
     """Serves the checkpoint in MODEL_DIR: /v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics and /admin/config (see `atb-mem ctl`). Ctrl-C stops it."""
+    from atb_mem.scheduling.request_batching import DynamicBatchScheduler
     from atb_mem.serving import Engine
     from atb_mem.serving.admin import load_config_file
     from atb_mem.serving.api_server import ApiServer
+    from atb_mem.serving.live_settings import ADMISSION_SETTINGS, LiveSettings
 
     settings = load_config_file(config_path) if config_path and Path(config_path).exists() \
         else {}
+    if timeout_ms is not None and max_batch_size is None:
+        raise click.UsageError("--timeout-ms batches requests on admission: give "
+                               "--max-batch-size too")
+    admission = None
+    if max_batch_size is not None or any(key in settings for key in ADMISSION_SETTINGS):
+        admission = DynamicBatchScheduler(max_batch_size or 8,
+                                          10.0 if timeout_ms is None else timeout_ms)
 
     engine = Engine.from_pretrained(
         model_dir, device=device, dtype=None if dtype == "auto" else dtype,
@@ -55,13 +71,13 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
         num_host_blocks=num_host_blocks, enable_prefix_caching=not no_prefix_caching,
         gpu_memory_utilization=gpu_memory_utilization)
-    engine.scheduler.reconfigure(**settings)  # validated: a bad file stops here
+    LiveSettings(engine.scheduler, admission).apply(**settings)  # a bad file stops here
     name = served_model_name or Path(model_dir).resolve().name
     click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
                f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens)")
     try:
         ApiServer(engine, name, host, port, admin_token=admin_token,
-                  config_path=config_path).run()
+                  config_path=config_path, admission=admission).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     click.echo("atb-mem: stopped")

@@ -36,16 +36,30 @@ from atb_mem.tools.options import DTYPES, SIZE, console, require_matplotlib, wri
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG of the parameter-vs-throughput surface.")
+@click.option("--apply-to", "apply_to", default=None, metavar="URL",
+              help="A running atb-mem serve: apply the best max_num_batched_tokens, then "
+                   "max_num_seqs, as guarded live steps (block_size and "
+                   "gpu_memory_utilization size a cache at start: reported, not applied).")
+@click.option("--watch", "watch", default="300s", show_default=True,
+              help="With --apply-to: how long the server watches each step.")
+@click.option("--token", envvar="ATB_MEM_ADMIN_TOKEN", default=None,
+              help="With --apply-to: the server's --admin-token.")
 def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
          activation_bytes_per_token: int, layers: int, kv_heads: int, head_dim: int,
          dtype: str, latency_p99: float, speedup: float, trials: int, seed: int,
-         json_path: str | None, plot_path: str | None) -> None:
+         json_path: str | None, plot_path: str | None, apply_to: str | None, watch: str,
+         token: str | None) -> None:
     """Searches block_size, max_num_seqs, max_num_batched_tokens and gpu_memory_utilization
     (Optuna's TPE) for the most throughput with p99 latency under the bound, replaying the
     trace as the objective. Throughput is output tokens per second of step time (serving
     capacity), so an arrival-bound trace still tells configurations apart."""
     from atb_mem.tools import simulate
+    from atb_mem.tools.ctl import AdminClient, apply_steps, seconds
 
+    watch_s = seconds(watch)
+    server = AdminClient(apply_to, token) if apply_to else None
+    if server is not None:
+        server.call()  # unreachable or refusing: say so before the search, not after it
     try:
         import optuna
     except ImportError as error:
@@ -110,8 +124,23 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
     if len(values) > 1 and max(values) - min(values) <= 1e-9 * max(values):
         console.print("[yellow]every configuration scored the same: the workload does not load "
                       "the system; try a larger --speedup[/yellow]")
-    write_json(json_path, {"latency_p99_bound": latency_p99, "speedup": speedup, "best": best,
-                           "trials": rows})
+    result: dict[str, Any] = {"latency_p99_bound": latency_p99, "speedup": speedup,
+                              "best": best, "trials": rows}
+    if server is not None:
+        # The batch budget first: a larger max_num_seqs is only worth its memory once the
+        # step can hold its tokens. Each step is watched; a rollback stops the sequence.
+        steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
+                 {"max_num_seqs": best["max_num_seqs"]}]
+        result["applied"] = []
+        try:
+            apply_steps(server, steps, live=True, watch_s=watch_s,
+                        persist=False, results=result["applied"])
+        finally:
+            write_json(json_path, result)
+        console.print(f"not applied live (they size the cache at start): block_size="
+                      f"{best['block_size']}, gpu_memory_utilization="
+                      f"{best['gpu_memory_utilization']:.3f}")
+    write_json(json_path, result)
     if plot_path:
         plt = require_matplotlib()
         figure, axes = plt.subplots(1, 4, figsize=(16, 4))
