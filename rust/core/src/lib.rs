@@ -31,8 +31,8 @@ pub use alloc::{
 pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};
 pub use kv_cache::{
-    pairs_of, BatchTable, BlockMove, KvCache, KvCacheStats, MoveKind, Tokens, PAD_SLOT,
-    SEQUENCE_BYTES,
+    pairs_of, BatchTable, BlockMove, KvCache, KvCacheStats, KvEvent, KvEventKind, KvEventLog,
+    Medium, MoveKind, Tokens, PAD_SLOT, SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

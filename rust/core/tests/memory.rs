@@ -113,9 +113,10 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
             "  of which size_of::<Sequence>() = {}",
             atb_mem_core::SEQUENCE_BYTES
         );
-        // Measured 235 and 219 (the slab and index grow by doubling, so part of this is
-        // reserve); without prefix caching a sequence keeps no token ids.
-        let per_sequence_limit = if enable_prefix_caching { 240.0 } else { 224.0 };
+        // Measured 266 and 250 (the slab and index grow by doubling, so part of this is
+        // reserve; 24 of it is the header of the token-id list KV events keep, empty
+        // here); without prefix caching a sequence keeps no token ids.
+        let per_sequence_limit = if enable_prefix_caching { 272.0 } else { 256.0 };
         assert!(
             per_sequence <= per_sequence_limit,
             "{per_sequence} bytes per sequence"

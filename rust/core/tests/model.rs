@@ -8,10 +8,17 @@
 //! slots. That catches two sequences writing one slot, a prefix hit that serves uncomputed or
 //! wrong contents, a copy-on-write that loses or leaks tokens, and moves executed in a wrong
 //! order. A failing call must leave the cache exactly as it was.
+//!
+//! With KV events on, a mirror replays the events after every step, as a router would, and
+//! must hold exactly the hashes the cache holds on each medium; every stored block's hash
+//! must chain from its parent over the token ids the event carries.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use atb_mem_core::{BatchTable, BlockMove, CoreError, KvCache, KvLayout, MoveKind, Tokens};
+use atb_mem_core::{
+    BatchTable, BlockHash, BlockMove, CoreError, KvCache, KvEventKind, KvLayout, Medium, MoveKind,
+    Tokens,
+};
 use proptest::prelude::*;
 
 const BLOCK_SIZE: usize = 3;
@@ -60,6 +67,7 @@ enum Op {
     Compute {
         id: u64,
     },
+    Reset,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -91,6 +99,7 @@ fn op() -> impl Strategy<Value = Op> {
         prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapIn { ids }),
         (0u64..8).prop_map(|id| Op::Compute { id }),
         (0u64..8).prop_map(|id| Op::Compute { id }),
+        Just(Op::Reset),
     ]
 }
 
@@ -101,6 +110,8 @@ struct Model {
     computed: HashMap<u64, usize>,
     /// (on the host tier, slot) → token value.
     memory: HashMap<(bool, i32), u64>,
+    /// Sequences admitted with the cache salt.
+    salted: HashSet<u64>,
     next_synthetic: u64,
 }
 
@@ -223,7 +234,63 @@ fn check_batch(cache: &KvCache, batch: &BatchTable, rows_fresh: bool) {
     }
 }
 
+/// What a router knows from the events alone.
+#[derive(Default)]
+struct EventMirror {
+    device: HashSet<BlockHash>,
+    host: HashSet<BlockHash>,
+    last_event_id: u64,
+}
+
+impl EventMirror {
+    /// Replays the new events and checks the result against the cache.
+    fn replay(&mut self, cache: &mut KvCache) {
+        let host = cache.take_kv_events(|log| {
+            for event in log.events() {
+                assert_eq!(event.event_id, self.last_event_id + 1, "event ids");
+                self.last_event_id = event.event_id;
+                let set = match event.medium {
+                    Medium::Device => &mut self.device,
+                    Medium::Host => &mut self.host,
+                };
+                let hashes = log.hashes(event);
+                match event.kind {
+                    KvEventKind::BlockStored => {
+                        let tokens = log.token_ids(event);
+                        assert_eq!(tokens.len(), hashes.len() * BLOCK_SIZE);
+                        assert!([BlockHash::root(None), BlockHash::root(Some(b"tenant"))]
+                            .contains(&event.root_hash));
+                        let mut parent = event.parent_hash.unwrap_or(event.root_hash);
+                        for (hash, block_tokens) in hashes.iter().zip(tokens.chunks(BLOCK_SIZE)) {
+                            assert_eq!(parent.chain(block_tokens), *hash, "{event:?}");
+                            assert!(set.insert(*hash), "{hash:?} stored twice");
+                            parent = *hash;
+                        }
+                    }
+                    KvEventKind::BlockRemoved => {
+                        for hash in hashes {
+                            assert!(set.remove(hash), "{hash:?} removed but not stored");
+                        }
+                    }
+                    KvEventKind::AllBlocksCleared => {
+                        self.device.clear();
+                        self.host.clear();
+                    }
+                }
+            }
+            log.host_hashes().collect::<HashSet<_>>()
+        });
+        let device: HashSet<_> = cache.block_pool().cached_hashes().collect();
+        assert_eq!(self.device, device, "device blocks after the events");
+        assert_eq!(self.host, host, "host copies after the events");
+    }
+}
+
 fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
+    run_with(ops, enable_prefix_caching, false);
+}
+
+fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
     let mut cache = KvCache::new(
         NUM_BLOCKS,
         BLOCK_SIZE,
@@ -232,6 +299,10 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
     )
     .unwrap();
     cache.enable_host_tier(HOST_BLOCKS).unwrap();
+    let mut mirror = kv_events.then(|| {
+        cache.enable_kv_events().unwrap();
+        EventMirror::default()
+    });
     let mut batch = BatchTable::new(4, 5).unwrap();
     let mut model = Model::default();
     for op in ops {
@@ -263,6 +334,9 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                     model
                         .tokens
                         .insert(*id, ids.iter().map(|&t| t as u64).collect());
+                    if *salted {
+                        model.salted.insert(*id);
+                    }
                     model.computed.insert(*id, cached);
                     model.check_prefix(&cache, *id, cached);
                 })
@@ -296,12 +370,16 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                 let tokens = model.tokens[parent].clone();
                 model.tokens.insert(*child, tokens);
                 model.computed.insert(*child, model.computed[parent]);
+                if model.salted.contains(parent) {
+                    model.salted.insert(*child);
+                }
             }),
             Op::Free { id } => {
                 let result = cache.free_sequence(*id);
                 if result.is_ok() {
                     model.tokens.remove(id);
                     model.computed.remove(id);
+                    model.salted.remove(id);
                     let _ = batch.remove(*id);
                 }
                 result
@@ -325,6 +403,10 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
             Op::SwapOut { ids } => cache.swap_out(ids),
             Op::SwapIn { ids } => cache.swap_in(ids),
             Op::Compute { id } => model.compute(&mut cache, *id),
+            Op::Reset => {
+                cache.reset_prefix_cache();
+                Ok(())
+            }
         };
         match &result {
             // Pending moves run before anything reads or writes the blocks again.
@@ -338,7 +420,16 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
                 if let CoreError::OutOfBlocks { .. } = error {
                     assert_out_of_blocks_is_warranted(&cache, &batch, &op);
                 }
+                assert!(cache.take_kv_events(|log| log.is_empty()), "{op:?} failed");
             }
+        }
+        if let Some(mirror) = mirror.as_mut() {
+            let swapped = model.swapped_block_hashes(&cache);
+            mirror.replay(&mut cache);
+            assert!(
+                mirror.host.is_subset(&swapped),
+                "host copies of blocks no swapped sequence holds"
+            );
         }
         model.check(&cache);
         check_batch(
@@ -369,6 +460,25 @@ fn assert_out_of_blocks_is_warranted(cache: &KvCache, batch: &BatchTable, op: &O
 }
 
 impl Model {
+    /// The hashes of the full blocks of every swapped-out sequence whose tokens are all known
+    /// ids: what host copies can name.
+    fn swapped_block_hashes(&self, cache: &KvCache) -> HashSet<BlockHash> {
+        let mut hashes = HashSet::new();
+        for (&id, tokens) in &self.tokens {
+            let ids: Option<Vec<u32>> = tokens.iter().map(|&t| u32::try_from(t).ok()).collect();
+            let (Some(ids), true) = (ids, cache.is_swapped(id).unwrap()) else {
+                continue;
+            };
+            let salt = self.salted.contains(&id).then_some(&b"tenant"[..]);
+            let mut parent = BlockHash::root(salt);
+            for block in ids.chunks_exact(BLOCK_SIZE) {
+                parent = parent.chain(block);
+                hashes.insert(parent);
+            }
+        }
+        hashes
+    }
+
     /// A prefix hit must serve exactly the tokens the new sequence asked for.
     fn check_prefix(&self, cache: &KvCache, id: u64, cached: usize) {
         let mut slots = Vec::new();
@@ -424,6 +534,11 @@ proptest! {
     #[test]
     fn matches_model_without_prefix_caching(ops in prop::collection::vec(op(), 1..60)) {
         run(ops, false);
+    }
+
+    #[test]
+    fn kv_events_mirror_the_cache(ops in prop::collection::vec(op(), 1..60)) {
+        run_with(ops, true, true);
     }
 }
 

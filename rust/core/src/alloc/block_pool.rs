@@ -50,6 +50,10 @@ pub struct BlockPool {
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
+    /// Hashes of the blocks that left the prefix cache since the last `drain_removed`, kept
+    /// only while `record_removed` (KV-cache events).
+    record_removed: bool,
+    removed: Vec<BlockHash>,
 }
 
 impl BlockPool {
@@ -97,6 +101,8 @@ impl BlockPool {
             num_evictable: 0,
             enable_prefix_caching,
             counters: PrefixCacheCounters::default(),
+            record_removed: false,
+            removed: Vec::new(),
         })
     }
 
@@ -122,6 +128,9 @@ impl BlockPool {
 
     #[inline]
     fn unregister(&mut self, block: u32) {
+        if self.record_removed {
+            self.removed.push(self.block_hashes[block as usize]);
+        }
         let hashes = &self.block_hashes;
         self.prefix_table
             .remove(block, hashes[block as usize].0[0], |other| {
@@ -153,6 +162,31 @@ impl BlockPool {
     /// Cached blocks that no sequence uses.
     pub fn num_evictable(&self) -> usize {
         self.num_evictable
+    }
+
+    /// Records the hash of every block that leaves the prefix cache (see `drain_removed`).
+    pub fn set_record_removed(&mut self, record: bool) {
+        self.record_removed = record;
+    }
+
+    /// Hands the hashes recorded since the last call to `sink`, oldest first.
+    pub fn drain_removed(&mut self, mut sink: impl FnMut(BlockHash)) {
+        for &hash in &self.removed {
+            sink(hash);
+        }
+        self.removed.clear();
+    }
+
+    /// How many blocks the prefix cache holds (in use or not).
+    pub fn num_cached(&self) -> usize {
+        self.prefix_table.len()
+    }
+
+    /// The hashes of the blocks the prefix cache holds, in block order.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        (1..self.num_blocks() as u32)
+            .filter(|&block| self.is_cached(block))
+            .map(|block| self.block_hashes[block as usize])
     }
 
     pub fn counters(&self) -> PrefixCacheCounters {
@@ -296,6 +330,7 @@ impl BlockPool {
             + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.is_cached.capacity()
             + self.prefix_table.heap_bytes()
+            + self.removed.capacity() * std::mem::size_of::<BlockHash>()
     }
 
     /// Checks every structural invariant; `holders[b]` is how many sequences hold block `b`.

@@ -123,6 +123,7 @@ impl KvCache {
             sequences,
             block_pool,
             pending_moves,
+            events,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -141,7 +142,9 @@ impl KvCache {
             seq.hashable = false;
             seq.partial_tokens.clear();
             seq.hashes.clear();
+            seq.token_ids.clear();
         }
+        let keep_token_ids = seq.hashable && events.enabled();
         for t in 0..n {
             let position = seq.num_tokens + t;
             let offset = position % block_size;
@@ -152,6 +155,9 @@ impl KvCache {
             emit(t, (block as usize * block_size + offset) as i32);
             if let (Some(ids), true) = (token_ids, seq.hashable) {
                 seq.partial_tokens.push(ids[t]);
+                if keep_token_ids {
+                    seq.token_ids.push(ids[t]);
+                }
                 if seq.partial_tokens.len() == block_size {
                     let parent = seq.hashes.last().copied().unwrap_or(seq.root_hash);
                     seq.hashes.push(parent.chain(&seq.partial_tokens));

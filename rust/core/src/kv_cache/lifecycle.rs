@@ -1,6 +1,6 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
-use super::{allocate_checked, swapped_out, two_mut, KvCache, Tokens};
+use super::{allocate_checked, swapped_out, two_mut, KvCache, Medium, Tokens};
 use crate::alloc::BlockHash;
 use crate::error::{CoreError, CoreResult};
 
@@ -100,6 +100,7 @@ impl KvCache {
             block_pool,
             scratch_hashes,
             scratch_blocks,
+            events,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -119,6 +120,7 @@ impl KvCache {
         }
         seq.partial_tokens.clear();
         seq.hashes.clear();
+        seq.token_ids.clear();
         // Hits are computed already; the rest joins the prefix cache once `mark_computed`
         // says its K/V is written.
         seq.num_computed = hits * block_size;
@@ -130,6 +132,9 @@ impl KvCache {
                 seq.hashes.extend_from_slice(scratch_hashes);
                 seq.partial_tokens
                     .extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
+                if events.enabled() {
+                    seq.token_ids.extend_from_slice(ids);
+                }
             }
             _ => seq.hashable = false,
         }
@@ -170,6 +175,8 @@ impl KvCache {
         child
             .partial_tokens
             .extend_from_slice(&parent.partial_tokens);
+        child.token_ids.clear();
+        child.token_ids.extend_from_slice(&parent.token_ids);
         for &block in &child.blocks {
             self.block_pool.share(block);
         }
@@ -186,7 +193,14 @@ impl KvCache {
     pub fn mark_computed(&mut self, seq_id: u64, num_tokens: Option<usize>) -> CoreResult<usize> {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
-        let seq = &mut self.sequences[slab as usize];
+        self.sync_removed();
+        let KvCache {
+            sequences,
+            block_pool,
+            events,
+            ..
+        } = self;
+        let seq = &mut sequences[slab as usize];
         if seq.swapped {
             return Err(swapped_out(seq_id));
         }
@@ -201,10 +215,17 @@ impl KvCache {
         let mut joined = 0;
         while seq.num_registered < full {
             let index = seq.num_registered;
-            joined += usize::from(
-                self.block_pool
-                    .register(seq.blocks[index], seq.hashes[index]),
-            );
+            let stored = block_pool.register(seq.blocks[index], seq.hashes[index]);
+            if stored && events.enabled() {
+                let tokens = seq
+                    .token_ids
+                    .get(index * block_size..(index + 1) * block_size)
+                    .unwrap_or_default();
+                let parent = index.checked_sub(1).map(|parent| seq.hashes[parent]);
+                let (root, hash) = (seq.root_hash, seq.hashes[index]);
+                events.stored(Medium::Device, parent, root, hash, tokens);
+            }
+            joined += usize::from(stored);
             seq.num_registered += 1;
         }
         Ok(joined)
@@ -222,26 +243,48 @@ impl KvCache {
             .index
             .remove(&seq_id)
             .ok_or(CoreError::UnknownSequence(seq_id))?;
-        let seq = &mut self.sequences[slab as usize];
-        let pool = match (seq.swapped, self.host_pool.as_mut()) {
-            (true, Some(host_pool)) => host_pool,
-            _ => &mut self.block_pool,
+        let KvCache {
+            sequences,
+            block_pool,
+            host_pool,
+            events,
+            vacant,
+            ..
+        } = self;
+        let seq = &mut sequences[slab as usize];
+        let (pool, on_host) = match (seq.swapped, host_pool.as_mut()) {
+            (true, Some(host_pool)) => (host_pool, true),
+            _ => (block_pool, false),
         };
         for &block in seq.blocks.iter().rev() {
             pool.release(block);
+            if on_host && events.enabled() && pool.ref_count(block) == 0 {
+                events.host_block_freed(block);
+            }
         }
         seq.swapped = false;
         seq.blocks.clear();
         seq.partial_tokens.clear();
         seq.hashes.clear();
+        seq.token_ids.clear();
         seq.live = false;
         seq.num_tokens = 0;
-        self.vacant.push(slab);
+        vacant.push(slab);
         Ok(())
     }
 
     /// Drops every cached block that no sequence uses. Returns how many.
+    /// With KV events, a reset that leaves nothing cached on any medium is one
+    /// `AllBlocksCleared`; otherwise its blocks are removals.
     pub fn reset_prefix_cache(&mut self) -> usize {
-        self.block_pool.reset_prefix_cache()
+        self.sync_removed();
+        let dropped = self.block_pool.reset_prefix_cache();
+        let nothing_left = self.block_pool.num_cached() == 0 && !self.events.has_host_copies();
+        if self.events.enabled() && dropped > 0 && nothing_left {
+            self.block_pool.drain_removed(|_| {});
+            self.events.all_cleared();
+        }
+        self.sync_removed();
+        dropped
     }
 }

@@ -12,6 +12,7 @@
 mod append;
 mod batch_table;
 mod block_move;
+mod events;
 mod invariants;
 mod lifecycle;
 mod sequence;
@@ -23,6 +24,7 @@ use hashbrown::HashMap;
 
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
+pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
 use sequence::Sequence;
 pub use sequence::SEQUENCE_BYTES;
 pub use stats::KvCacheStats;
@@ -68,6 +70,8 @@ pub struct KvCache {
     /// copy-on-write) appear.
     has_forked: bool,
     next_version: u64,
+    /// Prefix-cache membership changes, recorded once `enable_kv_events` was called.
+    events: KvEventLog,
     query_tokens: u64,
     hit_tokens: u64,
     // Reused per call so that hot paths allocate nothing.
@@ -115,6 +119,7 @@ impl KvCache {
             pending_moves: Vec::new(),
             has_forked: false,
             next_version: 1,
+            events: KvEventLog::default(),
             query_tokens: 0,
             hit_tokens: 0,
             scratch_hashes: Vec::new(),
@@ -143,6 +148,42 @@ impl KvCache {
 
     pub fn enable_prefix_caching(&self) -> bool {
         self.block_pool.enable_prefix_caching()
+    }
+
+    /// Records prefix-cache membership changes from now on (see [`KvCache::take_kv_events`]);
+    /// turned on once, before any sequence exists.
+    pub fn enable_kv_events(&mut self) -> CoreResult<()> {
+        ensure!(
+            self.index.is_empty(),
+            "KV events are turned on once, before any sequence exists"
+        );
+        let host_blocks = self.host_pool.as_ref().map_or(0, BlockPool::num_blocks);
+        self.events.enable(host_blocks)?;
+        self.block_pool.set_record_removed(true);
+        Ok(())
+    }
+
+    pub fn kv_events_enabled(&self) -> bool {
+        self.events.enabled()
+    }
+
+    /// Hands the events recorded since the last call to `read`, then drops them.
+    pub fn take_kv_events<R>(&mut self, read: impl FnOnce(&KvEventLog) -> R) -> R {
+        self.sync_removed();
+        let result = read(&self.events);
+        self.events.clear();
+        result
+    }
+
+    /// Moves the device's evictions, buffered by the block pool, into the event log: called
+    /// before anything else is logged, so the log keeps the order things happened in.
+    fn sync_removed(&mut self) {
+        let KvCache {
+            block_pool, events, ..
+        } = self;
+        if events.enabled() {
+            block_pool.drain_removed(|hash| events.removed(Medium::Device, hash));
+        }
     }
 
     /// Whether any fork happened (only then can a copy-on-write be decided).

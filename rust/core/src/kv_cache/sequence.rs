@@ -22,6 +22,9 @@ pub(super) struct Sequence {
     pub(super) hashes: Vec<BlockHash>,
     /// Token ids of the partly filled last block (only while `hashable`).
     pub(super) partial_tokens: Vec<u32>,
+    /// Every token id (only while `hashable` and KV events are recorded: a stored block's
+    /// event carries its ids).
+    pub(super) token_ids: Vec<u32>,
     /// Leading tokens whose K/V the caller said are computed (`mark_computed`); only blocks
     /// within them may join the prefix cache.
     pub(super) num_computed: usize,

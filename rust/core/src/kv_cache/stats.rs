@@ -141,17 +141,20 @@ impl KvCache {
         }
     }
 
-    /// Host memory held by the bookkeeping: the block pool plus the sequence slab and index
-    /// (excluding the block lists themselves, which are 4 bytes per block held).
+    /// Host memory held by the bookkeeping: the block pool and event log, plus the sequence
+    /// slab and index (excluding the block lists themselves, 4 bytes per block held).
     pub fn heap_bytes(&self) -> (usize, usize) {
         let per_sequence = self.sequences.capacity() * std::mem::size_of::<Sequence>()
             + self
                 .sequences
                 .iter()
-                .map(|seq| seq.partial_tokens.capacity() * 4)
+                .map(|seq| (seq.partial_tokens.capacity() + seq.token_ids.capacity()) * 4)
                 .sum::<usize>()
             + self.vacant.capacity() * 4
             + self.index.allocation_size();
-        (self.block_pool.heap_bytes(), per_sequence)
+        (
+            self.block_pool.heap_bytes() + self.events.heap_bytes(),
+            per_sequence,
+        )
     }
 }

@@ -22,6 +22,7 @@ impl KvCache {
             NO_BLOCK,
             "num_host_blocks",
         )?;
+        self.events.resize_host_tier(num_host_blocks + 1)?;
         self.host_pool = Some(host_pool);
         Ok(())
     }
@@ -104,12 +105,15 @@ impl KvCache {
 
     fn swap_resolved(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
         self.check_swap(slabs, out)?;
+        self.sync_removed();
+        let block_size = self.block_size();
         let KvCache {
             sequences,
             block_pool,
             host_pool,
             scratch_moves,
             pending_moves,
+            events,
             ..
         } = self;
         let Some(host_pool) = host_pool.as_mut() else {
@@ -127,6 +131,8 @@ impl KvCache {
         let first_move = pending_moves.len();
         for &slab in slabs {
             let seq = &mut sequences[slab as usize];
+            // Blocks whose contents the prefix cache names: their host copies are events.
+            let named = seq.num_registered.min(seq.hashes.len());
             for block in seq.blocks.iter_mut().rev() {
                 let moved = match scratch_moves[*block as usize] {
                     NO_BLOCK => {
@@ -141,7 +147,26 @@ impl KvCache {
                     }
                 };
                 source.release(*block);
+                if !out && events.enabled() && source.ref_count(*block) == 0 {
+                    events.host_block_freed(*block);
+                }
                 *block = moved;
+            }
+            if out && events.enabled() {
+                for index in 0..named {
+                    let tokens = seq
+                        .token_ids
+                        .get(index * block_size..(index + 1) * block_size)
+                        .unwrap_or_default();
+                    let parent = index.checked_sub(1).map(|parent| seq.hashes[parent]);
+                    events.host_copy_made(
+                        seq.blocks[index],
+                        parent,
+                        seq.root_hash,
+                        seq.hashes[index],
+                        tokens,
+                    );
+                }
             }
             seq.swapped = out;
             seq.layout = seq.version;
@@ -151,6 +176,7 @@ impl KvCache {
         for planned in &pending_moves[first_move..] {
             scratch_moves[planned.src as usize] = NO_BLOCK;
         }
+        self.sync_removed();
         Ok(())
     }
 }

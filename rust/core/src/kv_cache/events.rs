@@ -1,0 +1,242 @@
+//! KV-cache events: the changes of prefix-cache membership that a KV-aware router (NVIDIA
+//! Dynamo's, llm-d's) replays to know which blocks this engine holds.
+//!
+//! A block is *stored* when it joins the prefix cache on the device (it was computed and named
+//! by its hash), or when the first host-tier copy of a cached block appears (a swap-out);
+//! *removed* when the device evicts or forgets it, or when the last host copy goes. *All
+//! blocks cleared* replaces the removals of a reset that leaves nothing cached. Replaying the
+//! events in order gives exactly the hashes the cache holds, per medium (the property tests
+//! check this after every operation).
+//!
+//! Recording costs one branch per membership change when events are off. When on, events go
+//! into three flat buffers (events, their hashes, their token ids) that keep their capacity
+//! across drains, so a steady state allocates nothing. Consecutive stores that continue one
+//! chain, and consecutive removals, share an event, as vLLM batches them.
+
+use std::ops::Range;
+
+use hashbrown::HashMap;
+
+use crate::alloc::fallible::try_filled_vec;
+use crate::alloc::BlockHash;
+use crate::error::CoreResult;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventKind {
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+}
+
+/// Where the blocks of an event live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    Device,
+    Host,
+}
+
+/// One event; its hashes and token ids are read through [`KvEventLog`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEvent {
+    /// Increases by one per event over the cache's life.
+    pub event_id: u64,
+    pub kind: KvEventKind,
+    pub medium: Medium,
+    /// `BlockStored`: the hash of the block before the first stored one; `None` when the
+    /// first stored block starts its sequence.
+    pub parent_hash: Option<BlockHash>,
+    /// `BlockStored`: the root of the hash chain, which names the cache salt (all zero
+    /// without one).
+    pub root_hash: BlockHash,
+    hashes: Range<usize>,
+    tokens: Range<usize>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct KvEventLog {
+    enabled: bool,
+    next_event_id: u64,
+    events: Vec<KvEvent>,
+    hashes: Vec<BlockHash>,
+    tokens: Vec<u32>,
+    /// Per host block, the cached contents it holds a copy of (swapped out).
+    host_block_hashes: Vec<Option<BlockHash>>,
+    /// How many host blocks hold a copy of each hash.
+    host_copies: HashMap<BlockHash, u32>,
+}
+
+impl KvEventLog {
+    #[inline]
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Starts recording; `host_blocks` is the host tier's block count (0 without one).
+    pub(super) fn enable(&mut self, host_blocks: usize) -> CoreResult<()> {
+        self.enabled = true;
+        self.next_event_id = self.next_event_id.max(1);
+        self.resize_host_tier(host_blocks)
+    }
+
+    pub(super) fn resize_host_tier(&mut self, host_blocks: usize) -> CoreResult<()> {
+        if self.enabled {
+            self.host_block_hashes = try_filled_vec(host_blocks, None, "the host tier's events")?;
+        }
+        Ok(())
+    }
+
+    /// The events recorded since the last [`KvEventLog::clear`], oldest first.
+    pub fn events(&self) -> &[KvEvent] {
+        &self.events
+    }
+
+    pub fn hashes(&self, event: &KvEvent) -> &[BlockHash] {
+        &self.hashes[event.hashes.clone()]
+    }
+
+    /// `BlockStored`: the token ids of the stored blocks, block after block.
+    pub fn token_ids(&self, event: &KvEvent) -> &[u32] {
+        &self.tokens[event.tokens.clone()]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Drops the recorded events (keeping the buffers' capacity).
+    pub fn clear(&mut self) {
+        self.events.clear();
+        self.hashes.clear();
+        self.tokens.clear();
+    }
+
+    /// Hashes with at least one copy on the host tier.
+    pub fn host_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.host_copies.keys().copied()
+    }
+
+    fn push(
+        &mut self,
+        kind: KvEventKind,
+        medium: Medium,
+        parent: Option<BlockHash>,
+        root: BlockHash,
+    ) {
+        let (hashes, tokens) = (self.hashes.len(), self.tokens.len());
+        self.events.push(KvEvent {
+            event_id: self.next_event_id,
+            kind,
+            medium,
+            parent_hash: parent,
+            root_hash: root,
+            hashes: hashes..hashes,
+            tokens: tokens..tokens,
+        });
+        self.next_event_id += 1;
+    }
+
+    /// A block named `hash` (child of `parent`, `None` for a sequence's first block) joined
+    /// the cache on `medium`.
+    pub(super) fn stored(
+        &mut self,
+        medium: Medium,
+        parent: Option<BlockHash>,
+        root: BlockHash,
+        hash: BlockHash,
+        token_ids: &[u32],
+    ) {
+        let continues = self.events.last().is_some_and(|last| {
+            last.kind == KvEventKind::BlockStored
+                && last.medium == medium
+                && last.root_hash == root
+                && parent.is_some()
+                && self.hashes.get(last.hashes.end.wrapping_sub(1)) == parent.as_ref()
+        });
+        if !continues {
+            self.push(KvEventKind::BlockStored, medium, parent, root);
+        }
+        self.hashes.push(hash);
+        self.tokens.extend_from_slice(token_ids);
+        if let Some(last) = self.events.last_mut() {
+            last.hashes.end = self.hashes.len();
+            last.tokens.end = self.tokens.len();
+        }
+    }
+
+    /// The block named `hash` left the cache on `medium`.
+    pub(super) fn removed(&mut self, medium: Medium, hash: BlockHash) {
+        let continues = self
+            .events
+            .last()
+            .is_some_and(|last| last.kind == KvEventKind::BlockRemoved && last.medium == medium);
+        if !continues {
+            self.push(
+                KvEventKind::BlockRemoved,
+                medium,
+                None,
+                BlockHash::default(),
+            );
+        }
+        self.hashes.push(hash);
+        if let Some(last) = self.events.last_mut() {
+            last.hashes.end = self.hashes.len();
+        }
+    }
+
+    /// Nothing is cached any more, on any medium.
+    pub(super) fn all_cleared(&mut self) {
+        self.push(
+            KvEventKind::AllBlocksCleared,
+            Medium::Device,
+            None,
+            BlockHash::default(),
+        );
+    }
+
+    /// Host block `block` now holds a copy of the cached block `hash`.
+    pub(super) fn host_copy_made(
+        &mut self,
+        block: u32,
+        parent: Option<BlockHash>,
+        root: BlockHash,
+        hash: BlockHash,
+        token_ids: &[u32],
+    ) {
+        let slot = &mut self.host_block_hashes[block as usize];
+        if slot.is_some() {
+            return; // shared by several swapped sequences: one copy
+        }
+        *slot = Some(hash);
+        let copies = self.host_copies.entry(hash).or_insert(0);
+        *copies += 1;
+        if *copies == 1 {
+            self.stored(Medium::Host, parent, root, hash, token_ids);
+        }
+    }
+
+    /// Host block `block` was freed.
+    pub(super) fn host_block_freed(&mut self, block: u32) {
+        let Some(hash) = self.host_block_hashes[block as usize].take() else {
+            return;
+        };
+        if let Some(copies) = self.host_copies.get_mut(&hash) {
+            *copies -= 1;
+            if *copies == 0 {
+                self.host_copies.remove(&hash);
+                self.removed(Medium::Host, hash);
+            }
+        }
+    }
+
+    pub(super) fn has_host_copies(&self) -> bool {
+        !self.host_copies.is_empty()
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.events.capacity() * std::mem::size_of::<KvEvent>()
+            + self.hashes.capacity() * std::mem::size_of::<BlockHash>()
+            + self.tokens.capacity() * 4
+            + self.host_block_hashes.capacity() * std::mem::size_of::<Option<BlockHash>>()
+            + self.host_copies.capacity() * (std::mem::size_of::<BlockHash>() + 4)
+    }
+}
