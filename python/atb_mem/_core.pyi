@@ -72,7 +72,7 @@ class KVCachePool:
                 num_kv_heads: int | None = None, head_dim: int | None = None,
                 dtype: KVDtype | KVDtypeAlias | type[np.generic] | np.dtype[Any] | None = None,
                 enable_prefix_caching: bool = True,
-                num_host_blocks: int | None = None) -> Self: ...
+                num_host_blocks: int | None = None, enable_kv_events: bool = False) -> Self: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -166,6 +166,12 @@ class KVCachePool:
         """Blocks no sequence holds and the prefix cache does not keep (nothing may read them)."""
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""
+    @property
+    def enable_kv_events(self) -> bool: ...
+    def take_kv_event_records(
+            self) -> list[tuple[int, str, str, int | None, list[int], list[int], int]]:
+        """Drains the KV-cache events since the last call, oldest first, as tuples (event_id,
+        kind, medium, parent_hash, block_hashes, token_ids, root_hash); see atb_mem.events."""
     def stats(self) -> KVCacheStats: ...
     def _check_invariants(self) -> None:
         """Raises AssertionError naming the first broken internal invariant."""

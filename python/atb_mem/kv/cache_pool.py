@@ -18,6 +18,7 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem._types import KVCachePoolStats
+from atb_mem.events import KVCacheEvent, events_from_records
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -38,6 +39,7 @@ _CONFIG_KEYS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "device": "device",
     "num_host_blocks": "num_host_blocks",
+    "enable_kv_events": "enable_kv_events",
 }
 
 _DEFAULT_DEVICE = "host"
@@ -214,6 +216,11 @@ class KVCachePool(_core.KVCachePool):
         change), as one transaction like ``swap_out``. Returns the (host block, device block)
         pairs moved."""
         return super().swap_in(seq_ids, execute or self._executor)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call, oldest first (see
+        ``atb_mem.events``); always empty unless the pool has ``enable_kv_events``."""
+        return events_from_records(self.take_kv_event_records(), self.block_size)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

@@ -169,10 +169,19 @@ impl KvCache {
 
     /// Hands the events recorded since the last call to `read`, then drops them.
     pub fn take_kv_events<R>(&mut self, read: impl FnOnce(&KvEventLog) -> R) -> R {
-        self.sync_removed();
-        let result = read(&self.events);
-        self.events.clear();
+        let result = read(self.kv_events());
+        self.clear_kv_events();
         result
+    }
+
+    /// The events recorded since the last `clear_kv_events`, without dropping them.
+    pub fn kv_events(&mut self) -> &KvEventLog {
+        self.sync_removed();
+        &self.events
+    }
+
+    pub fn clear_kv_events(&mut self) {
+        self.events.clear();
     }
 
     /// Moves the device's evictions, buffered by the block pool, into the event log: called

@@ -2,13 +2,14 @@
 //! movers for host backings and the plan → execute → commit transactions are submodules.
 
 mod batch_table;
+mod events;
 pub mod host_copy;
 pub mod transfer;
 
 use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 pub use batch_table::PyBatchTable;
 
@@ -101,7 +102,8 @@ impl PyKvCachePool {
 impl PyKvCachePool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
-                        dtype=None, enable_prefix_caching=true, num_host_blocks=None))]
+                        dtype=None, enable_prefix_caching=true, num_host_blocks=None,
+                        enable_kv_events=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -112,6 +114,7 @@ impl PyKvCachePool {
         dtype: Option<Dtype>,
         enable_prefix_caching: bool,
         num_host_blocks: Option<Count<1>>,
+        enable_kv_events: bool,
     ) -> PyResult<Self> {
         let num_blocks = num_blocks.0;
         let block_size = block_size.0;
@@ -126,6 +129,9 @@ impl PyKvCachePool {
             KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
         if let Some(Count(num_host_blocks)) = num_host_blocks {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
+        }
+        if enable_kv_events {
+            cache.enable_kv_events().into_py_result()?;
         }
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
@@ -501,6 +507,21 @@ impl PyKvCachePool {
     /// Drops every cached block no sequence uses; returns how many.
     fn reset_prefix_cache(&self) -> PyResult<usize> {
         Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    #[getter]
+    fn enable_kv_events(&self) -> PyResult<bool> {
+        Ok(self.lock()?.kv_events_enabled())
+    }
+
+    /// Drains the KV-cache events recorded since the last call, oldest first, as tuples
+    /// (see `atb_mem.events` for their types).
+    fn take_kv_event_records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut cache = self.lock()?;
+        // Dropped only once converted: a failed conversion loses no event.
+        let records = events::events_to_list(py, cache.kv_events())?;
+        cache.clear_kv_events();
+        Ok(records)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,0 +1,162 @@
+"""KV-cache events through the Python API: typed, in order, replayable by a router, nothing
+recorded unless asked for, and nothing recorded by a call that fails."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atb_mem import KVCachePool
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+def events_pool(num_blocks: int = 8, **kwargs: object) -> KVCachePool:
+    return KVCachePool(num_blocks, 2, device=None, enable_kv_events=True, num_host_blocks=4,
+                       **kwargs)  # type: ignore[arg-type]
+
+
+def test_stores_are_chains_and_a_prefix_hit_stores_only_its_new_blocks() -> None:
+    pool = events_pool()
+    pool.alloc_sequence(1, [1, 2, 3, 4, 5])
+    assert pool.take_kv_events() == []  # not computed yet
+    pool.mark_computed(1)
+    [first] = pool.take_kv_events()
+    assert isinstance(first, BlockStored)
+    assert (first.event_id, first.parent_block_hash, first.token_ids) == (1, None, (1, 2, 3, 4))
+    assert (len(first.block_hashes), first.block_size, first.medium) == (2, 2, "device")
+    assert first.cache_salt_hash == 0
+
+    assert pool.alloc_sequence(2, [1, 2, 3, 4, 5, 6, 7]) == 4
+    pool.mark_computed(2)
+    [second] = pool.take_kv_events()
+    assert isinstance(second, BlockStored)
+    assert second.parent_block_hash == first.block_hashes[-1]
+    assert second.token_ids == (5, 6) and second.event_id == 2
+
+
+def test_the_same_tokens_get_the_same_hashes_and_a_salt_changes_them() -> None:
+    def stored(**kwargs: object) -> BlockStored:
+        pool = events_pool()
+        pool.alloc_sequence(1, [7, 8, 9], **kwargs)  # type: ignore[arg-type]
+        pool.mark_computed(1)
+        [event] = pool.take_kv_events()
+        assert isinstance(event, BlockStored)
+        return event
+
+    assert stored().block_hashes == stored().block_hashes
+    salted = stored(cache_salt="tenant-a")
+    assert salted.block_hashes != stored().block_hashes and salted.cache_salt_hash != 0
+    assert stored(cache_salt="tenant-b").cache_salt_hash != salted.cache_salt_hash
+
+
+def test_evictions_swaps_and_a_clearing_reset() -> None:
+    pool = events_pool(4)  # three usable blocks
+    pool.alloc_sequence(1, [1, 2, 3, 4])
+    pool.mark_computed(1)
+    [stored] = pool.take_kv_events()
+    pool.swap_out([1])
+    [host] = pool.take_kv_events()
+    assert isinstance(host, BlockStored) and host.medium == "host"
+    assert host.block_hashes == stored.block_hashes
+    pool.alloc_sequence(2, 6)  # takes every device block: both cached ones are evicted
+    [evicted] = pool.take_kv_events()
+    assert isinstance(evicted, BlockRemoved) and evicted.medium == "device"
+    assert set(evicted.block_hashes) == set(stored.block_hashes)
+    pool.free_sequence(2)
+    pool.free_sequence(1)  # its host copies go
+    [gone] = pool.take_kv_events()
+    assert isinstance(gone, BlockRemoved) and gone.medium == "host"
+
+    pool.alloc_sequence(3, [5, 6, 7])
+    pool.mark_computed(3)
+    pool.free_sequence(3)
+    pool.take_kv_events()
+    assert pool.reset_prefix_cache() == 1
+    [cleared] = pool.take_kv_events()
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_a_failing_call_records_nothing_and_no_events_unless_asked() -> None:
+    pool = events_pool()
+    pool.alloc_sequence(1, [1, 2, 3])
+    with pytest.raises(ValueError):
+        pool.alloc_sequence(1, [1, 2, 3])
+    with pytest.raises(Exception, match="blocks"):
+        pool.alloc_sequence(2, list(range(100)))
+    assert pool.take_kv_events() == []
+
+    quiet = KVCachePool(8, 2, device=None)
+    assert quiet.enable_kv_events is False
+    quiet.alloc_sequence(1, [1, 2, 3])
+    quiet.mark_computed(1)
+    assert quiet.take_kv_events() == []
+    with pytest.raises(TypeError):
+        KVCachePool(8, 2, device=None, enable_kv_events="yes")  # type: ignore[arg-type]
+    config = {"num_blocks": 8, "block_size": 2, "device": None, "enable_kv_events": True}
+    assert KVCachePool.from_config(config).enable_kv_events
+
+
+class Router:
+    """What a router knows: the hashes each medium holds, from the events alone."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, set[int]] = {"device": set(), "host": set()}
+        self.last_event_id = 0
+
+    def replay(self, events: list[KVCacheEvent]) -> None:
+        for event in events:
+            assert event.event_id == self.last_event_id + 1
+            self.last_event_id = event.event_id
+            if isinstance(event, BlockStored):
+                assert not self.blocks[event.medium] & set(event.block_hashes)
+                self.blocks[event.medium] |= set(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.blocks[event.medium]
+                self.blocks[event.medium] -= set(event.block_hashes)
+            else:
+                self.blocks = {"device": set(), "host": set()}
+
+
+operation = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.lists(st.integers(0, 2), min_size=1,
+                                                             max_size=9)),
+    st.tuples(st.just("compute"), st.integers(0, 5)),
+    st.tuples(st.just("free"), st.integers(0, 5)),
+    st.tuples(st.just("swap_out"), st.integers(0, 5)),
+    st.tuples(st.just("swap_in"), st.integers(0, 5)),
+    st.tuples(st.just("reset"),),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(operation, max_size=40))
+def test_a_router_replaying_the_events_counts_the_cached_blocks(operations: list[tuple]) -> None:
+    pool = events_pool(10)
+    router = Router()
+    for name, *args in operations:
+        try:
+            if name == "alloc":
+                pool.alloc_sequence(args[0], args[1])
+            elif name == "compute":
+                if not pool.is_swapped(args[0]):
+                    pool.mark_computed(args[0])
+            elif name == "free":
+                pool.free_sequence(args[0])
+            elif name == "swap_out":
+                pool.swap_out([args[0]])
+            elif name == "swap_in":
+                pool.swap_in([args[0]])
+            else:
+                pool.reset_prefix_cache()
+        except (ValueError, KeyError, MemoryError, RuntimeError):
+            pass
+        router.replay(pool.take_kv_events())
+        # blocks_cached counts the cached blocks no sequence uses.
+        assert pool.stats()["blocks_cached"] <= len(router.blocks["device"])
+    for seq_id in range(6):
+        if seq_id in pool:
+            pool.free_sequence(seq_id)
+    router.replay(pool.take_kv_events())
+    assert len(router.blocks["device"]) == pool.stats()["blocks_cached"]
+    assert router.blocks["host"] == set()
