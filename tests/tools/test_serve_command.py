@@ -19,17 +19,38 @@ def free_port() -> int:
         return port
 
 
+def replayed_events(endpoint: str) -> bytes:
+    """Every KV-event batch the server still buffers, asked for on its replay socket."""
+    import zmq
+
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.connect(endpoint)
+        socket.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads = b""
+        while socket.poll(30_000):
+            _, seq, payload = socket.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return payloads
+            payloads += payload
+        raise AssertionError("the replay never ended")
+    finally:
+        context.destroy(linger=0)
+
+
 def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     import httpx
 
     save_tiny_checkpoint(tmp_path)
     config = tmp_path / "serve.json"
     config.write_text('{"max_num_seqs": 5, "watermark": 0.02}')
-    port = free_port()
+    port, replay_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
          "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
-         "--config", str(config)],
+         "--config", str(config), "--kv-events-endpoint", "tcp://127.0.0.1:*",
+         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -42,12 +63,13 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
             except httpx.TransportError:
                 time.sleep(0.2)  # still loading the model
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                              json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                              json={"model": "tiny", "prompt": "hello " * 40, "max_tokens": 4},
                               timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] >= 1
         settings = httpx.get(f"http://127.0.0.1:{port}/admin/config").json()["config"]
         assert (settings["max_num_seqs"], settings["watermark"]) == (5, 0.02)  # the file's
+        assert b"BlockStored" in replayed_events(f"tcp://127.0.0.1:{replay_port}")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
     finally:

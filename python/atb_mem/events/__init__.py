@@ -15,12 +15,12 @@ by 64-bit integers); ``cache_salt_hash`` names the chain's root (0 without a cac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "Medium",
-           "events_from_records"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
+           "KVEventPublisher", "Medium", "events_from_records"]
 
 Medium: TypeAlias = Literal["device", "host"]
 
@@ -57,6 +57,13 @@ class AllBlocksCleared:
 
 
 KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventPublisher(Protocol):
+    """Where an ``Engine(kv_events=...)`` sends each step's events (``ZmqEventPublisher``, or
+    anything with this method). Called from the engine's thread; must not block for long."""
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None: ...
 
 
 def events_from_records(records: Iterable[tuple[Any, ...]],

@@ -20,6 +20,7 @@ import numpy as np
 
 from atb_mem._core import kv_layout_bytes
 from atb_mem._types import Preemption
+from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner, kv_cache_layout
 from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling.continuous import ContinuousBatchScheduler
@@ -67,6 +68,8 @@ class Engine:
     ``plan_kv_cache`` (``gpu_memory_utilization``); on the host from ``kv_cache_memory_bytes``
     (default: what ``max_num_seqs`` sequences of the model's full length need, at most 4 GiB).
     The model is switched to atb-mem's attention (``model.set_attn_implementation``).
+    With ``kv_events`` (e.g. ``atb_mem.events.zmq_publisher.ZmqEventPublisher``), every step
+    ends by publishing the KV-cache events it caused, for a KV-aware router.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
@@ -74,7 +77,8 @@ class Engine:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9,
-                 kv_cache_memory_bytes: int | None = None) -> None:
+                 kv_cache_memory_bytes: int | None = None,
+                 kv_events: KVEventPublisher | None = None) -> None:
         layout = kv_cache_layout(model)
         config = model.config.get_text_config()
         self.model = model
@@ -87,7 +91,9 @@ class Engine:
                                      gpu_memory_utilization, kv_cache_memory_bytes)
         self.kv_cache = KVCachePool(num_blocks, block_size, device=device,
                                     enable_prefix_caching=enable_prefix_caching,
-                                    num_host_blocks=num_host_blocks, **layout)
+                                    num_host_blocks=num_host_blocks,
+                                    enable_kv_events=kv_events is not None, **layout)
+        self.kv_events = kv_events
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
@@ -193,6 +199,8 @@ class Engine:
         outputs = [self._delta(request) for request in self._aborted]
         self._aborted.clear()
         outputs += [self._delta(request) for request in progressed.values()]
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv_cache.take_kv_events())
         self.last_step_seconds = (model_seconds, time.perf_counter() - began)
         return outputs
 

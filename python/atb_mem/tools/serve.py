@@ -35,6 +35,12 @@ import click
 @click.option("--timeout-ms", type=click.FloatRange(min=0), default=None,
               help="With --max-batch-size: the longest a request waits for its batch to fill "
                    "[default: 10].")
+@click.option("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+              help="Publish KV-cache events (vLLM's format) on this ZMQ PUB endpoint, e.g. "
+                   "tcp://*:5557, for a KV-aware router.")
+@click.option("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+              help="With --kv-events-endpoint: replays missed batches to late subscribers.")
+@click.option("--kv-events-topic", default="", help="The topic frame of every event batch.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="A JSON file of scheduling settings (max_num_seqs, max_batch_size, ...), "
                    "applied over the flags at start; `atb-mem ctl --persist` writes kept "
@@ -46,7 +52,9 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, no_prefix_caching: bool,
           gpu_memory_utilization: float, max_batch_size: int | None,
-          timeout_ms: float | None, config_path: str | None, admin_token: str | None) -> None:
+          timeout_ms: float | None, kv_events_endpoint: str | None,
+          kv_events_replay_endpoint: str | None, kv_events_topic: str,
+          config_path: str | None, admin_token: str | None) -> None:
     """Serves the checkpoint in MODEL_DIR: /v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics and /admin/config (see `atb-mem ctl`). Ctrl-C stops it."""
     from atb_mem.scheduling.request_batching import DynamicBatchScheduler
@@ -65,12 +73,20 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         admission = DynamicBatchScheduler(max_batch_size or 8,
                                           10.0 if timeout_ms is None else timeout_ms)
 
+    if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
+        raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    publisher = None
+    if kv_events_endpoint is not None:
+        from atb_mem.events.zmq_publisher import ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(kv_events_endpoint, kv_events_replay_endpoint,
+                                      kv_events_topic)
     engine = Engine.from_pretrained(
         model_dir, device=device, dtype=None if dtype == "auto" else dtype,
         block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
         num_host_blocks=num_host_blocks, enable_prefix_caching=not no_prefix_caching,
-        gpu_memory_utilization=gpu_memory_utilization)
+        gpu_memory_utilization=gpu_memory_utilization, kv_events=publisher)
     LiveSettings(engine.scheduler, admission).apply(**settings)  # a bad file stops here
     name = served_model_name or Path(model_dir).resolve().name
     click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
@@ -80,4 +96,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
                   config_path=config_path, admission=admission).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
+    finally:
+        if publisher is not None:
+            publisher.close()
     click.echo("atb-mem: stopped")

@@ -1,0 +1,77 @@
+"""vLLM's KV-event wire format, which llm-d's KV-cache indexer and Dynamo's ZMQ listener read.
+
+msgpack (via msgspec) of array-like structs: a batch ``[ts, events, data_parallel_rank,
+schema_version]`` whose events are tagged ``["BlockStored", block_hashes, parent_block_hash,
+token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or
+``["AllBlocksCleared"]``, in vLLM's field order. ``schema_version`` is ours, appended where
+vLLM's decoder ignores extra trailing fields: a change to this format bumps it, and the
+golden-bytes tests make that change deliberate. Media are vLLM's names: the device tier is
+``"GPU"``, the host tier ``"CPU"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+__all__ = ["SCHEMA_VERSION", "encode_batch"]
+
+SCHEMA_VERSION = 1
+
+_MEDIUM = {"device": "GPU", "host": "CPU"}
+
+
+class _BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                   tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                    tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                        tag="AllBlocksCleared"):
+    pass
+
+
+class _EventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_BlockStored | _BlockRemoved | _AllBlocksCleared]
+    data_parallel_rank: int | None
+    schema_version: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _wire(event: KVCacheEvent) -> _BlockStored | _BlockRemoved | _AllBlocksCleared:
+    if isinstance(event, BlockStored):
+        return _BlockStored(list(event.block_hashes), event.parent_block_hash,
+                            list(event.token_ids), event.block_size, None,
+                            _MEDIUM[event.medium])
+    if isinstance(event, BlockRemoved):
+        return _BlockRemoved(list(event.block_hashes), _MEDIUM[event.medium])
+    if isinstance(event, AllBlocksCleared):
+        return _AllBlocksCleared()
+    raise TypeError(f"not a KV-cache event: {event!r}")
+
+
+def encode_batch(events: Sequence[KVCacheEvent], *, timestamp: float | None = None,
+                 data_parallel_rank: int | None = None) -> bytes:
+    """One batch of events as the payload of a ZMQ message."""
+    batch = _EventBatch(time.time() if timestamp is None else timestamp,
+                        [_wire(event) for event in events], data_parallel_rank,
+                        SCHEMA_VERSION)
+    return _encoder.encode(batch)
