@@ -29,26 +29,32 @@ def test_w1_churn(benchmark) -> None:
     report(benchmark, "W1 ns per alloc+free pair", 1e9, "ns", pairs)
 
 
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events_off", "events_on"])
 @pytest.mark.parametrize("mode", ["batch_table", "rebuild"])
-def test_w2_decode(benchmark, mode: str) -> None:
+def test_w2_decode(benchmark, mode: str, kv_events: bool) -> None:
     """256 running sequences, 2,000 steps; finished ones freed and replaced."""
-    run, steps = workloads.decode_workload(2000, batch_table=mode == "batch_table")
+    run, steps = workloads.decode_workload(2000, batch_table=mode == "batch_table",
+                                           kv_events=kv_events)
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
-    report(benchmark, f"W2 us per decode step ({mode}, incl. replacing finished)", 1e6, "us",
-           steps)
+    events = "events on" if kv_events else "events off"
+    report(benchmark, f"W2 us per decode step ({mode}, {events}, incl. replacing finished)",
+           1e6, "us", steps)
 
 
-def test_w3_prefix(benchmark) -> None:
-    """10,000 requests sharing a 1,024-token system prompt; allocate with ids, free."""
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events_off", "events_on"])
+def test_w3_prefix(benchmark, kv_events: bool) -> None:
+    """10,000 requests sharing a 1,024-token system prompt; allocate with ids, free (and, with
+    events, drain them after each request)."""
     prompts = workloads.prefix_prompts(10_000)
-    run, requests = workloads.prefix_workload(prompts)
+    run, requests = workloads.prefix_workload(prompts, kv_events=kv_events)
     # The exact possible hit rate: every request but the first hits the 64 system blocks.
     queries = sum((len(p) - 1) // workloads.BLOCK_SIZE for p in prompts)
     exact = (len(prompts) - 1) * (1024 // workloads.BLOCK_SIZE) / queries
     stats = benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     assert stats["prefix_cache_queries"] == queries
     assert stats["prefix_cache_hit_rate"] == pytest.approx(exact, abs=1e-12)
-    report(benchmark, "W3 us per request", 1e6, "us", requests)
+    report(benchmark, f"W3 us per request (events {'on' if kv_events else 'off'})", 1e6, "us",
+           requests)
     print(f"W3 block hit rate {stats['prefix_cache_hit_rate']:.6f} (exact possible {exact:.6f})")
 
 

@@ -43,15 +43,17 @@ def decode_lengths(count: int = 20_000) -> tuple[list[int], list[int]]:
     return prompts.astype(int).tolist(), outputs.astype(int).tolist()
 
 
-def decode_workload(steps: int = 2000, *, batch_table: bool = True,
-                    running: int = 256) -> Workload[None]:
+def decode_workload(steps: int = 2000, *, batch_table: bool = True, running: int = 256,
+                    kv_events: bool = False) -> Workload[None]:
     """W2: `running` sequences each get a token per step, through a BatchTable (one call) or
     through append_tokens plus a full block_tables/context_lens rebuild; finished sequences
-    are freed and replaced (prefill allocates the whole prompt)."""
+    are freed and replaced (prefill allocates the whole prompt). With ``kv_events`` the pool
+    records KV-cache events and each step drains them, as an engine does."""
     prompts, outputs = decode_lengths()
 
     def run() -> None:
-        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
+                                 enable_kv_events=kv_events)
         table = kv.batch_table(running, (4096 + 2048) // BLOCK_SIZE)
         rows = np.zeros(running, dtype=np.int64)  # a replacement takes its predecessor's row
         finishing: dict[int, list[int]] = {}
@@ -81,6 +83,8 @@ def decode_workload(steps: int = 2000, *, batch_table: bool = True,
                     table.remove(seq_id)
                 kv.free_sequence(seq_id)
                 admit(row, now)
+            if kv_events:
+                kv.take_kv_events()
 
     return run, steps
 
@@ -97,15 +101,20 @@ def prefix_prompts(requests: int = 10_000) -> list[np.ndarray]:
     return prompts
 
 
-def prefix_workload(prompts: list[np.ndarray]) -> Workload[KVCachePoolStats]:
-    """W3: allocate each prompt with its token ids, then free it. Returns the stats."""
+def prefix_workload(prompts: list[np.ndarray], *,
+                    kv_events: bool = False) -> Workload[KVCachePoolStats]:
+    """W3: allocate each prompt with its token ids, then free it. Returns the stats. With
+    ``kv_events`` the pool records KV-cache events, drained (typed) after each request."""
 
     def run() -> KVCachePoolStats:
-        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
+                                 enable_kv_events=kv_events)
         for seq_id, tokens in enumerate(prompts):
             kv.alloc_sequence(seq_id, tokens)
             kv.mark_computed(seq_id)  # the prefill ran
             kv.free_sequence(seq_id)
+            if kv_events:
+                kv.take_kv_events()
         return kv.stats()
 
     return run, len(prompts)

@@ -1,0 +1,57 @@
+"""NVIDIA Dynamo's own KV-event format, which its ``RadixTree`` indexer applies.
+
+One JSON object per event: ``{"event_id": N, "data": {"stored": {"parent_hash": H | null,
+"blocks": [{"block_hash": H, "tokens_hash": T}, ...]}}}``, ``{"removed": {"block_hashes":
+[...]}}`` or ``"cleared"``. ``tokens_hash`` is what Dynamo's router computes for a request's
+blocks (``dynamo._core.compute_block_hash_for_seq``): xxh3-64 with seed 1337 over the block's
+token ids as little-endian uint32, so the router matches requests against our blocks by
+their tokens while our ``block_hash`` keeps their identity for removals.
+
+Dynamo's tree holds one tier: only device-medium events are translated; the host tier's
+copies are not blocks a request can hit on this engine until they are swapped back in (and
+then stored again as device blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+__all__ = ["TOKENS_HASH_SEED", "encode_event", "tokens_hashes"]
+
+TOKENS_HASH_SEED = 1337
+
+
+def tokens_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Dynamo's hash of every full block of ``token_ids``."""
+    ids = np.asarray(token_ids, dtype="<u4")
+    return [xxhash.xxh3_64_intdigest(ids[start:start + block_size].tobytes(),
+                                     seed=TOKENS_HASH_SEED)
+            for start in range(0, len(ids) - block_size + 1, block_size)]
+
+
+def encode_event(event: KVCacheEvent) -> bytes | None:
+    """The event as ``RadixTree.apply_event`` reads it; None for a host-tier event."""
+    data: object
+    if isinstance(event, BlockStored):
+        if event.medium != "device":
+            return None
+        hashes = tokens_hashes(event.token_ids, event.block_size)
+        data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": [
+            {"block_hash": block, "tokens_hash": tokens}
+            for block, tokens in zip(event.block_hashes, hashes, strict=True)]}}
+    elif isinstance(event, BlockRemoved):
+        if event.medium != "device":
+            return None
+        data = {"removed": {"block_hashes": list(event.block_hashes)}}
+    elif isinstance(event, AllBlocksCleared):
+        data = "cleared"
+    else:
+        raise TypeError(f"not a KV-cache event: {event!r}")
+    return json.dumps({"event_id": event.event_id, "data": data},
+                      separators=(",", ":")).encode()

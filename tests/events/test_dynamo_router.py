@@ -1,0 +1,109 @@
+"""Our events in NVIDIA Dynamo's own indexer (``ai-dynamo-runtime``'s ``RadixTree``): the
+router scores exactly the blocks our cache would serve a request from, through stores,
+evictions, swaps and clears; between two engines it picks the one holding the prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+from dynamo._core import RadixTree, compute_block_hash_for_seq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atb_mem import KVCachePool
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from atb_mem.events.dynamo import encode_event, tokens_hashes
+from atb_mem.serving import Engine, SamplingParams
+from tests.events.test_engine_events import Recorder
+from tests.support.models import model_pair
+
+BLOCK_SIZE = 2
+
+
+def apply(tree: RadixTree, worker: int, events: list[KVCacheEvent]) -> None:
+    for event in events:
+        payload = encode_event(event)
+        if payload is not None:
+            tree.apply_event(worker, payload)
+
+
+def score(tree: RadixTree, worker: int, tokens: list[int], block_size: int) -> int:
+    scores = tree.find_matches(compute_block_hash_for_seq(tokens, block_size)).scores
+    return int(scores.get((worker, 0), 0))
+
+
+def test_tokens_hashes_are_dynamos_and_the_json_is_fixed() -> None:
+    tokens = [1, 2, 3, 4, 70_000, 5, 6]
+    assert tokens_hashes(tokens, 2) == compute_block_hash_for_seq(tokens, 2)
+    stored = BlockStored(4, (11, 22), 9, (1, 2, 3, 4), 2, "device", 0)
+    assert encode_event(stored) == (
+        b'{"event_id":4,"data":{"stored":{"parent_hash":9,"blocks":['
+        b'{"block_hash":11,"tokens_hash":10773075109927122010},'
+        b'{"block_hash":22,"tokens_hash":2662118915037317746}]}}}')
+    assert encode_event(BlockRemoved(5, (22,), "device")) == \
+        b'{"event_id":5,"data":{"removed":{"block_hashes":[22]}}}'
+    assert encode_event(AllBlocksCleared(6)) == b'{"event_id":6,"data":"cleared"}'
+    assert encode_event(BlockRemoved(7, (22,), "host")) is None
+
+
+operation = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5),
+              st.lists(st.integers(0, 2), min_size=1, max_size=9)),
+    st.tuples(st.just("compute"), st.integers(0, 5)),
+    st.tuples(st.just("free"), st.integers(0, 5)),
+    st.tuples(st.just("swap_out"), st.integers(0, 5)),
+    st.tuples(st.just("swap_in"), st.integers(0, 5)),
+    st.tuples(st.just("reset"),),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(operation, max_size=30), st.lists(st.integers(0, 2), min_size=3, max_size=9))
+def test_the_router_scores_what_the_cache_would_serve(operations: list[tuple],
+                                                       probe: list[int]) -> None:
+    pool = KVCachePool(10, BLOCK_SIZE, device=None, enable_kv_events=True, num_host_blocks=4)
+    tree = RadixTree()
+    for name, *args in operations:
+        try:
+            if name == "alloc":
+                pool.alloc_sequence(args[0], args[1])
+            elif name == "compute":
+                if not pool.is_swapped(args[0]):
+                    pool.mark_computed(args[0])
+            elif name == "free":
+                pool.free_sequence(args[0])
+            elif name == "swap_out":
+                pool.swap_out([args[0]])
+            elif name == "swap_in":
+                pool.swap_in([args[0]])
+                pool.mark_computed(args[0])  # the bytes are back
+            else:
+                pool.reset_prefix_cache()
+        except (ValueError, KeyError, MemoryError, RuntimeError):
+            pass
+        apply(tree, 1, pool.take_kv_events())
+    routed = score(tree, 1, probe, BLOCK_SIZE)
+    try:
+        cached = pool.alloc_sequence(99, probe) // BLOCK_SIZE
+    except MemoryError:
+        return  # no room to ask the cache itself
+    # The cache never serves a prompt's last token from the cache (it must be computed).
+    full = (len(probe) - 1) // BLOCK_SIZE
+    assert min(routed, full) == cached
+
+
+def test_between_two_engines_the_router_picks_the_one_with_the_prompt() -> None:
+    model, _ = model_pair("llama")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=16).tolist() for _ in range(2)]
+    tree = RadixTree()
+    for worker, prompt in enumerate(prompts, start=1):
+        recorder = Recorder()
+        engine = Engine(model, num_blocks=32, block_size=4, kv_events=recorder)
+        engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+        for batch in recorder.batches:
+            apply(tree, worker, batch)
+    for worker, prompt in enumerate(prompts, start=1):
+        request = [*prompt, 7, 7, 7, 7]
+        scores = tree.find_matches(compute_block_hash_for_seq(request, 4)).scores
+        best = max(scores, key=scores.get)
+        assert best == (worker, 0) and scores[best] == 4, scores
