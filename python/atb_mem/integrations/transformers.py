@@ -290,8 +290,9 @@ def use_paged_attention(model: Any) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-def kv_cache_layout(model: Any) -> dict[str, Any]:
-    """``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` of a model's KV cache."""
+def kv_cache_layout(model: Any, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype`` of a model's KV cache (of
+    one rank's share of the KV heads under tensor parallelism)."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -300,7 +301,8 @@ def kv_cache_layout(model: Any) -> dict[str, Any]:
         raise ValueError(f"atb-mem holds K/V as {sorted(_TORCH_TO_KV_DTYPE.values())}; the model "
                          f"computes in {model.dtype}")
     return {"num_layers": config.num_hidden_layers,
-            "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "num_kv_heads": (getattr(config, "num_key_value_heads", None) or heads)
+            // tensor_parallel_size,
             "head_dim": head_dim, "dtype": dtype}
 
 
@@ -324,11 +326,11 @@ class ModelRunner:
     ``execute(plan)`` returns the logits of the plan's ``sample_seq_ids``, in that order.
     """
 
-    def __init__(self, model: Any, kv_cache: KVCachePool) -> None:
+    def __init__(self, model: Any, kv_cache: KVCachePool, tensor_parallel_size: int = 1) -> None:
         import torch
 
         self.layers = _check_supported(model)
-        layout = kv_cache_layout(model)
+        layout = kv_cache_layout(model, tensor_parallel_size)
         for name, expected in layout.items():
             if getattr(kv_cache, name) != expected:
                 raise ValueError(f"the KV cache has {name}={getattr(kv_cache, name)!r}; the model "

@@ -30,6 +30,8 @@ from atb_mem.serving.sampler import sample
 if TYPE_CHECKING:
     import torch
 
+    from atb_mem.serving.tensor_parallel import PlanBroadcast
+
 __all__ = ["Engine"]
 
 # Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
@@ -78,8 +80,20 @@ class Engine:
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None,
-                 kv_events: KVEventPublisher | None = None) -> None:
-        layout = kv_cache_layout(model)
+                 kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
+                 verify_tensor_parallel: bool = False) -> None:
+        self.plan_broadcast: PlanBroadcast | None = None
+        if tensor_parallel_size != 1:
+            from atb_mem.serving.tensor_parallel import (
+                PlanBroadcast,
+                TensorParallelGroup,
+                shard_model,
+            )
+
+            group = TensorParallelGroup.join(tensor_parallel_size)
+            shard_model(model, group.rank, group.size)
+            self.plan_broadcast = PlanBroadcast(group, verify_tensor_parallel)
+        layout = kv_cache_layout(model, tensor_parallel_size)
         config = model.config.get_text_config()
         self.model = model
         self.tokenizer = tokenizer
@@ -89,6 +103,8 @@ class Engine:
         if num_blocks is None:
             num_blocks = _num_blocks(model, layout, block_size, max_num_seqs, self.max_model_len,
                                      gpu_memory_utilization, kv_cache_memory_bytes)
+            if self.plan_broadcast is not None:  # every rank holds as many blocks as the least
+                num_blocks = self.plan_broadcast.agree_on_minimum(num_blocks)
         self.kv_cache = KVCachePool(num_blocks, block_size, device=device,
                                     enable_prefix_caching=enable_prefix_caching,
                                     num_host_blocks=num_host_blocks,
@@ -97,7 +113,7 @@ class Engine:
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
@@ -105,6 +121,28 @@ class Engine:
         self._aborted: list[_Request] = []
         self.last_step_seconds = (0.0, 0.0)
         """(model forward, whole step) of the last ``step()``, in seconds."""
+
+    # ---- tensor parallelism ----------------------------------------------------------------
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process schedules (always, without tensor parallelism)."""
+        return self.plan_broadcast is None or self.plan_broadcast.group.is_driver
+
+    def run_worker(self) -> int:
+        """On a tensor-parallel worker rank: runs the steps rank 0 sends until it calls
+        ``shutdown()``; returns how many ran."""
+        from atb_mem.serving.tensor_parallel import run_worker
+
+        if self.is_driver:
+            raise RuntimeError("run_worker() is for tensor-parallel ranks other than 0")
+        return run_worker(self)
+
+    def shutdown(self) -> None:
+        """On rank 0 of a tensor-parallel engine: releases the workers (their ``run_worker``
+        returns). Nothing to do otherwise."""
+        if self.plan_broadcast is not None and self.is_driver:
+            self.plan_broadcast.stop()
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: Any = None, dtype: Any = None,
@@ -174,6 +212,8 @@ class Engine:
         this step's new tokens (and text) per sample, in order of arrival."""
         began = time.perf_counter()
         plan = self.scheduler.step()
+        if self.plan_broadcast is not None and (plan.num_batched_tokens or len(plan.moves)):
+            self.plan_broadcast.send(plan)  # the workers run the same step on their shards
         progressed: dict[str, _Request] = {}
         model_seconds = 0.0
         if plan.num_batched_tokens:

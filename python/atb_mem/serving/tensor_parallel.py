@@ -1,0 +1,250 @@
+"""Tensor parallelism over torch.distributed: one scheduler, N ranks of model and KV bytes.
+
+Rank 0 (the driver) owns the engine's scheduler and KV bookkeeping. Every step it broadcasts
+the plan — a header and one flat int64 array holding the plan's rows, tokens, block tables,
+slot mapping and block moves — and every rank runs the same forward over its own shard: the
+attention heads (and their KV-cache heads) and the MLP's intermediate features split N ways,
+column-parallel in and row-parallel out with one ``all_reduce`` each (Megatron's split, what
+vLLM and MindIE do). Workers execute the plan's block moves (copy-on-write, swaps) on their
+own pool first, so every rank's blocks hold the same tokens' K/V for its heads.
+
+torch.distributed's collectives carry it all: gloo on CPU, NCCL on CUDA, HCCL on Ascend. The
+process group's timeout bounds every collective, so a rank that dies ends the others with an
+error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["PlanBroadcast", "RowParallelLinear", "TensorParallelError", "TensorParallelGroup",
+           "WirePlan", "run_worker", "shard_model"]
+
+
+class TensorParallelError(RuntimeError):
+    """A rank left, timed out, or disagreed: the engine cannot go on."""
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place among the ranks."""
+
+    rank: int
+    size: int
+    timeout_s: float
+
+    @classmethod
+    def join(cls, size: int, timeout_s: float = 60.0, backend: str | None = None
+             ) -> TensorParallelGroup:
+        """Joins (or, launched by torchrun, creates) the default process group of ``size``
+        ranks; ``backend`` defaults to NCCL with CUDA, gloo otherwise."""
+        if not dist.is_available():
+            raise TensorParallelError("this torch build has no torch.distributed")
+        if not dist.is_initialized():
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if dist.get_world_size() != size:
+            raise ValueError(f"tensor_parallel_size={size}, but the process group has "
+                             f"{dist.get_world_size()} ranks (launch with torchrun "
+                             f"--nproc-per-node {size})")
+        return cls(dist.get_rank(), size, timeout_s)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def _collective(what: str, call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except RuntimeError as error:  # gloo/NCCL: a peer closed, or the timeout passed
+        raise TensorParallelError(f"tensor parallelism: {what} failed (a rank died or timed "
+                                  f"out): {error}") from error
+
+
+# ---- the model's split ---------------------------------------------------------------------
+
+def _shard_rows(linear: torch.nn.Linear, rank: int, size: int) -> None:
+    """Column parallel: this rank's output features of ``linear``."""
+    out = linear.weight.shape[0] // size
+    linear.weight = torch.nn.Parameter(linear.weight.data[rank * out:(rank + 1) * out].clone(),
+                                       requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[rank * out:(rank + 1) * out].clone(),
+                                         requires_grad=False)
+    linear.out_features = out
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Row parallel: this rank's input features of a linear layer; the partial products are
+    summed over the ranks, then the (unsplit) bias is added once."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, size: int) -> None:
+        super().__init__()
+        width = linear.weight.shape[1] // size
+        self.weight = torch.nn.Parameter(
+            linear.weight.data[:, rank * width:(rank + 1) * width].clone(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = torch.nn.functional.linear(x, self.weight)
+        _collective("all_reduce", dist.all_reduce, partial)
+        return partial if self.bias is None else partial + self.bias
+
+
+def shard_model(model: Any, rank: int, size: int) -> None:
+    """Keeps this rank's shard of every decoder layer of a Llama-shaped model (q/k/v/o
+    projections, gate/up/down MLP; per-head sinks), in place."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the attention heads "
+                         f"({heads}) and the KV heads ({kv_heads})")
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        names = ("gate_proj", "up_proj", "down_proj")
+        if not all(hasattr(mlp, name) for name in names) or \
+                not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj",
+                                                              "o_proj")):
+            raise NotImplementedError(f"{type(model).__name__}: tensor parallelism splits "
+                                      "Llama-shaped layers (q/k/v/o projections, a gated MLP); "
+                                      "mixtures of experts are not split yet")
+        if mlp.gate_proj.weight.shape[0] % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the MLP's "
+                             f"{mlp.gate_proj.weight.shape[0]} intermediate features")
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj,
+                           mlp.gate_proj, mlp.up_proj):
+            _shard_rows(projection, rank, size)
+        attention.o_proj = RowParallelLinear(attention.o_proj, rank, size)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, size)
+        sinks = getattr(attention, "sinks", None)
+        if sinks is not None:
+            share = sinks.shape[0] // size
+            attention.sinks = torch.nn.Parameter(sinks.data[rank * share:(rank + 1) * share]
+                                                 .clone(), requires_grad=False)
+
+
+# ---- the plan's broadcast ------------------------------------------------------------------
+
+_FIELDS = ("query_lens", "seq_lens", "query_start_loc", "input_ids", "positions",
+           "slot_mapping", "logits_indices")
+
+
+@dataclass
+class WirePlan:
+    """What a worker's forward reads of a ``StepPlan``."""
+
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    block_tables: np.ndarray
+    moves: np.ndarray
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class PlanBroadcast:
+    """Rank 0 sends each step's plan; the others receive it. With ``verify``, every step the
+    ranks also compare a checksum of the block tables and slot mapping they hold."""
+
+    STOP = -1
+
+    def __init__(self, group: TensorParallelGroup, verify: bool = False) -> None:
+        self.group = group
+        self.verify = verify
+
+    def send(self, plan: Any) -> None:
+        arrays = [np.asarray(getattr(plan, name)).astype(np.int64).ravel() for name in _FIELDS]
+        tables = np.asarray(plan.block_tables)
+        moves = np.asarray(plan.moves).astype(np.int64)
+        lengths = [len(array) for array in arrays]
+        header = np.array([*lengths, tables.shape[0], tables.shape[1], len(moves)], np.int64)
+        self._header(header)
+        self._body(np.concatenate([*arrays, tables.astype(np.int64).ravel(), moves.ravel()]))
+        self._check(tables, np.asarray(plan.slot_mapping))
+
+    def agree_on_minimum(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            tensor = tensor.cuda()
+        _collective("agreeing on the KV-cache size", dist.all_reduce, tensor,
+                    dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def stop(self) -> None:
+        """Tells the workers to return."""
+        self._header(np.full(len(_FIELDS) + 3, self.STOP, np.int64))
+
+    def receive(self) -> WirePlan | None:
+        """The next plan, or None once rank 0 stopped."""
+        header = self._header(np.zeros(len(_FIELDS) + 3, np.int64))
+        if header[0] == self.STOP:
+            return None
+        lengths = header[:len(_FIELDS)].tolist()
+        rows, width, moves = header[len(_FIELDS):].tolist()
+        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3, np.int64))
+        fields, start = {}, 0
+        for name, length in zip(_FIELDS, lengths, strict=True):
+            fields[name] = body[start:start + length]
+            start += length
+        tables = body[start:start + rows * width].reshape(rows, width).astype(np.int32)
+        start += rows * width
+        plan = WirePlan(**fields, block_tables=tables,
+                        moves=body[start:start + moves * 3].reshape(moves, 3))
+        self._check(tables, plan.slot_mapping)
+        return plan
+
+    def _header(self, header: np.ndarray) -> np.ndarray:
+        return self._broadcast("the plan's header", header)
+
+    def _body(self, body: np.ndarray) -> np.ndarray:
+        return self._broadcast("the plan", body) if len(body) else body
+
+    def _broadcast(self, what: str, array: np.ndarray) -> np.ndarray:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if dist.get_backend() == "nccl":
+            tensor = tensor.cuda()
+        _collective(f"broadcasting {what}", dist.broadcast, tensor, 0)
+        return tensor.cpu().numpy()
+
+    def _check(self, tables: np.ndarray, slots: np.ndarray) -> None:
+        """Every rank must hold the same tables and slots for the step."""
+        if not self.verify:
+            return
+        checksum = zlib.crc32(np.ascontiguousarray(tables, np.int64).tobytes())
+        checksum = zlib.crc32(np.ascontiguousarray(slots, np.int64).tobytes(), checksum)
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.group.size)]
+        _collective("comparing block tables", dist.all_gather, gathered,
+                    torch.tensor([checksum], dtype=torch.int64))
+        if len({int(value) for value in gathered}) != 1:
+            raise TensorParallelError(f"the ranks' block tables differ at this step: "
+                                      f"{[int(value) for value in gathered]}")
+
+
+def run_worker(engine: Any) -> int:
+    """A worker rank's loop: for each plan rank 0 sends, execute its block moves on this
+    rank's KV bytes, then the forward. Returns the number of steps run once rank 0 stops."""
+    broadcast: PlanBroadcast = engine.plan_broadcast
+    steps = 0
+    while (plan := broadcast.receive()) is not None:
+        if len(plan.moves):
+            engine.kv_cache.tensors.execute(plan.moves)
+        if plan.num_batched_tokens:
+            engine.runner.execute(plan)
+        steps += 1
+    return steps
