@@ -92,3 +92,42 @@ def test_serve_refuses_a_bad_config_file_in_one_line(tmp_path: Path) -> None:
     last = result.stderr.strip().splitlines()[-1]  # after transformers' loading bar
     assert last.startswith("atb-mem: error:") and "max_num_seqs" in last
     assert "Traceback" not in result.stderr
+
+
+def test_serve_starts_its_own_tensor_parallel_ranks(tmp_path: Path) -> None:
+    import httpx
+
+    from atb_mem.serving import Engine, SamplingParams
+
+    save_tiny_checkpoint(tmp_path)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
+         "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
+         "--tensor-parallel-size", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prompt = "hello " * 12
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the server never answered /health"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and out.rstrip().endswith("atb-mem: stopped")
+    [expected] = Engine.from_pretrained(str(tmp_path), device="cpu", num_blocks=64).generate(
+        prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert response.json()["choices"][0]["text"] == expected.outputs[0].text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,9 @@ class Engine:
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        if engine_kwargs.get("tensor_parallel_size", 1) != 1 and device in (None, "cuda") \
+                and torch.cuda.is_available():
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one device per rank
         model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
         model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
         try:

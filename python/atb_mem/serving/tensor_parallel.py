@@ -15,6 +15,11 @@ error instead of a hang.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PlanBroadcast", "RowParallelLinear", "TensorParallelError", "TensorParallelGroup",
-           "WirePlan", "run_worker", "shard_model"]
+           "WirePlan", "launch_workers", "run_worker", "shard_model"]
 
 
 class TensorParallelError(RuntimeError):
@@ -248,3 +253,36 @@ def run_worker(engine: Any) -> int:
             engine.runner.execute(plan)
         steps += 1
     return steps
+
+
+# ---- launching the ranks itself ------------------------------------------------------------
+
+def launch_workers(size: int, model_dir: str, engine_kwargs: dict[str, Any]
+                   ) -> list[subprocess.Popen[bytes]]:
+    """For a process not started by torchrun: makes it rank 0 of ``size`` and starts ranks
+    1..size-1 as child processes loading ``model_dir`` with the same ``engine_kwargs`` (JSON
+    values); they serve rank 0's steps and exit when it shuts down."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    common = {"WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    os.environ.update(common, RANK="0", LOCAL_RANK="0")
+    workers = []
+    for rank in range(1, size):
+        env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "atb_mem.serving.tensor_parallel", model_dir,
+             json.dumps({**engine_kwargs, "tensor_parallel_size": size})], env=env,
+            start_new_session=True))  # Ctrl-C goes to rank 0, which releases them
+    return workers
+
+
+def _worker_main(argv: list[str]) -> None:
+    from atb_mem.serving.engine import Engine
+
+    model_dir, engine_kwargs = argv[0], json.loads(argv[1])
+    Engine.from_pretrained(model_dir, **engine_kwargs).run_worker()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import click
@@ -41,6 +43,10 @@ import click
 @click.option("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ENDPOINT",
               help="With --kv-events-endpoint: replays missed batches to late subscribers.")
 @click.option("--kv-events-topic", default="", help="The topic frame of every event batch.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
+              show_default=True,
+              help="Split the model over N ranks (torch.distributed; gloo on CPU, NCCL on "
+                   "CUDA). Without torchrun, serve starts the other ranks itself.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="A JSON file of scheduling settings (max_num_seqs, max_batch_size, ...), "
                    "applied over the flags at start; `atb-mem ctl --persist` writes kept "
@@ -54,7 +60,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           gpu_memory_utilization: float, max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
           kv_events_replay_endpoint: str | None, kv_events_topic: str,
-          config_path: str | None, admin_token: str | None) -> None:
+          tensor_parallel_size: int, config_path: str | None, admin_token: str | None) -> None:
     """Serves the checkpoint in MODEL_DIR: /v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics and /admin/config (see `atb-mem ctl`). Ctrl-C stops it."""
     from atb_mem.scheduling.request_batching import DynamicBatchScheduler
@@ -75,18 +81,29 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
 
     if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
         raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    engine_kwargs = {
+        "device": device, "dtype": None if dtype == "auto" else dtype,
+        "block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
+        "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
+        "gpu_memory_utilization": gpu_memory_utilization}
+    workers: list[subprocess.Popen[bytes]] = []
+    if tensor_parallel_size > 1 and "RANK" not in os.environ:
+        from atb_mem.serving.tensor_parallel import launch_workers
+
+        workers = launch_workers(tensor_parallel_size, model_dir, engine_kwargs)
+    if int(os.environ.get("RANK", "0")) != 0:  # a torchrun-started worker rank
+        Engine.from_pretrained(model_dir, tensor_parallel_size=tensor_parallel_size,
+                               **engine_kwargs).run_worker()
+        return
     publisher = None
     if kv_events_endpoint is not None:
         from atb_mem.events.zmq_publisher import ZmqEventPublisher
 
         publisher = ZmqEventPublisher(kv_events_endpoint, kv_events_replay_endpoint,
                                       kv_events_topic)
-    engine = Engine.from_pretrained(
-        model_dir, device=device, dtype=None if dtype == "auto" else dtype,
-        block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, preemption=preemption,
-        num_host_blocks=num_host_blocks, enable_prefix_caching=not no_prefix_caching,
-        gpu_memory_utilization=gpu_memory_utilization, kv_events=publisher)
+    engine = Engine.from_pretrained(model_dir, kv_events=publisher,
+                                    tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
     LiveSettings(engine.scheduler, admission).apply(**settings)  # a bad file stops here
     name = served_model_name or Path(model_dir).resolve().name
     click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
@@ -97,6 +114,9 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     finally:
+        engine.shutdown()  # releases the tensor-parallel ranks
+        for worker in workers:
+            worker.wait(60)
         if publisher is not None:
             publisher.close()
     click.echo("atb-mem: stopped")
