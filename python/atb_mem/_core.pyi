@@ -168,10 +168,11 @@ class KVCachePool:
         """Drops every cached block no sequence uses; returns how many."""
     @property
     def enable_kv_events(self) -> bool: ...
-    def take_kv_event_records(
-            self) -> list[tuple[int, str, str, int | None, list[int], list[int], int]]:
-        """Drains the KV-cache events since the last call, oldest first, as tuples (event_id,
-        kind, medium, parent_hash, block_hashes, token_ids, root_hash); see atb_mem.events."""
+    def take_kv_event_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Drains the KV-cache events since the last call, oldest first: uint64 ``[E, 8]``
+        (event_id, kind, medium, has_parent, parent, root, end of hashes, end of token ids),
+        uint64 hashes, uint32 token ids; None when there are none. See
+        atb_mem.events.events_from_arrays."""
     def stats(self) -> KVCacheStats: ...
     def _check_invariants(self) -> None:
         """Raises AssertionError naming the first broken internal invariant."""

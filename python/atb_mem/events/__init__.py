@@ -9,48 +9,49 @@ where: ``"device"``, or ``"host"`` for the copies a swap-out makes. ``pool.take_
 drains them in order; ``event_id`` increases by one per event over the pool's life, so a gap
 means a lost event.
 
-Block hashes are the first 64 bits of the core's 128-bit chained hash (a router keys blocks
+Events are named tuples (cheap to make: an engine drains every step). Block hashes are the
+first 64 bits of the core's 128-bit chained hash (a router keys blocks
 by 64-bit integers); ``cache_salt_hash`` names the chain's root (0 without a cache salt).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeAlias
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Protocol, TypeAlias
+
+import numpy as np
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
-           "KVEventPublisher", "Medium", "events_from_records"]
+           "KVEventPublisher", "Medium", "events_from_arrays"]
 
 Medium: TypeAlias = Literal["device", "host"]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(NamedTuple):
     """Blocks that joined the cache: ``block_hashes[i]`` holds
     ``token_ids[i * block_size:(i + 1) * block_size]``, child of ``block_hashes[i - 1]`` (of
-    ``parent_block_hash`` for the first; None when it starts its sequence)."""
+    ``parent_block_hash`` for the first; None when it starts its sequence). The arrays
+    (uint64 hashes, uint32 ids) are views of the drain's own buffers: the pool keeps no
+    reference to them."""
 
     event_id: int
-    block_hashes: tuple[int, ...]
+    block_hashes: np.ndarray
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: np.ndarray
     block_size: int
     medium: Medium
     cache_salt_hash: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks that left the cache on ``medium``."""
+class BlockRemoved(NamedTuple):
+    """Blocks that left the cache on ``medium`` (uint64 hashes)."""
 
     event_id: int
-    block_hashes: tuple[int, ...]
+    block_hashes: np.ndarray
     medium: Medium
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(NamedTuple):
     """Nothing is cached any more, on any medium."""
 
     event_id: int
@@ -66,16 +67,27 @@ class KVEventPublisher(Protocol):
     def publish(self, events: Sequence[KVCacheEvent]) -> None: ...
 
 
-def events_from_records(records: Iterable[tuple[Any, ...]],
-                        block_size: int) -> list[KVCacheEvent]:
-    """Types the core's records (``_core.KVCachePool.take_kv_event_records()``)."""
+_MEDIA: tuple[Medium, Medium] = ("device", "host")
+
+
+def events_from_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+                       block_size: int) -> list[KVCacheEvent]:
+    """Types the core's drain (``_core.KVCachePool.take_kv_event_arrays()``)."""
+    if arrays is None:
+        return []
+    table, hashes, token_ids = arrays
     events: list[KVCacheEvent] = []
-    for event_id, kind, medium, parent, hashes, token_ids, root in records:
-        if kind == "stored":
-            events.append(BlockStored(event_id, tuple(hashes), parent, tuple(token_ids),
-                                      block_size, medium, root))
-        elif kind == "removed":
-            events.append(BlockRemoved(event_id, tuple(hashes), medium))
+    hashes_from = tokens_from = 0
+    for event_id, kind, medium, has_parent, parent, root, hashes_to, tokens_to in \
+            table.tolist():
+        if kind == 0:
+            events.append(BlockStored(event_id, hashes[hashes_from:hashes_to],
+                                      parent if has_parent else None,
+                                      token_ids[tokens_from:tokens_to], block_size,
+                                      _MEDIA[medium], root))
+        elif kind == 1:
+            events.append(BlockRemoved(event_id, hashes[hashes_from:hashes_to], _MEDIA[medium]))
         else:
             events.append(AllBlocksCleared(event_id))
+        hashes_from, tokens_from = hashes_to, tokens_to
     return events

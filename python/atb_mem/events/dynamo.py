@@ -27,7 +27,7 @@ __all__ = ["TOKENS_HASH_SEED", "encode_event", "tokens_hashes"]
 TOKENS_HASH_SEED = 1337
 
 
-def tokens_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def tokens_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Dynamo's hash of every full block of ``token_ids``."""
     ids = np.asarray(token_ids, dtype="<u4")
     return [xxhash.xxh3_64_intdigest(ids[start:start + block_size].tobytes(),
@@ -42,13 +42,14 @@ def encode_event(event: KVCacheEvent) -> bytes | None:
         if event.medium != "device":
             return None
         hashes = tokens_hashes(event.token_ids, event.block_size)
+        blocks = np.asarray(event.block_hashes).tolist()
         data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": [
             {"block_hash": block, "tokens_hash": tokens}
-            for block, tokens in zip(event.block_hashes, hashes, strict=True)]}}
+            for block, tokens in zip(blocks, hashes, strict=True)]}}
     elif isinstance(event, BlockRemoved):
         if event.medium != "device":
             return None
-        data = {"removed": {"block_hashes": list(event.block_hashes)}}
+        data = {"removed": {"block_hashes": np.asarray(event.block_hashes).tolist()}}
     elif isinstance(event, AllBlocksCleared):
         data = "cleared"
     else:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 
 from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -58,11 +59,11 @@ _encoder = msgspec.msgpack.Encoder()
 
 def _wire(event: KVCacheEvent) -> _BlockStored | _BlockRemoved | _AllBlocksCleared:
     if isinstance(event, BlockStored):
-        return _BlockStored(list(event.block_hashes), event.parent_block_hash,
-                            list(event.token_ids), event.block_size, None,
+        return _BlockStored(np.asarray(event.block_hashes).tolist(), event.parent_block_hash,
+                            np.asarray(event.token_ids).tolist(), event.block_size, None,
                             _MEDIUM[event.medium])
     if isinstance(event, BlockRemoved):
-        return _BlockRemoved(list(event.block_hashes), _MEDIUM[event.medium])
+        return _BlockRemoved(np.asarray(event.block_hashes).tolist(), _MEDIUM[event.medium])
     if isinstance(event, AllBlocksCleared):
         return _AllBlocksCleared()
     raise TypeError(f"not a KV-cache event: {event!r}")

@@ -18,7 +18,7 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem._types import KVCachePoolStats
-from atb_mem.events import KVCacheEvent, events_from_records
+from atb_mem.events import KVCacheEvent, events_from_arrays
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -220,7 +220,7 @@ class KVCachePool(_core.KVCachePool):
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The KV-cache events recorded since the last call, oldest first (see
         ``atb_mem.events``); always empty unless the pool has ``enable_kv_events``."""
-        return events_from_records(self.take_kv_event_records(), self.block_size)
+        return events_from_arrays(self.take_kv_event_arrays(), self.block_size)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

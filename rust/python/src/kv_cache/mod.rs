@@ -9,7 +9,7 @@ pub mod transfer;
 use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyTuple};
 
 pub use batch_table::PyBatchTable;
 
@@ -514,14 +514,17 @@ impl PyKvCachePool {
         Ok(self.lock()?.kv_events_enabled())
     }
 
-    /// Drains the KV-cache events recorded since the last call, oldest first, as tuples
-    /// (see `atb_mem.events` for their types).
-    fn take_kv_event_records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Drains the KV-cache events recorded since the last call, oldest first, as numpy
+    /// arrays (see `atb_mem.events` for their types); None when there are none.
+    fn take_kv_event_arrays<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let mut cache = self.lock()?;
+        if cache.kv_events().is_empty() {
+            return Ok(None);
+        }
         // Dropped only once converted: a failed conversion loses no event.
-        let records = events::events_to_list(py, cache.kv_events())?;
+        let arrays = events::events_to_arrays(py, cache.kv_events())?;
         cache.clear_kv_events();
-        Ok(records)
+        Ok(Some(arrays))
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
