@@ -143,6 +143,21 @@ def test_published_batches_arrive_numbered_and_a_late_subscriber_replays_them() 
     context.destroy(linger=0)
 
 
+def test_a_publisher_refuses_what_is_not_an_event_and_keeps_publishing() -> None:
+    context = zmq.Context()
+    with ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as publisher:
+        with pytest.raises(TypeError, match="not a KV-cache event"):
+            publisher.publish([EVENTS[0], "stored"])  # type: ignore[list-item]
+        publisher.publish(EVENTS)
+        replay = context.socket(zmq.DEALER)
+        replay.connect(publisher.replay_endpoint)
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        first = receive(replay, 5000)
+        assert first is not None and first[1] == (0).to_bytes(8, "big")
+        assert decoder.decode(first[2]).events[1] == BlockRemovedStruct([22], "CPU")
+    context.destroy(linger=0)
+
+
 def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="cannot bind"):
         ZmqEventPublisher("not-a-transport://x")

@@ -8,8 +8,8 @@ sees a gap in the numbers, sends the first number it wants to the replay socket
 (``[b"", start]`` from a DEALER/REQ socket) and gets back every buffered batch from there
 as ``[b"", seq, payload]``, then ``[b"", -1, b""]``.
 
-ZMQ sockets belong to one thread: ``publish`` only queues, and a thread of the publisher's
-own owns both sockets.
+ZMQ sockets belong to one thread: ``publish`` only queues the events, and a thread of the
+publisher's own encodes them and owns both sockets, so the engine's step pays for neither.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from atb_mem.events import KVCacheEvent
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from atb_mem.events.vllm import encode_batch
 
 __all__ = ["ZmqEventPublisher"]
@@ -54,7 +54,7 @@ class ZmqEventPublisher:
         self.replay_endpoint = None if self._replay is None else \
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._queue: queue.Queue[list[KVCacheEvent] | None] = queue.Queue()
         self._next_seq = 0
         self._thread = threading.Thread(target=self._run, name="atb-mem-kv-events",
                                         daemon=True)
@@ -62,8 +62,11 @@ class ZmqEventPublisher:
 
     def publish(self, events: Sequence[KVCacheEvent]) -> None:
         """Queues one batch (nothing for no events); returns at once."""
+        for event in events:  # refused here: the thread that encodes must not fail
+            if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+                raise TypeError(f"not a KV-cache event: {event!r}")
         if events:
-            self._queue.put(encode_batch(events, data_parallel_rank=self.data_parallel_rank))
+            self._queue.put(list(events))
 
     def close(self, timeout: float = 5.0) -> None:
         """Sends what is queued, then closes the sockets."""
@@ -84,13 +87,14 @@ class ZmqEventPublisher:
         try:
             while True:
                 try:
-                    payload = self._queue.get(timeout=0.05)
+                    events = self._queue.get(timeout=0.05)
                 except queue.Empty:
-                    payload = b""
-                if payload is None:
+                    events = []
+                if events is None:
                     break
-                if payload:
-                    self._send(payload)
+                if events:
+                    self._send(encode_batch(events,
+                                            data_parallel_rank=self.data_parallel_rank))
                 while self._replay is not None and poller.poll(0):
                     self._serve_replay(self._replay)
         finally:

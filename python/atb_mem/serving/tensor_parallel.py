@@ -1,7 +1,7 @@
 """Tensor parallelism over torch.distributed: one scheduler, N ranks of model and KV bytes.
 
 Rank 0 (the driver) owns the engine's scheduler and KV bookkeeping. Every step it broadcasts
-the plan — a header and one flat int64 array holding the plan's rows, tokens, block tables,
+the plan — a header and one flat int32 array holding the plan's rows, tokens, block tables,
 slot mapping and block moves — and every rank runs the same forward over its own shard: the
 attention heads (and their KV-cache heads) and the MLP's intermediate features split N ways,
 column-parallel in and row-parallel out with one ``all_reduce`` each (Megatron's split, what
@@ -173,13 +173,14 @@ class PlanBroadcast:
         self.verify = verify
 
     def send(self, plan: Any) -> None:
-        arrays = [np.asarray(getattr(plan, name)).astype(np.int64).ravel() for name in _FIELDS]
+        # Every field fits int32: slots by the core's 2**31 cap, ids, positions and blocks.
+        arrays = [np.asarray(getattr(plan, name)).astype(np.int32).ravel() for name in _FIELDS]
         tables = np.asarray(plan.block_tables)
-        moves = np.asarray(plan.moves).astype(np.int64)
+        moves = np.asarray(plan.moves).astype(np.int32)
         lengths = [len(array) for array in arrays]
         header = np.array([*lengths, tables.shape[0], tables.shape[1], len(moves)], np.int64)
         self._header(header)
-        self._body(np.concatenate([*arrays, tables.astype(np.int64).ravel(), moves.ravel()]))
+        self._body(np.concatenate([*arrays, tables.astype(np.int32).ravel(), moves.ravel()]))
         self._check(tables, np.asarray(plan.slot_mapping))
 
     def agree_on_minimum(self, value: int) -> int:
@@ -202,12 +203,12 @@ class PlanBroadcast:
             return None
         lengths = header[:len(_FIELDS)].tolist()
         rows, width, moves = header[len(_FIELDS):].tolist()
-        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3, np.int64))
+        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3, np.int32))
         fields, start = {}, 0
         for name, length in zip(_FIELDS, lengths, strict=True):
             fields[name] = body[start:start + length]
             start += length
-        tables = body[start:start + rows * width].reshape(rows, width).astype(np.int32)
+        tables = body[start:start + rows * width].reshape(rows, width)
         start += rows * width
         plan = WirePlan(**fields, block_tables=tables,
                         moves=body[start:start + moves * 3].reshape(moves, 3))
