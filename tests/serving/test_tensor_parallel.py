@@ -1,7 +1,8 @@
-"""Tensor parallelism with 2 ranks over gloo on the CPU: greedy output equal to the
-single-process engine for a mixed batch with preemption and prefix hits (every step the
-ranks also compare their block tables through a collective), and a rank that dies ends rank
-0 with a clear error instead of a hang."""
+"""Tensor parallelism with 2 ranks over gloo on the CPU: output equal to the single-process
+engine for a mixed batch with swap preemption, prefix hits and copy-on-write forks, with the
+unused blocks NaN on every rank before every step (every step the ranks also compare their
+block tables through a collective); and a rank that dies ends rank 0 with a clear error
+instead of a hang."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.tensor_parallel_rank import ENGINE, MAX_TOKENS, PROMPTS
+from tests.support.models import run_poisoned
+from tests.support.tensor_parallel_rank import ENGINE, FORK_PROMPT, MAX_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,13 +51,17 @@ def run_ranks(checkpoint: Path, out: Path, *extra: str) -> list[subprocess.Compl
     return results
 
 
-def single_process_tokens(checkpoint: Path) -> tuple[list[list[int]], Any]:
+def single_process_tokens(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], Any]:
     from atb_mem.serving import Engine, SamplingParams
 
     engine = Engine.from_pretrained(str(checkpoint), **ENGINE)
-    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                      ignore_eos=True))
-    return [output.outputs[0].token_ids for output in outputs], engine
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = run_poisoned(engine, {0: [(str(i), prompt, greedy)
+                                        for i, prompt in enumerate(PROMPTS)]})
+    forked = run_poisoned(engine, {0: [("forked", FORK_PROMPT, SamplingParams(
+        max_tokens=6, n=3, temperature=0, ignore_eos=True))]})["forked"]
+    return ([outputs[str(i)][0][0] for i in range(len(PROMPTS))],
+            [forked[index][0] for index in sorted(forked)], engine)
 
 
 def test_two_ranks_match_one_process_token_for_token(checkpoint: Path, tmp_path: Path) -> None:
@@ -64,8 +70,9 @@ def test_two_ranks_match_one_process_token_for_token(checkpoint: Path, tmp_path:
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     tensor_parallel = json.loads(out.read_text())
-    expected, engine = single_process_tokens(checkpoint)
+    expected, forked, engine = single_process_tokens(checkpoint)
     assert tensor_parallel["tokens"] == expected
+    assert tensor_parallel["forked"] == forked
     # The batch exercised what it is meant to, on both sides alike.
     assert tensor_parallel["preemptions"] == engine.scheduler.stats()["preemptions"] > 0
     assert tensor_parallel["hits"] == engine.kv_cache.stats()["prefix_cache_hits"] > 0

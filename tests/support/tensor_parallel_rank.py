@@ -25,6 +25,8 @@ ENGINE: dict[str, Any] = {"device": "cpu", "num_blocks": 24, "block_size": 4,
                           "max_num_seqs": 4, "max_num_batched_tokens": 32,
                           "preemption": "swap", "num_host_blocks": 32}
 MAX_TOKENS = 24
+FORK_PROMPT = [7, *range(60, 110)]  # new to the cache, its last block partly filled
+FORKED: Any = None  # n=3 greedy samples of one prompt: forks (SamplingParams, made in main)
 
 
 def main(argv: list[str]) -> None:
@@ -32,6 +34,10 @@ def main(argv: list[str]) -> None:
 
     from atb_mem.serving import Engine, SamplingParams
     from atb_mem.serving.tensor_parallel import PlanBroadcast, TensorParallelError
+    from tests.support.models import poison_unused_blocks
+
+    global FORKED
+    FORKED = SamplingParams(max_tokens=6, n=3, temperature=0, ignore_eos=True)
 
     torch.set_num_threads(1)
     checkpoint, out = argv[0], argv[1]
@@ -51,15 +57,26 @@ def main(argv: list[str]) -> None:
             PlanBroadcast.receive = receive_then_die  # type: ignore[method-assign]
         engine.run_worker()
         return
+    step = engine.step
+
+    def poisoned_step() -> Any:  # unused blocks NaN on every rank: a stale read shows
+        assert engine.plan_broadcast is not None
+        engine.plan_broadcast.poison_next = engine.kv_cache.unused_blocks()
+        poison_unused_blocks(engine.kv_cache)
+        return step()
+
+    engine.step = poisoned_step  # type: ignore[method-assign]
     began = time.monotonic()
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     try:
         outputs = engine.generate(PROMPTS, greedy)
+        forked = engine.generate(FORK_PROMPT, FORKED)  # copy-on-write of the shared block
     except TensorParallelError as error:
         result: dict[str, Any] = {"error": str(error), "seconds": time.monotonic() - began}
     else:
         engine.shutdown()
         result = {"tokens": [output.outputs[0].token_ids for output in outputs],
+                  "forked": [one.token_ids for one in forked[0].outputs],
                   "preemptions": engine.scheduler.stats()["preemptions"],
                   "hits": engine.kv_cache.stats()["prefix_cache_hits"]}
     with open(out, "w") as file:

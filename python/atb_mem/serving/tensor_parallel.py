@@ -156,6 +156,7 @@ class WirePlan:
     logits_indices: np.ndarray
     block_tables: np.ndarray
     moves: np.ndarray
+    poison: np.ndarray
 
     @property
     def num_batched_tokens(self) -> int:
@@ -164,23 +165,34 @@ class WirePlan:
 
 class PlanBroadcast:
     """Rank 0 sends each step's plan; the others receive it. With ``verify``, every step the
-    ranks also compare a checksum of the block tables and slot mapping they hold."""
+    ranks also compare a checksum of the block tables and slot mapping they hold.
+
+    ``poison_next`` (tests): blocks rank 0 filled with NaN before the step it is about to
+    send; every worker fills its own copies of them too before running the step, so a stale
+    read on any rank shows in the output.
+    """
 
     STOP = -1
+    _HEADER = len(_FIELDS) + 4
 
     def __init__(self, group: TensorParallelGroup, verify: bool = False) -> None:
         self.group = group
         self.verify = verify
+        self.poison_next: np.ndarray | None = None
 
     def send(self, plan: Any) -> None:
         # Every field fits int32: slots by the core's 2**31 cap, ids, positions and blocks.
         arrays = [np.asarray(getattr(plan, name)).astype(np.int32).ravel() for name in _FIELDS]
         tables = np.asarray(plan.block_tables)
         moves = np.asarray(plan.moves).astype(np.int32)
+        poison = np.asarray(self.poison_next if self.poison_next is not None else [], np.int32)
+        self.poison_next = None
         lengths = [len(array) for array in arrays]
-        header = np.array([*lengths, tables.shape[0], tables.shape[1], len(moves)], np.int64)
+        header = np.array([*lengths, tables.shape[0], tables.shape[1], len(moves), len(poison)],
+                          np.int64)
         self._header(header)
-        self._body(np.concatenate([*arrays, tables.astype(np.int32).ravel(), moves.ravel()]))
+        self._body(np.concatenate([*arrays, tables.astype(np.int32).ravel(), moves.ravel(),
+                                   poison]))
         self._check(tables, np.asarray(plan.slot_mapping))
 
     def agree_on_minimum(self, value: int) -> int:
@@ -194,16 +206,16 @@ class PlanBroadcast:
 
     def stop(self) -> None:
         """Tells the workers to return."""
-        self._header(np.full(len(_FIELDS) + 3, self.STOP, np.int64))
+        self._header(np.full(self._HEADER, self.STOP, np.int64))
 
     def receive(self) -> WirePlan | None:
         """The next plan, or None once rank 0 stopped."""
-        header = self._header(np.zeros(len(_FIELDS) + 3, np.int64))
+        header = self._header(np.zeros(self._HEADER, np.int64))
         if header[0] == self.STOP:
             return None
         lengths = header[:len(_FIELDS)].tolist()
-        rows, width, moves = header[len(_FIELDS):].tolist()
-        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3, np.int32))
+        rows, width, moves, poisoned = header[len(_FIELDS):].tolist()
+        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3 + poisoned, np.int32))
         fields, start = {}, 0
         for name, length in zip(_FIELDS, lengths, strict=True):
             fields[name] = body[start:start + length]
@@ -211,7 +223,8 @@ class PlanBroadcast:
         tables = body[start:start + rows * width].reshape(rows, width)
         start += rows * width
         plan = WirePlan(**fields, block_tables=tables,
-                        moves=body[start:start + moves * 3].reshape(moves, 3))
+                        moves=body[start:start + moves * 3].reshape(moves, 3),
+                        poison=body[start + moves * 3:])
         self._check(tables, plan.slot_mapping)
         return plan
 
@@ -248,6 +261,9 @@ def run_worker(engine: Any) -> int:
     broadcast: PlanBroadcast = engine.plan_broadcast
     steps = 0
     while (plan := broadcast.receive()) is not None:
+        if len(plan.poison):
+            kv = engine.kv_cache.kv_cache
+            kv[:, :, torch.from_numpy(plan.poison.astype(np.int64)).to(kv.device)] = float("nan")
         if len(plan.moves):
             engine.kv_cache.tensors.execute(plan.moves)
         if plan.num_batched_tokens:
