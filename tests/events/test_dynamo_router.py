@@ -14,6 +14,8 @@ from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheE
 from atb_mem.events.dynamo import encode_event, tokens_hashes
 from atb_mem.serving import Engine, SamplingParams
 from tests.events.test_engine_events import Recorder
+from tests.support.kv_event_workload import apply as apply_operation
+from tests.support.kv_event_workload import operation
 from tests.support.models import model_pair
 
 BLOCK_SIZE = 2
@@ -45,41 +47,14 @@ def test_tokens_hashes_are_dynamos_and_the_json_is_fixed() -> None:
     assert encode_event(BlockRemoved(7, (22,), "host")) is None
 
 
-operation = st.one_of(
-    st.tuples(st.just("alloc"), st.integers(0, 5),
-              st.lists(st.integers(0, 2), min_size=1, max_size=9)),
-    st.tuples(st.just("compute"), st.integers(0, 5)),
-    st.tuples(st.just("free"), st.integers(0, 5)),
-    st.tuples(st.just("swap_out"), st.integers(0, 5)),
-    st.tuples(st.just("swap_in"), st.integers(0, 5)),
-    st.tuples(st.just("reset"),),
-)
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(operation, max_size=30), st.lists(st.integers(0, 2), min_size=3, max_size=9))
 def test_the_router_scores_what_the_cache_would_serve(operations: list[tuple],
                                                        probe: list[int]) -> None:
     pool = KVCachePool(10, BLOCK_SIZE, device=None, enable_kv_events=True, num_host_blocks=4)
     tree = RadixTree()
-    for name, *args in operations:
-        try:
-            if name == "alloc":
-                pool.alloc_sequence(args[0], args[1])
-            elif name == "compute":
-                if not pool.is_swapped(args[0]):
-                    pool.mark_computed(args[0])
-            elif name == "free":
-                pool.free_sequence(args[0])
-            elif name == "swap_out":
-                pool.swap_out([args[0]])
-            elif name == "swap_in":
-                pool.swap_in([args[0]])
-                pool.mark_computed(args[0])  # the bytes are back
-            else:
-                pool.reset_prefix_cache()
-        except (ValueError, KeyError, MemoryError, RuntimeError):
-            pass
+    for step in operations:
+        apply_operation(pool, step)
         apply(tree, 1, pool.take_kv_events())
     routed = score(tree, 1, probe, BLOCK_SIZE)
     try:

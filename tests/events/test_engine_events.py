@@ -10,7 +10,7 @@ import numpy as np
 
 from atb_mem.events import BlockStored, KVCacheEvent
 from atb_mem.serving import Engine, SamplingParams
-from tests.kv.test_kv_events import Router
+from tests.support.kv_event_workload import Router
 from tests.support.models import model_pair
 
 

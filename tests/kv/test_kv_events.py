@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atb_mem import KVCachePool
-from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.support.kv_event_workload import Router, apply, operation
 
 
 def events_pool(num_blocks: int = 8, **kwargs: object) -> KVCachePool:
@@ -100,60 +101,13 @@ def test_a_failing_call_records_nothing_and_no_events_unless_asked() -> None:
     assert KVCachePool.from_config(config).enable_kv_events
 
 
-class Router:
-    """What a router knows: the hashes each medium holds, from the events alone."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[str, set[int]] = {"device": set(), "host": set()}
-        self.last_event_id = 0
-
-    def replay(self, events: list[KVCacheEvent]) -> None:
-        for event in events:
-            assert event.event_id == self.last_event_id + 1
-            self.last_event_id = event.event_id
-            if isinstance(event, BlockStored):
-                assert not self.blocks[event.medium] & set(event.block_hashes)
-                self.blocks[event.medium] |= set(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= self.blocks[event.medium]
-                self.blocks[event.medium] -= set(event.block_hashes)
-            else:
-                self.blocks = {"device": set(), "host": set()}
-
-
-operation = st.one_of(
-    st.tuples(st.just("alloc"), st.integers(0, 5), st.lists(st.integers(0, 2), min_size=1,
-                                                             max_size=9)),
-    st.tuples(st.just("compute"), st.integers(0, 5)),
-    st.tuples(st.just("free"), st.integers(0, 5)),
-    st.tuples(st.just("swap_out"), st.integers(0, 5)),
-    st.tuples(st.just("swap_in"), st.integers(0, 5)),
-    st.tuples(st.just("reset"),),
-)
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.lists(operation, max_size=40))
 def test_a_router_replaying_the_events_counts_the_cached_blocks(operations: list[tuple]) -> None:
     pool = events_pool(10)
     router = Router()
-    for name, *args in operations:
-        try:
-            if name == "alloc":
-                pool.alloc_sequence(args[0], args[1])
-            elif name == "compute":
-                if not pool.is_swapped(args[0]):
-                    pool.mark_computed(args[0])
-            elif name == "free":
-                pool.free_sequence(args[0])
-            elif name == "swap_out":
-                pool.swap_out([args[0]])
-            elif name == "swap_in":
-                pool.swap_in([args[0]])
-            else:
-                pool.reset_prefix_cache()
-        except (ValueError, KeyError, MemoryError, RuntimeError):
-            pass
+    for step in operations:
+        apply(pool, step)
         router.replay(pool.take_kv_events())
         # blocks_cached counts the cached blocks no sequence uses.
         assert pool.stats()["blocks_cached"] <= len(router.blocks["device"])

@@ -19,6 +19,20 @@ def free_port() -> int:
         return port
 
 
+def wait_until_healthy(process: subprocess.Popen[str], port: int, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the server never answered /health"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)  # still loading the model
+
+
 def replayed_events(endpoint: str) -> bytes:
     """Every KV-event batch the server still buffers, asked for on its replay socket."""
     import zmq
@@ -53,15 +67,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server never answered /health"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)  # still loading the model
+        wait_until_healthy(process, port, 120)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"model": "tiny", "prompt": "hello " * 40, "max_tokens": 4},
                               timeout=60)
@@ -108,15 +114,7 @@ def test_serve_starts_its_own_tensor_parallel_ranks(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prompt = "hello " * 12
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "the server never answered /health"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(process, port, 180)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True})
