@@ -51,5 +51,40 @@ fn sequence_churn(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, block_allocate_free, sequence_churn);
+/// W3 in the core: a request of a shared 1,024-token prompt plus 256 unique tokens is
+/// admitted with its ids, computed and freed, with KV events off and on (drained every
+/// request, as an engine drains every step).
+fn prefix_request_events(c: &mut Criterion) {
+    for events in [false, true] {
+        let mut cache = KvCache::new(65_536, 16, KvLayout::default(), true).unwrap();
+        if events {
+            cache.enable_kv_events().unwrap();
+        }
+        let mut prompt: Vec<u32> = (0..1_280).collect();
+        let mut request = 0u32;
+        let name = format!(
+            "kv_cache/W3 request (KV events {})",
+            if events { "on" } else { "off" }
+        );
+        c.bench_function(&name, |b| {
+            b.iter(|| {
+                request += 1;
+                prompt[1_024] = 100_000 + request; // a unique suffix: only the prefix hits
+                cache
+                    .alloc_sequence(7, Tokens::Ids(black_box(&prompt)), None)
+                    .unwrap();
+                cache.mark_computed(7, Some(prompt.len())).unwrap();
+                cache.free_sequence(7).unwrap();
+                black_box(cache.take_kv_events(|log| log.events().len()));
+            })
+        });
+    }
+}
+
+criterion_group!(
+    benches,
+    block_allocate_free,
+    sequence_churn,
+    prefix_request_events
+);
 criterion_main!(benches);
