@@ -87,3 +87,31 @@ def test_a_rank_that_dies_ends_rank_0_with_a_clear_error(checkpoint: Path,
     assert "a rank died or timed out" in result["error"], result
     assert result["seconds"] < 120
     assert rank_0.returncode == 0, rank_0.stderr[-3000:]
+
+
+def test_a_model_that_cannot_be_split_is_refused_unchanged() -> None:
+    import torch
+    import transformers
+
+    from atb_mem.serving.tensor_parallel import shard_model
+    from tests.support.models import tiny_model
+
+    # Dense first layer, experts after it: a split that went layer by layer would have
+    # changed layer 0 before it found layer 1 unsplittable.
+    mixed = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0]))
+    for model, size, error in ((mixed, 2, NotImplementedError),
+                               (tiny_model("qwen3_moe"), 2, NotImplementedError),
+                               (tiny_model("llama"), 3, ValueError)):
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        try:
+            shard_model(model, 0, size)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{type(model).__name__} split {size} ways")
+        after = model.state_dict()
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[name], after[name]) for name in before)

@@ -113,10 +113,10 @@ def shard_model(model: Any, rank: int, size: int) -> None:
     if heads % size or kv_heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the attention heads "
                          f"({heads}) and the KV heads ({kv_heads})")
-    for layer in model.model.layers:
+    layers = model.model.layers
+    for layer in layers:  # every layer is checked before any is split: a refusal changes nothing
         attention, mlp = layer.self_attn, layer.mlp
-        names = ("gate_proj", "up_proj", "down_proj")
-        if not all(hasattr(mlp, name) for name in names) or \
+        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or \
                 not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj",
                                                               "o_proj")):
             raise NotImplementedError(f"{type(model).__name__}: tensor parallelism splits "
@@ -125,6 +125,8 @@ def shard_model(model: Any, rank: int, size: int) -> None:
         if mlp.gate_proj.weight.shape[0] % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the MLP's "
                              f"{mlp.gate_proj.weight.shape[0]} intermediate features")
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
         for projection in (attention.q_proj, attention.k_proj, attention.v_proj,
                            mlp.gate_proj, mlp.up_proj):
             _shard_rows(projection, rank, size)
