@@ -54,9 +54,9 @@ class LiveSettings:
         batch), all or nothing; returns the configuration they replace, which ``apply``
         takes back for a rollback."""
         previous = self.check()
+        self.check(**changes)  # both schedulers' checks, before either changes
         scheduling, admitting = self._split(changes)
-        self.scheduler.check_settings(**scheduling)
         if self.admission is not None:
-            self.admission.reconfigure(**admitting)  # the last check that can refuse
+            self.admission.reconfigure(**admitting)
         self.scheduler.reconfigure(**scheduling)
         return previous

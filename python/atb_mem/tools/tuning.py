@@ -126,21 +126,20 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
                       "the system; try a larger --speedup[/yellow]")
     result: dict[str, Any] = {"latency_p99_bound": latency_p99, "speedup": speedup,
                               "best": best, "trials": rows}
-    if server is not None:
-        # The batch budget first: a larger max_num_seqs is only worth its memory once the
-        # step can hold its tokens. Each step is watched; a rollback stops the sequence.
-        steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
-                 {"max_num_seqs": best["max_num_seqs"]}]
-        result["applied"] = []
-        try:
+    try:
+        if server is not None:
+            # The batch budget first: a larger max_num_seqs is only worth its memory once the
+            # step can hold its tokens. Each step is watched; a rollback stops the sequence.
+            steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
+                     {"max_num_seqs": best["max_num_seqs"]}]
+            result["applied"] = []
             apply_steps(server, steps, live=True, watch_s=watch_s,
                         persist=False, results=result["applied"])
-        finally:
-            write_json(json_path, result)
-        console.print(f"not applied live (they size the cache at start): block_size="
-                      f"{best['block_size']}, gpu_memory_utilization="
-                      f"{best['gpu_memory_utilization']:.3f}")
-    write_json(json_path, result)
+            console.print(f"not applied live (they size the cache at start): block_size="
+                          f"{best['block_size']}, gpu_memory_utilization="
+                          f"{best['gpu_memory_utilization']:.3f}")
+    finally:
+        write_json(json_path, result)
     if plot_path:
         plt = require_matplotlib()
         figure, axes = plt.subplots(1, 4, figsize=(16, 4))

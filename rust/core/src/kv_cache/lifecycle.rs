@@ -217,13 +217,8 @@ impl KvCache {
             let index = seq.num_registered;
             let stored = block_pool.register(seq.blocks[index], seq.hashes[index]);
             if stored && events.enabled() {
-                let tokens = seq
-                    .token_ids
-                    .get(index * block_size..(index + 1) * block_size)
-                    .unwrap_or_default();
-                let parent = index.checked_sub(1).map(|parent| seq.hashes[parent]);
-                let (root, hash) = (seq.root_hash, seq.hashes[index]);
-                events.stored(Medium::Device, parent, root, hash, tokens);
+                let (parent, hash, tokens) = seq.named_block(index, block_size);
+                events.stored(Medium::Device, parent, seq.root_hash, hash, tokens);
             }
             joined += usize::from(stored);
             seq.num_registered += 1;

@@ -38,3 +38,20 @@ pub(super) struct Sequence {
     /// list's first k blocks under this value still holds them.
     pub(super) layout: u64,
 }
+
+impl Sequence {
+    /// What a stored event says of full block `index`: its parent's hash (`None` for the
+    /// first block), its own hash and its token ids (empty unless KV events keep them).
+    pub(super) fn named_block(
+        &self,
+        index: usize,
+        block_size: usize,
+    ) -> (Option<BlockHash>, BlockHash, &[u32]) {
+        let tokens = self
+            .token_ids
+            .get(index * block_size..(index + 1) * block_size)
+            .unwrap_or_default();
+        let parent = index.checked_sub(1).map(|parent| self.hashes[parent]);
+        (parent, self.hashes[index], tokens)
+    }
+}

@@ -154,18 +154,8 @@ impl KvCache {
             }
             if out && events.enabled() {
                 for index in 0..named {
-                    let tokens = seq
-                        .token_ids
-                        .get(index * block_size..(index + 1) * block_size)
-                        .unwrap_or_default();
-                    let parent = index.checked_sub(1).map(|parent| seq.hashes[parent]);
-                    events.host_copy_made(
-                        seq.blocks[index],
-                        parent,
-                        seq.root_hash,
-                        seq.hashes[index],
-                        tokens,
-                    );
+                    let (parent, hash, tokens) = seq.named_block(index, block_size);
+                    events.host_copy_made(seq.blocks[index], parent, seq.root_hash, hash, tokens);
                 }
             }
             seq.swapped = out;
