@@ -21,7 +21,7 @@ import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from atb_mem.serving.tensor_parallel import PlanBroadcast, TensorParallelGroup
+from atb_mem.distributed.tensor_parallel import PlanBroadcast, TensorParallelGroup
 
 
 def decode_plan(running: int, context: int, block_size: int = 16) -> SimpleNamespace:

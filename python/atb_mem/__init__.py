@@ -7,6 +7,9 @@ PagedAttention and vLLM's kernels read. The core is Rust; this package is its Py
 - ``atb_mem.memory``: ``MemPool``, the CANN-named ``acl`` functions, the byte backings;
 - ``atb_mem.kv``: ``KVCachePool``, its bytes (``KVTensors``), ``plan_kv_cache``, attention;
 - ``atb_mem.scheduling``: ``ContinuousBatchScheduler`` and ``DynamicBatchScheduler``;
+- ``atb_mem.events``: KV-cache events for KV-aware routers, vLLM's and Dynamo's formats;
+- ``atb_mem.serving``: ``Engine`` over a transformers model, the OpenAI-compatible server;
+- ``atb_mem.distributed``: tensor parallelism over torch.distributed (needs torch);
 - ``atb_mem.observability``: the Prometheus collector (optional: ``prometheus_client``);
 - ``atb_mem.tools``: the ``atb-mem`` command, never imported from here.
 

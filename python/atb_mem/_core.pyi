@@ -168,7 +168,7 @@ class KVCachePool:
         """Drops every cached block no sequence uses; returns how many."""
     @property
     def enable_kv_events(self) -> bool: ...
-    def take_kv_event_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def take_event_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Drains the KV-cache events since the last call, oldest first: uint64 ``[E, 8]``
         (event_id, kind, medium, has_parent, parent, root, end of hashes, end of token ids),
         uint64 hashes, uint32 token ids; None when there are none. See

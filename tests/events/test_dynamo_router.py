@@ -55,7 +55,7 @@ def test_the_router_scores_what_the_cache_would_serve(operations: list[tuple],
     tree = RadixTree()
     for step in operations:
         apply_operation(pool, step)
-        apply(tree, 1, pool.take_kv_events())
+        apply(tree, 1, pool.take_events())
     routed = score(tree, 1, probe, BLOCK_SIZE)
     try:
         cached = pool.alloc_sequence(99, probe) // BLOCK_SIZE

@@ -49,4 +49,30 @@ def test_an_engine_without_a_publisher_records_nothing() -> None:
     engine = Engine(model, num_blocks=16, block_size=4)
     engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))
     assert not engine.kv_cache.enable_kv_events
-    assert engine.kv_cache.take_kv_events() == []
+    assert engine.kv_cache.take_events() == []
+
+
+def test_bad_arguments_are_refused_with_clear_errors() -> None:
+    import pytest
+
+    from atb_mem.events.dynamo import tokens_hashes
+    from atb_mem.events.zmq_publisher import ZmqEventPublisher
+
+    model, _ = model_pair("llama")
+    with pytest.raises(TypeError, match="publish"):
+        Engine(model, num_blocks=16, block_size=4, kv_events=object())  # type: ignore[arg-type]
+    for size in (0, -2, 1.5, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            Engine(model, num_blocks=16, block_size=4,
+                   tensor_parallel_size=size)  # type: ignore[arg-type]
+    # Refused before the model was touched: it still serves, alone.
+    engine = Engine(model, num_blocks=16, block_size=4)
+    [output] = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(output.outputs[0].token_ids) == 2
+    with pytest.raises(TypeError, match="topic"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", topic=b"kv")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="data_parallel_rank"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", data_parallel_rank="0")  # type: ignore[arg-type]
+    for block_size in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="block_size"):
+            tokens_hashes([1, 2, 3, 4], block_size)  # type: ignore[arg-type]

@@ -82,7 +82,7 @@ def test_vllms_decoder_reads_a_live_pools_events() -> None:
     pool.mark_computed(1)
     pool.swap_out([1])
     pool.alloc_sequence(2, 6)
-    events = pool.take_kv_events()
+    events = pool.take_events()
     batch = decoder.decode(encode_batch(events, data_parallel_rank=0))
     assert batch.data_parallel_rank == 0
     stored, host, removed = batch.events

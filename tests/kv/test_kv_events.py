@@ -21,9 +21,9 @@ def events_pool(num_blocks: int = 8, **kwargs: object) -> KVCachePool:
 def test_stores_are_chains_and_a_prefix_hit_stores_only_its_new_blocks() -> None:
     pool = events_pool()
     pool.alloc_sequence(1, [1, 2, 3, 4, 5])
-    assert pool.take_kv_events() == []  # not computed yet
+    assert pool.take_events() == []  # not computed yet
     pool.mark_computed(1)
-    [first] = pool.take_kv_events()
+    [first] = pool.take_events()
     assert isinstance(first, BlockStored)
     assert (first.event_id, first.parent_block_hash) == (1, None)
     assert first.token_ids.tolist() == [1, 2, 3, 4] and first.block_hashes.dtype == np.uint64
@@ -32,7 +32,7 @@ def test_stores_are_chains_and_a_prefix_hit_stores_only_its_new_blocks() -> None
 
     assert pool.alloc_sequence(2, [1, 2, 3, 4, 5, 6, 7]) == 4
     pool.mark_computed(2)
-    [second] = pool.take_kv_events()
+    [second] = pool.take_events()
     assert isinstance(second, BlockStored)
     assert second.parent_block_hash == first.block_hashes[-1]
     assert second.token_ids.tolist() == [5, 6] and second.event_id == 2
@@ -43,7 +43,7 @@ def test_the_same_tokens_get_the_same_hashes_and_a_salt_changes_them() -> None:
         pool = events_pool()
         pool.alloc_sequence(1, [7, 8, 9], **kwargs)  # type: ignore[arg-type]
         pool.mark_computed(1)
-        [event] = pool.take_kv_events()
+        [event] = pool.take_events()
         assert isinstance(event, BlockStored)
         return event
 
@@ -58,26 +58,26 @@ def test_evictions_swaps_and_a_clearing_reset() -> None:
     pool = events_pool(4)  # three usable blocks
     pool.alloc_sequence(1, [1, 2, 3, 4])
     pool.mark_computed(1)
-    [stored] = pool.take_kv_events()
+    [stored] = pool.take_events()
     pool.swap_out([1])
-    [host] = pool.take_kv_events()
+    [host] = pool.take_events()
     assert isinstance(host, BlockStored) and host.medium == "host"
     assert host.block_hashes.tolist() == stored.block_hashes.tolist()
     pool.alloc_sequence(2, 6)  # takes every device block: both cached ones are evicted
-    [evicted] = pool.take_kv_events()
+    [evicted] = pool.take_events()
     assert isinstance(evicted, BlockRemoved) and evicted.medium == "device"
     assert set(evicted.block_hashes) == set(stored.block_hashes)
     pool.free_sequence(2)
     pool.free_sequence(1)  # its host copies go
-    [gone] = pool.take_kv_events()
+    [gone] = pool.take_events()
     assert isinstance(gone, BlockRemoved) and gone.medium == "host"
 
     pool.alloc_sequence(3, [5, 6, 7])
     pool.mark_computed(3)
     pool.free_sequence(3)
-    pool.take_kv_events()
+    pool.take_events()
     assert pool.reset_prefix_cache() == 1
-    [cleared] = pool.take_kv_events()
+    [cleared] = pool.take_events()
     assert isinstance(cleared, AllBlocksCleared)
 
 
@@ -88,13 +88,13 @@ def test_a_failing_call_records_nothing_and_no_events_unless_asked() -> None:
         pool.alloc_sequence(1, [1, 2, 3])
     with pytest.raises(Exception, match="blocks"):
         pool.alloc_sequence(2, list(range(100)))
-    assert pool.take_kv_events() == []
+    assert pool.take_events() == []
 
     quiet = KVCachePool(8, 2, device=None)
     assert quiet.enable_kv_events is False
     quiet.alloc_sequence(1, [1, 2, 3])
     quiet.mark_computed(1)
-    assert quiet.take_kv_events() == []
+    assert quiet.take_events() == []
     with pytest.raises(TypeError):
         KVCachePool(8, 2, device=None, enable_kv_events="yes")  # type: ignore[arg-type]
     config = {"num_blocks": 8, "block_size": 2, "device": None, "enable_kv_events": True}
@@ -108,12 +108,12 @@ def test_a_router_replaying_the_events_counts_the_cached_blocks(operations: list
     router = Router()
     for step in operations:
         apply(pool, step)
-        router.replay(pool.take_kv_events())
+        router.replay(pool.take_events())
         # blocks_cached counts the cached blocks no sequence uses.
         assert pool.stats()["blocks_cached"] <= len(router.blocks["device"])
     for seq_id in range(6):
         if seq_id in pool:
             pool.free_sequence(seq_id)
-    router.replay(pool.take_kv_events())
+    router.replay(pool.take_events())
     assert len(router.blocks["device"]) == pool.stats()["blocks_cached"]
     assert router.blocks["host"] == set()

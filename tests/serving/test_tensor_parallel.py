@@ -93,7 +93,7 @@ def test_a_model_that_cannot_be_split_is_refused_unchanged() -> None:
     import torch
     import transformers
 
-    from atb_mem.serving.tensor_parallel import shard_model
+    from atb_mem.distributed.tensor_parallel import shard_model
     from tests.support.models import tiny_model
 
     # Dense first layer, experts after it: a split that went layer by layer would have

@@ -32,8 +32,8 @@ FORKED: Any = None  # n=3 greedy samples of one prompt: forks (SamplingParams, m
 def main(argv: list[str]) -> None:
     import torch
 
+    from atb_mem.distributed.tensor_parallel import PlanBroadcast, TensorParallelError
     from atb_mem.serving import Engine, SamplingParams
-    from atb_mem.serving.tensor_parallel import PlanBroadcast, TensorParallelError
     from tests.support.models import poison_unused_blocks
 
     global FORKED

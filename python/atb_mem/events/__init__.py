@@ -5,7 +5,7 @@ A ``KVCachePool(..., enable_kv_events=True)`` records, in its core, every change
 membership: ``BlockStored`` when computed blocks join the cache (a chain of block hashes with
 the hash of the block before them, and their token ids), ``BlockRemoved`` when blocks are
 evicted or forgotten, ``AllBlocksCleared`` when a reset leaves nothing cached. ``medium`` says
-where: ``"device"``, or ``"host"`` for the copies a swap-out makes. ``pool.take_kv_events()``
+where: ``"device"``, or ``"host"`` for the copies a swap-out makes. ``pool.take_events()``
 drains them in order; ``event_id`` increases by one per event over the pool's life, so a gap
 means a lost event.
 
@@ -72,7 +72,7 @@ _MEDIA: tuple[Medium, Medium] = ("device", "host")
 
 def events_from_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
                        block_size: int) -> list[KVCacheEvent]:
-    """Types the core's drain (``_core.KVCachePool.take_kv_event_arrays()``)."""
+    """Types the core's drain (``_core.KVCachePool.take_event_arrays()``)."""
     if arrays is None:
         return []
     table, hashes, token_ids = arrays

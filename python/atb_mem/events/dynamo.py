@@ -29,6 +29,8 @@ TOKENS_HASH_SEED = 1337
 
 def tokens_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Dynamo's hash of every full block of ``token_ids``."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     ids = np.asarray(token_ids, dtype="<u4")
     return [xxhash.xxh3_64_intdigest(ids[start:start + block_size].tobytes(),
                                      seed=TOKENS_HASH_SEED)

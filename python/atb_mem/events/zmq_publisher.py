@@ -37,6 +37,12 @@ class ZmqEventPublisher:
                  buffer_batches: int = 10_000, data_parallel_rank: int | None = None) -> None:
         if buffer_batches < 1:
             raise ValueError(f"buffer_batches must be at least 1, got {buffer_batches}")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        if data_parallel_rank is not None and (isinstance(data_parallel_rank, bool) or
+                                               not isinstance(data_parallel_rank, int)):
+            raise TypeError(f"data_parallel_rank must be an int or None, got "
+                            f"{data_parallel_rank!r}")
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank
         self._context = zmq.Context()

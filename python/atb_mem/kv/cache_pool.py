@@ -217,10 +217,10 @@ class KVCachePool(_core.KVCachePool):
         pairs moved."""
         return super().swap_in(seq_ids, execute or self._executor)
 
-    def take_kv_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         """The KV-cache events recorded since the last call, oldest first (see
         ``atb_mem.events``); always empty unless the pool has ``enable_kv_events``."""
-        return events_from_arrays(self.take_kv_event_arrays(), self.block_size)
+        return events_from_arrays(self.take_event_arrays(), self.block_size)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

@@ -31,7 +31,7 @@ from atb_mem.serving.sampler import sample
 if TYPE_CHECKING:
     import torch
 
-    from atb_mem.serving.tensor_parallel import PlanBroadcast
+    from atb_mem.distributed.tensor_parallel import PlanBroadcast
 
 __all__ = ["Engine"]
 
@@ -83,17 +83,15 @@ class Engine:
                  kv_cache_memory_bytes: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False) -> None:
+        if kv_events is not None and not callable(getattr(kv_events, "publish", None)):
+            raise TypeError(f"kv_events must have a publish(events) method (a "
+                            f"KVEventPublisher), got {type(kv_events).__name__}")
         self.plan_broadcast: PlanBroadcast | None = None
         if tensor_parallel_size != 1:
-            from atb_mem.serving.tensor_parallel import (
-                PlanBroadcast,
-                TensorParallelGroup,
-                shard_model,
-            )
+            from atb_mem.distributed.tensor_parallel import PlanBroadcast
 
-            group = TensorParallelGroup.join(tensor_parallel_size)
-            shard_model(model, group.rank, group.size)
-            self.plan_broadcast = PlanBroadcast(group, verify_tensor_parallel)
+            self.plan_broadcast = PlanBroadcast.for_model(model, tensor_parallel_size,
+                                                          verify_tensor_parallel)
         layout = kv_cache_layout(model, tensor_parallel_size)
         config = model.config.get_text_config()
         self.model = model
@@ -133,7 +131,7 @@ class Engine:
     def run_worker(self) -> int:
         """On a tensor-parallel worker rank: runs the steps rank 0 sends until it calls
         ``shutdown()``; returns how many ran."""
-        from atb_mem.serving.tensor_parallel import run_worker
+        from atb_mem.distributed.tensor_parallel import run_worker
 
         if self.is_driver:
             raise RuntimeError("run_worker() is for tensor-parallel ranks other than 0")
@@ -244,7 +242,7 @@ class Engine:
         self._aborted.clear()
         outputs += [self._delta(request) for request in progressed.values()]
         if self.kv_events is not None:
-            self.kv_events.publish(self.kv_cache.take_kv_events())
+            self.kv_events.publish(self.kv_cache.take_events())
         self.last_step_seconds = (model_seconds, time.perf_counter() - began)
         return outputs
 

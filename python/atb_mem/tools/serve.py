@@ -89,7 +89,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "gpu_memory_utilization": gpu_memory_utilization}
     workers: list[subprocess.Popen[bytes]] = []
     if tensor_parallel_size > 1 and "RANK" not in os.environ:
-        from atb_mem.serving.tensor_parallel import launch_workers
+        from atb_mem.distributed.tensor_parallel import launch_workers
 
         workers = launch_workers(tensor_parallel_size, model_dir, engine_kwargs)
     if int(os.environ.get("RANK", "0")) != 0:  # a torchrun-started worker rank

@@ -84,7 +84,7 @@ def decode_workload(steps: int = 2000, *, batch_table: bool = True, running: int
                 kv.free_sequence(seq_id)
                 admit(row, now)
             if kv_events:
-                kv.take_kv_events()
+                kv.take_events()
 
     return run, steps
 
@@ -114,7 +114,7 @@ def prefix_workload(prompts: list[np.ndarray], *,
             kv.mark_computed(seq_id)  # the prefill ran
             kv.free_sequence(seq_id)
             if kv_events:
-                kv.take_kv_events()
+                kv.take_events()
         return kv.stats()
 
     return run, len(prompts)

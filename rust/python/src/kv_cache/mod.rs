@@ -516,7 +516,7 @@ impl PyKvCachePool {
 
     /// Drains the KV-cache events recorded since the last call, oldest first, as numpy
     /// arrays (see `atb_mem.events` for their types); None when there are none.
-    fn take_kv_event_arrays<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    fn take_event_arrays<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let mut cache = self.lock()?;
         if cache.kv_events().is_empty() {
             return Ok(None);

@@ -50,6 +50,8 @@ class TensorParallelGroup:
              ) -> TensorParallelGroup:
         """Joins (or, launched by torchrun, creates) the default process group of ``size``
         ranks; ``backend`` defaults to NCCL with CUDA, gloo otherwise."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
         if not dist.is_available():
             raise TensorParallelError("this torch build has no torch.distributed")
         if not dist.is_initialized():
@@ -182,6 +184,13 @@ class PlanBroadcast:
         self.verify = verify
         self.poison_next: np.ndarray | None = None
 
+    @classmethod
+    def for_model(cls, model: Any, size: int, verify: bool = False) -> PlanBroadcast:
+        """Joins the ``size`` ranks and keeps this rank's shard of ``model``."""
+        group = TensorParallelGroup.join(size)
+        shard_model(model, group.rank, group.size)
+        return cls(group, verify)
+
     def send(self, plan: Any) -> None:
         # Every field fits int32: slots by the core's 2**31 cap, ids, positions and blocks.
         arrays = [np.asarray(getattr(plan, name)).astype(np.int32).ravel() for name in _FIELDS]
@@ -290,7 +299,7 @@ def launch_workers(size: int, model_dir: str, engine_kwargs: dict[str, Any]
     for rank in range(1, size):
         env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         workers.append(subprocess.Popen(
-            [sys.executable, "-m", "atb_mem.serving.tensor_parallel", model_dir,
+            [sys.executable, "-m", "atb_mem.distributed.tensor_parallel", model_dir,
              json.dumps({**engine_kwargs, "tensor_parallel_size": size})], env=env,
             start_new_session=True))  # Ctrl-C goes to rank 0, which releases them
     return workers
