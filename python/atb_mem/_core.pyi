@@ -72,13 +72,23 @@ class KVCachePool:
                 num_kv_heads: int | None = None, head_dim: int | None = None,
                 dtype: KVDtype | KVDtypeAlias | type[np.generic] | np.dtype[Any] | None = None,
                 enable_prefix_caching: bool = True,
-                num_host_blocks: int | None = None, enable_kv_events: bool = False) -> Self: ...
+                num_host_blocks: int | None = None, enable_kv_events: bool = False,
+                layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
+                attention_chunk_size: int | None = None) -> Self: ...
     @property
     def num_blocks(self) -> int: ...
     @property
     def block_size(self) -> int: ...
     @property
     def num_layers(self) -> int: ...
+    @property
+    def _groups(self) -> list[tuple[str, list[int], int | None]]:
+        """``(kind, layers, window)`` per KV-cache group (``KVCachePool.groups`` wraps it)."""
+    @property
+    def layers_per_block(self) -> int:
+        """Layers whose K/V one block holds (``num_layers`` without groups)."""
+    def group_of_layer(self, layer: int) -> tuple[int, int]:
+        """``(group, slot)`` of a model layer: its group's tables address it, at ``slot``."""
     @property
     def num_kv_heads(self) -> int: ...
     @property
@@ -114,13 +124,16 @@ class KVCachePool:
     def append_tokens(
         self, seq_ids: SeqIdsLike, n: int | None = None, token_ids: TokenIdsLike | None = None
     ) -> Int32Array:
-        """Appends ``n`` tokens to each sequence; returns their slots, sequence by sequence.
+        """Appends ``n`` tokens to each sequence; returns their slots, sequence by sequence
+        (``[groups, batch × n]``, group by group, with several KV-cache groups).
 
         ``token_ids`` (``[batch, n]`` or flat) lets blocks that fill up join the prefix cache.
         All-or-nothing for the whole batch.
         """
-    def slot_mapping(self, seq_ids: SeqIdsLike, starts: IntsLike, ends: IntsLike) -> Int32Array:
-        """Slots of tokens ``[starts[i], ends[i])`` of each sequence, concatenated."""
+    def slot_mapping(self, seq_ids: SeqIdsLike, starts: IntsLike, ends: IntsLike, *,
+                     group: int = 0) -> Int32Array:
+        """Slots of tokens ``[starts[i], ends[i])`` of each sequence in ``group``,
+        concatenated."""
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; appends copy on write."""
     def free_sequence(self, seq_id: int) -> None: ...
@@ -140,12 +153,14 @@ class KVCachePool:
     def write_slots(self, slots: IntsLike, execute: MoveExecutor,
                     write: Callable[[], object]) -> None:
         """Under the pool's lock: executes pending moves, checks ``slots``, calls ``write()``."""
-    def block_tables(self, seq_ids: SeqIdsLike) -> Int32Array:
-        """int32 ``[batch, max_blocks]`` padded with block 0."""
-    def block_table(self, seq_id: int) -> Int32Array:
-        """int32 blocks of one sequence, in token order."""
+    def block_tables(self, seq_ids: SeqIdsLike, *, group: int = 0) -> Int32Array:
+        """int32 ``[batch, max_blocks]`` of ``group``, padded with block 0."""
+    def block_table(self, seq_id: int, *, group: int = 0) -> Int32Array:
+        """int32 blocks of one sequence in ``group``, in token order (0 where a window
+        released one)."""
     def context_lens(self, seq_ids: SeqIdsLike) -> Int32Array: ...
-    def page_table_csr(self, seq_ids: SeqIdsLike) -> tuple[Int32Array, Int32Array, Int32Array]:
+    def page_table_csr(self, seq_ids: SeqIdsLike, *,
+                       group: int = 0) -> tuple[Int32Array, Int32Array, Int32Array]:
         """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)``, all int32."""
     def batch_table(self, max_seqs: int, max_blocks_per_seq: int) -> BatchTable: ...
     @property

@@ -7,7 +7,7 @@ tests/package/test_types.py checks every TypedDict against a dict the code reall
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NamedTuple, Protocol, TypedDict
 
 # ---- choices --------------------------------------------------------------------------------
 
@@ -171,3 +171,15 @@ class DynamicBatchSchedulerStats(TypedDict):
     batches: int
     requests_batched: int
     last_batch_size: int
+
+
+class KVCacheGroup(NamedTuple):
+    """Layers of one attention kind whose K/V share a block list per sequence.
+
+    ``kind``: transformers' layer type (``"full_attention"``, ``"sliding_attention"``,
+    ``"chunked_attention"``); ``layers``: the model layers in the group; ``window``: the
+    sliding window or attention chunk in tokens (None for full attention)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    window: int | None

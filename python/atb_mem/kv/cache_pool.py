@@ -4,8 +4,13 @@ The core (Rust) decides which blocks hold what; this class owns the bytes, in th
 ATB's PagedAttention and vLLM's kernels read: for each layer a key and a value cache of
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. All layers live in one region, taken
 as one allocation from a ``MemPool`` — the caller's, or a private one of exactly that size —
-shaped ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so moving a
+shaped ``[layers_per_block, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so moving a
 block for every layer is one indexed copy along axis 2.
+
+A hybrid model (``layer_types`` with sliding-window or chunked layers) has KV-cache groups:
+a block belongs to one group at a time and holds the K/V of that group's layers, so layers at
+the same place of different groups share one ``[num_blocks, ...]`` plane
+(``layers_per_block`` planes in all) and ``group_of_layer`` says which.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
-from atb_mem._types import KVCachePoolStats
+from atb_mem._types import KVCacheGroup, KVCachePoolStats
 from atb_mem.events import KVCacheEvent, events_from_arrays
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
@@ -40,6 +45,9 @@ _CONFIG_KEYS = {
     "device": "device",
     "num_host_blocks": "num_host_blocks",
     "enable_kv_events": "enable_kv_events",
+    "layer_types": "layer_types",
+    "sliding_window": "sliding_window",
+    "attention_chunk_size": "attention_chunk_size",
 }
 
 _DEFAULT_DEVICE = "host"
@@ -52,6 +60,9 @@ class KVCachePool(_core.KVCachePool):
     or ``None`` for block bookkeeping without bytes. ``pool``: a ``MemPool`` to take the region
     from instead (its backing decides the device). ``num_host_blocks``: a host tier that
     ``swap_out`` moves sequences to (pinned memory when the device is CUDA).
+    ``layer_types`` (transformers' per-layer names), ``sliding_window``,
+    ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
+    without ``layer_types`` makes every layer slide (Mistral).
 
     Block 0 is the reserved null block (block tables are padded with it), so
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
@@ -95,7 +106,15 @@ class KVCachePool(_core.KVCachePool):
         return self
 
     def _shape(self, blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.layers_per_block, 2, blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def groups(self) -> list[KVCacheGroup]:
+        """The KV-cache groups, by first layer: one full-attention group of every layer
+        unless ``layer_types``/``sliding_window`` made more."""
+        return [KVCacheGroup(kind, tuple(layers), window)
+                for kind, layers, window in self._groups]
 
     # ---- the bytes -------------------------------------------------------------------------
 
@@ -123,7 +142,8 @@ class KVCachePool(_core.KVCachePool):
 
     @property
     def kv_cache(self) -> Any:
-        """All K/V bytes: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """All K/V bytes: ``[layers_per_block, 2, num_blocks, block_size, num_kv_heads,
+        head_dim]`` (``layers_per_block`` is ``num_layers`` without groups)."""
         return self._require_bytes()
 
     @property
@@ -152,11 +172,12 @@ class KVCachePool(_core.KVCachePool):
         return tensors
 
     def _layer(self, layer: Any) -> int:
+        """The plane of ``kv_cache`` that holds ``layer``'s K/V."""
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is out of range [0, {self.num_layers})")
-        return int(layer)
+        return int(self.group_of_layer(int(layer))[1])
 
     def write_kv(self, layer: int, slot_mapping: Any, key: Any, value: Any) -> None:
         """Scatters new tokens' K/V (``[num_tokens, num_kv_heads, head_dim]``) into their slots

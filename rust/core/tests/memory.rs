@@ -113,10 +113,11 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
             "  of which size_of::<Sequence>() = {}",
             atb_mem_core::SEQUENCE_BYTES
         );
-        // Measured 266 and 250 (the slab and index grow by doubling, so part of this is
+        // Measured 296 and 280 (the slab and index grow by doubling, so part of this is
         // reserve; 24 of it is the header of the token-id list KV events keep, empty
-        // here); without prefix caching a sequence keeps no token ids.
-        let per_sequence_limit = if enable_prefix_caching { 272.0 } else { 256.0 };
+        // here, 40 the one group table on the heap); without prefix caching a sequence
+        // keeps no token ids.
+        let per_sequence_limit = if enable_prefix_caching { 304.0 } else { 288.0 };
         assert!(
             per_sequence <= per_sequence_limit,
             "{per_sequence} bytes per sequence"

@@ -483,7 +483,7 @@ impl Model {
     fn check_prefix(&self, cache: &KvCache, id: u64, cached: usize) {
         let mut slots = Vec::new();
         cache
-            .slot_mapping(&[id], &[0], &[cached as i64], &mut slots)
+            .slot_mapping(0, &[id], &[0], &[cached as i64], &mut slots)
             .unwrap();
         for (position, slot) in slots.iter().enumerate() {
             assert_eq!(
@@ -505,7 +505,7 @@ impl Model {
         }
         let (start, end) = (self.computed[&id], tokens.len());
         let mut slots = Vec::new();
-        cache.slot_mapping(&[id], &[start as i64], &[end as i64], &mut slots)?;
+        cache.slot_mapping(0, &[id], &[start as i64], &[end as i64], &mut slots)?;
         for (slot, &value) in slots.iter().zip(&tokens[start..]) {
             self.memory.insert((false, *slot), value);
         }

@@ -14,8 +14,8 @@
 use std::collections::HashMap;
 
 use atb_mem_core::{
-    BlockMove, ContinuousScheduler, KvCache, KvLayout, MoveKind, Preemption, SchedulerConfig,
-    StepPlan, Tokens,
+    AttentionKind, BlockMove, ContinuousScheduler, KvCache, KvLayout, MoveKind, Preemption,
+    SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -69,6 +69,20 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..16).prop_map(|pick| Op::Fork { pick }),
         1 => (0usize..16).prop_map(|pick| Op::FreeFork { pick }),
         2 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
+    ]
+}
+
+/// Layer kinds of the model: one full-attention layer (today's caches), or a mix of full,
+/// sliding-window and chunked layers (KV-cache groups).
+fn layer_kinds() -> impl Strategy<Value = Vec<AttentionKind>> {
+    let kind = prop_oneof![
+        Just(AttentionKind::Full),
+        (1usize..6).prop_map(|window| AttentionKind::SlidingWindow { window }),
+        (1usize..6).prop_map(|chunk| AttentionKind::ChunkedLocal { chunk }),
+    ];
+    prop_oneof![
+        Just(vec![AttentionKind::Full]),
+        prop::collection::vec(kind, 1..5),
     ]
 }
 
@@ -163,8 +177,16 @@ struct Counts {
 }
 
 impl Harness {
-    fn new(config: SchedulerConfig) -> Self {
-        let mut cache = KvCache::new(NUM_BLOCKS, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    fn new(config: SchedulerConfig, kinds: &[AttentionKind]) -> Self {
+        let layout = KvLayout {
+            num_layers: kinds.len(),
+            ..KvLayout::default()
+        };
+        let groups = atb_mem_core::group_layers(kinds).unwrap().0.len();
+        // As many blocks per group as a one-group cache has in all.
+        let num_blocks = 1 + (NUM_BLOCKS - 1) * groups;
+        let mut cache =
+            KvCache::with_layer_kinds(num_blocks, BLOCK_SIZE, layout, true, kinds).unwrap();
         cache.enable_host_tier(HOST_BLOCKS).unwrap();
         let scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         Harness {
@@ -380,14 +402,52 @@ impl Harness {
                     known.map_or(-1, |t| t as i32),
                     "input id of {seq_id}"
                 );
-                let slot = self.plan.slot_mapping[token] as usize;
-                self.memory
-                    .device
-                    .insert(slot, value(seq_id, known, position));
+                for group in 0..self.cache.num_groups() {
+                    let at = group * self.plan.num_batched_tokens + token;
+                    let slot = self.plan.slot_mapping[at] as usize;
+                    self.memory
+                        .device
+                        .insert(slot, value(seq_id, known, position));
+                }
                 token += 1;
             }
         }
         assert_eq!(token, self.plan.num_batched_tokens);
+        assert_eq!(
+            self.plan.slot_mapping.len(),
+            token * self.cache.num_groups()
+        );
+        self.check_windows();
+    }
+
+    /// Right after a step, a windowed group of each planned sequence holds exactly the
+    /// blocks from the first one its row's first token attends to: nothing released early,
+    /// nothing kept late. A decoding row holds at most ceil((W - 1) / B) + 1 blocks.
+    fn check_windows(&self) {
+        let rows = self
+            .plan
+            .prefill_seq_ids
+            .iter()
+            .chain(&self.plan.decode_seq_ids);
+        let decodes = self.plan.prefill_seq_ids.len();
+        for (row, &seq_id) in rows.enumerate() {
+            let start = self.plan.positions[self.plan.query_start_loc[row] as usize] as usize;
+            for (group, spec) in self.cache.groups().iter().enumerate() {
+                let table = self.cache.group_block_table(seq_id, group).unwrap();
+                let first = spec.kind.first_needed_block(start, BLOCK_SIZE);
+                let live = table.iter().filter(|&&block| block != NULL_BLOCK).count();
+                assert_eq!(
+                    live,
+                    table.len() - first,
+                    "sequence {seq_id}, group {group} ({:?}), row from {start}: {table:?}",
+                    spec.kind
+                );
+                if let (true, AttentionKind::SlidingWindow { window }) = (row >= decodes, spec.kind)
+                {
+                    assert!(live <= (window - 1).div_ceil(BLOCK_SIZE) + 1, "{table:?}");
+                }
+            }
+        }
     }
 
     /// Every computed position of every sequence on the cache holds its value.
@@ -400,36 +460,52 @@ impl Harness {
         for seq_id in self.cache.seq_ids() {
             let computed = self.cache.num_computed(seq_id).unwrap();
             let swapped = self.cache.is_swapped(seq_id).unwrap();
-            let blocks = self.cache.block_table(seq_id).unwrap();
             let tier = if swapped {
                 &memory.host
             } else {
                 &memory.device
             };
-            for position in 0..computed {
-                let slot =
-                    blocks[position / BLOCK_SIZE] as usize * BLOCK_SIZE + position % BLOCK_SIZE;
-                let held = tier.get(&slot).copied();
-                match self.ids.get(&seq_id) {
-                    Some(ids) => assert_eq!(
-                        held,
-                        Some(value(seq_id, ids[position], position)),
-                        "sequence {seq_id} position {position} (swapped {swapped})"
-                    ),
-                    // A fork holds its parent's values; the parent may be gone, so only
-                    // check that nothing was damaged.
-                    None => assert!(
-                        held.is_some_and(|v| v != GARBAGE),
-                        "fork {seq_id} position {position}"
-                    ),
+            for (group, spec) in self.cache.groups().iter().enumerate() {
+                let blocks = self.cache.group_block_table(seq_id, group).unwrap();
+                // What the next token to compute reads must be there; earlier blocks a window
+                // released are the null block.
+                let needed = spec.kind.first_attended(computed);
+                for position in 0..computed {
+                    let block = blocks[position / BLOCK_SIZE];
+                    if block == NULL_BLOCK {
+                        assert!(
+                            position < needed,
+                            "sequence {seq_id} lost position {position}"
+                        );
+                        continue;
+                    }
+                    self.check_position(tier, seq_id, block, position);
                 }
             }
         }
     }
+
+    fn check_position(&self, tier: &HashMap<usize, u64>, seq_id: u64, block: u32, position: usize) {
+        let slot = block as usize * BLOCK_SIZE + position % BLOCK_SIZE;
+        let held = tier.get(&slot).copied();
+        match self.ids.get(&seq_id) {
+            Some(ids) => assert_eq!(
+                held,
+                Some(value(seq_id, ids[position], position)),
+                "sequence {seq_id} position {position} (block {block})"
+            ),
+            // A fork holds its parent's values; the parent may be gone, so only check that
+            // nothing was damaged.
+            None => assert!(
+                held.is_some_and(|v| v != GARBAGE),
+                "fork {seq_id} position {position}"
+            ),
+        }
+    }
 }
 
-fn run(config: SchedulerConfig, ops: Vec<Op>) -> Counts {
-    let mut harness = Harness::new(config);
+fn run(config: SchedulerConfig, kinds: &[AttentionKind], ops: Vec<Op>) -> Counts {
+    let mut harness = Harness::new(config, kinds);
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
         if trace {
@@ -445,6 +521,23 @@ fn run(config: SchedulerConfig, ops: Vec<Op>) -> Counts {
                 harness.plan.moves,
                 harness.plan.preempted_seq_ids
             );
+            for id in harness
+                .plan
+                .prefill_seq_ids
+                .iter()
+                .chain(&harness.plan.decode_seq_ids)
+            {
+                let tables: Vec<_> = (0..harness.cache.num_groups())
+                    .map(|g| {
+                        harness
+                            .cache
+                            .group_block_table(*id, g)
+                            .ok()
+                            .map(<[u32]>::to_vec)
+                    })
+                    .collect();
+                eprintln!("  {id}: {tables:?} slots {:?}", harness.plan.slot_mapping);
+            }
         }
         harness.check();
     }
@@ -472,9 +565,10 @@ proptest! {
     #[test]
     fn scheduler_keeps_every_computed_byte(
         config in config(),
+        kinds in layer_kinds(),
         ops in prop::collection::vec(op(), STEPS),
     ) {
-        run(config, ops);
+        run(config, &kinds, ops);
     }
 }
 
@@ -489,7 +583,7 @@ fn injected_failures_happen_and_sometimes_cost_requests() {
             .new_tree(&mut runner)
             .unwrap()
             .current();
-        let counts = run(config, ops);
+        let counts = run(config, &[AttentionKind::Full], ops);
         total.copies += counts.copies;
         total.swaps += counts.swaps;
         total.hit_steps += counts.hit_steps;

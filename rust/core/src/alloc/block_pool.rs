@@ -248,6 +248,15 @@ impl BlockPool {
         }
     }
 
+    /// Makes a cached block that no sequence uses the most recently used (evicted last).
+    #[inline]
+    pub fn touch(&mut self, block: u32) {
+        if self.ref_counts[block as usize] == 0 && self.is_cached(block) {
+            self.free_queue.remove(block);
+            self.free_queue.push_back(block);
+        }
+    }
+
     /// The cached block holding `hash`, without taking it.
     #[inline]
     pub fn lookup(&self, hash: BlockHash) -> Option<u32> {

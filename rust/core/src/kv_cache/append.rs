@@ -2,6 +2,7 @@
 //! itself, batched.
 
 use super::{allocate_checked, swapped_out, KvCache};
+use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
@@ -24,8 +25,8 @@ impl KvCache {
     }
 
     /// Blocks that appending `n` tokens to each sequence in `slabs` (all distinct) takes: the
-    /// blocks the sequences grow by, plus the copy-on-write replacements of shared, partly
-    /// filled last blocks. When every holder of such a block appends in this batch, the last
+    /// blocks the sequences grow by (in every group), plus the copy-on-write replacements of
+    /// shared, partly filled last blocks. When every holder of such a block appends in this batch, the last
     /// one to do so keeps the block, so a block held by k sequences costs k - 1 copies, not k.
     fn append_need(&mut self, slabs: &[u32], n: usize) -> CoreResult<usize> {
         let block_size = self.block_size();
@@ -43,10 +44,13 @@ impl KvCache {
                 seq.seq_id,
                 self.max_seq_tokens()
             );
-            needed += total.div_ceil(block_size) - seq.blocks.len();
-            if let (true, Some(&last)) = (seq.num_tokens % block_size != 0, seq.blocks.last()) {
-                if self.block_pool.ref_count(last) > 1 {
-                    self.scratch_blocks.push(last);
+            needed += (total.div_ceil(block_size) - seq.num_blocks()) * seq.tables.len();
+            if seq.num_tokens % block_size != 0 {
+                for table in &seq.tables {
+                    let last = table.blocks.last().copied().unwrap_or(NULL_BLOCK);
+                    if last != NULL_BLOCK && self.block_pool.ref_count(last) > 1 {
+                        self.scratch_blocks.push(last);
+                    }
                 }
             }
         }
@@ -60,7 +64,8 @@ impl KvCache {
     }
 
     /// Appends `n` tokens to every sequence of the batch and writes their slots, sequence by
-    /// sequence, into `slots` (which it clears first). `token_ids`, when given, holds `n` ids
+    /// sequence, into `slots` (which it clears first); with several groups, group by group
+    /// (`[groups, batch × n]`). `token_ids`, when given, holds `n` ids
     /// per sequence in the same order and lets filled blocks join the prefix cache.
     /// All-or-nothing.
     pub fn append_tokens(
@@ -98,24 +103,27 @@ impl KvCache {
         slots: &mut Vec<i32>,
     ) -> CoreResult<()> {
         self.check_append_budget(slabs, n)?;
+        let per_group = slabs.len() * n;
         slots.clear();
-        slots.resize(slabs.len() * n, 0);
-        for (i, (&slab, out)) in slabs.iter().zip(slots.chunks_exact_mut(n)).enumerate() {
+        slots.resize(per_group * self.groups.len(), 0);
+        for (i, &slab) in slabs.iter().enumerate() {
             let ids = token_ids.map(|ids| &ids[i * n..(i + 1) * n]);
-            self.append_to(slab, n, ids, |t, slot| out[t] = slot)?;
+            self.append_to(slab, n, ids, |group, t, slot| {
+                slots[group * per_group + i * n + t] = slot;
+            })?;
         }
         Ok(())
     }
 
-    /// Appends `n` tokens to one sequence whose budget was checked; `emit(t, slot)` receives
-    /// the slot of the t-th new token.
+    /// Appends `n` tokens to one sequence whose budget was checked; `emit(group, t, slot)`
+    /// receives the slot of the t-th new token in each group.
     #[inline]
     pub(super) fn append_to(
         &mut self,
         slab: u32,
         n: usize,
         token_ids: Option<&[u32]>,
-        mut emit: impl FnMut(usize, i32),
+        mut emit: impl FnMut(usize, usize, i32),
     ) -> CoreResult<()> {
         let version = self.bump_version();
         let block_size = self.block_size();
@@ -128,13 +136,16 @@ impl KvCache {
         } = self;
         let seq = &mut sequences[slab as usize];
         if seq.num_tokens % block_size != 0 {
-            if let Some(last) = seq.blocks.last_mut() {
+            for table in &mut seq.tables {
+                let Some(last) = table.live_mut().last_mut() else {
+                    continue;
+                };
                 if block_pool.ref_count(*last) > 1 {
                     let copy = allocate_checked(block_pool)?;
                     pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
                     block_pool.release(*last);
                     *last = copy;
-                    seq.layout = version;
+                    table.layout = version;
                 }
             }
         }
@@ -148,11 +159,13 @@ impl KvCache {
         for t in 0..n {
             let position = seq.num_tokens + t;
             let offset = position % block_size;
-            if offset == 0 {
-                seq.blocks.push(allocate_checked(block_pool)?);
+            for (group, table) in seq.tables.iter_mut().enumerate() {
+                if offset == 0 {
+                    table.blocks.push(allocate_checked(block_pool)?);
+                }
+                let block = table.blocks[position / block_size];
+                emit(group, t, (block as usize * block_size + offset) as i32);
             }
-            let block = seq.blocks[position / block_size];
-            emit(t, (block as usize * block_size + offset) as i32);
             if let (Some(ids), true) = (token_ids, seq.hashable) {
                 seq.partial_tokens.push(ids[t]);
                 if keep_token_ids {

@@ -151,6 +151,12 @@ impl BatchTable {
     /// Adds a running sequence as the next row.
     pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
         ensure!(
+            cache.num_groups() == 1,
+            "a batch table serves a cache of one layer group; this one has {} (layer_types): \
+             use the scheduler's step plan, which has a block table per group",
+            cache.num_groups()
+        );
+        ensure!(
             !self.row_of.contains_key(&seq_id),
             "sequence {seq_id} is already in the batch table"
         );
@@ -265,7 +271,7 @@ impl BatchTable {
             let stale = cache.slab_view(slab).version != version;
             let mut slot = PAD_SLOT;
             let ids = token_ids.map(|ids| std::slice::from_ref(&ids[row]));
-            cache.append_to(slab, 1, ids, |_, new_slot| slot = new_slot)?;
+            cache.append_to(slab, 1, ids, |_, _, new_slot| slot = new_slot)?;
             self.slot_mapping[row] = slot;
             if stale {
                 self.rewrite_row(row, cache);

@@ -117,7 +117,7 @@ impl KvCache {
                 true => &damaged_host,
                 false => &damaged_device,
             };
-            if seq.blocks.iter().any(|&block| damaged[block as usize]) {
+            if seq.held_blocks().any(|block| damaged[block as usize]) {
                 aborted.push(seq_id);
             }
         }

@@ -17,12 +17,34 @@ impl KvCache {
                     seq.seq_id
                 ));
             }
-            if seq.num_tokens == 0 || seq.blocks.len() != seq.num_tokens.div_ceil(block_size) {
+            if seq.tables.len() != self.groups.len() {
                 return Err(format!(
-                    "sequence {seq_id}: {} tokens in {} blocks",
-                    seq.num_tokens,
-                    seq.blocks.len()
+                    "sequence {seq_id}: {} group tables",
+                    seq.tables.len()
                 ));
+            }
+            for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {
+                if seq.num_tokens == 0 || table.blocks.len() != seq.num_tokens.div_ceil(block_size)
+                {
+                    return Err(format!(
+                        "sequence {seq_id}: {} tokens in {} blocks of group {group}",
+                        seq.num_tokens,
+                        table.blocks.len()
+                    ));
+                }
+                let nulls = table.blocks.iter().filter(|&&b| b == NULL_BLOCK).count();
+                let leading = table.blocks[..table.released.min(table.blocks.len())]
+                    .iter()
+                    .all(|&b| b == NULL_BLOCK);
+                // A window never releases a block the first token still to compute reads.
+                let needed = spec.kind.first_needed_block(seq.num_computed, block_size);
+                if nulls != table.released || !leading || table.released > needed {
+                    return Err(format!(
+                        "sequence {seq_id}, group {group}: {nulls} null blocks, {} released, \
+                         blocks from {needed} needed",
+                        table.released
+                    ));
+                }
             }
             if seq.hashable
                 && (seq.partial_tokens.len() != seq.num_tokens % block_size
@@ -32,13 +54,13 @@ impl KvCache {
                     "sequence {seq_id}: block ids or hashes out of step"
                 ));
             }
-            if seq.num_computed > seq.num_tokens || seq.num_registered > seq.blocks.len() {
+            if seq.num_computed > seq.num_tokens || seq.num_registered > seq.num_blocks() {
                 return Err(format!(
                     "sequence {seq_id}: {} computed of {} tokens, {} registered of {} blocks",
                     seq.num_computed,
                     seq.num_tokens,
                     seq.num_registered,
-                    seq.blocks.len()
+                    seq.num_blocks()
                 ));
             }
             let tier = if seq.swapped {
@@ -46,7 +68,7 @@ impl KvCache {
             } else {
                 &mut holders
             };
-            for &block in &seq.blocks {
+            for block in seq.held_blocks() {
                 if block == NULL_BLOCK || block as usize >= tier.len() {
                     return Err(format!("sequence {seq_id} holds invalid block {block}"));
                 }

@@ -1,43 +1,103 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
+use super::groups::group_key;
 use super::{allocate_checked, swapped_out, two_mut, KvCache, Medium, Tokens};
-use crate::alloc::BlockHash;
+use crate::alloc::{BlockHash, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 
 impl KvCache {
     /// Looks up the cached prefix of `tokens`: fills `scratch_hashes` with the hash of every
-    /// full block and `scratch_blocks` with the leading cache hits. Returns (queries, hits in
-    /// the free queue). Changes nothing else.
-    fn match_prefix(&mut self, tokens: Tokens<'_>, cache_salt: Option<&[u8]>) -> (usize, usize) {
+    /// full block and `scratch_blocks` with the hit blocks, group-major (`hits` per group,
+    /// the null block where a group's window does not need one). Returns (queries, hits in
+    /// blocks per group, hit blocks in the free queue). Changes nothing else.
+    fn match_prefix(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> (usize, usize, usize) {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
         let Tokens::Ids(ids) = tokens else {
-            return (0, 0);
+            return (0, 0, 0);
         };
         if !self.block_pool.enable_prefix_caching() {
-            return (0, 0);
+            return (0, 0, 0);
         }
         let block_size = self.block_size();
         // As in vLLM, the last prompt token is always computed, so a prompt that is an exact
         // multiple of the block size does not get its last block from the cache.
         let queries = (ids.len() - 1) / block_size;
         let mut parent = BlockHash::root(cache_salt);
-        let mut hits_queued = 0;
-        let mut matching = true;
         for chunk in ids.chunks_exact(block_size) {
             parent = parent.chain(chunk);
             self.scratch_hashes.push(parent);
-            if matching && self.scratch_blocks.len() < queries {
-                match self.block_pool.lookup(parent) {
-                    Some(block) => {
-                        hits_queued += usize::from(self.block_pool.ref_count(block) == 0);
-                        self.scratch_blocks.push(block);
+        }
+        let hits = self.longest_hit(queries);
+        let mut hits_queued = 0;
+        for (group, spec) in self.groups.iter().enumerate() {
+            let needed_from = spec.kind.first_needed_block(hits * block_size, block_size);
+            for index in 0..hits {
+                let block = match index < needed_from {
+                    true => NULL_BLOCK,
+                    false => self
+                        .block_pool
+                        .lookup(group_key(self.scratch_hashes[index], group))
+                        .unwrap_or(NULL_BLOCK),
+                };
+                hits_queued +=
+                    usize::from(block != NULL_BLOCK && self.block_pool.ref_count(block) == 0);
+                self.scratch_blocks.push(block);
+            }
+        }
+        (queries, hits, hits_queued)
+    }
+
+    /// The most leading blocks (at most `limit`) that every group can serve from the cache:
+    /// a full-attention group needs all of them, a windowed group the blocks the first
+    /// computed token attends to. Shrinking the hit for one windowed group can break another's
+    /// window, so the groups are asked until none shrinks it (a fixed point; full groups stay
+    /// satisfied by any shorter hit).
+    fn longest_hit(&self, limit: usize) -> usize {
+        let cached = |index: usize, group: usize| {
+            self.block_pool
+                .lookup(group_key(self.scratch_hashes[index], group))
+                .is_some()
+        };
+        let mut hits = limit;
+        for (group, _) in self
+            .groups
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.kind.span().is_none())
+        {
+            hits = (0..hits)
+                .find(|&index| !cached(index, group))
+                .unwrap_or(hits);
+        }
+        let block_size = self.block_size();
+        let mut settled = false;
+        while !settled && hits > 0 {
+            settled = true;
+            for (group, spec) in self.groups.iter().enumerate() {
+                if spec.kind.span().is_none() {
+                    continue;
+                }
+                // The window of the first computed token, checked from its end: a miss at
+                // `index` leaves only hits that stop at or before it.
+                'shrink: while hits > 0 {
+                    let needed_from = spec.kind.first_needed_block(hits * block_size, block_size);
+                    for index in (needed_from..hits).rev() {
+                        if !cached(index, group) {
+                            hits = index;
+                            settled = false;
+                            continue 'shrink;
+                        }
                     }
-                    None => matching = false,
+                    break;
                 }
             }
         }
-        (queries, hits_queued)
+        hits
     }
 
     /// Whether `alloc_sequence` would succeed now for a new sequence with these tokens.
@@ -57,9 +117,9 @@ impl KvCache {
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count")?;
-        let (_, hits_queued) = self.match_prefix(tokens, cache_salt);
-        let fresh = tokens.len().div_ceil(self.block_size()) - self.scratch_blocks.len();
-        Ok(fresh + hits_queued)
+        let (_, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
+        let fresh = tokens.len().div_ceil(self.block_size()) - hits;
+        Ok(fresh * self.groups.len() + hits_queued)
     }
 
     /// Gives a new sequence the blocks for `tokens`, reusing cached full blocks when token ids
@@ -77,9 +137,8 @@ impl KvCache {
         self.check_token_count(num_tokens, "token count")?;
         let block_size = self.block_size();
         let num_blocks = num_tokens.div_ceil(block_size);
-        let (queries, hits_queued) = self.match_prefix(tokens, cache_salt);
-        let hits = self.scratch_blocks.len();
-        let needed = num_blocks - hits + hits_queued;
+        let (queries, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
+        let needed = (num_blocks - hits) * self.groups.len() + hits_queued;
         if needed > self.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {
                 needed,
@@ -93,8 +152,8 @@ impl KvCache {
             self.query_tokens += (queries * block_size) as u64;
             self.hit_tokens += (hits * block_size) as u64;
         }
-        let slab = self.vacant_slab();
         let version = self.bump_version();
+        let slab = self.vacant_slab(version);
         let KvCache {
             sequences,
             block_pool,
@@ -109,14 +168,22 @@ impl KvCache {
         seq.swapped = false;
         seq.num_tokens = num_tokens;
         seq.version = version;
-        seq.layout = version;
-        seq.blocks.clear();
-        for &block in scratch_blocks.iter() {
-            block_pool.take_hit(block);
-            seq.blocks.push(block);
+        // Every group takes its hits before any allocates: a fresh block could otherwise be
+        // another group's unused hit, evicted from under it.
+        for (group, table) in seq.tables.iter_mut().enumerate() {
+            for &block in &scratch_blocks[group * hits..(group + 1) * hits] {
+                if block == NULL_BLOCK {
+                    table.released += 1;
+                } else {
+                    block_pool.take_hit(block);
+                }
+                table.blocks.push(block);
+            }
         }
-        for _ in hits..num_blocks {
-            seq.blocks.push(allocate_checked(block_pool)?);
+        for table in seq.tables.iter_mut() {
+            for _ in hits..num_blocks {
+                table.blocks.push(allocate_checked(block_pool)?);
+            }
         }
         seq.partial_tokens.clear();
         seq.hashes.clear();
@@ -150,8 +217,8 @@ impl KvCache {
         if self.index.contains_key(&child_id) {
             return Err(CoreError::DuplicateSequence(child_id));
         }
-        let child_slab = self.vacant_slab();
         let version = self.bump_version();
+        let child_slab = self.vacant_slab(version);
         let (parent, child) = two_mut(
             &mut self.sequences,
             parent_slab as usize,
@@ -162,22 +229,23 @@ impl KvCache {
         child.swapped = false;
         child.num_tokens = parent.num_tokens;
         child.version = version;
-        child.layout = version;
         child.hashable = parent.hashable;
         child.root_hash = parent.root_hash;
         child.hashes.clear();
         child.hashes.extend_from_slice(&parent.hashes);
         child.num_computed = parent.num_computed;
         child.num_registered = parent.num_registered;
-        child.blocks.clear();
-        child.blocks.extend_from_slice(&parent.blocks);
+        for (table, parent_table) in child.tables.iter_mut().zip(&parent.tables) {
+            table.blocks.extend_from_slice(&parent_table.blocks);
+            table.released = parent_table.released;
+        }
         child.partial_tokens.clear();
         child
             .partial_tokens
             .extend_from_slice(&parent.partial_tokens);
         child.token_ids.clear();
         child.token_ids.extend_from_slice(&parent.token_ids);
-        for &block in &child.blocks {
+        for block in child.held_blocks() {
             self.block_pool.share(block);
         }
         self.has_forked = true;
@@ -190,14 +258,20 @@ impl KvCache {
     /// cache now, and not before: a block is never served as a hit before it is computed.
     /// `None` re-offers what was computed already (after a swap-in). Returns how many blocks
     /// joined the cache. Counts below what was computed before change nothing.
+    ///
+    /// A windowed group then releases the blocks that no token from the previous mark on
+    /// attends to: the scheduler marks a step's tokens before the model computes them, so
+    /// those tokens still read the window of the first of them.
     pub fn mark_computed(&mut self, seq_id: u64, num_tokens: Option<usize>) -> CoreResult<usize> {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
         self.sync_removed();
+        let version = self.bump_version();
         let KvCache {
             sequences,
             block_pool,
             events,
+            groups,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -210,18 +284,40 @@ impl KvCache {
             "sequence {seq_id} holds {} tokens; {num_tokens} cannot be computed",
             seq.num_tokens
         );
+        let first_to_compute = seq.num_computed;
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         let mut joined = 0;
         while seq.num_registered < full {
             let index = seq.num_registered;
-            let stored = block_pool.register(seq.blocks[index], seq.hashes[index]);
-            if stored && events.enabled() {
-                let (parent, hash, tokens) = seq.named_block(index, block_size);
-                events.stored(Medium::Device, parent, seq.root_hash, hash, tokens);
+            for (group, table) in seq.tables.iter().enumerate() {
+                let block = table.blocks[index];
+                if block == NULL_BLOCK {
+                    continue;
+                }
+                let stored = block_pool.register(block, group_key(seq.hashes[index], group));
+                if stored && group == 0 && events.enabled() {
+                    let (parent, hash, tokens) = seq.named_block(index, block_size);
+                    events.stored(Medium::Device, parent, seq.root_hash, hash, tokens);
+                }
+                joined += usize::from(stored);
             }
-            joined += usize::from(stored);
             seq.num_registered += 1;
+        }
+        for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
+            let needed_from = spec.kind.first_needed_block(first_to_compute, block_size);
+            let needed_from = needed_from.min(table.blocks.len());
+            if table.released >= needed_from {
+                continue;
+            }
+            // Head first: the oldest of them is evicted first if it stays cached.
+            for block in &mut table.blocks[table.released..needed_from] {
+                block_pool.release(*block);
+                *block = NULL_BLOCK;
+            }
+            table.released = needed_from;
+            table.layout = version;
+            seq.version = version;
         }
         Ok(joined)
     }
@@ -233,6 +329,12 @@ impl KvCache {
 
     /// Ends a sequence. Its blocks are released last-first, so that when they are cached
     /// the tail of a prefix is evicted before its head.
+    ///
+    /// With windowed groups, block `i` of every group goes back together, and a windowed
+    /// block released earlier that is still cached is touched then too: a hit at block `k`
+    /// needs the full groups' blocks before `k` and the windowed groups' blocks just before
+    /// `k`, so evicting index by index from the tail keeps every shorter hit whole (released
+    /// early, those blocks would otherwise be evicted first and no hit would survive).
     pub fn free_sequence(&mut self, seq_id: u64) -> CoreResult<()> {
         let slab = self
             .index
@@ -251,14 +353,26 @@ impl KvCache {
             (true, Some(host_pool)) => (host_pool, true),
             _ => (block_pool, false),
         };
-        for &block in seq.blocks.iter().rev() {
-            pool.release(block);
-            if on_host && events.enabled() && pool.ref_count(block) == 0 {
-                events.host_block_freed(block);
+        let touch_released = !on_host && pool.enable_prefix_caching();
+        for index in (0..seq.num_blocks()).rev() {
+            for (group, table) in seq.tables.iter().enumerate() {
+                let block = table.blocks[index];
+                if block != NULL_BLOCK {
+                    pool.release(block);
+                    if on_host && events.enabled() && pool.ref_count(block) == 0 {
+                        events.host_block_freed(block);
+                    }
+                } else if touch_released && index < seq.num_registered.min(seq.hashes.len()) {
+                    if let Some(cached) = pool.lookup(group_key(seq.hashes[index], group)) {
+                        pool.touch(cached);
+                    }
+                }
             }
         }
         seq.swapped = false;
-        seq.blocks.clear();
+        for table in &mut seq.tables {
+            table.reset(0);
+        }
         seq.partial_tokens.clear();
         seq.hashes.clear();
         seq.token_ids.clear();

@@ -13,6 +13,7 @@ mod append;
 mod batch_table;
 mod block_move;
 mod events;
+mod groups;
 mod invariants;
 mod lifecycle;
 mod sequence;
@@ -25,8 +26,9 @@ use hashbrown::HashMap;
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
-use sequence::Sequence;
+pub use groups::{group_layers, layer_kinds, AttentionKind, KvCacheGroup};
 pub use sequence::SEQUENCE_BYTES;
+use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
 
 use crate::alloc::{BlockHash, BlockPool};
@@ -59,7 +61,12 @@ pub struct KvCache {
     block_pool: BlockPool,
     /// Host tier for swapped-out sequences (block 0 unused there too).
     host_pool: Option<BlockPool>,
+    /// The model's layers, K/V heads, head size and dtype.
     layout: KvLayout,
+    /// The layers' groups (one full-attention group of every layer unless layer kinds were
+    /// given) and how many layers' K/V one block holds.
+    groups: Vec<KvCacheGroup>,
+    layers_per_block: usize,
     bytes_per_block: usize,
     sequences: Vec<Sequence>,
     vacant: Vec<u32>,
@@ -87,6 +94,7 @@ struct SlabView<'a> {
     /// `None` when the slab is vacant.
     pub seq_id: Option<u64>,
     pub swapped: bool,
+    /// Group 0's blocks (batch tables serve one-group caches).
     pub blocks: &'a [u32],
     pub num_tokens: usize,
     pub version: u64,
@@ -95,15 +103,46 @@ struct SlabView<'a> {
 const NO_BLOCK: u32 = u32::MAX;
 
 impl KvCache {
+    /// A cache whose every layer attends to every earlier position: one group.
     pub fn new(
         num_blocks: usize,
         block_size: usize,
         layout: KvLayout,
         enable_prefix_caching: bool,
     ) -> CoreResult<Self> {
+        let kinds = vec![AttentionKind::Full; layout.num_layers.max(1)];
+        Self::with_layer_kinds(
+            num_blocks,
+            block_size,
+            layout,
+            enable_prefix_caching,
+            &kinds,
+        )
+    }
+
+    /// A cache for a model whose layer `l` attends as `kinds[l]` says: layers are grouped by
+    /// kind (see [`group_layers`]), and a block holds the K/V of one group's layers.
+    pub fn with_layer_kinds(
+        num_blocks: usize,
+        block_size: usize,
+        layout: KvLayout,
+        enable_prefix_caching: bool,
+        kinds: &[AttentionKind],
+    ) -> CoreResult<Self> {
         layout.validate()?;
+        ensure!(
+            kinds.len() == layout.num_layers,
+            "layer_types names {} layers; the model has num_layers = {}",
+            kinds.len(),
+            layout.num_layers
+        );
+        let (groups, layers_per_block) = group_layers(kinds)?;
         let block_pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching)?;
-        let bytes_per_block = layout.bytes_per_block(block_size).ok_or_else(|| {
+        let block_layout = KvLayout {
+            num_layers: layers_per_block,
+            ..layout
+        };
+        let bytes_per_block = block_layout.bytes_per_block(block_size).ok_or_else(|| {
             CoreError::invalid(
                 "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
             )
@@ -112,6 +151,8 @@ impl KvCache {
             block_pool,
             host_pool: None,
             layout,
+            groups,
+            layers_per_block,
             bytes_per_block,
             sequences: Vec::new(),
             vacant: Vec::new(),
@@ -127,6 +168,37 @@ impl KvCache {
             scratch_slabs: Vec::new(),
             scratch_moves: Vec::new(),
         })
+    }
+
+    /// The layer groups, in order of their first layer.
+    pub fn groups(&self) -> &[KvCacheGroup] {
+        &self.groups
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// How many layers' K/V one block holds (every layer, unless layer kinds were given).
+    pub fn layers_per_block(&self) -> usize {
+        self.layers_per_block
+    }
+
+    /// The group of model layer `layer` and the slot it uses in that group's blocks.
+    pub fn group_of_layer(&self, layer: usize) -> CoreResult<(usize, usize)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(group, spec)| {
+                let slot = spec.layers.iter().position(|&l| l == layer)?;
+                Some((group, slot))
+            })
+            .ok_or_else(|| {
+                invalid!(
+                    "layer {layer} is not a layer of this model (num_layers = {})",
+                    self.layout.num_layers
+                )
+            })
     }
 
     #[inline]
@@ -213,9 +285,10 @@ impl KvCache {
         self.index.contains_key(&seq_id)
     }
 
-    /// Most tokens one sequence can ever hold: every block but the null block.
+    /// Most tokens one sequence can ever hold: every block but the null block, shared by
+    /// the groups (each holds a block per `block_size` tokens when the sequence is admitted).
     pub fn max_seq_tokens(&self) -> usize {
-        (self.num_blocks() - 1) * self.block_size()
+        (self.num_blocks() - 1) / self.groups.len() * self.block_size()
     }
 
     pub fn block_pool(&self) -> &BlockPool {
@@ -242,7 +315,7 @@ impl KvCache {
         SlabView {
             seq_id: seq.live.then_some(seq.seq_id),
             swapped: seq.swapped,
-            blocks: &seq.blocks,
+            blocks: seq.blocks(),
             num_tokens: seq.num_tokens,
             version: seq.version,
         }
@@ -271,9 +344,30 @@ impl KvCache {
         Ok(self.sequence(seq_id)?.num_tokens)
     }
 
-    /// The blocks of one sequence, in token order (host blocks while it is swapped out).
+    /// The blocks of one sequence in group 0, in token order (host blocks while it is
+    /// swapped out).
     pub fn block_table(&self, seq_id: u64) -> CoreResult<&[u32]> {
-        Ok(&self.sequence(seq_id)?.blocks)
+        Ok(self.sequence(seq_id)?.blocks())
+    }
+
+    /// The blocks of one sequence in `group`, the null block where a window released one.
+    pub fn group_block_table(&self, seq_id: u64, group: usize) -> CoreResult<&[u32]> {
+        self.check_group(group)?;
+        Ok(&self.sequence(seq_id)?.tables[group].blocks)
+    }
+
+    /// Blocks the sequence holds now, summed over its groups (null blocks not counted).
+    pub fn num_held_blocks(&self, seq_id: u64) -> CoreResult<usize> {
+        Ok(self.sequence(seq_id)?.held_blocks().count())
+    }
+
+    fn check_group(&self, group: usize) -> CoreResult<()> {
+        ensure!(
+            group < self.groups.len(),
+            "group {group} does not exist: this cache has {} group(s)",
+            self.groups.len()
+        );
+        Ok(())
     }
 
     fn check_token_count(&self, count: usize, what: &str) -> CoreResult<()> {
@@ -281,19 +375,29 @@ impl KvCache {
         ensure!(
             count <= self.max_seq_tokens(),
             "{what} = {count} can never fit: the pool holds at most {} tokens per sequence \
-             ({} usable blocks of {})",
+             ({} usable blocks of {} for {} group(s))",
             self.max_seq_tokens(),
             self.num_blocks() - 1,
-            self.block_size()
+            self.block_size(),
+            self.groups.len()
         );
         Ok(())
     }
 
-    fn vacant_slab(&mut self) -> u32 {
-        self.vacant.pop().unwrap_or_else(|| {
+    /// A free slab whose group tables are stamped `version` and empty.
+    fn vacant_slab(&mut self, version: u64) -> u32 {
+        let slab = self.vacant.pop().unwrap_or_else(|| {
             self.sequences.push(Sequence::default());
             (self.sequences.len() - 1) as u32
-        })
+        });
+        let tables = &mut self.sequences[slab as usize].tables;
+        // Exactly one table per group (a plain resize would reserve four at first).
+        tables.reserve_exact(self.groups.len().saturating_sub(tables.len()));
+        tables.resize_with(self.groups.len(), GroupTable::default);
+        for table in tables.iter_mut() {
+            table.reset(version);
+        }
+        slab
     }
 
     fn bump_version(&mut self) -> u64 {

@@ -10,8 +10,9 @@ pub(super) struct Sequence {
     pub(super) seq_id: u64,
     pub(super) live: bool,
     pub(super) num_tokens: usize,
-    /// Device blocks, or host blocks while `swapped`.
-    pub(super) blocks: Vec<u32>,
+    /// One block list per KV-cache group, all as long as the token count needs: device
+    /// blocks, or host blocks while `swapped`.
+    pub(super) tables: Vec<GroupTable>,
     /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
     pub(super) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
@@ -30,16 +31,60 @@ pub(super) struct Sequence {
     pub(super) num_computed: usize,
     /// Leading blocks already offered to the prefix cache (hits, or registered).
     pub(super) num_registered: usize,
-    /// Changes whenever the block list or length changes (and when a batch names the
+    /// Changes whenever a block list or the length changes (and when a batch names the
     /// sequence); unique across the cache's life.
     pub(super) version: u64,
+}
+
+/// A sequence's blocks in one group.
+#[derive(Debug, Clone, Default)]
+pub(super) struct GroupTable {
+    /// In token order; the first `released` are the null block (a window or chunk left
+    /// them behind, or a prefix hit never needed them).
+    pub(super) blocks: Vec<u32>,
+    pub(super) released: usize,
     /// Changes whenever a block already in the list is replaced (allocation, fork,
-    /// copy-on-write, swap), but not when the list only grows: a table that holds the
-    /// list's first k blocks under this value still holds them.
+    /// copy-on-write, swap, release), but not when the list only grows: a table that holds
+    /// the list's first k blocks under this value still holds them.
     pub(super) layout: u64,
 }
 
+impl GroupTable {
+    /// Starts a new list stamped `version`.
+    pub(super) fn reset(&mut self, version: u64) {
+        self.blocks.clear();
+        self.released = 0;
+        self.layout = version;
+    }
+
+    /// The blocks that are not the null block.
+    pub(super) fn live(&self) -> &[u32] {
+        &self.blocks[self.released..]
+    }
+
+    pub(super) fn live_mut(&mut self) -> &mut [u32] {
+        &mut self.blocks[self.released..]
+    }
+}
+
 impl Sequence {
+    /// The block list of group 0 (the only group of a cache without layer types).
+    pub(super) fn blocks(&self) -> &[u32] {
+        &self.tables[0].blocks
+    }
+
+    /// Blocks the sequence holds per group: the length of every list.
+    pub(super) fn num_blocks(&self) -> usize {
+        self.tables[0].blocks.len()
+    }
+
+    /// Every block the sequence holds, in any group (null blocks skipped).
+    pub(super) fn held_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.tables
+            .iter()
+            .flat_map(|table| table.live().iter().copied())
+    }
+
     /// What a stored event says of full block `index`: its parent's hash (`None` for the
     /// first block), its own hash and its token ids (empty unless KV events keep them).
     pub(super) fn named_block(

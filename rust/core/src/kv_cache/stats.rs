@@ -1,6 +1,6 @@
 //! Counters, sizes and fragmentation of the cache, and the bookkeeping's own memory.
 
-use super::{KvCache, Sequence};
+use super::{GroupTable, KvCache, Sequence};
 use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
 use crate::figures::{Figure, Figures};
 
@@ -89,12 +89,13 @@ impl KvCache {
             .values()
             .map(|&slab| &self.sequences[slab as usize])
             .filter(|seq| !seq.swapped && seq.num_tokens % block_size != 0)
-            .map(|seq| {
-                (
-                    *seq.blocks.last().unwrap_or(&NULL_BLOCK),
-                    seq.num_tokens % block_size,
-                )
+            .flat_map(|seq| {
+                let fill = seq.num_tokens % block_size;
+                seq.tables
+                    .iter()
+                    .map(move |table| (*table.blocks.last().unwrap_or(&NULL_BLOCK), fill))
             })
+            .filter(|&(block, _)| block != NULL_BLOCK)
             .collect();
         partial.sort_unstable();
         partial.dedup();
@@ -148,7 +149,10 @@ impl KvCache {
             + self
                 .sequences
                 .iter()
-                .map(|seq| (seq.partial_tokens.capacity() + seq.token_ids.capacity()) * 4)
+                .map(|seq| {
+                    (seq.partial_tokens.capacity() + seq.token_ids.capacity()) * 4
+                        + seq.tables.capacity() * std::mem::size_of::<GroupTable>()
+                })
                 .sum::<usize>()
             + self.vacant.capacity() * 4
             + self.index.allocation_size();

@@ -81,7 +81,7 @@ impl KvCache {
         let mut needed = 0;
         for pass in [true, false] {
             for &slab in slabs {
-                for &block in &self.sequences[slab as usize].blocks {
+                for block in self.sequences[slab as usize].held_blocks() {
                     let mark = &mut self.scratch_moves[block as usize];
                     if pass && *mark == NO_BLOCK {
                         needed += 1;
@@ -133,33 +133,36 @@ impl KvCache {
             let seq = &mut sequences[slab as usize];
             // Blocks whose contents the prefix cache names: their host copies are events.
             let named = seq.num_registered.min(seq.hashes.len());
-            for block in seq.blocks.iter_mut().rev() {
-                let moved = match scratch_moves[*block as usize] {
-                    NO_BLOCK => {
-                        let moved = allocate_checked(destination)?;
-                        scratch_moves[*block as usize] = moved;
-                        pending_moves.push(BlockMove::new(kind, *block, moved));
-                        moved
+            for table in seq.tables.iter_mut() {
+                for block in table.live_mut().iter_mut().rev() {
+                    let moved = match scratch_moves[*block as usize] {
+                        NO_BLOCK => {
+                            let moved = allocate_checked(destination)?;
+                            scratch_moves[*block as usize] = moved;
+                            pending_moves.push(BlockMove::new(kind, *block, moved));
+                            moved
+                        }
+                        moved => {
+                            destination.share(moved);
+                            moved
+                        }
+                    };
+                    source.release(*block);
+                    if !out && events.enabled() && source.ref_count(*block) == 0 {
+                        events.host_block_freed(*block);
                     }
-                    moved => {
-                        destination.share(moved);
-                        moved
-                    }
-                };
-                source.release(*block);
-                if !out && events.enabled() && source.ref_count(*block) == 0 {
-                    events.host_block_freed(*block);
+                    *block = moved;
                 }
-                *block = moved;
+                table.layout = seq.version;
             }
             if out && events.enabled() {
                 for index in 0..named {
                     let (parent, hash, tokens) = seq.named_block(index, block_size);
-                    events.host_copy_made(seq.blocks[index], parent, seq.root_hash, hash, tokens);
+                    let block = seq.tables[0].blocks[index];
+                    events.host_copy_made(block, parent, seq.root_hash, hash, tokens);
                 }
             }
             seq.swapped = out;
-            seq.layout = seq.version;
             // Fresh device blocks: offered to the prefix cache again once computed.
             seq.num_registered = 0;
         }

@@ -6,9 +6,11 @@ use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
 
 impl KvCache {
-    /// Slots of tokens `[starts[i], ends[i])` of each sequence, concatenated in batch order.
+    /// Slots of tokens `[starts[i], ends[i])` of each sequence in `group`, concatenated in
+    /// batch order.
     pub fn slot_mapping(
         &self,
+        group: usize,
         seq_ids: &[u64],
         starts: &[i64],
         ends: &[i64],
@@ -21,20 +23,28 @@ impl KvCache {
             starts.len(),
             ends.len()
         );
+        self.check_group(group)?;
+        let block_size = self.block_size();
         let mut total = 0usize;
         for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
-            let len = self.device_sequence(seq_id)?.num_tokens;
+            let seq = self.device_sequence(seq_id)?;
+            let len = seq.num_tokens;
             ensure!(
                 start >= 0 && start <= end && end <= len as i64,
                 "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
+            );
+            let released = seq.tables[group].released * block_size;
+            ensure!(
+                start == end || start as usize >= released,
+                "range [{start}, {end}) of sequence {seq_id} starts before token {released}: \
+                 group {group}'s window released the blocks before it"
             );
             total += (end - start) as usize;
         }
         slots.clear();
         slots.reserve(total);
-        let block_size = self.block_size();
         for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
-            let blocks = &self.sequence(seq_id)?.blocks;
+            let blocks = &self.sequence(seq_id)?.tables[group].blocks;
             slots.extend((start as usize..end as usize).map(|position| {
                 (blocks[position / block_size] as usize * block_size + position % block_size) as i32
             }));
@@ -42,24 +52,32 @@ impl KvCache {
         Ok(())
     }
 
-    /// The blocks of a device sequence, its token count and its layout stamp (see
-    /// [`KvCache::block_table`]): what a step plan's row needs, in one lookup.
-    pub fn row_view(&self, seq_id: u64) -> CoreResult<(&[u32], usize, u64)> {
+    /// The blocks of a device sequence in `group`, its token count and the list's layout
+    /// stamp: what a step plan's row needs, in one lookup. `group` must exist.
+    pub fn row_view(&self, seq_id: u64, group: usize) -> CoreResult<(&[u32], usize, u64)> {
         let seq = self.device_sequence(seq_id)?;
-        Ok((&seq.blocks, seq.num_tokens, seq.layout))
+        let table = &seq.tables[group];
+        Ok((&table.blocks, seq.num_tokens, table.layout))
     }
 
-    /// Padded block tables, row-major `[batch, max blocks in the batch]`. Returns the width.
-    pub fn block_tables(&self, seq_ids: &[u64], out: &mut Vec<i32>) -> CoreResult<usize> {
+    /// Padded block tables of `group`, row-major `[batch, max blocks in the batch]`. Returns
+    /// the width.
+    pub fn block_tables(
+        &self,
+        group: usize,
+        seq_ids: &[u64],
+        out: &mut Vec<i32>,
+    ) -> CoreResult<usize> {
+        self.check_group(group)?;
         let mut width = 0;
         for &seq_id in seq_ids {
-            width = width.max(self.device_sequence(seq_id)?.blocks.len());
+            width = width.max(self.device_sequence(seq_id)?.num_blocks());
         }
         out.clear();
         out.resize(seq_ids.len() * width, NULL_BLOCK as i32);
         if width > 0 {
             for (&seq_id, row) in seq_ids.iter().zip(out.chunks_exact_mut(width)) {
-                let blocks = &self.sequence(seq_id)?.blocks;
+                let blocks = &self.sequence(seq_id)?.tables[group].blocks;
                 for (cell, &block) in row.iter_mut().zip(blocks) {
                     *cell = block as i32;
                 }
@@ -77,18 +95,21 @@ impl KvCache {
         Ok(())
     }
 
-    /// FlashInfer's CSR page table: `indptr[i]..indptr[i+1]` indexes sequence i's blocks in
-    /// `indices`; `last_page_len[i]` is how many slots of its last block hold tokens.
+    /// FlashInfer's CSR page table of `group`: `indptr[i]..indptr[i+1]` indexes sequence
+    /// i's blocks in `indices`; `last_page_len[i]` is how many slots of its last block hold
+    /// tokens.
     pub fn page_table_csr(
         &self,
+        group: usize,
         seq_ids: &[u64],
         indptr: &mut Vec<i32>,
         indices: &mut Vec<i32>,
         last_page_len: &mut Vec<i32>,
     ) -> CoreResult<()> {
+        self.check_group(group)?;
         let mut total = 0usize;
         for &seq_id in seq_ids {
-            total += self.device_sequence(seq_id)?.blocks.len();
+            total += self.device_sequence(seq_id)?.num_blocks();
         }
         indptr.clear();
         indices.clear();
@@ -100,7 +121,7 @@ impl KvCache {
         let block_size = self.block_size();
         for &seq_id in seq_ids {
             let seq = self.sequence(seq_id)?;
-            indices.extend(seq.blocks.iter().map(|&block| block as i32));
+            indices.extend(seq.tables[group].blocks.iter().map(|&block| block as i32));
             indptr.push(indices.len() as i32);
             last_page_len.push(((seq.num_tokens - 1) % block_size + 1) as i32);
         }

@@ -210,3 +210,26 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Dtype {
             .map(Dtype)
     }
 }
+
+/// transformers' per-layer attention names (`config.layer_types`): a list or tuple of str.
+pub struct LayerTypes(pub Vec<String>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for LayerTypes {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let is_list = obj.is_instance_of::<pyo3::types::PyList>()
+            || obj.is_instance_of::<pyo3::types::PyTuple>();
+        let names = is_list
+            .then(|| obj.extract::<Vec<String>>().ok())
+            .flatten()
+            .ok_or_else(|| {
+                type_error(format!(
+                    "layer_types must be a list of str (\"full_attention\", \
+                     \"sliding_attention\", \"chunked_attention\"), got {}",
+                    describe(&obj)
+                ))
+            })?;
+        Ok(LayerTypes(names))
+    }
+}

@@ -14,7 +14,8 @@ mod args;
 mod arrays;
 
 pub use args::{
-    BlockPairs, CacheSalt, Count, Dtype, Nanos, Positions, Prompt, SeqId, SeqIds, TokenIds,
+    BlockPairs, CacheSalt, Count, Dtype, LayerTypes, Nanos, Positions, Prompt, SeqId, SeqIds,
+    TokenIds,
 };
 pub use arrays::{figures_to_dict, narrow_slots, pairs_to_array, to_2d};
 

@@ -6,19 +6,22 @@ mod events;
 pub mod host_copy;
 pub mod transfer;
 
-use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use atb_mem_core::{layer_kinds, pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 pub use batch_table::PyBatchTable;
 
 use crate::convert::{
-    self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, Positions, Prompt, SeqId,
-    SeqIds, TokenIds,
+    self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, LayerTypes, Positions,
+    Prompt, SeqId, SeqIds, TokenIds,
 };
 use crate::errors::IntoPyResult;
 use crate::lock::{Guard, PyLock};
+
+/// A KV-cache group as Python sees it: (kind, layers, window or chunk).
+type GroupRow = (&'static str, Vec<usize>, Option<usize>);
 
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 pub(crate) const DETACH_ABOVE: usize = 4096;
@@ -55,47 +58,6 @@ impl PyKvCachePool {
             work(cache)
         })
     }
-
-    /// A swap as one transaction: plan it, execute every pending move with `execute` (None:
-    /// leave them pending for the caller), and commit — or roll back if executing raised.
-    /// Returns the swap's own (source, destination) pairs.
-    fn swap<'py>(
-        &self,
-        py: Python<'py>,
-        seq_ids: SeqIds<'py>,
-        execute: Option<&Bound<'py, PyAny>>,
-        out: bool,
-    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let ids = seq_ids.as_slice();
-        let mut cache = self.lock_running_python()?;
-        let execute = execute.filter(|execute| !execute.is_none());
-        let snapshot = execute.map(|_| cache.clone());
-        let first = cache.num_pending_moves();
-        match out {
-            true => cache.swap_out(ids),
-            false => cache.swap_in(ids),
-        }
-        .into_py_result()?;
-        let kind = if out {
-            MoveKind::ToHost
-        } else {
-            MoveKind::ToDevice
-        };
-        let pairs: Vec<[u32; 2]> = match (execute, snapshot) {
-            (Some(execute), Some(snapshot)) => {
-                let moves = transfer::execute_pending(py, &mut cache, snapshot, execute)?;
-                if !out {
-                    // The bytes are back: the blocks may serve prefix hits again.
-                    for &seq_id in ids {
-                        cache.mark_computed(seq_id, None).into_py_result()?;
-                    }
-                }
-                pairs_of(&moves, kind).collect()
-            }
-            _ => pairs_of(&cache.pending_moves()[first..], kind).collect(),
-        };
-        pairs_to_array(py, &pairs)
-    }
 }
 
 #[pymethods]
@@ -103,7 +65,8 @@ impl PyKvCachePool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
-                        enable_kv_events=false))]
+                        enable_kv_events=false, layer_types=None, sliding_window=None,
+                        attention_chunk_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -115,6 +78,9 @@ impl PyKvCachePool {
         enable_prefix_caching: bool,
         num_host_blocks: Option<Count<1>>,
         enable_kv_events: bool,
+        layer_types: Option<LayerTypes>,
+        sliding_window: Option<Count<1>>,
+        attention_chunk_size: Option<Count<1>>,
     ) -> PyResult<Self> {
         let num_blocks = num_blocks.0;
         let block_size = block_size.0;
@@ -125,12 +91,25 @@ impl PyKvCachePool {
             head_dim: head_dim.map_or(1, Count::get),
             dtype,
         };
+        let kinds = layer_kinds(
+            layout.num_layers,
+            layer_types.as_ref().map(|names| names.0.as_slice()),
+            sliding_window.map(Count::get),
+            attention_chunk_size.map(Count::get),
+        )
+        .into_py_result()?;
         let mut cache =
-            KvCache::new(num_blocks, block_size, layout, enable_prefix_caching).into_py_result()?;
+            KvCache::with_layer_kinds(num_blocks, block_size, layout, enable_prefix_caching, &kinds)
+                .into_py_result()?;
         if let Some(Count(num_host_blocks)) = num_host_blocks {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
         }
         if enable_kv_events {
+            if cache.num_groups() > 1 {
+                return Err(crate::errors::value_error(
+                    "KV events with several KV-cache groups (layer_types) are not supported yet",
+                ));
+            }
             cache.enable_kv_events().into_py_result()?;
         }
         Ok(PyKvCachePool {
@@ -151,6 +130,28 @@ impl PyKvCachePool {
     #[getter]
     fn num_layers(&self) -> PyResult<usize> {
         Ok(self.lock()?.layout().num_layers)
+    }
+
+    /// `(kind, layers, window)` per KV-cache group: transformers' layer-type name, the model
+    /// layers in it, and the sliding window or chunk (None for full attention).
+    #[getter]
+    fn _groups(&self) -> PyResult<Vec<GroupRow>> {
+        let cache = self.lock()?;
+        let groups = cache.groups().iter();
+        Ok(groups
+            .map(|g| (g.kind.name(), g.layers.clone(), g.kind.span()))
+            .collect())
+    }
+
+    /// How many layers' K/V one block holds: its group's layers share the block's slots.
+    #[getter]
+    fn layers_per_block(&self) -> PyResult<usize> {
+        Ok(self.lock()?.layers_per_block())
+    }
+
+    /// `(group, slot)` of a model layer: its group's tables address it, at `slot` of a block.
+    fn group_of_layer(&self, layer: Count<0>) -> PyResult<(usize, usize)> {
+        self.lock()?.group_of_layer(layer.0).into_py_result()
     }
 
     #[getter]
@@ -242,7 +243,7 @@ impl PyKvCachePool {
         seq_ids: SeqIds<'py>,
         n: Option<Count<1>>,
         token_ids: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let n = n.map_or(1, Count::get);
         let ids = seq_ids.as_slice();
         let token_ids = match token_ids {
@@ -255,15 +256,22 @@ impl PyKvCachePool {
             cache.append_tokens(ids, n, token_slice, &mut slots)
         })?
         .into_py_result()?;
-        Ok(slots.into_pyarray(py))
+        let groups = slots.len() / (ids.len() * n).max(1);
+        let slots = slots.into_pyarray(py);
+        match groups {
+            0 | 1 => Ok(slots.into_any()),
+            _ => Ok(slots.reshape([groups, ids.len() * n])?.into_any()),
+        }
     }
 
+    #[pyo3(signature = (seq_ids, starts, ends, *, group=Count(0)))]
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
         seq_ids: SeqIds<'py>,
         starts: Positions,
         ends: Positions,
+        group: Count<0>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let starts = starts.0;
         let ends = ends.0;
@@ -275,7 +283,7 @@ impl PyKvCachePool {
             .fold(0i64, |total, span| total.saturating_add(span));
         let mut slots = Vec::new();
         self.run(py, size as usize, |cache| {
-            cache.slot_mapping(ids, &starts, &ends, &mut slots)
+            cache.slot_mapping(group.0, ids, &starts, &ends, &mut slots)
         })?
         .into_py_result()?;
         Ok(slots.into_pyarray(py))
@@ -360,31 +368,36 @@ impl PyKvCachePool {
         Ok(())
     }
 
+    #[pyo3(signature = (seq_ids, *, group=Count(0)))]
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
         seq_ids: SeqIds<'py>,
+        group: Count<0>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = seq_ids.as_slice();
         let mut cells = Vec::new();
         let width = self
             .run(py, ids.len() * 16, |cache| {
-                cache.block_tables(ids, &mut cells)
+                cache.block_tables(group.0, ids, &mut cells)
             })?
             .into_py_result()?;
         to_2d(py, cells, ids.len(), width)
     }
 
-    /// The blocks of one sequence, int32, in token order.
+    /// The blocks of one sequence in `group`, int32, in token order (0 where its window
+    /// released one).
+    #[pyo3(signature = (seq_id, *, group=Count(0)))]
     fn block_table<'py>(
         &self,
         py: Python<'py>,
         seq_id: SeqId,
+        group: Count<0>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq_id = seq_id.0;
         let blocks: Vec<i32> = self
             .lock()?
-            .block_table(seq_id)
+            .group_block_table(seq_id, group.0)
             .into_py_result()?
             .iter()
             .map(|&block| block as i32)
@@ -406,10 +419,12 @@ impl PyKvCachePool {
 
     /// FlashInfer's page table: (kv_indptr, kv_indices, kv_last_page_len), all int32.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (seq_ids, *, group=Count(0)))]
     fn page_table_csr<'py>(
         &self,
         py: Python<'py>,
         seq_ids: SeqIds<'py>,
+        group: Count<0>,
     ) -> PyResult<(
         Bound<'py, PyArray1<i32>>,
         Bound<'py, PyArray1<i32>>,
@@ -418,7 +433,7 @@ impl PyKvCachePool {
         let ids = seq_ids.as_slice();
         let (mut indptr, mut indices, mut last_page_len) = (Vec::new(), Vec::new(), Vec::new());
         self.run(py, ids.len() * 16, |cache| {
-            cache.page_table_csr(ids, &mut indptr, &mut indices, &mut last_page_len)
+            cache.page_table_csr(group.0, ids, &mut indptr, &mut indices, &mut last_page_len)
         })?
         .into_py_result()?;
         Ok((

@@ -1,12 +1,14 @@
 //! Plan → execute → commit across the language boundary: the core's block moves as an array
 //! for Python's byte executor, and what happens when executing them raises.
 
-use atb_mem_core::{BlockMove, KvCache};
+use atb_mem_core::{pairs_of, BlockMove, KvCache, MoveKind};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2};
 use pyo3::prelude::*;
 
-use crate::errors::{block_move_error, type_error};
+use super::PyKvCachePool;
+use crate::convert::{pairs_to_array, SeqIds};
+use crate::errors::{block_move_error, type_error, IntoPyResult};
 
 /// int32 `[k, 3]`: (kind, source block, destination block) per move, in execution order;
 /// kind 0 = copy (device → device), 1 = to host, 2 = to device.
@@ -62,4 +64,47 @@ pub(crate) fn execute_pending(
         return Err(block_move_error(py, error, &aborted));
     }
     Ok(moves)
+}
+
+impl PyKvCachePool {
+    /// A swap as one transaction: plan it, execute every pending move with `execute` (None:
+    /// leave them pending for the caller), and commit — or roll back if executing raised.
+    /// Returns the swap's own (source, destination) pairs.
+    pub(super) fn swap<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds<'py>,
+        execute: Option<&Bound<'py, PyAny>>,
+        out: bool,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = seq_ids.as_slice();
+        let mut cache = self.lock_running_python()?;
+        let execute = execute.filter(|execute| !execute.is_none());
+        let snapshot = execute.map(|_| cache.clone());
+        let first = cache.num_pending_moves();
+        match out {
+            true => cache.swap_out(ids),
+            false => cache.swap_in(ids),
+        }
+        .into_py_result()?;
+        let kind = if out {
+            MoveKind::ToHost
+        } else {
+            MoveKind::ToDevice
+        };
+        let pairs: Vec<[u32; 2]> = match (execute, snapshot) {
+            (Some(execute), Some(snapshot)) => {
+                let moves = execute_pending(py, &mut cache, snapshot, execute)?;
+                if !out {
+                    // The bytes are back: the blocks may serve prefix hits again.
+                    for &seq_id in ids {
+                        cache.mark_computed(seq_id, None).into_py_result()?;
+                    }
+                }
+                pairs_of(&moves, kind).collect()
+            }
+            _ => pairs_of(&cache.pending_moves()[first..], kind).collect(),
+        };
+        pairs_to_array(py, &pairs)
+    }
 }

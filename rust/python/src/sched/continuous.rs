@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice};
 
@@ -62,9 +62,9 @@ fn config_dict<'py>(py: Python<'py>, config: &SchedulerConfig) -> PyResult<Bound
 pub struct PyContinuousScheduler {
     pool: Py<PyKvCachePool>,
     scheduler: PyLock<ContinuousScheduler>,
-    /// The plans' block tables: one numpy buffer the core updates in place, grown by
-    /// doubling (plans already returned keep the old one alive).
-    block_tables: Mutex<Option<Py<PyArray2<i32>>>>,
+    /// The plans' block tables: one numpy buffer `[groups, rows, columns]` the core updates
+    /// in place, grown by doubling (plans already returned keep the old one alive).
+    block_tables: Mutex<Option<Py<PyArray3<i32>>>>,
 }
 
 impl PyContinuousScheduler {
@@ -73,7 +73,8 @@ impl PyContinuousScheduler {
     }
 
     /// Writes the plan's block tables into the persistent buffer (under the caller's locks)
-    /// and returns the read-only `[rows, width]` view of them.
+    /// and returns the read-only `[rows, width]` view of them (`[groups, rows, width]` with
+    /// several KV-cache groups).
     fn block_tables_view<'py>(
         &self,
         py: Python<'py>,
@@ -82,36 +83,41 @@ impl PyContinuousScheduler {
         plan: &StepPlan,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (rows, width) = (plan.query_lens.len(), plan.block_table_width);
+        let groups = cache.num_groups();
         let mut buffer = lock(&self.block_tables);
         let (held_rows, held_columns) = match buffer.as_ref() {
             Some(array) => {
                 let dims = array.bind(py).dims();
-                (dims[0], dims[1])
+                (dims[1], dims[2])
             }
             None => (0, 0),
         };
         let fresh = buffer.is_none() || rows > held_rows || width > held_columns;
         if fresh {
             let shape = [
+                groups,
                 rows.max(held_rows).max(16).next_power_of_two(),
                 width.max(held_columns).max(16).next_power_of_two(),
             ];
-            *buffer = Some(PyArray2::zeros(py, shape, false).unbind());
+            *buffer = Some(PyArray3::zeros(py, shape, false).unbind());
         }
         let array = buffer.as_ref().map(|array| array.bind(py).clone());
         let array = array.ok_or_else(|| type_error("block table buffer missing"))?;
-        let stride = array.dims()[1];
+        let stride = array.dims()[2];
         // SAFETY: the buffer is C-contiguous and created here; Python sees it only through
         // read-only views, and every write happens under the scheduler's lock.
         let cells = unsafe { array.as_slice_mut() }.map_err(|e| type_error(e.to_string()))?;
         scheduler
             .write_block_tables(cache, plan, cells, stride, fresh)
             .into_py_result()?;
-        let index = (
+        let (rows, columns) = (
             PySlice::new(py, 0, rows as isize, 1),
             PySlice::new(py, 0, width as isize, 1),
         );
-        let view = array.get_item(index)?;
+        let view = match groups {
+            1 => array.get_item((0, rows, columns))?,
+            _ => array.get_item((PySlice::full(py), rows, columns))?,
+        };
         let flags = PyDict::new(py);
         flags.set_item("write", false)?;
         view.call_method("setflags", (), Some(&flags))?;

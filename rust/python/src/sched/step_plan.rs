@@ -74,7 +74,16 @@ impl PyStepPlan {
             block_tables: block_tables.unbind(),
             input_ids: cells(plan.input_ids),
             positions: cells(plan.positions),
-            slot_mapping: cells(plan.slot_mapping),
+            slot_mapping: match plan.num_groups {
+                0 | 1 => cells(plan.slot_mapping),
+                groups => {
+                    let tokens = plan.num_batched_tokens;
+                    let slots = plan.slot_mapping.into_pyarray(py);
+                    slots
+                        .reshape([groups, tokens])
+                        .map_or_else(|_| py.None(), |a| a.into_any().unbind())
+                }
+            },
             logits_indices: cells(plan.logits_indices),
             num_batched_tokens: plan.num_batched_tokens,
             block_moves: plan.moves,

@@ -18,9 +18,10 @@ struct RowMemo {
     written: usize,
 }
 
+/// One memo list per KV-cache group.
 #[derive(Debug, Clone, Default)]
 pub struct BlockTableWriter {
-    rows: Vec<RowMemo>,
+    groups: Vec<Vec<RowMemo>>,
 }
 
 impl BlockTableWriter {
@@ -30,30 +31,41 @@ impl BlockTableWriter {
 
     /// Forgets what the buffer holds: the caller replaced it with a zeroed one.
     pub fn reset(&mut self) {
-        self.rows.clear();
+        self.groups.clear();
     }
 
-    /// Writes the block lists of `seq_ids` (device sequences) as rows of `cells`, row-major
-    /// with `stride` columns, padded with the null block (0). `cells` must be the buffer
-    /// this writer wrote before (or zeroed, after `reset`), with no one else writing it.
+    /// Writes the block lists of `seq_ids` (device sequences) in `group` as rows of `cells`,
+    /// row-major with `stride` columns, padded with the null block (0). `cells` must be the
+    /// buffer this writer wrote for that group before (or zeroed, after `reset`), with no one
+    /// else writing it.
     pub fn write(
         &mut self,
         cache: &KvCache,
+        group: usize,
         seq_ids: &[u64],
         cells: &mut [i32],
         stride: usize,
     ) -> CoreResult<()> {
+        ensure!(
+            group < cache.num_groups(),
+            "group {group} does not exist: the cache has {} group(s)",
+            cache.num_groups()
+        );
         ensure!(
             seq_ids.len().saturating_mul(stride) <= cells.len(),
             "a block table buffer of {} cells cannot hold {} rows of {stride}",
             cells.len(),
             seq_ids.len()
         );
-        if self.rows.len() < seq_ids.len() {
-            self.rows.resize(seq_ids.len(), RowMemo::default());
+        if self.groups.len() <= group {
+            self.groups.resize_with(group + 1, Vec::new);
+        }
+        let memos = &mut self.groups[group];
+        if memos.len() < seq_ids.len() {
+            memos.resize(seq_ids.len(), RowMemo::default());
         }
         for (index, &seq_id) in seq_ids.iter().enumerate() {
-            let (blocks, _, layout) = cache.row_view(seq_id)?;
+            let (blocks, _, layout) = cache.row_view(seq_id, group)?;
             // Rows written so far stay consistent with their memos if this one fails.
             ensure!(
                 blocks.len() <= stride,
@@ -61,7 +73,7 @@ impl BlockTableWriter {
                 blocks.len()
             );
             let row = &mut cells[index * stride..(index + 1) * stride];
-            let memo = &mut self.rows[index];
+            let memo = &mut memos[index];
             let from = match memo.seq_id == seq_id && memo.layout == layout {
                 true if memo.written <= blocks.len() => memo.written,
                 _ => {
@@ -88,7 +100,8 @@ impl BlockTableWriter {
 
 impl ContinuousScheduler {
     /// Writes the block tables of `plan`'s rows into `cells` (row-major, `stride` columns,
-    /// padded with the null block), updating in place what the previous call wrote there.
+    /// padded with the null block), updating in place what the previous call wrote there;
+    /// with several groups, `cells` is cut into one equal part per group, in group order.
     /// `fresh`: `cells` is a new, zeroed buffer. Call it once the plan's moves have run.
     pub fn write_block_tables(
         &mut self,
@@ -105,7 +118,14 @@ impl ContinuousScheduler {
         rows.clear();
         rows.extend_from_slice(&plan.prefill_seq_ids);
         rows.extend_from_slice(&plan.decode_seq_ids);
-        let result = self.block_tables.write(cache, &rows, cells, stride);
+        let per_group = cells.len() / cache.num_groups();
+        let mut result = Ok(());
+        for (group, part) in cells.chunks_exact_mut(per_group.max(1)).enumerate() {
+            if group == cache.num_groups() || result.is_err() {
+                break;
+            }
+            result = self.block_tables.write(cache, group, &rows, part, stride);
+        }
         self.scratch_ids = rows;
         result
     }
@@ -122,7 +142,7 @@ mod tests {
         for (row, &id) in seq_ids.iter().enumerate() {
             for (cell, &block) in out[row * stride..]
                 .iter_mut()
-                .zip(cache.row_view(id).unwrap().0)
+                .zip(cache.row_view(id, 0).unwrap().0)
             {
                 *cell = block as i32;
             }
@@ -153,7 +173,7 @@ mod tests {
             }
             let mut moves = Vec::new();
             cache.take_moves(&mut moves);
-            writer.write(&cache, &rows, &mut cells, stride).unwrap();
+            writer.write(&cache, 0, &rows, &mut cells, stride).unwrap();
             assert_eq!(
                 &cells[..rows.len() * stride],
                 dense(&cache, &rows, stride),

@@ -107,9 +107,10 @@ impl ContinuousScheduler {
         if request.num_computed < cache.seq_len(seq_id)? {
             return self.schedule_prefill(cache, seq_id, remaining, budget, rows);
         }
-        // A decode: one more slot, which may need a block, and a copy-on-write one: make
-        // room by preempting the newest, lowest-priority sequences (possibly this one).
-        while cache.num_free_blocks() < 2 {
+        // A decode: one more slot, which may need a block and a copy-on-write one in each
+        // group: make room by preempting the newest, lowest-priority sequences (possibly
+        // this one).
+        while cache.num_free_blocks() < 2 * cache.num_groups() {
             if cache.blocks_to_append(seq_id, 1)? <= cache.num_free_blocks() {
                 break;
             }
@@ -142,7 +143,7 @@ impl ContinuousScheduler {
     fn swap_in_swapped(&mut self, cache: &mut KvCache) -> CoreResult<()> {
         while let Some(&key) = self.swapped.first() {
             let seq_id = key.2;
-            let blocks = cache.block_table(seq_id)?.len();
+            let blocks = cache.num_held_blocks(seq_id)?;
             if self.running.len() >= self.config.max_num_seqs
                 || blocks + self.watermark_blocks(cache) > cache.num_free_blocks()
             {
@@ -252,7 +253,7 @@ impl ContinuousScheduler {
         let Some(request) = self.requests.get_mut(&seq_id) else {
             return Ok(());
         };
-        let blocks = cache.block_table(seq_id)?.len();
+        let blocks = cache.num_held_blocks(seq_id)?;
         let swap =
             self.config.preemption == Preemption::Swap && blocks <= cache.num_free_host_blocks();
         request.queue_key = self.next_front;
@@ -282,8 +283,22 @@ impl ContinuousScheduler {
         let prefills = rows.iter().filter(|row| row.prefill);
         let decodes = rows.iter().filter(|row| !row.prefill);
         plan.query_start_loc.push(0);
-        for row in prefills.chain(decodes) {
+        for row in prefills.clone().chain(decodes.clone()) {
             self.add_row(cache, row, plan)?;
+        }
+        // Other groups' slots follow group 0's, group by group: `[groups, tokens]`.
+        plan.num_groups = cache.num_groups();
+        let block_size = cache.block_size();
+        for group in 1..cache.num_groups() {
+            for row in prefills.clone().chain(decodes.clone()) {
+                let end = self.request(row.seq_id)?.num_computed;
+                let (blocks, _, _) = cache.row_view(row.seq_id, group)?;
+                plan.slot_mapping
+                    .extend((end - row.num_tokens..end).map(|position| {
+                        (blocks[position / block_size] as usize * block_size
+                            + position % block_size) as i32
+                    }));
+            }
         }
         for seq_id in &plan.sample_seq_ids {
             if let Some(request) = self.requests.get_mut(seq_id) {
@@ -327,7 +342,7 @@ impl ContinuousScheduler {
             false => plan.input_ids.resize(plan.num_batched_tokens, -1),
         }
         plan.positions.extend(start as i32..end as i32);
-        let (blocks, _, _) = cache.row_view(seq_id)?;
+        let (blocks, _, _) = cache.row_view(seq_id, 0)?;
         let block_size = cache.block_size();
         plan.slot_mapping.extend((start..end).map(|position| {
             (blocks[position / block_size] as usize * block_size + position % block_size) as i32

@@ -25,13 +25,16 @@ pub struct StepPlan {
     /// is written in place by [`ContinuousScheduler::write_block_tables`].
     pub block_table_width: usize,
     /// Per token: its id (prompt ids, then the last sampled token; -1 when the request was
-    /// given as a token count), its position in its sequence, and its K/V slot.
+    /// given as a token count), its position in its sequence, and its K/V slot (in every
+    /// KV-cache group, group by group: `[num_groups, tokens]`).
     pub input_ids: Vec<i32>,
     pub positions: Vec<i32>,
     pub slot_mapping: Vec<i32>,
     /// Per sampling row (in `sample_seq_ids` order): the flat index of its last token.
     pub logits_indices: Vec<i32>,
     pub num_batched_tokens: usize,
+    /// KV-cache groups the slots and block tables are given for.
+    pub num_groups: usize,
 }
 
 impl StepPlan {
@@ -54,6 +57,7 @@ impl StepPlan {
             slot_mapping,
             logits_indices,
             num_batched_tokens,
+            num_groups,
         } = self;
         for ids in [
             prefill_seq_ids,
@@ -79,5 +83,6 @@ impl StepPlan {
         moves.clear();
         *block_table_width = 0;
         *num_batched_tokens = 0;
+        *num_groups = 0;
     }
 }
