@@ -98,9 +98,14 @@ impl PyKvCachePool {
             attention_chunk_size.map(Count::get),
         )
         .into_py_result()?;
-        let mut cache =
-            KvCache::with_layer_kinds(num_blocks, block_size, layout, enable_prefix_caching, &kinds)
-                .into_py_result()?;
+        let mut cache = KvCache::with_layer_kinds(
+            num_blocks,
+            block_size,
+            layout,
+            enable_prefix_caching,
+            &kinds,
+        )
+        .into_py_result()?;
         if let Some(Count(num_host_blocks)) = num_host_blocks {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
         }
