@@ -30,6 +30,10 @@ KV_DTYPES: list[KVDtype]
 def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
                     dtype: KVDtype | KVDtypeAlias | Any, block_size: int) -> tuple[int, int, int]:
     """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core."""
+def kv_cache_groups(num_layers: int, layer_types: Sequence[str] | None = None,
+                    sliding_window: int | None = None, attention_chunk_size: int | None = None,
+                    ) -> tuple[list[tuple[str, list[int], int | None]], int]:
+    """The KV-cache groups ``KVCachePool`` makes of these layers, and layers per block."""
 
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]

@@ -75,12 +75,19 @@ def mixed_requests() -> dict[int, list[tuple[str, list[int], SamplingParams]]]:
     return arrivals
 
 
+# Blocks of each model's KV-cache groups (a block holds one group's layers): few enough that
+# requests are preempted, enough that the shared prefix's windowed blocks, released while
+# its first request decodes, are still cached when the others arrive.
+CONTINUOUS_BLOCKS = {"mistral": 14, "gemma3": 28, "gpt_oss": 28, "llama4": 20}
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)
 def test_continuous_batch_with_preemption_and_prefix_hits(architecture: str,
                                                           preemption: str) -> None:
     model, reference = model_pair(architecture)
-    engine = Engine(model, num_blocks=20, block_size=BLOCK_SIZE, max_num_seqs=5,
+    engine = Engine(model, num_blocks=CONTINUOUS_BLOCKS[architecture], block_size=BLOCK_SIZE,
+                    max_num_seqs=5,
                     max_num_batched_tokens=24, preemption=preemption,  # type: ignore[arg-type]
                     num_host_blocks=40 if preemption == "swap" else None)
     results = run_poisoned(engine, mixed_requests())

@@ -25,6 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atb_mem.integrations.layer_attention import (
+    FULL_ATTENTION,
+    LayerAttention,
+    kv_cache_groups,
+    layer_attention,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,8 +39,8 @@ if TYPE_CHECKING:
     from atb_mem.scheduling.continuous import StepPlan
 
 __all__ = ["ATTN_IMPLEMENTATION", "LayerAttention", "ModelRunner", "PagedRows", "StepAttention",
-           "kv_cache_layout", "layer_attention", "paged_attention_forward", "paged_step",
-           "use_paged_attention"]
+           "kv_cache_groups", "kv_cache_layout", "layer_attention", "paged_attention_forward",
+           "paged_step", "supported_layers", "use_paged_attention"]
 
 ATTN_IMPLEMENTATION = "atb_mem_paged"
 
@@ -41,47 +48,6 @@ _TORCH_TO_KV_DTYPE = {"torch.float32": "float32", "torch.float16": "float16",
                       "torch.bfloat16": "bfloat16"}
 
 _current_step: ContextVar[StepAttention | None] = ContextVar("atb_mem_step", default=None)
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """Which earlier positions a layer's queries see: all (``"full_attention"``), the last
-    ``window`` including their own (``"sliding_attention"``: ``q - window < k``), or those in
-    their own chunk of ``window`` positions (``"chunked_attention"``); causal in every case."""
-
-    kind: str = "full_attention"
-    window: int | None = None
-
-    def visible(self, query: np.ndarray, key: np.ndarray) -> np.ndarray:
-        """Whether positions ``query`` see positions ``key`` (broadcast)."""
-        seen = key <= query
-        if self.kind == "sliding_attention":
-            seen &= key > query - self.window
-        elif self.kind == "chunked_attention":
-            seen &= key // self.window == query // self.window
-        return np.asarray(seen)
-
-    @property
-    def is_full(self) -> bool:
-        return self.kind == "full_attention"
-
-
-FULL_ATTENTION = LayerAttention()
-
-
-def layer_attention(config: Any) -> list[LayerAttention]:
-    """Each layer's attention, read from a transformers config the way its models read it
-    (``layer_types`` with ``sliding_window`` / ``attention_chunk_size``, or ``sliding_window``
-    for every layer in Mistral-style configs): :func:`atb_mem.kv.model_config.layer_types_of`."""
-    from atb_mem.kv.model_config import layer_types_of
-
-    text = config.get_text_config()
-    fields = {name: getattr(text, name, None) for name in (
-        "num_hidden_layers", "layer_types", "sliding_window", "attention_chunk_size")}
-    fields["use_sliding_window"] = getattr(text, "use_sliding_window", True)
-    windows = {"full_attention": None, "sliding_attention": fields["sliding_window"],
-               "chunked_attention": fields["attention_chunk_size"]}
-    return [LayerAttention(kind, windows[kind]) for kind in layer_types_of(fields)]
 
 
 @dataclass(frozen=True)
@@ -104,8 +70,10 @@ class PagedRows:
     """Per kind of layer, bool ``[rows, 1, Q, L]``: the new token may attend position ``j``."""
 
     @classmethod
-    def build(cls, plan: StepPlan, rows: np.ndarray, block_size: int, device: Any,
-              kinds: set[LayerAttention]) -> PagedRows:
+    def build(cls, plan: StepPlan, rows: np.ndarray, tables: np.ndarray, block_size: int,
+              device: Any, kinds: set[LayerAttention]) -> PagedRows:
+        """``tables``: the block tables of the plan's rows in the layers' KV-cache group; a
+        null block there (a window released it) is padding too."""
         import torch
 
         query_lens = plan.query_lens.astype(np.int64)[rows]
@@ -119,10 +87,11 @@ class PagedRows:
         tokens = np.zeros((len(rows), width), dtype=np.int64)
         tokens[token_row, token_col] = token_ids
         positions = np.arange(length)
-        kv_valid = positions[None, :] < seq_lens[:, None]
-        tables = plan.block_tables[rows]
+        tables = tables[rows]
         columns = np.minimum(positions // block_size, tables.shape[1] - 1)
-        kv_slots = tables[:, columns].astype(np.int64) * block_size + positions % block_size
+        blocks = tables[:, columns].astype(np.int64)
+        kv_valid = (positions[None, :] < seq_lens[:, None]) & (blocks != 0)
+        kv_slots = blocks * block_size + positions % block_size
         kv_slots[~kv_valid] = 0
         # The j-th new token of a row sits at position seq_len - query_len + j.
         query_positions = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
@@ -156,21 +125,30 @@ class StepAttention:
     layer_caches: list[tuple[Any, Any]]
     """Per layer, the key and value caches flattened to ``[slots, kv_heads, head_dim]``."""
     layers: list[LayerAttention]
-    slot_mapping: torch.Tensor
-    """int64 ``[T]``: where each new token's K/V is written."""
+    layer_groups: list[int]
+    """Per layer, its KV-cache group (all 0 without groups)."""
+    slot_mappings: list[torch.Tensor]
+    """Per KV-cache group, int64 ``[T]``: where each new token's K/V is written."""
     fresh: list[tuple[int, int]]
     """Token ranges of the rows whose K/V is all new."""
     fresh_masks: dict[LayerAttention, list[torch.Tensor | None]]
     """Per kind of layer and fresh row, bool ``[1, 1, q, q]``; None where causal is all."""
-    paged: list[PagedRows]
+    paged: list[list[PagedRows]]
+    """Per KV-cache group, its rows gathered through the group's block tables."""
 
     @classmethod
     def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
-                  device: Any, layers: list[LayerAttention] | None = None) -> StepAttention:
+                  device: Any, layers: list[LayerAttention] | None = None,
+                  layer_groups: list[int] | None = None) -> StepAttention:
         import torch
 
         layers = layers or [FULL_ATTENTION] * len(layer_caches)
+        layer_groups = layer_groups or [0] * len(layers)
         kinds = set(layers)
+        num_groups = max(layer_groups) + 1
+        # One group: 1-D slots and 2-D tables; several: one row (plane) per group.
+        slot_rows = plan.slot_mapping.reshape(num_groups, -1)
+        table_planes = plan.block_tables.reshape(num_groups, *plan.block_tables.shape[-2:])
         query_lens, seq_lens = plan.query_lens, plan.seq_lens
         starts = plan.query_start_loc.tolist()
         is_fresh = query_lens == seq_lens
@@ -186,12 +164,17 @@ class StepAttention:
             visible = kind.visible(positions[:, None], positions[None, :])
             return torch.from_numpy(visible[None, None]).to(device)
 
-        slots = torch.from_numpy(plan.slot_mapping.astype(np.int64)).to(device)
-        return cls(layer_caches=layer_caches, layers=layers, slot_mapping=slots, fresh=fresh,
+        def group_kinds(group: int) -> set[LayerAttention]:
+            return {kind for kind, g in zip(layers, layer_groups, strict=True) if g == group}
+
+        slots = [torch.from_numpy(row.astype(np.int64)).to(device) for row in slot_rows]
+        return cls(layer_caches=layer_caches, layers=layers, layer_groups=layer_groups,
+                   slot_mappings=slots, fresh=fresh,
                    fresh_masks={kind: [fresh_mask(kind, end - start) for start, end in fresh]
                                 for kind in kinds},
-                   paged=[PagedRows.build(plan, rows, block_size, device, kinds)
-                          for rows in groups])
+                   paged=[[PagedRows.build(plan, rows, table_planes[group], block_size, device,
+                                           group_kinds(group)) for rows in groups]
+                          for group in range(num_groups)])
 
 
 @contextmanager
@@ -215,15 +198,17 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     if step is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention runs inside a step: call the "
                            "model through atb_mem's ModelRunner (or within paged_step)")
-    if query.shape[0] != 1 or query.shape[2] != step.slot_mapping.shape[0]:
-        raise ValueError(f"expected the step's {step.slot_mapping.shape[0]} tokens as one batch "
+    group = step.layer_groups[module.layer_idx]
+    slot_mapping = step.slot_mappings[group]
+    if query.shape[0] != 1 or query.shape[2] != slot_mapping.shape[0]:
+        raise ValueError(f"expected the step's {slot_mapping.shape[0]} tokens as one batch "
                          f"row, got queries of shape {tuple(query.shape)}")
     key_cache, value_cache = step.layer_caches[module.layer_idx]
     kind = step.layers[module.layer_idx]
     sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per head that takes a softmax share
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
-    key_cache.index_copy_(0, step.slot_mapping, new_keys.to(key_cache.dtype))
-    value_cache.index_copy_(0, step.slot_mapping, new_values.to(value_cache.dtype))
+    key_cache.index_copy_(0, slot_mapping, new_keys.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, new_values.to(value_cache.dtype))
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
                       device=query.device)                                 # [T, H, D]
     for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
@@ -231,7 +216,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
                               value[:, :, start:end], mask, scaling, sinks)
         out[start:end] = attended[0].transpose(0, 1)
     queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
-    for rows in step.paged:
+    for rows in step.paged[group]:
         out[rows.token_ids] = _attend_paged(queries_by_token, key_cache, value_cache, rows,
                                             rows.masks[kind], scaling, sinks)
     return out.unsqueeze(0), None
@@ -306,7 +291,7 @@ def kv_cache_layout(model: Any, tensor_parallel_size: int = 1) -> dict[str, Any]
             "head_dim": head_dim, "dtype": dtype}
 
 
-def _check_supported(model: Any) -> list[LayerAttention]:
+def supported_layers(model: Any) -> list[LayerAttention]:
     """Each layer's attention; refuses what this function does not compute as the model does."""
     config = model.config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None):
@@ -320,6 +305,22 @@ def _check_supported(model: Any) -> list[LayerAttention]:
     return layer_attention(config)
 
 
+def _layer_groups(layers: list[LayerAttention], kv_cache: KVCachePool) -> list[int]:
+    """Each layer's KV-cache group. A cache without groups serves any model (windows are
+    applied in attention over blocks kept whole); a windowed group must match its layers."""
+    groups = kv_cache.groups
+    result = []
+    for layer, attention in enumerate(layers):
+        group, _ = kv_cache.group_of_layer(layer)
+        kind, window = groups[group].kind, groups[group].window
+        if kind != "full_attention" and (kind, window) != (attention.kind, attention.window):
+            raise ValueError(f"layer {layer} computes {attention.kind} (window "
+                             f"{attention.window}); its KV-cache group keeps {kind} (window "
+                             f"{window})")
+        result.append(group)
+    return result
+
+
 class ModelRunner:
     """Runs a transformers causal LM for each ``StepPlan`` over a ``KVCachePool``'s bytes.
 
@@ -329,7 +330,7 @@ class ModelRunner:
     def __init__(self, model: Any, kv_cache: KVCachePool, tensor_parallel_size: int = 1) -> None:
         import torch
 
-        self.layers = _check_supported(model)
+        self.layers = supported_layers(model)
         layout = kv_cache_layout(model, tensor_parallel_size)
         for name, expected in layout.items():
             if getattr(kv_cache, name) != expected:
@@ -351,6 +352,7 @@ class ModelRunner:
         self.layer_caches = [(kv_cache.key_cache(layer).view(shape),
                               kv_cache.value_cache(layer).view(shape))
                              for layer in range(kv_cache.num_layers)]
+        self.layer_groups = _layer_groups(self.layers, kv_cache)
         use_paged_attention(model)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -363,7 +365,7 @@ class ModelRunner:
         if input_ids.size and input_ids.min() < 0:
             raise ValueError("the plan has tokens without ids: give requests their token ids")
         step = StepAttention.from_plan(plan, self.layer_caches, self.kv_cache.block_size,
-                                       self.device, self.layers)
+                                       self.device, self.layers, self.layer_groups)
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)

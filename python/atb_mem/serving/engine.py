@@ -10,7 +10,6 @@ scheduler forks it ``n - 1`` times, copy-on-write.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -19,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from atb_mem._core import kv_layout_bytes
 from atb_mem._types import Preemption
 from atb_mem.events import KVEventPublisher
-from atb_mem.integrations.transformers import ModelRunner, kv_cache_layout
+from atb_mem.integrations.transformers import ModelRunner
 from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling.continuous import ContinuousBatchScheduler
+from atb_mem.serving.kv_sizing import kv_cache_shape, num_kv_blocks
 from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from atb_mem.serving.sampler import sample
 
@@ -34,9 +33,6 @@ if TYPE_CHECKING:
     from atb_mem.distributed.tensor_parallel import PlanBroadcast
 
 __all__ = ["Engine"]
-
-# Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
-_HOST_KV_BUDGET = 4 << 30
 
 Prompt = str | Sequence[int]
 """Text (the engine needs a tokenizer) or token ids."""
@@ -92,22 +88,22 @@ class Engine:
 
             self.plan_broadcast = PlanBroadcast.for_model(model, tensor_parallel_size,
                                                           verify_tensor_parallel)
-        layout = kv_cache_layout(model, tensor_parallel_size)
         config = model.config.get_text_config()
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len: int = int(config.max_position_embeddings)
         self.vocab_size: int = int(config.vocab_size)
-        device = str(model.device)
+        shape = kv_cache_shape(model, tensor_parallel_size)
         if num_blocks is None:
-            num_blocks = _num_blocks(model, layout, block_size, max_num_seqs, self.max_model_len,
-                                     gpu_memory_utilization, kv_cache_memory_bytes)
+            num_blocks = num_kv_blocks(model, shape, block_size, max_num_seqs,
+                                       self.max_model_len, gpu_memory_utilization,
+                                       kv_cache_memory_bytes)
             if self.plan_broadcast is not None:  # every rank holds as many blocks as the least
                 num_blocks = self.plan_broadcast.agree_on_minimum(num_blocks)
-        self.kv_cache = KVCachePool(num_blocks, block_size, device=device,
+        self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
                                     enable_prefix_caching=enable_prefix_caching,
                                     num_host_blocks=num_host_blocks,
-                                    enable_kv_events=kv_events is not None, **layout)
+                                    enable_kv_events=kv_events is not None, **shape)
         self.kv_events = kv_events
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
@@ -375,23 +371,3 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif source is not None:
             ids.update(int(token) for token in source)
     return frozenset(ids)
-
-
-def _num_blocks(model: Any, layout: dict[str, Any], block_size: int, max_num_seqs: int,
-                max_model_len: int, gpu_memory_utilization: float,
-                kv_cache_memory_bytes: int | None) -> int:
-    _, _, bytes_per_block = kv_layout_bytes(layout["num_layers"], layout["num_kv_heads"],
-                                            layout["head_dim"], layout["dtype"], block_size)
-    if kv_cache_memory_bytes is not None:
-        return int(kv_cache_memory_bytes) // bytes_per_block
-    if model.device.type != "cpu":
-        from atb_mem.kv.cache_pool import device_memory
-        from atb_mem.kv.planning import plan_kv_cache
-
-        free, total = device_memory(str(model.device))
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        plan = plan_kv_cache(total, weights, gpu_memory_utilization=gpu_memory_utilization,
-                             block_size=block_size, max_model_len=max_model_len, **layout)
-        return min(plan.num_blocks, free // bytes_per_block)
-    wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
-    return min(wanted, _HOST_KV_BUDGET // bytes_per_block)

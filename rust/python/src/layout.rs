@@ -1,10 +1,10 @@
 //! Byte sizes of a K/V layout, from the core: the one place they are computed.
 
-use atb_mem_core::{KvDtype, KvLayout};
+use atb_mem_core::{group_layers, layer_kinds, KvDtype, KvLayout};
 use pyo3::prelude::*;
 
-use crate::convert::{Count, Dtype};
-use crate::errors::value_error;
+use crate::convert::{Count, Dtype, LayerTypes};
+use crate::errors::{value_error, IntoPyResult};
 
 /// (itemsize, bytes per token, bytes per block) of K plus V over every layer.
 #[pyfunction]
@@ -33,6 +33,30 @@ pub fn kv_layout_bytes(
         layout.bytes_per_token().ok_or_else(overflow)?,
         layout.bytes_per_block(block_size).ok_or_else(overflow)?,
     ))
+}
+
+/// The KV-cache groups a model's layers form, as `KVCachePool` would make them:
+/// (`[(kind, layers, window)]`, layers per block).
+#[pyfunction]
+#[pyo3(signature = (num_layers, layer_types=None, sliding_window=None, attention_chunk_size=None))]
+pub fn kv_cache_groups(
+    num_layers: Count<1>,
+    layer_types: Option<LayerTypes>,
+    sliding_window: Option<Count<1>>,
+    attention_chunk_size: Option<Count<1>>,
+) -> PyResult<(Vec<crate::kv_cache::GroupRow>, usize)> {
+    let kinds = layer_kinds(
+        num_layers.0,
+        layer_types.as_ref().map(|names| names.0.as_slice()),
+        sliding_window.map(Count::get),
+        attention_chunk_size.map(Count::get),
+    )
+    .into_py_result()?;
+    let (groups, layers_per_block) = group_layers(&kinds).into_py_result()?;
+    let rows = groups
+        .iter()
+        .map(|g| (g.kind.name(), g.layers.clone(), g.kind.span()));
+    Ok((rows.collect(), layers_per_block))
 }
 
 /// The dtype names a K/V cache accepts, canonical spelling.

@@ -27,6 +27,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(kv_cache::host_copy::scatter_rows, module)?)?;
     module.add_function(wrap_pyfunction!(kv_cache::host_copy::copy_blocks, module)?)?;
     module.add_function(wrap_pyfunction!(layout::kv_layout_bytes, module)?)?;
+    module.add_function(wrap_pyfunction!(layout::kv_cache_groups, module)?)?;
     module.add("KV_DTYPES", layout::dtype_names())?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
     module.add("PAD_SLOT", atb_mem_core::PAD_SLOT)?;

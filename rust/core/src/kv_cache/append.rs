@@ -1,7 +1,7 @@
 //! Growing sequences: the block budget of an append (copy-on-write included) and the append
 //! itself, batched.
 
-use super::{allocate_checked, swapped_out, KvCache};
+use super::{allocate_checked, swapped_out, KvCache, PAD_SLOT};
 use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
@@ -44,9 +44,11 @@ impl KvCache {
                 seq.seq_id,
                 self.max_seq_tokens()
             );
-            needed += (total.div_ceil(block_size) - seq.num_blocks()) * seq.tables.len();
+            // A group still taking a prompt's blocks as it is computed takes these later.
+            let growing = seq.tables.iter().filter(|table| table.complete()).count();
+            needed += (total.div_ceil(block_size) - seq.num_blocks()) * growing;
             if seq.num_tokens % block_size != 0 {
-                for table in &seq.tables {
+                for table in seq.tables.iter().filter(|table| table.complete()) {
                     let last = table.blocks.last().copied().unwrap_or(NULL_BLOCK);
                     if last != NULL_BLOCK && self.block_pool.ref_count(last) > 1 {
                         self.scratch_blocks.push(last);
@@ -136,7 +138,7 @@ impl KvCache {
         } = self;
         let seq = &mut sequences[slab as usize];
         if seq.num_tokens % block_size != 0 {
-            for table in &mut seq.tables {
+            for table in seq.tables.iter_mut().filter(|table| table.complete()) {
                 let Some(last) = table.live_mut().last_mut() else {
                     continue;
                 };
@@ -160,8 +162,16 @@ impl KvCache {
             let position = seq.num_tokens + t;
             let offset = position % block_size;
             for (group, table) in seq.tables.iter_mut().enumerate() {
+                if !table.complete() {
+                    // Its blocks come as the tokens are computed; no slot yet.
+                    if offset == 0 {
+                        table.blocks.push(NULL_BLOCK);
+                    }
+                    emit(group, t, PAD_SLOT);
+                    continue;
+                }
                 if offset == 0 {
-                    table.blocks.push(allocate_checked(block_pool)?);
+                    table.push(allocate_checked(block_pool)?);
                 }
                 let block = table.blocks[position / block_size];
                 emit(group, t, (block as usize * block_size + offset) as i32);

@@ -33,16 +33,25 @@ impl KvCache {
                     ));
                 }
                 let nulls = table.blocks.iter().filter(|&&b| b == NULL_BLOCK).count();
-                let leading = table.blocks[..table.released.min(table.blocks.len())]
-                    .iter()
-                    .all(|&b| b == NULL_BLOCK);
-                // A window never releases a block the first token still to compute reads.
+                let (released, allocated) = (table.released, table.allocated);
+                let shaped = released <= allocated
+                    && allocated <= table.blocks.len()
+                    && table.blocks[..released].iter().all(|&b| b == NULL_BLOCK)
+                    && table.blocks[allocated..].iter().all(|&b| b == NULL_BLOCK)
+                    && nulls == released + table.blocks.len() - allocated;
+                // A window never releases a block the first token still to compute reads, and
+                // every computed token's block is allocated; full groups hold every block.
                 let needed = spec.kind.first_needed_block(seq.num_computed, block_size);
-                if nulls != table.released || !leading || table.released > needed {
+                let windowed = spec.kind.span().is_some();
+                if !shaped
+                    || released > needed
+                    || allocated < seq.num_computed.div_ceil(block_size)
+                    || (!windowed && !table.complete())
+                {
                     return Err(format!(
-                        "sequence {seq_id}, group {group}: {nulls} null blocks, {} released, \
-                         blocks from {needed} needed",
-                        table.released
+                        "sequence {seq_id}, group {group}: {nulls} null blocks, released \
+                         {released}, allocated {allocated} of {}, blocks from {needed} needed",
+                        table.blocks.len()
                     ));
                 }
             }

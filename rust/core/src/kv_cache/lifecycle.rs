@@ -116,10 +116,42 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
-        self.check_token_count(tokens.len(), "token count")?;
+        self.admission_need(tokens, cache_salt, false)
+    }
+
+    /// What `admit_sequence` would take of the free queue now: the full-attention groups'
+    /// blocks and every group's hits that no sequence uses.
+    pub fn blocks_to_admit(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<usize> {
+        self.admission_need(tokens, cache_salt, true)
+    }
+
+    fn admission_need(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+        lazy: bool,
+    ) -> CoreResult<usize> {
+        self.check_token_count(tokens.len(), "token count", lazy)?;
         let (_, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
         let fresh = tokens.len().div_ceil(self.block_size()) - hits;
-        Ok(fresh * self.groups.len() + hits_queued)
+        Ok(fresh * self.eager_groups(lazy) + hits_queued)
+    }
+
+    /// Groups that take a new sequence's blocks up front: all, or only the full-attention
+    /// ones when windowed groups take theirs as the prompt is computed.
+    fn eager_groups(&self, lazy: bool) -> usize {
+        match lazy {
+            true => self
+                .groups
+                .iter()
+                .filter(|g| g.kind.span().is_none())
+                .count(),
+            false => self.groups.len(),
+        }
     }
 
     /// Gives a new sequence the blocks for `tokens`, reusing cached full blocks when token ids
@@ -130,15 +162,37 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
+        self.alloc(seq_id, tokens, cache_salt, false)
+    }
+
+    /// `alloc_sequence` as a scheduler admits a prompt: windowed (sliding-window, chunked)
+    /// groups take no block past the prefix hit yet; `mark_computed` gives them each chunk's
+    /// blocks as it is computed, so a long prompt never holds more than its window there.
+    pub fn admit_sequence(
+        &mut self,
+        seq_id: u64,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<usize> {
+        self.alloc(seq_id, tokens, cache_salt, true)
+    }
+
+    fn alloc(
+        &mut self,
+        seq_id: u64,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+        lazy: bool,
+    ) -> CoreResult<usize> {
         if self.index.contains_key(&seq_id) {
             return Err(CoreError::DuplicateSequence(seq_id));
         }
         let num_tokens = tokens.len();
-        self.check_token_count(num_tokens, "token count")?;
+        self.check_token_count(num_tokens, "token count", lazy)?;
         let block_size = self.block_size();
         let num_blocks = num_tokens.div_ceil(block_size);
         let (queries, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
-        let needed = (num_blocks - hits) * self.groups.len() + hits_queued;
+        let needed = (num_blocks - hits) * self.eager_groups(lazy) + hits_queued;
         if needed > self.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {
                 needed,
@@ -160,6 +214,7 @@ impl KvCache {
             scratch_hashes,
             scratch_blocks,
             events,
+            groups,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -179,10 +234,15 @@ impl KvCache {
                 }
                 table.blocks.push(block);
             }
+            table.allocated = hits;
         }
-        for table in seq.tables.iter_mut() {
+        for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
+            if lazy && spec.kind.span().is_some() {
+                table.blocks.resize(num_blocks, NULL_BLOCK);
+                continue;
+            }
             for _ in hits..num_blocks {
-                table.blocks.push(allocate_checked(block_pool)?);
+                table.push(allocate_checked(block_pool)?);
             }
         }
         seq.partial_tokens.clear();
@@ -238,6 +298,7 @@ impl KvCache {
         for (table, parent_table) in child.tables.iter_mut().zip(&parent.tables) {
             table.blocks.extend_from_slice(&parent_table.blocks);
             table.released = parent_table.released;
+            table.allocated = parent_table.allocated;
         }
         child.partial_tokens.clear();
         child
@@ -259,22 +320,15 @@ impl KvCache {
     /// `None` re-offers what was computed already (after a swap-in). Returns how many blocks
     /// joined the cache. Counts below what was computed before change nothing.
     ///
-    /// A windowed group then releases the blocks that no token from the previous mark on
-    /// attends to: the scheduler marks a step's tokens before the model computes them, so
-    /// those tokens still read the window of the first of them.
+    /// Windowed groups move with it (see [`KvCache::blocks_to_compute`]): they release the
+    /// blocks no token from the previous mark on attends to — the scheduler marks a step's
+    /// tokens before the model computes them, so those tokens still read the window of the
+    /// first of them — and take the blocks of the newly marked tokens they lack (a prompt
+    /// admitted with `admit_sequence`). All-or-nothing: `OutOfBlocks` when those are missing.
     pub fn mark_computed(&mut self, seq_id: u64, num_tokens: Option<usize>) -> CoreResult<usize> {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
-        self.sync_removed();
-        let version = self.bump_version();
-        let KvCache {
-            sequences,
-            block_pool,
-            events,
-            groups,
-            ..
-        } = self;
-        let seq = &mut sequences[slab as usize];
+        let seq = &self.sequences[slab as usize];
         if seq.swapped {
             return Err(swapped_out(seq_id));
         }
@@ -284,7 +338,22 @@ impl KvCache {
             "sequence {seq_id} holds {} tokens; {num_tokens} cannot be computed",
             seq.num_tokens
         );
-        let first_to_compute = seq.num_computed;
+        let needed = self.window_need(slab, num_tokens);
+        if needed > self.block_pool.num_free() {
+            return Err(CoreError::OutOfBlocks {
+                needed,
+                available: self.block_pool.num_free(),
+            });
+        }
+        self.sync_removed();
+        self.advance_windows(slab, num_tokens)?;
+        let KvCache {
+            sequences,
+            block_pool,
+            events,
+            ..
+        } = self;
+        let seq = &mut sequences[slab as usize];
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         let mut joined = 0;
@@ -303,21 +372,6 @@ impl KvCache {
                 joined += usize::from(stored);
             }
             seq.num_registered += 1;
-        }
-        for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
-            let needed_from = spec.kind.first_needed_block(first_to_compute, block_size);
-            let needed_from = needed_from.min(table.blocks.len());
-            if table.released >= needed_from {
-                continue;
-            }
-            // Head first: the oldest of them is evicted first if it stays cached.
-            for block in &mut table.blocks[table.released..needed_from] {
-                block_pool.release(*block);
-                *block = NULL_BLOCK;
-            }
-            table.released = needed_from;
-            table.layout = version;
-            seq.version = version;
         }
         Ok(joined)
     }

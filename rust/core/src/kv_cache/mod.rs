@@ -20,6 +20,7 @@ mod sequence;
 mod stats;
 mod swap;
 mod tables;
+mod windows;
 
 use hashbrown::HashMap;
 
@@ -285,10 +286,31 @@ impl KvCache {
         self.index.contains_key(&seq_id)
     }
 
-    /// Most tokens one sequence can ever hold: every block but the null block, shared by
-    /// the groups (each holds a block per `block_size` tokens when the sequence is admitted).
+    /// Most tokens one sequence can ever hold: every block but the null block (see
+    /// [`KvCache::tokens_in_blocks`]).
     pub fn max_seq_tokens(&self) -> usize {
-        (self.num_blocks() - 1) / self.groups.len() * self.block_size()
+        self.tokens_in_blocks(self.num_blocks() - 1)
+    }
+
+    /// Most tokens one sequence can hold in `blocks` blocks, computed as a scheduler computes
+    /// it: full-attention groups need a block per `block_size` tokens, a windowed group at
+    /// most its window (or chunk) and a block more. Without full-attention groups, any length
+    /// whose slots fit the kernels' int32.
+    pub fn tokens_in_blocks(&self, blocks: usize) -> usize {
+        let block_size = self.block_size();
+        let mut full = 0;
+        let mut windows = 0;
+        for spec in &self.groups {
+            match spec.kind.span() {
+                Some(span) => windows += span.div_ceil(block_size) + 1,
+                None => full += 1,
+            }
+        }
+        match (full, blocks.checked_sub(windows)) {
+            (_, None) => 0,
+            (0, Some(_)) => crate::alloc::MAX_SLOTS - 1,
+            (full, Some(left)) => left / full * block_size,
+        }
     }
 
     pub fn block_pool(&self) -> &BlockPool {
@@ -370,14 +392,19 @@ impl KvCache {
         Ok(())
     }
 
-    fn check_token_count(&self, count: usize, what: &str) -> CoreResult<()> {
+    /// Checks that `count` tokens can ever be allocated at once: in every group (`lazy`
+    /// false), or as a scheduler admits them (windowed groups chunk by chunk).
+    fn check_token_count(&self, count: usize, what: &str, lazy: bool) -> CoreResult<()> {
         ensure!(count != 0, "{what} must be at least 1, got 0");
+        let usable = self.num_blocks() - 1;
+        let most = match lazy {
+            true => self.max_seq_tokens(),
+            false => usable / self.groups.len() * self.block_size(),
+        };
         ensure!(
-            count <= self.max_seq_tokens(),
-            "{what} = {count} can never fit: the pool holds at most {} tokens per sequence \
-             ({} usable blocks of {} for {} group(s))",
-            self.max_seq_tokens(),
-            self.num_blocks() - 1,
+            count <= most,
+            "{what} = {count} can never fit: the pool holds at most {most} tokens per sequence \
+             ({usable} usable blocks of {} for {} group(s))",
             self.block_size(),
             self.groups.len()
         );

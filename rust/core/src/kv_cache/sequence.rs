@@ -37,12 +37,16 @@ pub(super) struct Sequence {
 }
 
 /// A sequence's blocks in one group.
+///
+/// `blocks` is as long as the token count needs; entries before `released` are the null block
+/// (a window or chunk left them behind, or a prefix hit never needed them), entries from
+/// `allocated` on are the null block too (a windowed group admitted by the scheduler takes a
+/// prompt's blocks only as it is computed); the ones between are held.
 #[derive(Debug, Clone, Default)]
 pub(super) struct GroupTable {
-    /// In token order; the first `released` are the null block (a window or chunk left
-    /// them behind, or a prefix hit never needed them).
     pub(super) blocks: Vec<u32>,
     pub(super) released: usize,
+    pub(super) allocated: usize,
     /// Changes whenever a block already in the list is replaced (allocation, fork,
     /// copy-on-write, swap, release), but not when the list only grows: a table that holds
     /// the list's first k blocks under this value still holds them.
@@ -54,16 +58,29 @@ impl GroupTable {
     pub(super) fn reset(&mut self, version: u64) {
         self.blocks.clear();
         self.released = 0;
+        self.allocated = 0;
         self.layout = version;
     }
 
-    /// The blocks that are not the null block.
+    /// The blocks held (neither released nor still to be allocated).
     pub(super) fn live(&self) -> &[u32] {
-        &self.blocks[self.released..]
+        &self.blocks[self.released..self.allocated]
     }
 
     pub(super) fn live_mut(&mut self) -> &mut [u32] {
-        &mut self.blocks[self.released..]
+        &mut self.blocks[self.released..self.allocated]
+    }
+
+    /// Whether every block up to the last is allocated (no prompt blocks still to come).
+    pub(super) fn complete(&self) -> bool {
+        self.allocated == self.blocks.len()
+    }
+
+    /// Adds a held block at the end.
+    pub(super) fn push(&mut self, block: u32) {
+        debug_assert!(self.complete());
+        self.blocks.push(block);
+        self.allocated += 1;
     }
 }
 

@@ -33,11 +33,17 @@ impl KvCache {
                 start >= 0 && start <= end && end <= len as i64,
                 "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
             );
-            let released = seq.tables[group].released * block_size;
+            let table = &seq.tables[group];
+            let (released, allocated) = (table.released * block_size, table.allocated * block_size);
             ensure!(
                 start == end || start as usize >= released,
                 "range [{start}, {end}) of sequence {seq_id} starts before token {released}: \
                  group {group}'s window released the blocks before it"
+            );
+            ensure!(
+                end as usize <= allocated.max(start as usize),
+                "range [{start}, {end}) of sequence {seq_id} ends after token {allocated}: \
+                 group {group} takes the blocks after it as they are computed (mark_computed)"
             );
             total += (end - start) as usize;
         }

@@ -21,7 +21,7 @@ use crate::errors::IntoPyResult;
 use crate::lock::{Guard, PyLock};
 
 /// A KV-cache group as Python sees it: (kind, layers, window or chunk).
-type GroupRow = (&'static str, Vec<usize>, Option<usize>);
+pub(crate) type GroupRow = (&'static str, Vec<usize>, Option<usize>);
 
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 pub(crate) const DETACH_ABOVE: usize = 4096;

@@ -10,13 +10,24 @@ impl ContinuousScheduler {
     /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
     /// decode may find no free block), or a copy-on-write (only after a fork).
     pub fn step_may_move(&self, cache: &KvCache) -> bool {
+        // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
+        // windowed group: either may preempt by swapping out.
+        let decode_need = self.running.len() * 2 * cache.num_groups();
+        let windowed = cache.groups().iter().any(|g| g.kind.span().is_some());
+        let prefilling = || {
+            self.running.iter().any(|&id| {
+                let computed = self.requests.get(&id).map_or(0, |r| r.num_computed);
+                cache.seq_len(id).is_ok_and(|len| computed < len)
+            })
+        };
         cache.num_pending_moves() > 0
             || !self.swapped.is_empty()
             || cache.has_forked()
             || (self.config.preemption == Preemption::Swap
                 && cache.num_free_host_blocks() > 0
-                && (cache.num_free_blocks() < self.running.len()
-                    || self.running.len() > self.config.max_num_seqs))
+                && (cache.num_free_blocks() < decode_need
+                    || self.running.len() > self.config.max_num_seqs
+                    || (windowed && prefilling())))
     }
 
     /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after

@@ -71,8 +71,9 @@ impl ContinuousScheduler {
             "the prompt and max_new_tokens must be at least 1"
         );
         let longest = prompt.len() + max_new_tokens;
-        let room = (cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache))
-            * cache.block_size();
+        let room = cache.tokens_in_blocks(
+            (cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache)),
+        );
         ensure!(
             longest <= room,
             "request {seq_id} may hold {longest} tokens; with the watermark the cache fits {room}"

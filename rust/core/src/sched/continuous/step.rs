@@ -105,7 +105,7 @@ impl ContinuousScheduler {
         // Tokens that already have slots (a prompt, or everything a recompute brought back)
         // are prefilled, in chunks; only a sampled token without a slot is a decode.
         if request.num_computed < cache.seq_len(seq_id)? {
-            return self.schedule_prefill(cache, seq_id, remaining, budget, rows);
+            return self.schedule_prefill(cache, seq_id, remaining, budget, rows, Some(plan));
         }
         // A decode: one more slot, which may need a block and a copy-on-write one in each
         // group: make room by preempting the newest, lowest-priority sequences (possibly
@@ -177,22 +177,25 @@ impl ContinuousScheduler {
             let seq_id = key.2;
             let request = self.request(seq_id)?;
             let total = request.num_tokens();
-            let needed = cache.blocks_to_allocate(request.tokens(), None)?;
+            // Windowed groups take a prompt's blocks chunk by chunk (`schedule_prefill`).
+            let needed = cache.blocks_to_admit(request.tokens(), None)?;
             if needed + self.watermark_blocks(cache) > cache.num_free_blocks() {
                 break;
             }
-            let cached = cache.alloc_sequence(seq_id, request.tokens(), None)?;
+            let cached = cache.admit_sequence(seq_id, request.tokens(), None)?;
             self.waiting.remove(&key);
             self.resume(seq_id, State::Running);
             self.request_mut(seq_id)?.num_computed = cached;
             // Without chunking, a prompt larger than what is left of the budget waits, with
             // its blocks, for a later step.
-            self.schedule_prefill(cache, seq_id, total - cached, budget, rows)?;
+            self.schedule_prefill(cache, seq_id, total - cached, budget, rows, None)?;
         }
         Ok(())
     }
 
-    /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget`.
+    /// Plans the next chunk of a prefill with `remaining` tokens left, within `budget` and
+    /// the blocks its windowed groups need; a running prefill (`plan` given) preempts newer
+    /// sequences for them, a newly admitted one waits.
     fn schedule_prefill(
         &mut self,
         cache: &mut KvCache,
@@ -200,13 +203,33 @@ impl ContinuousScheduler {
         remaining: usize,
         budget: &mut usize,
         rows: &mut Vec<ScheduledRow>,
+        mut plan: Option<&mut StepPlan>,
     ) -> CoreResult<()> {
-        let chunk = remaining.min(*budget);
+        let mut chunk = remaining.min(*budget);
         // Without chunked prefill a prompt waits for a step with room for all of it — unless
         // no step ever has (the budget was lowered after it was accepted): then it is chunked.
         let never_fits = remaining > self.config.max_num_batched_tokens;
-        if chunk == 0 || (chunk < remaining && !self.config.enable_chunked_prefill && !never_fits) {
+        let may_split = self.config.enable_chunked_prefill || never_fits;
+        if chunk == 0 || (chunk < remaining && !may_split) {
             return Ok(());
+        }
+        let start = self.request(seq_id)?.num_computed;
+        let block_size = cache.block_size();
+        while cache.blocks_to_compute(seq_id, start + chunk)? > cache.num_free_blocks() {
+            // A shorter chunk (down to a block boundary) may fit; else make room.
+            let shorter = ((start + chunk - 1) / block_size * block_size).saturating_sub(start);
+            if may_split && shorter > 0 {
+                chunk = shorter;
+                continue;
+            }
+            let Some(plan) = plan.as_deref_mut() else {
+                return Ok(());
+            };
+            let victim = self.pick_victim(seq_id);
+            self.preempt(cache, victim, plan)?;
+            if victim == seq_id {
+                return Ok(());
+            }
         }
         let request = self.request_mut(seq_id)?;
         request.num_computed += chunk;

@@ -1,0 +1,71 @@
+"""Which earlier positions each layer of a transformers model attends to, and the KV-cache
+groups (``KVCachePool(layer_types=..., sliding_window=..., attention_chunk_size=...)``) that
+keep only what those layers will read again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FULL_ATTENTION", "LayerAttention", "kv_cache_groups", "layer_attention"]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which earlier positions a layer's queries see: all (``"full_attention"``), the last
+    ``window`` including their own (``"sliding_attention"``: ``q - window < k``), or those in
+    their own chunk of ``window`` positions (``"chunked_attention"``); causal in every case."""
+
+    kind: str = "full_attention"
+    window: int | None = None
+
+    def visible(self, query: np.ndarray, key: np.ndarray) -> np.ndarray:
+        """Whether positions ``query`` see positions ``key`` (broadcast)."""
+        seen = key <= query
+        if self.kind == "sliding_attention":
+            seen &= key > query - self.window
+        elif self.kind == "chunked_attention":
+            seen &= key // self.window == query // self.window
+        return np.asarray(seen)
+
+    @property
+    def is_full(self) -> bool:
+        return self.kind == "full_attention"
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+def layer_attention(config: Any) -> list[LayerAttention]:
+    """Each layer's attention, read from a transformers config the way its models read it
+    (``layer_types`` with ``sliding_window`` / ``attention_chunk_size``, or ``sliding_window``
+    for every layer in Mistral-style configs): :func:`atb_mem.kv.model_config.layer_types_of`."""
+    from atb_mem.kv.model_config import layer_types_of
+
+    text = config.get_text_config()
+    fields = {name: getattr(text, name, None) for name in (
+        "num_hidden_layers", "layer_types", "sliding_window", "attention_chunk_size")}
+    fields["use_sliding_window"] = getattr(text, "use_sliding_window", True)
+    windows = {"full_attention": None, "sliding_attention": fields["sliding_window"],
+               "chunked_attention": fields["attention_chunk_size"]}
+    return [LayerAttention(kind, windows[kind]) for kind in layer_types_of(fields)]
+
+
+def kv_cache_groups(layers: list[LayerAttention]) -> dict[str, Any]:
+    """The ``KVCachePool`` arguments that group these layers' K/V by kind: none when every
+    layer attends fully (one group, today's cache); else ``layer_types`` and the window and
+    chunk, which transformers configs give once for all their layers."""
+    if all(layer.is_full for layer in layers):
+        return {}
+    arguments: dict[str, Any] = {"layer_types": [layer.kind for layer in layers]}
+    for kind, name in (("sliding_attention", "sliding_window"),
+                       ("chunked_attention", "attention_chunk_size")):
+        windows = {layer.window for layer in layers if layer.kind == kind and layer.window}
+        if len(windows) > 1:
+            raise ValueError(f"layers have {kind} with different windows {sorted(windows)}: "
+                             "one KV-cache group kind per window is not supported")
+        if windows:
+            arguments[name] = windows.pop()
+    return arguments

@@ -1,0 +1,52 @@
+"""The KV cache a model needs: its shape (layers, heads, dtype, and the KV-cache groups its
+sliding-window or chunked layers form) and how many blocks fit the memory it may take."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from atb_mem._core import kv_cache_groups, kv_layout_bytes
+from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_layers
+from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
+
+__all__ = ["kv_cache_shape", "num_kv_blocks"]
+
+# Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
+HOST_KV_BUDGET = 4 << 30
+
+
+def kv_cache_shape(model: Any, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """``KVCachePool`` arguments for ``model``: ``num_layers``, ``num_kv_heads``, ``head_dim``,
+    ``dtype``, and for a hybrid model ``layer_types`` with its window or chunk."""
+    return {**kv_cache_layout(model, tensor_parallel_size),
+            **groups_for_layers(supported_layers(model))}
+
+
+def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_seqs: int,
+                  max_model_len: int, gpu_memory_utilization: float,
+                  kv_cache_memory_bytes: int | None) -> int:
+    """Blocks for the cache: ``kv_cache_memory_bytes`` worth; on an accelerator what
+    ``plan_kv_cache`` leaves of its memory; on the host what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens take, at most ``HOST_KV_BUDGET``. A block holds
+    ``layers_per_block`` layers, so a hybrid model's blocks are smaller and more of them fit."""
+    groups, per_block = kv_cache_groups(shape["num_layers"], shape.get("layer_types"),
+                                        shape.get("sliding_window"),
+                                        shape.get("attention_chunk_size"))
+    layout = {"num_layers": per_block, "num_kv_heads": shape["num_kv_heads"],
+              "head_dim": shape["head_dim"], "dtype": shape["dtype"]}
+    _, _, bytes_per_block = kv_layout_bytes(block_size=block_size, **layout)
+    if kv_cache_memory_bytes is not None:
+        return int(kv_cache_memory_bytes) // bytes_per_block
+    if model.device.type != "cpu":
+        from atb_mem.kv.cache_pool import device_memory
+        from atb_mem.kv.planning import plan_kv_cache
+
+        free, total = device_memory(str(model.device))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan = plan_kv_cache(total, weights, gpu_memory_utilization=gpu_memory_utilization,
+                             block_size=block_size, max_model_len=max_model_len, **layout)
+        return min(plan.num_blocks, free // bytes_per_block)
+    # Each group holds a block per block_size tokens of an admitted sequence.
+    wanted = max_num_seqs * math.ceil(max_model_len / block_size) * len(groups) + 1
+    return min(wanted, HOST_KV_BUDGET // bytes_per_block)
