@@ -67,6 +67,12 @@ class KVCacheStats(TypedDict):
     host_blocks: int
     host_blocks_used: int
     num_swapped: int
+    # Admissions whose prefix hit fell short, by reason (see KVCachePool.explain_prefix).
+    prefix_cache_misses_block_alignment: int
+    prefix_cache_misses_not_cached: int
+    prefix_cache_misses_evicted: int
+    prefix_cache_misses_window: int
+    num_groups: int  # KV-cache groups (1 without layer types)
 
 
 # torch's key names have dots, so the functional form.
@@ -183,3 +189,29 @@ class KVCacheGroup(NamedTuple):
     kind: str
     layers: tuple[int, ...]
     window: int | None
+
+
+MISS_REASONS = ("block_alignment", "not_cached", "evicted", "window")
+"""Why a prefix hit falls short, as ``stats()`` counts it: only block alignment stopped it;
+the next block was never cached; it was evicted; a windowed group lacks a block inside the
+window of the next hit point. ``explain_prefix`` may also say ``"prefix_caching_off"``."""
+
+
+class GroupPrefix(NamedTuple):
+    """What one KV-cache group alone could serve of a prompt, and why it stops there."""
+
+    group: int
+    kind: str
+    cached_tokens: int
+    reason: str
+
+
+class PrefixExplanation(NamedTuple):
+    """``KVCachePool.explain_prefix``: the hit an admission would get now (every group can
+    serve it), why it stops there and which group stops it (None: block alignment, or
+    prefix caching off), and each group's own view."""
+
+    hit_tokens: int
+    reason: str
+    limited_by: int | None
+    groups: list[GroupPrefix]

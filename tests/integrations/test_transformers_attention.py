@@ -83,8 +83,8 @@ def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     def permute(step: Any) -> dict[str, Any]:
         # Rows read each other's block tables. (Reordering a row's own blocks is invisible to
         # decode attention, a sum over positions: the rows must change.)
-        return {"paged": [dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
-                          for rows in step.paged]}
+        return {"paged": [[dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
+                           for rows in group] for group in step.paged]}
 
     corrupt(monkeypatch, permute)
     assert mismatches("llama") > 0
@@ -92,5 +92,6 @@ def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_a_shifted_slot_map_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # New K/V lands one slot late: reads see a neighbour's bytes or poison.
-    corrupt(monkeypatch, lambda step: {"slot_mapping": step.slot_mapping + 1})
+    corrupt(monkeypatch, lambda step: {"slot_mappings": [slots + 1
+                                                         for slots in step.slot_mappings]})
     assert mismatches("llama") > 0

@@ -58,6 +58,11 @@ def test_kv_cache_mem_pool_and_scheduler_metrics() -> None:
     assert samples["atb_mem_scheduler_requests"][(("model", "test"), ("state", "running"))] == 2
     assert samples["atb_mem_scheduler_batch_size"][model] == len(plan)
     assert samples["atb_mem_scheduler_preemptions_total"][model] == 0
+    # The first admission of the prompt missed (nothing cached yet); the prompt of 6
+    # tokens by count looks nothing up.
+    misses = samples["atb_mem_kv_cache_prefix_cache_misses_total"]
+    assert misses[(("model", "test"), ("reason", "not_cached"))] == 1
+    assert misses[(("model", "test"), ("reason", "window"))] == 0
 
 
 def test_batcher_metrics_and_bad_arguments() -> None:

@@ -5,4 +5,11 @@
 - ``tensors``: ``KVTensors``, those bytes and the one way they move (``execute(moves)``);
 - ``planning``: ``plan_kv_cache``, sizing a cache from memory figures;
 - ``attention``: a reference paged attention that reads K/V through a block table.
+
+A hybrid model's layers form KV-cache groups (``KVCacheGroup``); ``explain_prefix`` says why a
+prefix hit stops where it does (``PrefixExplanation``, ``MISS_REASONS``).
 """
+
+from atb_mem._types import MISS_REASONS, GroupPrefix, KVCacheGroup, PrefixExplanation
+
+__all__ = ["MISS_REASONS", "GroupPrefix", "KVCacheGroup", "PrefixExplanation"]

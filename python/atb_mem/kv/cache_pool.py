@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
-from atb_mem._types import KVCacheGroup, KVCachePoolStats
+from atb_mem._types import GroupPrefix, KVCacheGroup, KVCachePoolStats, PrefixExplanation
 from atb_mem.events import KVCacheEvent, events_from_arrays
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
@@ -117,6 +117,17 @@ class KVCachePool(_core.KVCachePool):
                 for kind, layers, window in self._groups]
 
     # ---- the bytes -------------------------------------------------------------------------
+
+    def explain_prefix(self, token_ids: Any, cache_salt: str | bytes | None = None
+                       ) -> PrefixExplanation:
+        """Why a prompt of ``token_ids`` would hit what it hits now, per group and in all,
+        without changing anything (reasons: ``MISS_REASONS`` and ``"prefix_caching_off"``)."""
+        hit, reason, limited_by, per_group = self._explain_prefix(token_ids,
+                                                                  cache_salt=cache_salt)
+        groups = [GroupPrefix(index, group.kind, cached, why)
+                  for index, (group, (cached, why)) in enumerate(zip(self.groups, per_group,
+                                                                      strict=True))]
+        return PrefixExplanation(hit, reason, limited_by, groups)
 
     @property
     def device(self) -> str | None:

@@ -22,6 +22,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "atb_mem.observability.metrics needs prometheus_client: pip install 'atb-mem[metrics]'"
     ) from error
 
+from atb_mem._types import MISS_REASONS
+
 if TYPE_CHECKING:
     from atb_mem import ContinuousBatchScheduler, DynamicBatchScheduler, KVCachePool, MemPool
     from atb_mem._types import (
@@ -103,6 +105,14 @@ class AtbMemCollector(Collector):
                        stats["prefix_cache_hits"], labels)
         yield _counter(f"{prefix}_kv_cache_evictions", "Cached blocks reused for other data.",
                        stats["evictions"], labels)
+        misses = CounterMetricFamily(f"{prefix}_kv_cache_prefix_cache_misses",
+                                     "Admissions whose prefix hit fell short, by reason "
+                                     "(KVCachePool.explain_prefix says which).",
+                                     labels=[*labels, "reason"])
+        for reason in MISS_REASONS:
+            misses.add_metric([*labels.values(), reason],
+                              stats[f"prefix_cache_misses_{reason}"])  # type: ignore[literal-required]
+        yield misses
 
     def _mem_pool(self, stats: MemPoolStats) -> Iterator[Metric]:
         prefix, labels = self.namespace, self.labels

@@ -12,6 +12,7 @@
 //! cache hit are O(1) and allocate no memory.
 
 use crate::alloc::block_hash::BlockHash;
+use crate::alloc::eviction_history::EvictionHistory;
 use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
 use crate::alloc::free_queue::FreeQueue;
 use crate::alloc::index_table::IndexTable;
@@ -54,6 +55,8 @@ pub struct BlockPool {
     /// only while `record_removed` (KV-cache events).
     record_removed: bool,
     removed: Vec<BlockHash>,
+    /// Hashes of the last `num_blocks` evicted blocks: a lookup miss can say "evicted".
+    evicted: EvictionHistory,
 }
 
 impl BlockPool {
@@ -103,6 +106,7 @@ impl BlockPool {
             counters: PrefixCacheCounters::default(),
             record_removed: false,
             removed: Vec::new(),
+            evicted: EvictionHistory::new(table_blocks, &what)?,
         })
     }
 
@@ -115,6 +119,7 @@ impl BlockPool {
             array_bytes::<BlockHash>(table_blocks),
             array_bytes::<bool>(table_blocks),
             IndexTable::bytes_for(table_blocks),
+            EvictionHistory::bytes_for(table_blocks),
         ])
     }
 
@@ -216,6 +221,7 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Option<u32> {
         let block = self.free_queue.pop_front()?;
         if self.is_cached(block) {
+            self.evicted.record(self.block_hashes[block as usize]);
             self.unregister(block);
             self.num_evictable -= 1;
             self.counters.evictions += 1;
@@ -246,6 +252,12 @@ impl BlockPool {
                 self.free_queue.push_front(block);
             }
         }
+    }
+
+    /// Whether `hash` named a block evicted among the last `num_blocks` evictions (and not
+    /// cached since: callers look it up first).
+    pub fn was_evicted(&self, hash: BlockHash) -> bool {
+        self.evicted.contains(hash)
     }
 
     /// Makes a cached block that no sequence uses the most recently used (evicted last).
@@ -340,6 +352,7 @@ impl BlockPool {
             + self.is_cached.capacity()
             + self.prefix_table.heap_bytes()
             + self.removed.capacity() * std::mem::size_of::<BlockHash>()
+            + self.evicted.heap_bytes()
     }
 
     /// Checks every structural invariant; `holders[b]` is how many sequences hold block `b`.

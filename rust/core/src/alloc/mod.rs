@@ -9,6 +9,7 @@
 
 mod block_hash;
 mod block_pool;
+mod eviction_history;
 pub(crate) mod fallible;
 mod free_queue;
 mod index_table;

@@ -2,26 +2,36 @@
 
 use super::groups::group_key;
 use super::{allocate_checked, swapped_out, two_mut, KvCache, Medium, Tokens};
+
+/// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
+/// serves (`hits`), how many of those sit in the free queue, and the (group, block) that
+/// stopped it short of `queries`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PrefixMatch {
+    pub(super) queries: usize,
+    pub(super) hits: usize,
+    pub(super) hits_queued: usize,
+    pub(super) limited_by: Option<(usize, usize)>,
+}
 use crate::alloc::{BlockHash, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 
 impl KvCache {
     /// Looks up the cached prefix of `tokens`: fills `scratch_hashes` with the hash of every
     /// full block and `scratch_blocks` with the hit blocks, group-major (`hits` per group,
-    /// the null block where a group's window does not need one). Returns (queries, hits in
-    /// blocks per group, hit blocks in the free queue). Changes nothing else.
-    fn match_prefix(
+    /// the null block where a group's window does not need one). Changes nothing else.
+    pub(super) fn match_prefix(
         &mut self,
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
-    ) -> (usize, usize, usize) {
+    ) -> PrefixMatch {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
         let Tokens::Ids(ids) = tokens else {
-            return (0, 0, 0);
+            return PrefixMatch::default();
         };
         if !self.block_pool.enable_prefix_caching() {
-            return (0, 0, 0);
+            return PrefixMatch::default();
         }
         let block_size = self.block_size();
         // As in vLLM, the last prompt token is always computed, so a prompt that is an exact
@@ -32,7 +42,7 @@ impl KvCache {
             parent = parent.chain(chunk);
             self.scratch_hashes.push(parent);
         }
-        let hits = self.longest_hit(queries);
+        let (hits, limited_by) = self.longest_hit(queries);
         let mut hits_queued = 0;
         for (group, spec) in self.groups.iter().enumerate() {
             let needed_from = spec.kind.first_needed_block(hits * block_size, block_size);
@@ -49,55 +59,80 @@ impl KvCache {
                 self.scratch_blocks.push(block);
             }
         }
-        (queries, hits, hits_queued)
+        PrefixMatch {
+            queries,
+            hits,
+            hits_queued,
+            limited_by,
+        }
     }
 
-    /// The most leading blocks (at most `limit`) that every group can serve from the cache:
-    /// a full-attention group needs all of them, a windowed group the blocks the first
-    /// computed token attends to. Shrinking the hit for one windowed group can break another's
-    /// window, so the groups are asked until none shrinks it (a fixed point; full groups stay
-    /// satisfied by any shorter hit).
-    fn longest_hit(&self, limit: usize) -> usize {
-        let cached = |index: usize, group: usize| {
-            self.block_pool
-                .lookup(group_key(self.scratch_hashes[index], group))
-                .is_some()
-        };
+    #[inline]
+    fn cached(&self, index: usize, group: usize) -> bool {
+        let key = group_key(self.scratch_hashes[index], group);
+        self.block_pool.lookup(key).is_some()
+    }
+
+    /// The most leading blocks (at most `limit`) that every group can serve from the cache,
+    /// and the (group, block) that stopped it below `limit`: a full-attention group needs all
+    /// of them, a windowed group the blocks the first computed token attends to. Shrinking
+    /// the hit for one windowed group can break another's window, so the groups are asked
+    /// until none shrinks it (a fixed point; full groups stay satisfied by any shorter hit).
+    fn longest_hit(&self, limit: usize) -> (usize, Option<(usize, usize)>) {
         let mut hits = limit;
-        for (group, _) in self
-            .groups
-            .iter()
-            .enumerate()
-            .filter(|(_, g)| g.kind.span().is_none())
-        {
-            hits = (0..hits)
-                .find(|&index| !cached(index, group))
-                .unwrap_or(hits);
+        let mut limited_by = None;
+        for (group, spec) in self.groups.iter().enumerate() {
+            if spec.kind.span().is_none() {
+                if let (run, Some(missing)) = self.full_hit(group, hits) {
+                    hits = run;
+                    limited_by = Some((group, missing));
+                }
+            }
         }
-        let block_size = self.block_size();
         let mut settled = false;
         while !settled && hits > 0 {
             settled = true;
             for (group, spec) in self.groups.iter().enumerate() {
-                if spec.kind.span().is_none() {
-                    continue;
-                }
-                // The window of the first computed token, checked from its end: a miss at
-                // `index` leaves only hits that stop at or before it.
-                'shrink: while hits > 0 {
-                    let needed_from = spec.kind.first_needed_block(hits * block_size, block_size);
-                    for index in (needed_from..hits).rev() {
-                        if !cached(index, group) {
-                            hits = index;
-                            settled = false;
-                            continue 'shrink;
-                        }
+                if spec.kind.span().is_some() {
+                    if let (shorter, Some(missing)) = self.window_hit(group, hits) {
+                        hits = shorter;
+                        limited_by = Some((group, missing));
+                        settled = false;
                     }
-                    break;
                 }
             }
         }
-        hits
+        (hits, limited_by)
+    }
+
+    /// A full group's leading cached blocks, at most `limit`, and the first it misses.
+    pub(super) fn full_hit(&self, group: usize, limit: usize) -> (usize, Option<usize>) {
+        match (0..limit).find(|&index| !self.cached(index, group)) {
+            Some(missing) => (missing, Some(missing)),
+            None => (limit, None),
+        }
+    }
+
+    /// A windowed group's longest hit at most `limit`: the window of the first computed token
+    /// is checked from its end, and a miss at `index` leaves only hits that stop at or before
+    /// it. Returns the hit and the last block it missed on the way down.
+    pub(super) fn window_hit(&self, group: usize, limit: usize) -> (usize, Option<usize>) {
+        let kind = self.groups[group].kind;
+        let block_size = self.block_size();
+        let mut hits = limit;
+        let mut missing = None;
+        'shrink: while hits > 0 {
+            let needed_from = kind.first_needed_block(hits * block_size, block_size);
+            for index in (needed_from..hits).rev() {
+                if !self.cached(index, group) {
+                    hits = index;
+                    missing = Some(index);
+                    continue 'shrink;
+                }
+            }
+            break;
+        }
+        (hits, missing)
     }
 
     /// Whether `alloc_sequence` would succeed now for a new sequence with these tokens.
@@ -136,9 +171,9 @@ impl KvCache {
         lazy: bool,
     ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count", lazy)?;
-        let (_, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
-        let fresh = tokens.len().div_ceil(self.block_size()) - hits;
-        Ok(fresh * self.eager_groups(lazy) + hits_queued)
+        let found = self.match_prefix(tokens, cache_salt);
+        let fresh = tokens.len().div_ceil(self.block_size()) - found.hits;
+        Ok(fresh * self.eager_groups(lazy) + found.hits_queued)
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -191,7 +226,12 @@ impl KvCache {
         self.check_token_count(num_tokens, "token count", lazy)?;
         let block_size = self.block_size();
         let num_blocks = num_tokens.div_ceil(block_size);
-        let (queries, hits, hits_queued) = self.match_prefix(tokens, cache_salt);
+        let PrefixMatch {
+            queries,
+            hits,
+            hits_queued,
+            limited_by,
+        } = self.match_prefix(tokens, cache_salt);
         let needed = (num_blocks - hits) * self.eager_groups(lazy) + hits_queued;
         if needed > self.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {
@@ -201,6 +241,9 @@ impl KvCache {
         }
 
         // Checked: from here on nothing can fail.
+        if let (Tokens::Ids(_), true) = (tokens, self.enable_prefix_caching()) {
+            self.count_miss(queries, hits, limited_by);
+        }
         if let Tokens::Ids(_) = tokens {
             self.block_pool.record_lookups(queries, hits);
             self.query_tokens += (queries * block_size) as u64;

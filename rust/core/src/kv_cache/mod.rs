@@ -16,6 +16,7 @@ mod events;
 mod groups;
 mod invariants;
 mod lifecycle;
+mod prefix_explain;
 mod sequence;
 mod stats;
 mod swap;
@@ -28,6 +29,7 @@ pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
 pub use groups::{group_layers, layer_kinds, AttentionKind, KvCacheGroup};
+pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
@@ -82,6 +84,8 @@ pub struct KvCache {
     events: KvEventLog,
     query_tokens: u64,
     hit_tokens: u64,
+    /// Admissions whose prefix hit fell short, by [`MissReason`] (the counted ones).
+    miss_counts: [u64; 4],
     // Reused per call so that hot paths allocate nothing.
     scratch_hashes: Vec<BlockHash>,
     scratch_blocks: Vec<u32>,
@@ -164,6 +168,7 @@ impl KvCache {
             events: KvEventLog::default(),
             query_tokens: 0,
             hit_tokens: 0,
+            miss_counts: [0; 4],
             scratch_hashes: Vec::new(),
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),

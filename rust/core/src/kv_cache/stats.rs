@@ -28,6 +28,10 @@ pub struct KvCacheStats {
     pub host_blocks: usize,
     pub host_blocks_used: usize,
     pub num_swapped: usize,
+    /// Admissions whose prefix hit fell short, by reason (`MissReason::COUNTED` order).
+    pub prefix_cache_misses: [u64; 4],
+    /// KV-cache groups (1 without layer types).
+    pub num_groups: usize,
 }
 
 impl KvCacheStats {
@@ -73,6 +77,11 @@ impl Figures for KvCacheStats {
             "host_blocks" => self.host_blocks,
             "host_blocks_used" => self.host_blocks_used,
             "num_swapped" => self.num_swapped,
+            "prefix_cache_misses_block_alignment" => self.prefix_cache_misses[0],
+            "prefix_cache_misses_not_cached" => self.prefix_cache_misses[1],
+            "prefix_cache_misses_evicted" => self.prefix_cache_misses[2],
+            "prefix_cache_misses_window" => self.prefix_cache_misses[3],
+            "num_groups" => self.num_groups,
         ]
     }
 }
@@ -139,6 +148,8 @@ impl KvCache {
                 .values()
                 .filter(|&&slab| self.sequences[slab as usize].swapped)
                 .count(),
+            prefix_cache_misses: self.miss_counts,
+            num_groups: self.groups.len(),
         }
     }
 

@@ -23,6 +23,14 @@ use crate::lock::{Guard, PyLock};
 /// A KV-cache group as Python sees it: (kind, layers, window or chunk).
 pub(crate) type GroupRow = (&'static str, Vec<usize>, Option<usize>);
 
+/// An explained prefix lookup: (hit tokens, reason, limiting group, per group).
+type PrefixRow = (
+    usize,
+    &'static str,
+    Option<usize>,
+    Vec<(usize, &'static str)>,
+);
+
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
 pub(crate) const DETACH_ABOVE: usize = 4096;
 
@@ -218,6 +226,22 @@ impl PyKvCachePool {
         let tokens = tokens.tokens();
         self.run(py, tokens.len(), |cache| cache.can_allocate(tokens, salt))?
             .into_py_result()
+    }
+
+    /// Why `token_ids` would hit what it hits now: (hit tokens, reason, limiting group or
+    /// None, [(cached tokens, reason)] per group). `KVCachePool.explain_prefix` wraps it.
+    #[pyo3(signature = (token_ids, *, cache_salt=None))]
+    fn _explain_prefix(
+        &self,
+        token_ids: TokenIds<'_>,
+        cache_salt: Option<CacheSalt>,
+    ) -> PyResult<PrefixRow> {
+        let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
+        let why = self.lock()?.explain_prefix(token_ids.as_slice(), salt);
+        let why = why.into_py_result()?;
+        let groups = why.groups.iter();
+        let groups = groups.map(|g| (g.cached_tokens, g.reason.name())).collect();
+        Ok((why.hit_tokens, why.reason.name(), why.limited_by, groups))
     }
 
     fn seq_len(&self, seq_id: SeqId) -> PyResult<usize> {

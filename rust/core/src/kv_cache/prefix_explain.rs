@@ -1,0 +1,130 @@
+//! Why a prefix lookup stops where it does: per group, what it alone could serve and why it
+//! stops there; for the lookup, the group that limits it and its reason. Admissions count
+//! their misses by reason (`stats()`), so a hit rate that collapses says why.
+
+use super::groups::group_key;
+use super::{KvCache, Tokens};
+use crate::error::CoreResult;
+
+/// Why a prefix hit stops where it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MissReason {
+    /// Every full block before the last prompt token is served: the hit ends where block
+    /// alignment ends it (the last token is always computed; a partial block is never cached).
+    BlockAlignment = 0,
+    /// The next block was never cached (or was evicted longer ago than the history reaches).
+    NotCached = 1,
+    /// The next block was cached and evicted.
+    Evicted = 2,
+    /// A windowed group lacks a block inside the window of the next hit point: released by
+    /// its window and evicted since, or never cached.
+    WindowGone = 3,
+    /// The cache was built without prefix caching.
+    PrefixCachingOff = 4,
+}
+
+impl MissReason {
+    /// The reasons `stats()` counts misses by.
+    pub const COUNTED: [MissReason; 4] = [
+        MissReason::BlockAlignment,
+        MissReason::NotCached,
+        MissReason::Evicted,
+        MissReason::WindowGone,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MissReason::BlockAlignment => "block_alignment",
+            MissReason::NotCached => "not_cached",
+            MissReason::Evicted => "evicted",
+            MissReason::WindowGone => "window",
+            MissReason::PrefixCachingOff => "prefix_caching_off",
+        }
+    }
+}
+
+/// What one group alone could serve of a prompt, and why it stops there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupPrefix {
+    pub cached_tokens: usize,
+    pub reason: MissReason,
+}
+
+/// The answer of [`KvCache::explain_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixExplanation {
+    /// What an admission now would take from the cache (every group can serve it).
+    pub hit_tokens: usize,
+    /// Why it stops there, and the group that stops it (`None`: alignment, or caching off).
+    pub reason: MissReason,
+    pub limited_by: Option<usize>,
+    pub groups: Vec<GroupPrefix>,
+}
+
+impl KvCache {
+    /// Explains the prefix hit `token_ids` would get now, without changing anything.
+    pub fn explain_prefix(
+        &mut self,
+        token_ids: &[u32],
+        cache_salt: Option<&[u8]>,
+    ) -> CoreResult<PrefixExplanation> {
+        ensure!(!token_ids.is_empty(), "token_ids must hold at least one id");
+        if !self.enable_prefix_caching() {
+            let off = GroupPrefix {
+                cached_tokens: 0,
+                reason: MissReason::PrefixCachingOff,
+            };
+            return Ok(PrefixExplanation {
+                hit_tokens: 0,
+                reason: MissReason::PrefixCachingOff,
+                limited_by: None,
+                groups: vec![off; self.groups.len()],
+            });
+        }
+        let found = self.match_prefix(Tokens::Ids(token_ids), cache_salt);
+        let block_size = self.block_size();
+        let groups = (0..self.groups.len())
+            .map(|group| {
+                let (cached, missing) = match self.groups[group].kind.span() {
+                    None => self.full_hit(group, found.queries),
+                    Some(_) => self.window_hit(group, found.queries),
+                };
+                GroupPrefix {
+                    cached_tokens: cached * block_size,
+                    reason: self.miss_reason(missing.map(|index| (group, index))),
+                }
+            })
+            .collect();
+        Ok(PrefixExplanation {
+            hit_tokens: found.hits * block_size,
+            reason: self.miss_reason(found.limited_by),
+            limited_by: found.limited_by.map(|(group, _)| group),
+            groups,
+        })
+    }
+
+    /// Why a lookup stopped, from the group and block index that stopped it.
+    pub(super) fn miss_reason(&self, limited_by: Option<(usize, usize)>) -> MissReason {
+        let Some((group, index)) = limited_by else {
+            return MissReason::BlockAlignment;
+        };
+        if self.groups[group].kind.span().is_some() {
+            return MissReason::WindowGone;
+        }
+        let key = group_key(self.scratch_hashes[index], group);
+        match self.block_pool.was_evicted(key) {
+            true => MissReason::Evicted,
+            false => MissReason::NotCached,
+        }
+    }
+
+    /// Counts an admission's miss (a hit short of what block alignment allows, or a prompt
+    /// too short to hit at all) by reason.
+    pub(super) fn count_miss(&mut self, queries: usize, hits: usize, by: Option<(usize, usize)>) {
+        if hits < queries || queries == 0 {
+            let reason = self.miss_reason(by);
+            self.miss_counts[reason as usize] += 1;
+        }
+    }
+}

@@ -1,0 +1,149 @@
+"""KV-cache groups through the Python API: layer types make groups that share one pool, each
+with its own block tables and slot mappings; windows release blocks (the null block stands
+in); prefix hits every group serves; explain_prefix and the miss counters say why a hit
+stops; bad arguments change nothing; without layer types nothing changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atb_mem import ContinuousBatchScheduler, KVCachePool, OutOfMemoryError
+from atb_mem.kv import GroupPrefix, KVCacheGroup
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA_LIKE = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
+
+
+def hybrid(num_blocks: int = 64, block_size: int = 2, **kwargs: object) -> KVCachePool:
+    arguments: dict[str, object] = {"num_layers": 6, "num_kv_heads": 2, "head_dim": 4,
+                                    "dtype": "float32", "layer_types": GEMMA_LIKE,
+                                    "sliding_window": 4, **kwargs}
+    return KVCachePool(num_blocks, block_size, **arguments)  # type: ignore[arg-type]
+
+
+def test_layer_types_make_groups_of_equal_size_sharing_planes() -> None:
+    pool = hybrid()
+    assert pool.groups == [KVCacheGroup(SLIDING, (0, 1), 4), KVCacheGroup(FULL, (2, 5), None),
+                           KVCacheGroup(SLIDING, (3, 4), 4)]
+    assert pool.layers_per_block == 2
+    plain = KVCachePool(64, 2, num_layers=6, num_kv_heads=2, head_dim=4, dtype="float32")
+    assert plain.bytes_per_block * 2 == pool.bytes_per_block * 6  # a block holds 2 layers
+    assert pool.kv_cache.shape == (2, 2, 64, 2, 2, 4)
+    assert [pool.group_of_layer(layer) for layer in range(6)] == [
+        (0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (1, 1)]
+    # Layers at the same place of different groups share a plane; a block is one group's.
+    assert np.shares_memory(pool.key_cache(0), pool.key_cache(3))
+    assert not np.shares_memory(pool.key_cache(0), pool.key_cache(1))
+    # Without layer types: one full group of every layer, today's layout.
+    assert plain.groups == [KVCacheGroup(FULL, tuple(range(6)), None)]
+    assert plain.layers_per_block == 6 and plain.kv_cache.shape[0] == 6
+
+
+def test_a_window_without_layer_types_makes_every_layer_slide() -> None:
+    pool = KVCachePool(16, 2, num_layers=3, sliding_window=8, device=None)
+    assert pool.groups == [KVCacheGroup(SLIDING, (0, 1, 2), 8)]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"layer_types": [SLIDING] * 6, "sliding_window": None}, ValueError, "sliding_window"),
+    ({"layer_types": [FULL] * 5}, ValueError, "names 5 layers"),
+    ({"layer_types": ["mamba"] * 6}, ValueError, "unknown layer type"),
+    ({"layer_types": "full_attention"}, TypeError, "list of str"),
+    ({"layer_types": ["chunked_attention"] * 6}, ValueError, "attention_chunk_size"),
+    ({"sliding_window": 0}, ValueError, "at least 1"),
+    ({"enable_kv_events": True}, ValueError, "not supported yet"),
+])
+def test_bad_group_arguments_are_refused(kwargs: dict[str, object], error: type[Exception],
+                                         match: str) -> None:
+    with pytest.raises(error, match=match):
+        hybrid(**kwargs)
+
+
+def test_each_group_has_its_own_tables_and_slots() -> None:
+    pool = hybrid(device=None)
+    pool.alloc_sequence(1, list(range(9)))
+    slots = pool.append_tokens([1], 2)
+    assert slots.shape == (3, 2)  # [groups, tokens]
+    tables = [pool.block_table(1, group=g) for g in range(3)]
+    assert len({int(b) for table in tables for b in table}) == 3 * 6  # no block in two groups
+    for group, table in enumerate(tables):
+        expected = [int(table[p // 2]) * 2 + p % 2 for p in (9, 10)]
+        assert slots[group].tolist() == expected
+        assert pool.slot_mapping([1], [9], [11], group=group).tolist() == expected
+        assert pool.block_tables([1], group=group)[0].tolist() == table.tolist()
+    with pytest.raises(ValueError, match="group 3 does not exist"):
+        pool.block_table(1, group=3)
+
+
+def test_marking_computed_releases_what_the_window_left_behind() -> None:
+    pool = hybrid(device=None)
+    pool.alloc_sequence(1, list(range(12)))
+    pool.mark_computed(1, 12)                  # computing 0..12 reads from 0: nothing goes
+    pool.append_tokens([1], 1)
+    before = pool.stats()["blocks_used"]
+    pool.mark_computed(1, 13)                  # token 12 reads 9..12: blocks 0..3 go
+    for group in (0, 2):
+        table = pool.block_table(1, group=group)
+        assert table[:4].tolist() == [0] * 4 and (table[4:] != 0).all()
+    assert (pool.block_table(1, group=1) != 0).all()
+    assert pool.stats()["blocks_used"] == before - 2 * 4
+    # Released tokens have no slots any more; the refusal changes nothing.
+    with pytest.raises(ValueError, match="released"):
+        pool.slot_mapping([1], [0], [13], group=0)
+    assert pool.slot_mapping([1], [0], [13], group=1).shape == (13,)
+    pool._check_invariants()
+
+
+def test_scheduler_plans_give_one_array_per_group() -> None:
+    pool = hybrid()
+    scheduler = ContinuousBatchScheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request(1, list(range(10)), max_new_tokens=3)
+    scheduler.add_request(2, list(range(100, 107)), max_new_tokens=3)
+    plan = scheduler.step()
+    assert plan.slot_mapping.shape == (3, 17)
+    assert plan.block_tables.shape == (3, 2, 5)
+    for group in range(3):
+        rows = [pool.block_table(seq, group=group) for seq in (1, 2)]
+        assert plan.block_tables[group][0].tolist() == rows[0].tolist()
+        assert plan.block_tables[group][1][:4].tolist() == rows[1].tolist()
+    plain = KVCachePool(64, 2, num_layers=6, device=None)
+    plain_scheduler = ContinuousBatchScheduler(plain, max_num_seqs=4)
+    plain_scheduler.add_request(1, list(range(10)), max_new_tokens=3)
+    plain_plan = plain_scheduler.step()
+    assert plain_plan.slot_mapping.ndim == 1 and plain_plan.block_tables.ndim == 2
+
+
+def test_explain_prefix_says_why_and_stats_count_misses() -> None:
+    pool = hybrid(device=None)
+    prompt = [int(t) for t in np.arange(20) * 7 % 11]
+    why = pool.explain_prefix(prompt)
+    assert (why.hit_tokens, why.reason, why.limited_by) == (0, "not_cached", 1)
+    assert why.groups[1] == GroupPrefix(1, FULL, 0, "not_cached")
+    pool.alloc_sequence(1, prompt)
+    pool.mark_computed(1)
+    why = pool.explain_prefix(prompt)
+    assert (why.hit_tokens, why.reason, why.limited_by) == (18, "block_alignment", None)
+    assert pool.explain_prefix(prompt[:2]).reason == "block_alignment"  # too short to hit
+    stats = pool.stats()
+    assert stats["prefix_cache_misses_not_cached"] == 1  # the first admission
+    pool.alloc_sequence(2, prompt[:2])
+    assert pool.stats()["prefix_cache_misses_block_alignment"] == 1
+    off = KVCachePool(8, 2, enable_prefix_caching=False, device=None)
+    assert off.explain_prefix([1, 2, 3]).reason == "prefix_caching_off"
+    with pytest.raises(ValueError, match="at least one"):
+        pool.explain_prefix([])
+
+
+def test_a_call_that_fails_changes_nothing() -> None:
+    pool = hybrid(num_blocks=12, device=None)
+    pool.alloc_sequence(1, list(range(6)))     # 3 groups × 3 blocks: 2 of 11 left
+    before = (pool.stats(), [pool.block_table(1, group=g).tolist() for g in range(3)])
+    with pytest.raises(OutOfMemoryError):
+        pool.alloc_sequence(2, list(range(6)))
+    with pytest.raises(OutOfMemoryError):
+        pool.append_tokens([1], 1)             # a block in each group
+    with pytest.raises(ValueError):
+        pool.mark_computed(1, 7)
+    assert (pool.stats(), [pool.block_table(1, group=g).tolist() for g in range(3)]) == before
+    pool._check_invariants()
