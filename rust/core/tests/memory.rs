@@ -108,7 +108,10 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
             "prefix caching {enable_prefix_caching}: {per_block:.1} bytes per block, \
              {per_sequence:.1} bytes per sequence beyond its block list"
         );
-        assert!(per_block <= 48.0, "{per_block} bytes per block");
+        // Measured 61.8 with prefix caching: reference count, queue links, hash, index, and
+        // the eviction history (a 16-byte hash and its index per block) that lets
+        // explain_prefix say "evicted".
+        assert!(per_block <= 64.0, "{per_block} bytes per block");
         println!(
             "  of which size_of::<Sequence>() = {}",
             atb_mem_core::SEQUENCE_BYTES
