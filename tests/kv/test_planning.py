@@ -56,3 +56,23 @@ def test_from_device_sizes_the_pool(device: str) -> None:
         atb_mem.KVCachePool.from_device(device, model_bytes=total, block_size=16, num_layers=2,
                                         num_kv_heads=2, head_dim=64, max_model_len=256)
 
+
+
+def test_windowed_layers_cost_their_window() -> None:
+    """Gemma-3-like: 5 full and 27 sliding layers of a 1024 window make 7 groups of 5 layers
+    per block; a 32k sequence costs the full group 2048 blocks and each sliding group 65."""
+    types = ["full_attention" if (layer + 1) % 6 == 0 else "sliding_attention"
+             for layer in range(32)]
+    common = {"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
+              "dtype": "bfloat16", "max_model_len": 32768}
+    plain = atb_mem.plan_kv_cache(141 << 30, 20 << 30, **common)  # type: ignore[arg-type]
+    grouped = atb_mem.plan_kv_cache(141 << 30, 20 << 30, layer_types=types, sliding_window=1024,
+                            **common)  # type: ignore[arg-type]
+    assert grouped.num_groups == 7 and plain.num_groups == 1
+    assert grouped.bytes_per_block * 32 == plain.bytes_per_block * 5
+    assert grouped.blocks_per_seq == 2048 + 6 * (1024 // 16 + 1)
+    assert grouped.max_num_seqs >= 4 * plain.max_num_seqs
+    # A window longer than the sequence costs the sequence, not the window.
+    short = atb_mem.plan_kv_cache(141 << 30, 20 << 30, layer_types=types, sliding_window=1 << 20,
+                          **{**common, "max_model_len": 4096})  # type: ignore[arg-type]
+    assert short.blocks_per_seq == 7 * 256

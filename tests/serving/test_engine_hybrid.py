@@ -132,3 +132,52 @@ def test_a_softcapping_model_is_refused() -> None:
                                        num_key_value_heads=1, head_dim=16)
     with pytest.raises(NotImplementedError, match="softcapping"):
         Engine(transformers.Gemma2ForCausalLM(config).eval(), num_blocks=8, block_size=4)
+
+
+def kv_bytes_in_use(engine: Engine) -> int:
+    return engine.kv_cache.stats()["blocks_used"] * engine.kv_cache.bytes_per_block
+
+
+def test_sliding_groups_hold_only_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every decode step a sliding group holds at most ceil((W - 1) / B) + 1 blocks of
+    a sequence, and the K/V bytes in use peak lower than in a cache that keeps every block
+    for every layer (the same model without groups)."""
+    model, reference = model_pair("gemma3")
+    tokens = prompt(11, 5 * WINDOW)
+    params = greedy(4 * WINDOW)
+    peaks = {}
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr("atb_mem.serving.kv_sizing.groups_for_layers", lambda _: {})
+        engine = Engine(model, num_blocks=64, block_size=BLOCK_SIZE, max_num_batched_tokens=8)
+        assert len(engine.kv_cache.groups) == (3 if grouped else 1)
+        engine.add_request("r", tokens, params)
+        computed: dict[int, int] = {}
+        peak, out = 0, []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                out += output.outputs[0].token_ids
+            peak = max(peak, kv_bytes_in_use(engine))
+            for seq_id in engine.kv_cache.seq_ids():
+                now, before = engine.kv_cache.num_computed(seq_id), computed.get(seq_id, 0)
+                computed[seq_id] = now
+                for group, spec in enumerate(engine.kv_cache.groups):
+                    held = int((engine.kv_cache.block_table(seq_id, group=group) != 0).sum())
+                    if grouped and spec.kind == "sliding_attention" and now - before == 1:
+                        assert held <= -(-(WINDOW - 1) // BLOCK_SIZE) + 1, (now, held)
+        assert out == hf_tokens(reference, tokens, params.max_tokens)
+        peaks[grouped] = peak
+    assert peaks[True] < 0.75 * peaks[False], peaks
+
+
+def test_groups_without_the_window_mask_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for groups: attention that drops the window sees other K/V (the
+    positions still held before the window) and gets other tokens."""
+    monkeypatch.setattr(paged.LayerAttention, "visible",
+                        lambda self, query, key: np.asarray(key <= query))
+    model, reference = model_pair("gemma3")
+    engine = Engine(model, num_blocks=64, block_size=BLOCK_SIZE)
+    assert len(engine.kv_cache.groups) == 3
+    tokens = prompt(7, 2 * WINDOW + 1)
+    results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})
+    assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)

@@ -56,14 +56,21 @@ def model_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_plan_from_a_model_config_equals_the_flags(tmp_path: Path) -> None:
+def test_plan_from_a_model_config_counts_windows(tmp_path: Path) -> None:
+    """The Gemma-like config plans KV-cache groups: sliding layers cost their window, so
+    more sequences fit than the same dimensions given as flags (every block kept), which
+    the table shows beside them."""
     by_flags, by_config = tmp_path / "flags.json", tmp_path / "config.json.out"
     assert atb_mem_command(*PLAN, "--json", str(by_flags)).returncode == 0
     result = atb_mem_command(*PLAN[:5], "--model-config", str(model_config(tmp_path)),
                              "--max-model-len", "8192", "--json", str(by_config))
     assert result.returncode == 0, result.stderr
-    assert json.loads(by_config.read_text()) == json.loads(by_flags.read_text())
-    assert "counted at full length" in result.stdout  # the sliding layers, said honestly
+    assert "7 KV-cache groups" in result.stdout and "keeping every block" in result.stdout
+    flags, config = (json.loads(path.read_text())["rows"] for path in (by_flags, by_config))
+    for plain, grouped in zip(flags, config, strict=True):
+        assert grouped["max_num_seqs_keeping_every_block"] == plain["max_num_seqs"]
+        assert grouped["max_num_seqs"] > 3 * plain["max_num_seqs"]
+        assert grouped["bytes_per_block"] * 32 == plain["bytes_per_block"] * 5
 
 
 def test_a_model_config_and_its_flags_do_not_mix(tmp_path: Path) -> None:
@@ -78,11 +85,24 @@ def test_a_model_config_and_its_flags_do_not_mix(tmp_path: Path) -> None:
 
 
 def test_bench_fragmentation_sizes_tokens_from_a_model_config(tmp_path: Path) -> None:
+    """Tokens sized from the config; a hybrid model also replays with KV-cache groups, which
+    on the same memory keep more requests running (windows of 128 against prompts around
+    300 tokens)."""
+    config = model_config(tmp_path)
+    hybrid = json.loads(config.read_text())
+    hybrid["text_config"]["sliding_window"] = 128
+    config.write_text(json.dumps(hybrid))
     out = tmp_path / "fragmentation.json"
-    result = atb_mem_command("bench", "fragmentation", "--requests", "20", "--block-sizes", "16",
-                             "--model-config", str(model_config(tmp_path)), "--json", str(out))
+    result = atb_mem_command("bench", "fragmentation", "--requests", "60", "--block-sizes", "16",
+                             "--memory", "384MiB", "--model-config", str(config),
+                             "--json", str(out))
     assert result.returncode == 0, result.stderr
-    assert json.loads(out.read_text())["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    report = json.loads(out.read_text())
+    assert report["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    by_strategy = {row["strategy"]: row for row in report["results"]}
+    plain, grouped = by_strategy["paged"], by_strategy["paged, groups"]
+    assert grouped["peak_concurrency"] > plain["peak_concurrency"], (grouped, plain)
+    assert grouped["preemptions"] < plain["preemptions"]
 
 
 @pytest.mark.parametrize(("args", "code", "fragment"), [

@@ -36,6 +36,14 @@ class ModelKVConfig:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
 
+    def group_arguments(self) -> dict[str, Any]:
+        """The ``KVCachePool`` / ``plan_kv_cache`` arguments that group this model's layers
+        by attention kind; none when every layer attends fully."""
+        if set(self.layer_types) == {"full_attention"}:
+            return {}
+        return {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+                "attention_chunk_size": self.attention_chunk_size}
+
     def window_of(self, layer: int) -> int | None:
         """Tokens a query of ``layer`` sees (sliding) or its chunk (chunked); None: all."""
         kind = self.layer_types[layer]

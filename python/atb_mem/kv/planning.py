@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from atb_mem._core import KV_DTYPES, kv_layout_bytes
+from atb_mem._core import KV_DTYPES, kv_cache_groups, kv_layout_bytes
 
 __all__ = ["KV_DTYPES", "KVCachePlan", "plan_kv_cache"]
 
@@ -20,6 +21,8 @@ class KVCachePlan:
     usable_bytes: int
     bytes_per_seq: int
     blocks_per_seq: int
+    num_groups: int = 1
+    """KV-cache groups (``layer_types``); a block holds one group's layers."""
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -30,7 +33,9 @@ def _positive_int(name: str, value: object) -> int:
 
 def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization: float = 0.85,
                   block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                  dtype: str, max_model_len: int, safety: float = 0.9) -> KVCachePlan:
+                  dtype: str, max_model_len: int, safety: float = 0.9,
+                  layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
+                  attention_chunk_size: int | None = None) -> KVCachePlan:
     """Sizes a KV cache.
 
     The arithmetic:
@@ -44,6 +49,12 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
       bytes_per_block``: one sequence at the maximum length;
     - ``max_num_seqs = ⌊usable / bytes_per_seq × safety⌋``: how many such sequences fit, with a
       margin for activations and fragmentation.
+
+    With ``layer_types`` (and ``sliding_window`` / ``attention_chunk_size``), layers form
+    KV-cache groups as ``KVCachePool`` forms them: a block holds one group's
+    ``layers_per_block`` layers, and a sequence costs a full-attention group
+    ``⌈max_model_len / block_size⌉`` blocks but a windowed group only ``⌈window / block_size⌉
+    + 1`` (never more than the full length).
 
     Refuses (``ValueError``) a utilization or safety outside (0, 1], a model that does not fit
     in ``total × utilization``, and a cache that cannot hold one max-length sequence besides
@@ -68,10 +79,15 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
             f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
         )
     usable = budget - model_bytes
-    _, _, bytes_per_block = kv_layout_bytes(dims["num_layers"], dims["num_kv_heads"],
+    groups, layers_per_block = kv_cache_groups(dims["num_layers"], layer_types, sliding_window,
+                                               attention_chunk_size)
+    _, _, bytes_per_block = kv_layout_bytes(layers_per_block, dims["num_kv_heads"],
                                             dims["head_dim"], dtype, dims["block_size"])
     num_blocks = usable // bytes_per_block
-    blocks_per_seq = math.ceil(dims["max_model_len"] / dims["block_size"])
+    full_length = math.ceil(dims["max_model_len"] / dims["block_size"])
+    blocks_per_seq = sum(full_length if window is None else
+                         min(full_length, math.ceil(window / dims["block_size"]) + 1)
+                         for _, _, window in groups)
     bytes_per_seq = blocks_per_seq * bytes_per_block
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
@@ -82,4 +98,5 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     max_num_seqs = max(1, math.floor(usable / bytes_per_seq * safety))
     return KVCachePlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block,
                        max_num_seqs=max_num_seqs, usable_bytes=usable,
-                       bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq)
+                       bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq,
+                       num_groups=len(groups))

@@ -105,8 +105,10 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
     reservations."""
     from atb_mem.tools import simulate
 
-    layers, kv_heads, head_dim, dtype, _ = model_dimensions(model_config, layers, kv_heads,
-                                                            head_dim, dtype, FRAGMENTATION_MODEL)
+    layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
+                                                                head_dim, dtype,
+                                                                FRAGMENTATION_MODEL)
+    groups = model.group_arguments() if model is not None else {}
     if plot_path:
         require_matplotlib()
     if any(size < 1 for size in block_sizes):
@@ -124,6 +126,12 @@ def bench_fragmentation(trace: str | None, limit: int, block_sizes: list[int], m
          partial(simulate.replay_paged, requests, memory, token_bytes, size,
                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
         for size in block_sizes]
+    # A hybrid model: the same blocks as KV-cache groups, windows keeping only their window.
+    runs += [(f"paged with groups, block size {size}",
+              partial(simulate.replay_paged, requests, memory, token_bytes, size,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      num_layers=layers, groups=groups))
+             for size in block_sizes if groups]
     runs += [(f"contiguous {kind}",
               partial(simulate.replay_reserved, requests, memory, token_bytes, exact=exact,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 import click
 from rich.table import Table
@@ -64,15 +65,16 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
     """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size."""
     layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
                                                                 head_dim, dtype, {})
+    groups = model.group_arguments() if model is not None else {}
     rows, errors = [], []
     for utilization in utilizations:
         for block_size in block_sizes:
             try:
-                result = plan_kv_cache(total_memory, model_memory,
-                                       gpu_memory_utilization=utilization,
-                                       block_size=block_size, num_layers=layers,
-                                       num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                       max_model_len=max_model_len, safety=safety)
+                sizing = partial(plan_kv_cache, total_memory, model_memory,
+                                 gpu_memory_utilization=utilization, block_size=block_size,
+                                 num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                                 dtype=dtype, max_model_len=max_model_len, safety=safety)
+                result, every_block = sizing(**groups), sizing()
             except ValueError as error:
                 errors.append(f"utilization {utilization}, block size {block_size}: {error}")
                 continue
@@ -81,21 +83,27 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                          "bytes_per_block": result.bytes_per_block,
                          "usable_bytes": result.usable_bytes,
                          "bytes_per_seq": result.bytes_per_seq,
-                         "max_num_seqs": result.max_num_seqs})
+                         "max_num_seqs": result.max_num_seqs,
+                         "num_groups": result.num_groups,
+                         "max_num_seqs_keeping_every_block": every_block.max_num_seqs})
     if not rows:
         raise click.ClickException(errors[0])
     table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
-    for column in ("utilization", "block size", "blocks", "bytes/block", "usable GiB",
-                   "max_num_seqs"):
+    columns = ["utilization", "block size", "blocks", "bytes/block", "usable GiB",
+               "max_num_seqs"] + (["keeping every block"] if groups else [])
+    for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(f"{row['gpu_memory_utilization']:.2f}", str(row["block_size"]),
-                      f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
-                      f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}")
+        cells = [f"{row['gpu_memory_utilization']:.2f}", str(row["block_size"]),
+                 f"{row['num_blocks']:,}", f"{row['bytes_per_block']:,}",
+                 f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}"]
+        if groups:
+            cells.append(f"{row['max_num_seqs_keeping_every_block']:,}")
+        table.add_row(*cells)
     console.print(table)
-    if model is not None and set(model.layer_types) != {"full_attention"}:
-        console.print("sliding-window and chunked layers are counted at full length: this "
-                      "cache keeps every block for every layer")
+    if groups:
+        console.print(f"{rows[0]['num_groups']} KV-cache groups: sliding-window and chunked "
+                      "layers cost their window, not the full length")
     for skipped in errors:
         console.print(f"[yellow]skipped[/yellow] {skipped}")
     write_json(json_path, {"rows": rows, "skipped": errors})

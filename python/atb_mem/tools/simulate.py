@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import atb_mem
-from atb_mem._core import kv_layout_bytes
+from atb_mem._core import kv_cache_groups, kv_layout_bytes
 
 __all__ = ["CostModel", "ReplayResult", "Request", "load_trace", "replay_paged",
            "replay_reserved", "synthetic_workload"]
@@ -163,10 +163,16 @@ def _result(strategy: str, block_size: int | None, requests: list[Request],
 def replay_paged(requests: list[Request], memory_bytes: int, bytes_per_token: int,
                  block_size: int, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, cost: CostModel | None = None,
-                 watermark: float = 0.01) -> ReplayResult:
+                 watermark: float = 0.01, num_layers: int = 1,
+                 groups: dict[str, Any] | None = None) -> ReplayResult:
+    """Paged blocks; with ``groups`` (``layer_types`` and window of the ``num_layers``
+    layers), KV-cache groups: blocks of one group's layers, windowed groups keeping only
+    their window."""
     cost = cost or CostModel()
-    num_blocks = memory_bytes // (bytes_per_token * block_size)
-    kv = atb_mem.KVCachePool(num_blocks, block_size, device=None)
+    layers_per_block = (kv_cache_groups(num_layers, **groups)[1] if groups else num_layers)
+    block_bytes = bytes_per_token // num_layers * layers_per_block * block_size
+    kv = atb_mem.KVCachePool(memory_bytes // block_bytes, block_size, device=None,
+                             num_layers=num_layers, **(groups or {}))
     scheduler = atb_mem.ContinuousBatchScheduler(
         kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         watermark=watermark)
@@ -190,8 +196,8 @@ def replay_paged(requests: list[Request], memory_bytes: int, bytes_per_token: in
             now = max(now, requests[next_request].arrival)
         for seq_id in scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000):
             finish[int(seq_id)] = now
-    return _result("paged", block_size, requests, finish, now, timeline,
-                   scheduler.stats()["preemptions"], external=False)
+    return _result("paged, groups" if groups else "paged", block_size, requests, finish, now,
+                   timeline, scheduler.stats()["preemptions"], external=False)
 
 
 def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token: int, *,
