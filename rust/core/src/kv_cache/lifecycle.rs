@@ -25,6 +25,17 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> PrefixMatch {
+        self.match_known_prefix(tokens, cache_salt, None)
+    }
+
+    /// `match_prefix` with the hashes of the tokens' full blocks given (`known`, a
+    /// scheduler's request keeps them) instead of computed.
+    fn match_known_prefix(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+        known: Option<&[BlockHash]>,
+    ) -> PrefixMatch {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
         let Tokens::Ids(ids) = tokens else {
@@ -37,10 +48,18 @@ impl KvCache {
         // As in vLLM, the last prompt token is always computed, so a prompt that is an exact
         // multiple of the block size does not get its last block from the cache.
         let queries = (ids.len() - 1) / block_size;
-        let mut parent = BlockHash::root(cache_salt);
-        for chunk in ids.chunks_exact(block_size) {
-            parent = parent.chain(chunk);
-            self.scratch_hashes.push(parent);
+        match known {
+            Some(hashes) => {
+                debug_assert_eq!(hashes.len(), ids.len() / block_size);
+                self.scratch_hashes.extend_from_slice(hashes);
+            }
+            None => {
+                let mut parent = BlockHash::root(cache_salt);
+                for chunk in ids.chunks_exact(block_size) {
+                    parent = parent.chain(chunk);
+                    self.scratch_hashes.push(parent);
+                }
+            }
         }
         let (hits, limited_by) = self.longest_hit(queries);
         let mut hits_queued = 0;
@@ -151,7 +170,7 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
-        self.admission_need(tokens, cache_salt, false)
+        self.admission_need(tokens, cache_salt, false, None)
     }
 
     /// What `admit_sequence` would take of the free queue now: the full-attention groups'
@@ -161,7 +180,16 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
-        self.admission_need(tokens, cache_salt, true)
+        self.admission_need(tokens, cache_salt, true, None)
+    }
+
+    /// `blocks_to_admit` without a salt, the tokens' full-block hashes given.
+    pub(crate) fn blocks_to_admit_hashed(
+        &mut self,
+        tokens: Tokens<'_>,
+        hashes: &[BlockHash],
+    ) -> CoreResult<usize> {
+        self.admission_need(tokens, None, true, Some(hashes))
     }
 
     fn admission_need(
@@ -169,9 +197,10 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
         lazy: bool,
+        known: Option<&[BlockHash]>,
     ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count", lazy)?;
-        let found = self.match_prefix(tokens, cache_salt);
+        let found = self.match_known_prefix(tokens, cache_salt, known);
         let fresh = tokens.len().div_ceil(self.block_size()) - found.hits;
         Ok(fresh * self.eager_groups(lazy) + found.hits_queued)
     }
@@ -197,7 +226,7 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
-        self.alloc(seq_id, tokens, cache_salt, false)
+        self.alloc(seq_id, tokens, cache_salt, false, None)
     }
 
     /// `alloc_sequence` as a scheduler admits a prompt: windowed (sliding-window, chunked)
@@ -209,7 +238,17 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<usize> {
-        self.alloc(seq_id, tokens, cache_salt, true)
+        self.alloc(seq_id, tokens, cache_salt, true, None)
+    }
+
+    /// `admit_sequence` without a salt, the tokens' full-block hashes given.
+    pub(crate) fn admit_sequence_hashed(
+        &mut self,
+        seq_id: u64,
+        tokens: Tokens<'_>,
+        hashes: &[BlockHash],
+    ) -> CoreResult<usize> {
+        self.alloc(seq_id, tokens, None, true, Some(hashes))
     }
 
     fn alloc(
@@ -218,6 +257,7 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
         lazy: bool,
+        known: Option<&[BlockHash]>,
     ) -> CoreResult<usize> {
         if self.index.contains_key(&seq_id) {
             return Err(CoreError::DuplicateSequence(seq_id));
@@ -231,7 +271,7 @@ impl KvCache {
             hits,
             hits_queued,
             limited_by,
-        } = self.match_prefix(tokens, cache_salt);
+        } = self.match_known_prefix(tokens, cache_salt, known);
         let needed = (num_blocks - hits) * self.eager_groups(lazy) + hits_queued;
         if needed > self.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {

@@ -33,6 +33,7 @@ pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
+pub use tables::RowView;
 
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::{CoreError, CoreResult};

@@ -2,6 +2,17 @@
 //! page table; and the check that a kernel only writes slots some sequence holds.
 
 use super::KvCache;
+
+/// One group's block list of a sequence as a block table row sees it: the blocks (the null
+/// block where released or not yet allocated), how many leading ones a window released, and
+/// a stamp that changes whenever a block already in the list is replaced (not when the list
+/// grows or its window releases blocks).
+#[derive(Debug, Clone, Copy)]
+pub struct RowView<'a> {
+    pub blocks: &'a [u32],
+    pub released: usize,
+    pub layout: u64,
+}
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
 
@@ -64,6 +75,16 @@ impl KvCache {
         let seq = self.device_sequence(seq_id)?;
         let table = &seq.tables[group];
         Ok((&table.blocks, seq.num_tokens, table.layout))
+    }
+
+    /// Every group's block list of a device sequence, in group order, in one lookup.
+    pub fn group_rows(&self, seq_id: u64) -> CoreResult<impl Iterator<Item = RowView<'_>>> {
+        let seq = self.device_sequence(seq_id)?;
+        Ok(seq.tables.iter().map(|table| RowView {
+            blocks: &table.blocks,
+            released: table.released,
+            layout: table.layout,
+        }))
     }
 
     /// Padded block tables of `group`, row-major `[batch, max blocks in the batch]`. Returns

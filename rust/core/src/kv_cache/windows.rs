@@ -58,8 +58,11 @@ impl KvCache {
                 .kind
                 .first_needed_block(seq.num_computed, block_size)
                 .min(table.blocks.len());
-            let changed = table.released < from || table.allocated < end;
-            if table.released < from {
+            // A release only turns leading cells null (tables follow `released`); filling a
+            // prompt's pending cells replaces entries, which the layout stamp says.
+            let released = table.released < from;
+            let filled = table.allocated < end;
+            if released {
                 // Head first: the oldest of them is evicted first if it stays cached.
                 let held = from.min(table.allocated).max(table.released);
                 for block in &mut table.blocks[table.released..held] {
@@ -73,8 +76,10 @@ impl KvCache {
                 table.blocks[table.allocated] = allocate_checked(block_pool)?;
                 table.allocated += 1;
             }
-            if changed {
+            if filled {
                 table.layout = version;
+            }
+            if released || filled {
                 seq.version = version;
             }
         }

@@ -8,14 +8,16 @@
 
 use super::{ContinuousScheduler, StepPlan};
 use crate::error::CoreResult;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, RowView};
 
-/// What a row of the buffer holds: the first `written` blocks of `seq_id` under `layout`.
+/// What a row of the buffer holds: the first `written` blocks of `seq_id` under `layout`, the
+/// first `released` of them null.
 #[derive(Debug, Clone, Copy, Default)]
 struct RowMemo {
     seq_id: u64,
     layout: u64,
     written: usize,
+    released: usize,
 }
 
 /// One memo list per KV-cache group.
@@ -34,68 +36,75 @@ impl BlockTableWriter {
         self.groups.clear();
     }
 
-    /// Writes the block lists of `seq_ids` (device sequences) in `group` as rows of `cells`,
-    /// row-major with `stride` columns, padded with the null block (0). `cells` must be the
-    /// buffer this writer wrote for that group before (or zeroed, after `reset`), with no one
-    /// else writing it.
+    /// Writes the block lists of `seq_ids` (device sequences) as rows of `cells`, one equal
+    /// part of `cells` per KV-cache group in group order, each row-major with `stride`
+    /// columns, padded with the null block (0). `cells` must be the buffer this writer wrote
+    /// before (or zeroed, after `reset`), with no one else writing it.
     pub fn write(
         &mut self,
         cache: &KvCache,
-        group: usize,
         seq_ids: &[u64],
         cells: &mut [i32],
         stride: usize,
     ) -> CoreResult<()> {
+        let groups = cache.num_groups();
+        let per_group = cells.len() / groups;
         ensure!(
-            group < cache.num_groups(),
-            "group {group} does not exist: the cache has {} group(s)",
-            cache.num_groups()
-        );
-        ensure!(
-            seq_ids.len().saturating_mul(stride) <= cells.len(),
-            "a block table buffer of {} cells cannot hold {} rows of {stride}",
-            cells.len(),
+            seq_ids.len().saturating_mul(stride) <= per_group,
+            "a block table buffer of {per_group} cells per group cannot hold {} rows of {stride}",
             seq_ids.len()
         );
-        if self.groups.len() <= group {
-            self.groups.resize_with(group + 1, Vec::new);
-        }
-        let memos = &mut self.groups[group];
-        if memos.len() < seq_ids.len() {
-            memos.resize(seq_ids.len(), RowMemo::default());
+        self.groups.resize_with(groups, Vec::new);
+        for memos in &mut self.groups {
+            if memos.len() < seq_ids.len() {
+                memos.resize(seq_ids.len(), RowMemo::default());
+            }
         }
         for (index, &seq_id) in seq_ids.iter().enumerate() {
-            let (blocks, _, layout) = cache.row_view(seq_id, group)?;
             // Rows written so far stay consistent with their memos if this one fails.
-            ensure!(
-                blocks.len() <= stride,
-                "sequence {seq_id} has {} blocks; the buffer rows hold {stride}",
-                blocks.len()
-            );
-            let row = &mut cells[index * stride..(index + 1) * stride];
-            let memo = &mut memos[index];
-            let from = match memo.seq_id == seq_id && memo.layout == layout {
-                true if memo.written <= blocks.len() => memo.written,
-                _ => {
-                    // Clear what a longer list left behind.
-                    let stale = memo.written.min(stride);
-                    if stale > blocks.len() {
-                        row[blocks.len()..stale].fill(0);
-                    }
-                    0
-                }
-            };
-            for (cell, &block) in row[from..].iter_mut().zip(&blocks[from..]) {
-                *cell = block as i32;
+            for (group, view) in cache.group_rows(seq_id)?.enumerate() {
+                ensure!(
+                    view.blocks.len() <= stride,
+                    "sequence {seq_id} has {} blocks; the buffer rows hold {stride}",
+                    view.blocks.len()
+                );
+                let start = group * per_group + index * stride;
+                let row = &mut cells[start..start + stride];
+                write_row(&mut self.groups[group][index], row, seq_id, view);
             }
-            *memo = RowMemo {
-                seq_id,
-                layout,
-                written: blocks.len(),
-            };
         }
         Ok(())
     }
+}
+
+/// Brings one row up to date: only new cells and newly released ones when the memo still
+/// describes the list, else the whole row.
+#[inline]
+fn write_row(memo: &mut RowMemo, row: &mut [i32], seq_id: u64, view: RowView<'_>) {
+    let blocks = view.blocks;
+    let from = match memo.seq_id == seq_id && memo.layout == view.layout {
+        true if memo.written <= blocks.len() && memo.released <= view.released => {
+            row[memo.released..view.released.min(memo.written)].fill(0);
+            memo.written
+        }
+        _ => {
+            // Clear what a longer list left behind.
+            let stale = memo.written.min(row.len());
+            if stale > blocks.len() {
+                row[blocks.len()..stale].fill(0);
+            }
+            0
+        }
+    };
+    for (cell, &block) in row[from..].iter_mut().zip(&blocks[from..]) {
+        *cell = block as i32;
+    }
+    *memo = RowMemo {
+        seq_id,
+        layout: view.layout,
+        written: blocks.len(),
+        released: view.released,
+    };
 }
 
 impl ContinuousScheduler {
@@ -118,14 +127,7 @@ impl ContinuousScheduler {
         rows.clear();
         rows.extend_from_slice(&plan.prefill_seq_ids);
         rows.extend_from_slice(&plan.decode_seq_ids);
-        let per_group = cells.len() / cache.num_groups();
-        let mut result = Ok(());
-        for (group, part) in cells.chunks_exact_mut(per_group.max(1)).enumerate() {
-            if group == cache.num_groups() || result.is_err() {
-                break;
-            }
-            result = self.block_tables.write(cache, group, &rows, part, stride);
-        }
+        let result = self.block_tables.write(cache, &rows, cells, stride);
         self.scratch_ids = rows;
         result
     }
@@ -173,7 +175,7 @@ mod tests {
             }
             let mut moves = Vec::new();
             cache.take_moves(&mut moves);
-            writer.write(&cache, 0, &rows, &mut cells, stride).unwrap();
+            writer.write(&cache, &rows, &mut cells, stride).unwrap();
             assert_eq!(
                 &cells[..rows.len() * stride],
                 dense(&cache, &rows, stride),

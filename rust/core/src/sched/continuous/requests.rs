@@ -1,6 +1,7 @@
 //! Requests arrive, sample tokens, finish or are aborted.
 
 use super::{ContinuousScheduler, QueueKey};
+use crate::alloc::BlockHash;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, Tokens};
 
@@ -32,6 +33,9 @@ pub(super) struct Request {
     pub awaiting_token: bool,
     /// Not admitted before this time.
     pub arrival_ns: u64,
+    /// Prefix-cache hashes of the leading full blocks of `token_ids`, kept so that a request
+    /// waiting for room is not hashed again at every step's admission check.
+    pub block_hashes: Vec<BlockHash>,
 }
 
 impl Request {
@@ -48,6 +52,21 @@ impl Request {
         match self.has_ids {
             true => Tokens::Ids(&self.token_ids),
             false => Tokens::Count(self.num_tokens()),
+        }
+    }
+
+    /// Hashes the full blocks of `token_ids` not hashed yet (none when the ids are unknown).
+    pub fn hash_blocks(&mut self, block_size: usize) {
+        if !self.has_ids {
+            return;
+        }
+        let full = self.token_ids.len() / block_size;
+        let mut parent = self.block_hashes.last().copied();
+        for index in self.block_hashes.len()..full {
+            let chunk = &self.token_ids[index * block_size..(index + 1) * block_size];
+            let hash = parent.unwrap_or(BlockHash::root(None)).chain(chunk);
+            self.block_hashes.push(hash);
+            parent = Some(hash);
         }
     }
 }
@@ -103,6 +122,7 @@ impl ContinuousScheduler {
             num_computed: 0,
             awaiting_token: false,
             arrival_ns,
+            block_hashes: Vec::new(),
         };
         self.waiting.insert(request.queue_key(seq_id));
         self.requests.insert(seq_id, request);

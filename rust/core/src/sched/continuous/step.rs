@@ -175,14 +175,18 @@ impl ContinuousScheduler {
                 break;
             };
             let seq_id = key.2;
-            let request = self.request(seq_id)?;
+            let watermark = self.watermark_blocks(cache);
+            let request = self.request_mut(seq_id)?;
             let total = request.num_tokens();
+            // Hashed once while it waits, not at every step's check.
+            request.hash_blocks(cache.block_size());
+            let (tokens, hashes) = (request.tokens(), &request.block_hashes);
             // Windowed groups take a prompt's blocks chunk by chunk (`schedule_prefill`).
-            let needed = cache.blocks_to_admit(request.tokens(), None)?;
-            if needed + self.watermark_blocks(cache) > cache.num_free_blocks() {
+            let needed = cache.blocks_to_admit_hashed(tokens, hashes)?;
+            if needed + watermark > cache.num_free_blocks() {
                 break;
             }
-            let cached = cache.admit_sequence(seq_id, request.tokens(), None)?;
+            let cached = cache.admit_sequence_hashed(seq_id, tokens, hashes)?;
             self.waiting.remove(&key);
             self.resume(seq_id, State::Running);
             self.request_mut(seq_id)?.num_computed = cached;
@@ -311,16 +315,20 @@ impl ContinuousScheduler {
         }
         // Other groups' slots follow group 0's, group by group: `[groups, tokens]`.
         plan.num_groups = cache.num_groups();
-        let block_size = cache.block_size();
-        for group in 1..cache.num_groups() {
-            for row in prefills.clone().chain(decodes.clone()) {
+        let tokens = plan.num_batched_tokens;
+        if plan.num_groups > 1 {
+            plan.slot_mapping.resize(tokens * plan.num_groups, 0);
+            let block_size = cache.block_size();
+            let rows = prefills.chain(decodes);
+            for (row, &first) in rows.zip(&plan.query_start_loc) {
                 let end = self.request(row.seq_id)?.num_computed;
-                let (blocks, _, _) = cache.row_view(row.seq_id, group)?;
-                plan.slot_mapping
-                    .extend((end - row.num_tokens..end).map(|position| {
-                        (blocks[position / block_size] as usize * block_size
-                            + position % block_size) as i32
-                    }));
+                for (group, view) in cache.group_rows(row.seq_id)?.enumerate().skip(1) {
+                    let out = &mut plan.slot_mapping[group * tokens + first as usize..];
+                    for (cell, position) in out.iter_mut().zip(end - row.num_tokens..end) {
+                        let block = view.blocks[position / block_size] as usize;
+                        *cell = (block * block_size + position % block_size) as i32;
+                    }
+                }
             }
         }
         for seq_id in &plan.sample_seq_ids {
