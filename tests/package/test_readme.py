@@ -19,8 +19,8 @@ QUICKSTART = ROOT / "examples" / "quickstart.py"
 def readme_examples() -> list[str]:
     blocks: list[str] = re.findall(r"^```python\n(.*?)^```$", README.read_text(),
                                    flags=re.S | re.M)
-    assert len(blocks) == 3, \
-        "the README's Python examples: the quickstart, serving, then KV-cache events"
+    assert len(blocks) == 4, \
+        "the README's Python examples: the quickstart, serving, hybrid models, KV-cache events"
     return blocks
 
 
@@ -28,7 +28,7 @@ def readme_example() -> str:
     return readme_examples()[0]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
 def test_readme_example_runs(index: int) -> None:
     if index == 1:
         require_transformers()
