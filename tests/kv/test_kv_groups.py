@@ -147,3 +147,19 @@ def test_a_call_that_fails_changes_nothing() -> None:
         pool.mark_computed(1, 7)
     assert (pool.stats(), [pool.block_table(1, group=g).tolist() for g in range(3)]) == before
     pool._check_invariants()
+
+
+def test_cache_pressure_does_not_collapse_hybrid_hits() -> None:
+    """A trace with shared prefixes on the same bytes, roomy to tight: with groups the hit
+    rate stays within half of a cache that keeps every block, and at over 80% occupancy it
+    keeps at least 40% of what it gets when roomy (benches/hybrid_hit_rate.py reports the
+    table)."""
+    from tests.support.hybrid_replay import prompts, replay
+
+    requests = prompts(200)
+    grouped = {mib: replay(requests, mib << 20, True) for mib in (64, 128, 512)}
+    plain = {mib: replay(requests, mib << 20, False) for mib in (64, 128, 512)}
+    for mib in grouped:
+        assert grouped[mib].hit_rate >= 0.5 * plain[mib].hit_rate, (mib, grouped, plain)
+    assert grouped[64].occupancy > 0.8 and grouped[512].occupancy < 0.3, grouped
+    assert grouped[64].hit_rate >= 0.4 * grouped[512].hit_rate, grouped
