@@ -20,6 +20,7 @@ use atb_mem_core::{
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
+/// The block size of a one-group cache; hybrid ones draw theirs (1 to 4).
 const BLOCK_SIZE: usize = 2;
 const NUM_BLOCKS: usize = 12;
 const HOST_BLOCKS: usize = 8;
@@ -74,15 +75,18 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Layer kinds of the model: one full-attention layer (today's caches), or a mix of full,
 /// sliding-window and chunked layers (KV-cache groups).
-fn layer_kinds() -> impl Strategy<Value = Vec<AttentionKind>> {
+/// Layer kinds and the block size.
+type LayerKinds = (Vec<AttentionKind>, usize);
+
+fn layer_kinds() -> impl Strategy<Value = LayerKinds> {
     let kind = prop_oneof![
         Just(AttentionKind::Full),
         (1usize..6).prop_map(|window| AttentionKind::SlidingWindow { window }),
         (1usize..6).prop_map(|chunk| AttentionKind::ChunkedLocal { chunk }),
     ];
     prop_oneof![
-        Just(vec![AttentionKind::Full]),
-        prop::collection::vec(kind, 1..5),
+        Just((vec![AttentionKind::Full], BLOCK_SIZE)),
+        (prop::collection::vec(kind, 1..5), 1usize..5),
     ]
 }
 
@@ -117,8 +121,9 @@ fn value(seq_id: u64, token: Option<u32>, position: usize) -> u64 {
     }
 }
 
-#[derive(Default, Clone)]
+#[derive(Clone)]
 struct Memory {
+    block_size: usize,
     device: HashMap<usize, u64>,
     host: HashMap<usize, u64>,
 }
@@ -138,9 +143,10 @@ impl Memory {
             MoveKind::ToHost => (false, true),
             MoveKind::ToDevice => (true, false),
         };
-        for offset in 0..BLOCK_SIZE {
-            let src = planned.src as usize * BLOCK_SIZE + offset;
-            let dst = planned.dst as usize * BLOCK_SIZE + offset;
+        let block_size = self.block_size;
+        for offset in 0..block_size {
+            let src = planned.src as usize * block_size + offset;
+            let dst = planned.dst as usize * block_size + offset;
             let moved = match garbage {
                 true => Some(GARBAGE),
                 false => self.tier(from_host).get(&src).copied(),
@@ -179,22 +185,26 @@ struct Counts {
 }
 
 impl Harness {
-    fn new(config: SchedulerConfig, kinds: &[AttentionKind]) -> Self {
+    fn new(config: SchedulerConfig, (kinds, block_size): &LayerKinds) -> Self {
         let layout = KvLayout {
             num_layers: kinds.len(),
             ..KvLayout::default()
         };
         let groups = atb_mem_core::group_layers(kinds).unwrap().0.len();
-        // As many blocks per group as a one-group cache has in all.
-        let num_blocks = 1 + (NUM_BLOCKS - 1) * groups;
+        // As many slots per group as a one-group cache has in all.
+        let num_blocks = 1 + ((NUM_BLOCKS - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
         let mut cache =
-            KvCache::with_layer_kinds(num_blocks, BLOCK_SIZE, layout, true, kinds).unwrap();
+            KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, kinds).unwrap();
         cache.enable_host_tier(HOST_BLOCKS).unwrap();
         let scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         Harness {
             cache,
             scheduler,
-            memory: Memory::default(),
+            memory: Memory {
+                block_size: *block_size,
+                device: HashMap::new(),
+                host: HashMap::new(),
+            },
             ids: HashMap::new(),
             forks: Vec::new(),
             plan: StepPlan::default(),
@@ -427,6 +437,7 @@ impl Harness {
     /// token: nothing released early, nothing kept late, nothing taken ahead. A decoding row
     /// holds at most ceil((W - 1) / B) + 1 blocks.
     fn check_windows(&mut self) {
+        let block_size = self.cache.block_size();
         let rows = self
             .plan
             .prefill_seq_ids
@@ -442,8 +453,8 @@ impl Harness {
                 // token (the rest of a prompt comes chunk by chunk); full groups hold all.
                 let (first, end) = match spec.kind.span() {
                     Some(_) => (
-                        spec.kind.first_needed_block(start, BLOCK_SIZE),
-                        computed.div_ceil(BLOCK_SIZE),
+                        spec.kind.first_needed_block(start, block_size),
+                        computed.div_ceil(block_size),
                     ),
                     None => (0, table.len()),
                 };
@@ -458,7 +469,7 @@ impl Harness {
                 self.counts.windowed_releases += usize::from(first > 0);
                 if let (true, AttentionKind::SlidingWindow { window }) = (row >= decodes, spec.kind)
                 {
-                    assert!(live <= (window - 1).div_ceil(BLOCK_SIZE) + 1, "{table:?}");
+                    assert!(live <= (window - 1).div_ceil(block_size) + 1, "{table:?}");
                 }
             }
         }
@@ -485,7 +496,7 @@ impl Harness {
                 // released are the null block.
                 let needed = spec.kind.first_attended(computed);
                 for position in 0..computed {
-                    let block = blocks[position / BLOCK_SIZE];
+                    let block = blocks[position / self.cache.block_size()];
                     if block == NULL_BLOCK {
                         assert!(
                             position < needed,
@@ -500,7 +511,8 @@ impl Harness {
     }
 
     fn check_position(&self, tier: &HashMap<usize, u64>, seq_id: u64, block: u32, position: usize) {
-        let slot = block as usize * BLOCK_SIZE + position % BLOCK_SIZE;
+        let block_size = self.cache.block_size();
+        let slot = block as usize * block_size + position % block_size;
         let held = tier.get(&slot).copied();
         match self.ids.get(&seq_id) {
             Some(ids) => assert_eq!(
@@ -518,7 +530,7 @@ impl Harness {
     }
 }
 
-fn run(config: SchedulerConfig, kinds: &[AttentionKind], ops: Vec<Op>) -> Counts {
+fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>) -> Counts {
     let mut harness = Harness::new(config, kinds);
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
@@ -597,7 +609,7 @@ fn injected_failures_happen_and_sometimes_cost_requests() {
             .new_tree(&mut runner)
             .unwrap()
             .current();
-        let counts = run(config, &[AttentionKind::Full], ops);
+        let counts = run(config, &(vec![AttentionKind::Full], BLOCK_SIZE), ops);
         total.copies += counts.copies;
         total.swaps += counts.swaps;
         total.hit_steps += counts.hit_steps;
