@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.models import run_poisoned
+import pytest
+
+from tests.support.models import run_poisoned, save_tiny_checkpoint
 from tests.support.tensor_parallel_rank import ENGINE, FORK_PROMPT, MAX_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +53,12 @@ def run_ranks(checkpoint: Path, out: Path, *extra: str) -> list[subprocess.Compl
     return results
 
 
-def single_process_tokens(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], Any]:
+def single_process_tokens(checkpoint: Path, num_blocks: int | None = None
+                          ) -> tuple[list[list[int]], list[list[int]], Any]:
     from atb_mem.serving import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(str(checkpoint), **ENGINE)
+    engine = Engine.from_pretrained(str(checkpoint), **{
+        **ENGINE, "num_blocks": num_blocks or ENGINE["num_blocks"]})
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outputs = run_poisoned(engine, {0: [(str(i), prompt, greedy)
                                         for i, prompt in enumerate(PROMPTS)]})
@@ -76,6 +80,28 @@ def test_two_ranks_match_one_process_token_for_token(checkpoint: Path, tmp_path:
     # The batch exercised what it is meant to, on both sides alike.
     assert tensor_parallel["preemptions"] == engine.scheduler.stats()["preemptions"] > 0
     assert tensor_parallel["hits"] == engine.kv_cache.stats()["prefix_cache_hits"] > 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gemma3")
+    save_tiny_checkpoint(path, "gemma3")
+    return path
+
+
+def test_a_hybrid_model_matches_over_two_ranks(hybrid_checkpoint: Path, tmp_path: Path) -> None:
+    """Gemma 3 (sliding and full layers): three KV-cache groups, each group's block table
+    broadcast, windows releasing blocks on every rank alike."""
+    out = tmp_path / "result.json"
+    results = run_ranks(hybrid_checkpoint, out, "--num-blocks", "72")
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    tensor_parallel = json.loads(out.read_text())
+    expected, forked, engine = single_process_tokens(hybrid_checkpoint, num_blocks=72)
+    assert len(engine.kv_cache.groups) == 3
+    assert tensor_parallel["tokens"] == expected and tensor_parallel["forked"] == forked
+    assert tensor_parallel["hits"] == engine.kv_cache.stats()["prefix_cache_hits"]
+    assert tensor_parallel["preemptions"] == engine.scheduler.stats()["preemptions"]
 
 
 def test_a_rank_that_dies_ends_rank_0_with_a_clear_error(checkpoint: Path,

@@ -2,6 +2,7 @@
 MASTER_ADDR and MASTER_PORT in the environment):
 
     python -m tests.support.tensor_parallel_rank CHECKPOINT OUT.json [--die-after N]
+                                                  [--num-blocks N]
 
 Rank 0 generates ``PROMPTS`` greedily and writes their token ids (or the error that ended
 it) to OUT.json; the other ranks serve its steps. With ``--die-after N`` rank 1 exits
@@ -41,9 +42,12 @@ def main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     checkpoint, out = argv[0], argv[1]
-    die_after = int(argv[3]) if len(argv) > 3 and argv[2] == "--die-after" else None
+    options = dict(zip(argv[2::2], (int(value) for value in argv[3::2]), strict=True))
+    die_after = options.get("--die-after")
     engine = Engine.from_pretrained(checkpoint, tensor_parallel_size=2,
-                                    verify_tensor_parallel=True, **ENGINE)
+                                    verify_tensor_parallel=True,
+                                    **{**ENGINE, "num_blocks": options.get("--num-blocks",
+                                                                           ENGINE["num_blocks"])})
     if not engine.is_driver:
         if die_after is not None:
             receive, count = PlanBroadcast.receive, [0]

@@ -177,7 +177,7 @@ class PlanBroadcast:
     """
 
     STOP = -1
-    _HEADER = len(_FIELDS) + 4
+    _HEADER = len(_FIELDS) + 5
 
     def __init__(self, group: TensorParallelGroup, verify: bool = False) -> None:
         self.group = group
@@ -194,13 +194,15 @@ class PlanBroadcast:
     def send(self, plan: Any) -> None:
         # Every field fits int32: slots by the core's 2**31 cap, ids, positions and blocks.
         arrays = [np.asarray(getattr(plan, name)).astype(np.int32).ravel() for name in _FIELDS]
+        # One table per KV-cache group: [rows, width], or [groups, rows, width].
         tables = np.asarray(plan.block_tables)
+        groups = tables.shape[0] if tables.ndim == 3 else 1
+        rows, width = tables.shape[-2:]
         moves = np.asarray(plan.moves).astype(np.int32)
         poison = np.asarray(self.poison_next if self.poison_next is not None else [], np.int32)
         self.poison_next = None
         lengths = [len(array) for array in arrays]
-        header = np.array([*lengths, tables.shape[0], tables.shape[1], len(moves), len(poison)],
-                          np.int64)
+        header = np.array([*lengths, groups, rows, width, len(moves), len(poison)], np.int64)
         self._header(header)
         self._body(np.concatenate([*arrays, tables.astype(np.int32).ravel(), moves.ravel(),
                                    poison]))
@@ -225,14 +227,15 @@ class PlanBroadcast:
         if header[0] == self.STOP:
             return None
         lengths = header[:len(_FIELDS)].tolist()
-        rows, width, moves, poisoned = header[len(_FIELDS):].tolist()
-        body = self._body(np.zeros(sum(lengths) + rows * width + moves * 3 + poisoned, np.int32))
+        groups, rows, width, moves, poisoned = header[len(_FIELDS):].tolist()
+        cells = groups * rows * width
+        body = self._body(np.zeros(sum(lengths) + cells + moves * 3 + poisoned, np.int32))
         fields, start = {}, 0
         for name, length in zip(_FIELDS, lengths, strict=True):
             fields[name] = body[start:start + length]
             start += length
-        tables = body[start:start + rows * width].reshape(rows, width)
-        start += rows * width
+        tables = body[start:start + cells].reshape(*([groups] if groups > 1 else []), rows, width)
+        start += cells
         plan = WirePlan(**fields, block_tables=tables,
                         moves=body[start:start + moves * 3].reshape(moves, 3),
                         poison=body[start + moves * 3:])
