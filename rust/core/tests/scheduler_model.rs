@@ -14,150 +14,15 @@
 use std::collections::HashMap;
 
 use atb_mem_core::{
-    AttentionKind, BlockMove, ContinuousScheduler, KvCache, KvLayout, MoveKind, Preemption,
-    SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
+    AttentionKind, ContinuousScheduler, KvCache, KvLayout, MoveKind, SchedulerConfig, StepPlan,
+    Tokens, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
-/// The block size of a one-group cache; hybrid ones draw theirs (1 to 4).
-const BLOCK_SIZE: usize = 2;
-const NUM_BLOCKS: usize = 12;
-const HOST_BLOCKS: usize = 8;
-const STEPS: usize = 200;
-/// What a slot holds after a move failed part-way through writing it.
-const GARBAGE: u64 = u64::MAX;
-
-#[derive(Debug, Clone)]
-enum Op {
-    Add {
-        template: usize,
-        keep: usize,
-        tail: Vec<u32>,
-        by_count: bool,
-        max_new: usize,
-    },
-    /// Plan a step; if it has moves and `fail` is set, executing them fails at that move.
-    Step {
-        fail: Option<usize>,
-    },
-    Sample {
-        token: u32,
-    },
-    Abort {
-        pick: usize,
-    },
-    /// Fork a running sequence behind the scheduler's back (its next decode copies).
-    Fork {
-        pick: usize,
-    },
-    FreeFork {
-        pick: usize,
-    },
-    /// Parallel sampling: fork a request the last step sampled, through the scheduler.
-    ForkRequest {
-        pick: usize,
-    },
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        3 => (0usize..3, 0usize..9, prop::collection::vec(0u32..4, 1..7), prop::bool::weighted(0.2), 1usize..9)
-            .prop_map(|(template, keep, tail, by_count, max_new)| Op::Add { template, keep, tail, by_count, max_new }),
-        6 => prop::option::weighted(0.5, 0usize..8).prop_map(|fail| Op::Step { fail }),
-        4 => (0u32..4).prop_map(|token| Op::Sample { token }),
-        1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
-        3 => (0usize..16).prop_map(|pick| Op::Fork { pick }),
-        1 => (0usize..16).prop_map(|pick| Op::FreeFork { pick }),
-        2 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
-    ]
-}
-
-/// Layer kinds of the model: one full-attention layer (today's caches), or a mix of full,
-/// sliding-window and chunked layers (KV-cache groups).
-/// Layer kinds and the block size.
-type LayerKinds = (Vec<AttentionKind>, usize);
-
-fn layer_kinds() -> impl Strategy<Value = LayerKinds> {
-    let kind = prop_oneof![
-        Just(AttentionKind::Full),
-        (1usize..6).prop_map(|window| AttentionKind::SlidingWindow { window }),
-        (1usize..6).prop_map(|chunk| AttentionKind::ChunkedLocal { chunk }),
-    ];
-    prop_oneof![
-        Just((vec![AttentionKind::Full], BLOCK_SIZE)),
-        (prop::collection::vec(kind, 1..5), 1usize..5),
-    ]
-}
-
-fn config() -> impl Strategy<Value = SchedulerConfig> {
-    (1usize..5, 2usize..12, any::<bool>(), any::<bool>()).prop_map(
-        |(max_num_seqs, max_num_batched_tokens, chunked, swap)| SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens: if chunked { max_num_batched_tokens } else { 64 },
-            enable_chunked_prefill: chunked,
-            preemption: if swap {
-                Preemption::Swap
-            } else {
-                Preemption::Recompute
-            },
-            watermark: 0.0,
-        },
-    )
-}
-
-const TEMPLATES: [[u32; 8]; 3] = [
-    [1, 2, 3, 1, 2, 3, 1, 2],
-    [1, 2, 3, 0, 0, 1, 1, 0],
-    [3, 3, 2, 2, 1, 1, 0, 0],
-];
-
-/// K/V value of a token: its id and position for known ids (so equal prefixes hold equal
-/// bytes), or something unique to the sequence for a prompt given as a count.
-fn value(seq_id: u64, token: Option<u32>, position: usize) -> u64 {
-    match token {
-        Some(token) => ((token as u64) << 32) | position as u64,
-        None => (1 << 63) | (seq_id << 32) | position as u64,
-    }
-}
-
-#[derive(Clone)]
-struct Memory {
-    block_size: usize,
-    device: HashMap<usize, u64>,
-    host: HashMap<usize, u64>,
-}
-
-impl Memory {
-    fn tier(&mut self, host: bool) -> &mut HashMap<usize, u64> {
-        if host {
-            &mut self.host
-        } else {
-            &mut self.device
-        }
-    }
-
-    fn execute(&mut self, planned: &BlockMove, garbage: bool) {
-        let (from_host, to_host) = match planned.kind {
-            MoveKind::Copy => (false, false),
-            MoveKind::ToHost => (false, true),
-            MoveKind::ToDevice => (true, false),
-        };
-        let block_size = self.block_size;
-        for offset in 0..block_size {
-            let src = planned.src as usize * block_size + offset;
-            let dst = planned.dst as usize * block_size + offset;
-            let moved = match garbage {
-                true => Some(GARBAGE),
-                false => self.tier(from_host).get(&src).copied(),
-            };
-            match moved {
-                Some(moved) => self.tier(to_host).insert(dst, moved),
-                None => self.tier(to_host).remove(&dst),
-            };
-        }
-    }
-}
+#[path = "scheduler_model/workload.rs"]
+mod workload;
+use workload::*;
 
 struct Harness {
     cache: KvCache,
