@@ -163,3 +163,22 @@ def test_cache_pressure_does_not_collapse_hybrid_hits() -> None:
         assert grouped[mib].hit_rate >= 0.5 * plain[mib].hit_rate, (mib, grouped, plain)
     assert grouped[64].occupancy > 0.8 and grouped[512].occupancy < 0.3, grouped
     assert grouped[64].hit_rate >= 0.4 * grouped[512].hit_rate, grouped
+
+
+@pytest.mark.parametrize("bad", [-1, 2**70, 1.5, "2", None])
+def test_bad_group_and_layer_arguments_are_clear_errors(bad: object) -> None:
+    pool = hybrid(device=None)
+    pool.alloc_sequence(1, list(range(5)))
+    before = pool.stats()
+    for call in (lambda: pool.block_table(1, group=bad),  # type: ignore[arg-type]
+                 lambda: pool.block_tables([1], group=bad),  # type: ignore[arg-type]
+                 lambda: pool.slot_mapping([1], [0], [5], group=bad),  # type: ignore[arg-type]
+                 lambda: pool.page_table_csr([1], group=bad),  # type: ignore[arg-type]
+                 lambda: pool.group_of_layer(bad)):  # type: ignore[arg-type]
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            call()
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        hybrid(sliding_window=bad)
+    with pytest.raises(ValueError, match="layer 6 is not a layer"):
+        pool.group_of_layer(6)
+    assert pool.stats() == before
