@@ -18,8 +18,9 @@ use crate::error::{CoreError, CoreResult};
 
 impl KvCache {
     /// Looks up the cached prefix of `tokens`: fills `scratch_hashes` with the hash of every
-    /// full block and `scratch_blocks` with the hit blocks, group-major (`hits` per group,
-    /// the null block where a group's window does not need one). Changes nothing else.
+    /// full block and `scratch_blocks` with the hit blocks, a row of `queries` per group whose
+    /// first `hits` count (the null block where a group's window does not need one). Changes
+    /// nothing else.
     pub(super) fn match_prefix(
         &mut self,
         tokens: Tokens<'_>,
@@ -61,23 +62,27 @@ impl KvCache {
                 }
             }
         }
-        let (hits, limited_by) = self.longest_hit(queries);
+        // One row of `queries` blocks per group: full groups' rows are filled while the hit
+        // is sought, windowed groups' windows once it is known.
+        let mut blocks = std::mem::take(&mut self.scratch_blocks);
+        blocks.resize(self.groups.len() * queries, NULL_BLOCK);
+        let (hits, limited_by) = self.longest_hit(queries, &mut blocks);
         let mut hits_queued = 0;
         for (group, spec) in self.groups.iter().enumerate() {
+            let row = &mut blocks[group * queries..group * queries + hits];
             let needed_from = spec.kind.first_needed_block(hits * block_size, block_size);
-            for index in 0..hits {
-                let block = match index < needed_from {
-                    true => NULL_BLOCK,
-                    false => self
-                        .block_pool
-                        .lookup(group_key(self.scratch_hashes[index], group))
-                        .unwrap_or(NULL_BLOCK),
-                };
+            for (index, block) in row.iter_mut().enumerate() {
+                if index < needed_from {
+                    *block = NULL_BLOCK;
+                } else if spec.kind.span().is_some() {
+                    let key = group_key(self.scratch_hashes[index], group);
+                    *block = self.block_pool.lookup(key).unwrap_or(NULL_BLOCK);
+                }
                 hits_queued +=
-                    usize::from(block != NULL_BLOCK && self.block_pool.ref_count(block) == 0);
-                self.scratch_blocks.push(block);
+                    usize::from(*block != NULL_BLOCK && self.block_pool.ref_count(*block) == 0);
             }
         }
+        self.scratch_blocks = blocks;
         PrefixMatch {
             queries,
             hits,
@@ -97,12 +102,14 @@ impl KvCache {
     /// of them, a windowed group the blocks the first computed token attends to. Shrinking
     /// the hit for one windowed group can break another's window, so the groups are asked
     /// until none shrinks it (a fixed point; full groups stay satisfied by any shorter hit).
-    fn longest_hit(&self, limit: usize) -> (usize, Option<(usize, usize)>) {
+    /// Full groups' hit blocks go to their rows of `blocks` (`limit` per group).
+    fn longest_hit(&self, limit: usize, blocks: &mut [u32]) -> (usize, Option<(usize, usize)>) {
         let mut hits = limit;
         let mut limited_by = None;
         for (group, spec) in self.groups.iter().enumerate() {
             if spec.kind.span().is_none() {
-                if let (run, Some(missing)) = self.full_hit(group, hits) {
+                let row = &mut blocks[group * limit..(group + 1) * limit];
+                if let (run, Some(missing)) = self.full_hit(group, hits, row) {
                     hits = run;
                     limited_by = Some((group, missing));
                 }
@@ -124,12 +131,26 @@ impl KvCache {
         (hits, limited_by)
     }
 
-    /// A full group's leading cached blocks, at most `limit`, and the first it misses.
-    pub(super) fn full_hit(&self, group: usize, limit: usize) -> (usize, Option<usize>) {
-        match (0..limit).find(|&index| !self.cached(index, group)) {
-            Some(missing) => (missing, Some(missing)),
-            None => (limit, None),
+    /// A full group's leading cached blocks, at most `limit`, and the first it misses; the
+    /// blocks found go to `found` (as many as it holds).
+    pub(super) fn full_hit(
+        &self,
+        group: usize,
+        limit: usize,
+        found: &mut [u32],
+    ) -> (usize, Option<usize>) {
+        for index in 0..limit {
+            let key = group_key(self.scratch_hashes[index], group);
+            match self.block_pool.lookup(key) {
+                Some(block) => {
+                    if let Some(cell) = found.get_mut(index) {
+                        *cell = block;
+                    }
+                }
+                None => return (index, Some(index)),
+            }
         }
+        (limit, None)
     }
 
     /// A windowed group's longest hit at most `limit`: the window of the first computed token
@@ -309,7 +330,8 @@ impl KvCache {
         // Every group takes its hits before any allocates: a fresh block could otherwise be
         // another group's unused hit, evicted from under it.
         for (group, table) in seq.tables.iter_mut().enumerate() {
-            for &block in &scratch_blocks[group * hits..(group + 1) * hits] {
+            let row = group * queries;
+            for &block in &scratch_blocks[row..row + hits] {
                 if block == NULL_BLOCK {
                     table.released += 1;
                 } else {

@@ -87,7 +87,7 @@ impl KvCache {
         let groups = (0..self.groups.len())
             .map(|group| {
                 let (cached, missing) = match self.groups[group].kind.span() {
-                    None => self.full_hit(group, found.queries),
+                    None => self.full_hit(group, found.queries, &mut []),
                     Some(_) => self.window_hit(group, found.queries),
                 };
                 GroupPrefix {
