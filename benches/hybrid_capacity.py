@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 import atb_mem
+from atb_mem.kv.planning import block_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 128, 1024
 LAYER_TYPES = ["full_attention" if (layer + 1) % 6 == 0 else "sliding_attention"
@@ -29,12 +30,11 @@ LAYER_TYPES = ["full_attention" if (layer + 1) % 6 == 0 else "sliding_attention"
 
 def make_cache(memory: int, grouped: bool, block_size: int = 16) -> atb_mem.KVCachePool:
     groups = {"layer_types": LAYER_TYPES, "sliding_window": WINDOW} if grouped else {}
-    per_block = atb_mem._core.kv_cache_groups(LAYERS, **groups)[1]  # type: ignore[arg-type]
-    block_bytes = atb_mem._core.kv_layout_bytes(per_block, KV_HEADS, HEAD_DIM, "bfloat16",
-                                                block_size)[2]
-    return atb_mem.KVCachePool(memory // block_bytes, block_size, device=None,
-                               num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                               dtype="bfloat16", **groups)  # type: ignore[arg-type]
+    shape = {"num_layers": LAYERS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+             "dtype": "bfloat16", **groups}
+    bytes_per_block, _ = block_bytes(block_size, **shape)  # type: ignore[arg-type]
+    return atb_mem.KVCachePool(memory // bytes_per_block, block_size, device=None,
+                               **shape)  # type: ignore[arg-type]
 
 
 def fill(kv: atb_mem.KVCachePool, context: int, limit: int = 4096

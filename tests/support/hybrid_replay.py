@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import atb_mem
+from atb_mem.kv.planning import block_bytes
 from atb_mem.tools.simulate import load_trace
 from tests.support.data import AZURE_CODE_TRACE
 
@@ -47,11 +48,11 @@ def replay(requests: list[tuple[list[int], int]], memory_bytes: int, grouped: bo
            window: int = 128, block_size: int = 16, max_num_seqs: int = 64) -> Replay:
     """Admits requests in order (one new one a step) through continuous batching."""
     groups = {"layer_types": LAYER_TYPES, "sliding_window": window} if grouped else {}
-    per_block = atb_mem._core.kv_cache_groups(LAYERS, **groups)[1]  # type: ignore[arg-type]
-    block_bytes = atb_mem._core.kv_layout_bytes(per_block, 8, 128, "bfloat16", block_size)[2]
-    kv = atb_mem.KVCachePool(memory_bytes // block_bytes, block_size, device=None,
-                             num_layers=LAYERS, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                             **groups)  # type: ignore[arg-type]
+    shape = {"num_layers": LAYERS, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
+             **groups}
+    bytes_per_block, _ = block_bytes(block_size, **shape)  # type: ignore[arg-type]
+    kv = atb_mem.KVCachePool(memory_bytes // bytes_per_block, block_size, device=None,
+                             **shape)  # type: ignore[arg-type]
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=max_num_seqs,
                                                  max_num_batched_tokens=4096)
     usage, pending = [], list(enumerate(requests))[::-1]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from atb_mem._core import KV_DTYPES, kv_cache_groups, kv_layout_bytes
 
-__all__ = ["KV_DTYPES", "KVCachePlan", "plan_kv_cache"]
+__all__ = ["KV_DTYPES", "KVCachePlan", "block_bytes", "plan_kv_cache"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,17 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+                layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
+                attention_chunk_size: int | None = None
+                ) -> tuple[int, list[tuple[str, list[int], int | None]]]:
+    """(bytes of one block, the KV-cache groups) of the cache ``KVCachePool`` builds for these
+    dimensions: a block holds the K/V of one group's ``layers_per_block`` layers."""
+    groups, layers_per_block = kv_cache_groups(num_layers, layer_types, sliding_window,
+                                               attention_chunk_size)
+    return kv_layout_bytes(layers_per_block, num_kv_heads, head_dim, dtype, block_size)[2], groups
 
 
 def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization: float = 0.85,
@@ -79,10 +90,9 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
             f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
         )
     usable = budget - model_bytes
-    groups, layers_per_block = kv_cache_groups(dims["num_layers"], layer_types, sliding_window,
-                                               attention_chunk_size)
-    _, _, bytes_per_block = kv_layout_bytes(layers_per_block, dims["num_kv_heads"],
-                                            dims["head_dim"], dtype, dims["block_size"])
+    bytes_per_block, groups = block_bytes(dims["block_size"], dims["num_layers"],
+                                          dims["num_kv_heads"], dims["head_dim"], dtype,
+                                          layer_types, sliding_window, attention_chunk_size)
     num_blocks = usable // bytes_per_block
     full_length = math.ceil(dims["max_model_len"] / dims["block_size"])
     blocks_per_seq = sum(full_length if window is None else

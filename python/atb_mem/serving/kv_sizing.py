@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from atb_mem._core import kv_cache_groups, kv_layout_bytes
 from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_layers
 from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
+from atb_mem.kv.planning import block_bytes, plan_kv_cache
 
 __all__ = ["kv_cache_shape", "num_kv_blocks"]
 
@@ -30,22 +30,16 @@ def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_se
     ``plan_kv_cache`` leaves of its memory; on the host what ``max_num_seqs`` sequences of
     ``max_model_len`` tokens take, at most ``HOST_KV_BUDGET``. A block holds
     ``layers_per_block`` layers, so a hybrid model's blocks are smaller and more of them fit."""
-    groups, per_block = kv_cache_groups(shape["num_layers"], shape.get("layer_types"),
-                                        shape.get("sliding_window"),
-                                        shape.get("attention_chunk_size"))
-    layout = {"num_layers": per_block, "num_kv_heads": shape["num_kv_heads"],
-              "head_dim": shape["head_dim"], "dtype": shape["dtype"]}
-    _, _, bytes_per_block = kv_layout_bytes(block_size=block_size, **layout)
+    bytes_per_block, groups = block_bytes(block_size, **shape)
     if kv_cache_memory_bytes is not None:
         return int(kv_cache_memory_bytes) // bytes_per_block
     if model.device.type != "cpu":
         from atb_mem.kv.cache_pool import device_memory
-        from atb_mem.kv.planning import plan_kv_cache
 
         free, total = device_memory(str(model.device))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         plan = plan_kv_cache(total, weights, gpu_memory_utilization=gpu_memory_utilization,
-                             block_size=block_size, max_model_len=max_model_len, **layout)
+                             block_size=block_size, max_model_len=max_model_len, **shape)
         return min(plan.num_blocks, free // bytes_per_block)
     # Each group holds a block per block_size tokens of an admitted sequence.
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) * len(groups) + 1
