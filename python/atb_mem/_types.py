@@ -22,6 +22,9 @@ Preemption = Literal["recompute", "swap"]
 """What the continuous scheduler does with a sequence it preempts."""
 TimeoutAction = Literal["reject", "delay"]
 """What the request batcher does with a request that outlived its timeout."""
+AttentionBackend = Literal["auto", "torch", "flashinfer"]
+"""The attention a model runner uses: FlashInfer's paged kernel where it runs (CUDA), the torch
+reference, or the first that works (``"auto"``)."""
 BackendName = Literal["numpy", "torch"]
 """What holds a KV cache's bytes: numpy arrays on the host, or torch tensors on a device."""
 

@@ -80,13 +80,15 @@ def test_the_comparison_passes_unchanged() -> None:
 
 
 def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def permute(step: Any) -> dict[str, Any]:
+    build = paged.PagedRows.build
+
+    def permuted(*args: Any, **kwargs: Any) -> paged.PagedRows:
         # Rows read each other's block tables. (Reordering a row's own blocks is invisible to
         # decode attention, a sum over positions: the rows must change.)
-        return {"paged": [[dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
-                           for rows in group] for group in step.paged]}
+        rows = build(*args, **kwargs)
+        return dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
 
-    corrupt(monkeypatch, permute)
+    monkeypatch.setattr(paged.PagedRows, "build", permuted)
     assert mismatches("llama") > 0
 
 

@@ -5,11 +5,15 @@ keep only what those layers will read again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["FULL_ATTENTION", "LayerAttention", "kv_cache_groups", "layer_attention"]
+if TYPE_CHECKING:
+    from atb_mem.kv.cache_pool import KVCachePool
+
+__all__ = ["FULL_ATTENTION", "LayerAttention", "kv_cache_groups", "layer_attention",
+           "layer_groups"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,19 @@ def kv_cache_groups(layers: list[LayerAttention]) -> dict[str, Any]:
         if windows:
             arguments[name] = windows.pop()
     return arguments
+
+
+def layer_groups(layers: list[LayerAttention], kv_cache: KVCachePool) -> list[int]:
+    """Each layer's KV-cache group. A cache without groups serves any model (windows are
+    applied in attention over blocks kept whole); a windowed group must match its layers."""
+    groups = kv_cache.groups
+    result = []
+    for layer, attention in enumerate(layers):
+        group, _ = kv_cache.group_of_layer(layer)
+        kind, window = groups[group].kind, groups[group].window
+        if kind != "full_attention" and (kind, window) != (attention.kind, attention.window):
+            raise ValueError(f"layer {layer} computes {attention.kind} (window "
+                             f"{attention.window}); its KV-cache group keeps {kind} (window "
+                             f"{window})")
+        result.append(group)
+    return result

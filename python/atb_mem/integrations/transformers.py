@@ -16,20 +16,22 @@ under the name, so it skips the mask, and the model runs with ``use_cache=False`
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atb_mem._types import AttentionBackend
+from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep, attention_kernel
 from atb_mem.integrations.layer_attention import (
     FULL_ATTENTION,
     LayerAttention,
     kv_cache_groups,
     layer_attention,
+    layer_groups,
 )
 
 if TYPE_CHECKING:
@@ -133,13 +135,33 @@ class StepAttention:
     """Token ranges of the rows whose K/V is all new."""
     fresh_masks: dict[LayerAttention, list[torch.Tensor | None]]
     """Per kind of layer and fresh row, bool ``[1, 1, q, q]``; None where causal is all."""
-    paged: list[list[PagedRows]]
-    """Per KV-cache group, its rows gathered through the group's block tables."""
+    plan: StepPlan
+    row_sets: list[np.ndarray]
+    """The plan's rows other than the fresh ones, as they are gathered together."""
+    block_size: int
+    device: Any
+    kernel: FlashInferStep | None = None
+    """The step of a paged kernel (FlashInfer) that serves the layers it can."""
+    paged: dict[int, list[PagedRows]] = field(default_factory=dict)
+    """Per KV-cache group, its ``row_sets`` gathered through the group's block tables: built
+    on first use (a group whose layers all run on the kernel never needs them)."""
+
+    def paged_rows(self, group: int) -> list[PagedRows]:
+        rows = self.paged.get(group)
+        if rows is None:
+            kinds = {kind for kind, g in zip(self.layers, self.layer_groups, strict=True)
+                     if g == group}
+            tables = self.plan.block_tables.reshape(-1, *self.plan.block_tables.shape[-2:])
+            rows = [PagedRows.build(self.plan, row_set, tables[group], self.block_size,
+                                    self.device, kinds) for row_set in self.row_sets]
+            self.paged[group] = rows
+        return rows
 
     @classmethod
     def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
                   device: Any, layers: list[LayerAttention] | None = None,
-                  layer_groups: list[int] | None = None) -> StepAttention:
+                  layer_groups: list[int] | None = None,
+                  kernel: FlashInferAttention | None = None) -> StepAttention:
         import torch
 
         layers = layers or [FULL_ATTENTION] * len(layer_caches)
@@ -154,7 +176,8 @@ class StepAttention:
         is_fresh = query_lens == seq_lens
         decodes = np.flatnonzero((query_lens == 1) & ~is_fresh)
         alone = np.flatnonzero((query_lens > 1) & ~is_fresh)
-        groups = ([decodes] if len(decodes) else []) + [alone[i:i + 1] for i in range(len(alone))]
+        row_sets = ([decodes] if len(decodes) else []) + [alone[i:i + 1]
+                                                           for i in range(len(alone))]
         fresh = [(starts[row], starts[row + 1]) for row in np.flatnonzero(is_fresh)]
 
         def fresh_mask(kind: LayerAttention, length: int) -> torch.Tensor | None:
@@ -164,17 +187,14 @@ class StepAttention:
             visible = kind.visible(positions[:, None], positions[None, :])
             return torch.from_numpy(visible[None, None]).to(device)
 
-        def group_kinds(group: int) -> set[LayerAttention]:
-            return {kind for kind, g in zip(layers, layer_groups, strict=True) if g == group}
-
         slots = [torch.from_numpy(row.astype(np.int64)).to(device) for row in slot_rows]
         return cls(layer_caches=layer_caches, layers=layers, layer_groups=layer_groups,
                    slot_mappings=slots, fresh=fresh,
                    fresh_masks={kind: [fresh_mask(kind, end - start) for start, end in fresh]
                                 for kind in kinds},
-                   paged=[[PagedRows.build(plan, rows, table_planes[group], block_size, device,
-                                           group_kinds(group)) for rows in groups]
-                          for group in range(num_groups)])
+                   plan=plan, row_sets=row_sets, block_size=block_size, device=device,
+                   kernel=None if kernel is None else kernel.begin_step(
+                       query_lens, seq_lens, table_planes))
 
 
 @contextmanager
@@ -209,6 +229,11 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
     key_cache.index_copy_(0, slot_mapping, new_keys.to(key_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, new_values.to(value_cache.dtype))
+    if step.kernel is not None and step.kernel.kernel.serves(kind, sinks):
+        pages = (-1, step.block_size, *key_cache.shape[1:])
+        out = step.kernel.attend(group, kind, query[0].transpose(0, 1), key_cache.view(pages),
+                                 value_cache.view(pages), scaling)
+        return out.unsqueeze(0), None
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
                       device=query.device)                                 # [T, H, D]
     for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
@@ -216,7 +241,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
                               value[:, :, start:end], mask, scaling, sinks)
         out[start:end] = attended[0].transpose(0, 1)
     queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
-    for rows in step.paged[group]:
+    for rows in step.paged_rows(group):
         out[rows.token_ids] = _attend_paged(queries_by_token, key_cache, value_cache, rows,
                                             rows.masks[kind], scaling, sinks)
     return out.unsqueeze(0), None
@@ -305,29 +330,14 @@ def supported_layers(model: Any) -> list[LayerAttention]:
     return layer_attention(config)
 
 
-def _layer_groups(layers: list[LayerAttention], kv_cache: KVCachePool) -> list[int]:
-    """Each layer's KV-cache group. A cache without groups serves any model (windows are
-    applied in attention over blocks kept whole); a windowed group must match its layers."""
-    groups = kv_cache.groups
-    result = []
-    for layer, attention in enumerate(layers):
-        group, _ = kv_cache.group_of_layer(layer)
-        kind, window = groups[group].kind, groups[group].window
-        if kind != "full_attention" and (kind, window) != (attention.kind, attention.window):
-            raise ValueError(f"layer {layer} computes {attention.kind} (window "
-                             f"{attention.window}); its KV-cache group keeps {kind} (window "
-                             f"{window})")
-        result.append(group)
-    return result
-
-
 class ModelRunner:
     """Runs a transformers causal LM for each ``StepPlan`` over a ``KVCachePool``'s bytes.
 
     ``execute(plan)`` returns the logits of the plan's ``sample_seq_ids``, in that order.
     """
 
-    def __init__(self, model: Any, kv_cache: KVCachePool, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model: Any, kv_cache: KVCachePool, tensor_parallel_size: int = 1,
+                 attention_backend: AttentionBackend = "auto") -> None:
         import torch
 
         self.layers = supported_layers(model)
@@ -345,14 +355,16 @@ class ModelRunner:
         if torch.device(kv_cache.kv_cache.device) != self.device:
             raise ValueError(f"the KV cache is on {kv_cache.kv_cache.device}; the model on "
                              f"{self.device}")
-        if self.device.type == "cuda":
-            warnings.warn("atb-mem: no paged-attention kernel is wired for CUDA yet; using the "
-                          "torch reference", stacklevel=2)
+        config = model.config.get_text_config()
+        self.kernel = attention_kernel(attention_backend, self.device,
+                                       config.num_attention_heads // tensor_parallel_size,
+                                       kv_cache.num_kv_heads, kv_cache.head_dim,
+                                       kv_cache.block_size, model.dtype)
         shape = (-1, kv_cache.num_kv_heads, kv_cache.head_dim)
         self.layer_caches = [(kv_cache.key_cache(layer).view(shape),
                               kv_cache.value_cache(layer).view(shape))
                              for layer in range(kv_cache.num_layers)]
-        self.layer_groups = _layer_groups(self.layers, kv_cache)
+        self.layer_groups = layer_groups(self.layers, kv_cache)
         use_paged_attention(model)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -365,7 +377,8 @@ class ModelRunner:
         if input_ids.size and input_ids.min() < 0:
             raise ValueError("the plan has tokens without ids: give requests their token ids")
         step = StepAttention.from_plan(plan, self.layer_caches, self.kv_cache.block_size,
-                                       self.device, self.layers, self.layer_groups)
+                                       self.device, self.layers, self.layer_groups,
+                                       self.kernel)
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from atb_mem._types import Preemption
+from atb_mem._types import AttentionBackend, Preemption
 from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner
 from atb_mem.kv.cache_pool import KVCachePool
@@ -78,7 +78,8 @@ class Engine:
                  gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
-                 verify_tensor_parallel: bool = False) -> None:
+                 verify_tensor_parallel: bool = False,
+                 attention_backend: AttentionBackend = "auto") -> None:
         if kv_events is not None and not callable(getattr(kv_events, "publish", None)):
             raise TypeError(f"kv_events must have a publish(events) method (a "
                             f"KVEventPublisher), got {type(kv_events).__name__}")
@@ -108,7 +109,7 @@ class Engine:
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
-        self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size)
+        self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size, attention_backend)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}

@@ -31,6 +31,10 @@ import click
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer"]),
+              default="auto", show_default=True,
+              help="Paged attention: FlashInfer's kernel (CUDA), the torch reference, or "
+                   "FlashInfer where it runs.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
               help="Batch requests on admission: up to N reach the engine together "
                    "(default: each as it comes).")
@@ -57,7 +61,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, no_prefix_caching: bool,
-          gpu_memory_utilization: float, max_batch_size: int | None,
+          gpu_memory_utilization: float, attention_backend: str,
+          max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
           kv_events_replay_endpoint: str | None, kv_events_topic: str,
           tensor_parallel_size: int, config_path: str | None, admin_token: str | None) -> None:
@@ -86,7 +91,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
-        "gpu_memory_utilization": gpu_memory_utilization}
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "attention_backend": attention_backend}
     workers: list[subprocess.Popen[bytes]] = []
     if tensor_parallel_size > 1 and "RANK" not in os.environ:
         from atb_mem.distributed.tensor_parallel import launch_workers
