@@ -192,9 +192,9 @@ class KVCachePool:
     @property
     def enable_kv_events(self) -> bool: ...
     def take_event_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Drains the KV-cache events since the last call, oldest first: uint64 ``[E, 8]``
-        (event_id, kind, medium, has_parent, parent, root, end of hashes, end of token ids),
-        uint64 hashes, uint32 token ids; None when there are none. See
+        """Drains the KV-cache events since the last call, oldest first: uint64 ``[E, 9]``
+        (event_id, kind, medium, has_parent, parent, root, end of hashes, end of token ids,
+        group), uint64 hashes, uint32 token ids; None when there are none. See
         atb_mem.events.events_from_arrays."""
     def stats(self) -> KVCacheStats: ...
     def _check_invariants(self) -> None:

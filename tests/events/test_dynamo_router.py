@@ -11,19 +11,19 @@ from hypothesis import strategies as st
 
 from atb_mem import KVCachePool
 from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from atb_mem.events.dynamo import encode_event, tokens_hashes
+from atb_mem.events.dynamo import encode_event, router_group, tokens_hashes
 from atb_mem.serving import Engine, SamplingParams
 from tests.events.test_engine_events import Recorder
 from tests.support.kv_event_workload import apply as apply_operation
-from tests.support.kv_event_workload import operation
+from tests.support.kv_event_workload import hybrid_operation, operation
 from tests.support.models import model_pair
 
 BLOCK_SIZE = 2
 
 
-def apply(tree: RadixTree, worker: int, events: list[KVCacheEvent]) -> None:
+def apply(tree: RadixTree, worker: int, events: list[KVCacheEvent], group: int = 0) -> None:
     for event in events:
-        payload = encode_event(event)
+        payload = encode_event(event, group)
         if payload is not None:
             tree.apply_event(worker, payload)
 
@@ -64,6 +64,49 @@ def test_the_router_scores_what_the_cache_would_serve(operations: list[tuple],
     # The cache never serves a prompt's last token from the cache (it must be computed).
     full = (len(probe) - 1) // BLOCK_SIZE
     assert min(routed, full) == cached
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(hybrid_operation, max_size=40),
+       st.lists(st.integers(0, 2), min_size=3, max_size=9))
+def test_with_kv_cache_groups_the_router_follows_the_full_attention_group(
+        operations: list[tuple], probe: list[int]) -> None:
+    """Dynamo's tree has no groups: it follows the first full-attention group, and scores
+    exactly that group's cached prefix — an upper bound of the hybrid hit (which also needs
+    the sliding group's window), never below it."""
+    pool = KVCachePool(24, BLOCK_SIZE, num_layers=3, device=None, enable_kv_events=True,
+                       num_host_blocks=6, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    group = router_group(pool.groups)
+    assert group == 1
+    tree = RadixTree()
+    for step in operations:
+        apply_operation(pool, step)
+        apply(tree, 1, pool.take_events(), group)
+    routed = min(score(tree, 1, probe, BLOCK_SIZE), (len(probe) - 1) // BLOCK_SIZE)
+    explained = pool.explain_prefix(probe)
+    assert routed == explained.groups[group].cached_tokens // BLOCK_SIZE
+    assert routed >= explained.hit_tokens // BLOCK_SIZE
+
+
+def test_a_windows_evictions_do_not_hide_the_full_groups_prefix() -> None:
+    """A decoding sequence's sliding group releases its first blocks; another request evicts
+    them while the full group still holds the prompt: the router still scores the prompt
+    (fed every group's events, it would drop the evicted hashes and score nothing)."""
+    pool = KVCachePool(14, BLOCK_SIZE, num_layers=2, device=None, enable_kv_events=True,
+                       sliding_window=2, layer_types=["sliding_attention", "full_attention"])
+    tree = RadixTree()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    pool.alloc_sequence(1, prompt)
+    pool.mark_computed(1)
+    for _ in range(4):
+        pool.append_tokens([1], token_ids=[9])
+        pool.mark_computed(1)
+    assert (pool.block_table(1, group=0)[:4] == 0).all()  # released by the window
+    pool.alloc_sequence(2, [0] * 5)  # takes the free blocks: the released ones are evicted
+    apply(tree, 1, pool.take_events(), router_group(pool.groups))
+    assert pool.explain_prefix([*prompt, 0]).groups[1].cached_tokens == 8
+    assert score(tree, 1, [*prompt, 0], BLOCK_SIZE) == 4
 
 
 def test_between_two_engines_the_router_picks_the_one_with_the_prompt() -> None:

@@ -44,6 +44,27 @@ def test_a_router_replaying_an_engines_events_knows_its_cached_blocks() -> None:
                           if len(event.token_ids) >= 8)
 
 
+def test_a_hybrid_engines_events_name_every_groups_blocks() -> None:
+    """Gemma 3 (sliding and full layers, KV-cache groups): a router replaying the events
+    holds, per group, exactly the blocks the engine caches."""
+    model, _ = model_pair("gemma3")
+    recorder = Recorder()
+    engine = Engine(model, num_blocks=40, block_size=4, kv_events=recorder)
+    assert len(engine.kv_cache.groups) == 3
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 256, size=12).tolist()
+    prompts = [shared + rng.integers(3, 256, size=5).tolist() for _ in range(4)]
+    engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    router = Router()
+    for batch in recorder.batches:
+        router.replay(batch)
+    stats = engine.kv_cache.stats()
+    assert stats["blocks_used"] == 0 and stats["evictions"] > 0
+    assert router.blocks["device"] == set()
+    assert len(router.grouped["device"]) == stats["blocks_cached"] > 0
+    assert {group for group, _ in router.grouped["device"]} == {0, 1, 2}
+
+
 def test_an_engine_without_a_publisher_records_nothing() -> None:
     model, _ = model_pair("llama")
     engine = Engine(model, num_blocks=16, block_size=4)

@@ -21,19 +21,20 @@ EVENTS: list[KVCacheEvent] = [
     AllBlocksCleared(3),
 ]
 
-# [1.5, [["BlockStored", [11, 22], nil, [1, 2, 3, 4], 2, nil, "GPU"],
-#        ["BlockRemoved", [22], "CPU"], ["AllBlocksCleared"]], nil, 1]
+# [1.5, [["BlockStored", [11, 22], nil, [1, 2, 3, 4], 2, nil, "GPU", nil, nil, nil, nil, nil],
+#        ["BlockRemoved", [22], "CPU", nil], ["AllBlocksCleared"]], nil, 2]
 GOLDEN = bytes.fromhex(
     "94cb3ff8000000000000"
     "93"
-    "97ab426c6f636b53746f726564920b16c0940102030402c0a3475055"
-    "93ac426c6f636b52656d6f766564 9116 a3435055".replace(" ", "")
+    "9cab426c6f636b53746f726564920b16c0940102030402c0a3475055c0c0c0c0c0"
+    "94ac426c6f636b52656d6f766564 9116 a3435055 c0".replace(" ", "")
     + "91b0416c6c426c6f636b73436c6561726564"
-    "c001"
+    "c002"
 )
 
 
-# vLLM's structs, in the field order vllm.distributed.kv_events publishes.
+# vLLM's structs, in the field order vllm.distributed.kv_events publishes (2026: with
+# lora_name, extra_keys and the KV-cache group's index and kind).
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -52,11 +53,17 @@ class BlockStoredStruct(KVCacheEventStruct, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemovedStruct(KVCacheEventStruct, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksClearedStruct(KVCacheEventStruct, tag="AllBlocksCleared"):
@@ -70,10 +77,24 @@ class KVEventBatch(EventBatch):
 decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
+# vLLM's stores before lora_name (2025): its decoder ignores the fields it does not know.
+class OldBlockStoredStruct(KVCacheEventStruct, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldKVEventBatch(EventBatch):
+    events: list[OldBlockStoredStruct | AllBlocksClearedStruct]
+
+
 def test_golden_bytes() -> None:
-    assert SCHEMA_VERSION == 1, "a new schema version needs new golden bytes"
+    assert SCHEMA_VERSION == 2, "a new schema version needs new golden bytes"
     assert encode_batch(EVENTS, timestamp=1.5) == GOLDEN
-    assert encode_batch(EVENTS, timestamp=1.5, data_parallel_rank=3)[-2:] == b"\x03\x01"
+    assert encode_batch(EVENTS, timestamp=1.5, data_parallel_rank=3)[-2:] == b"\x03\x02"
 
 
 def test_vllms_decoder_reads_a_live_pools_events() -> None:
@@ -94,6 +115,30 @@ def test_vllms_decoder_reads_a_live_pools_events() -> None:
     assert sorted(removed.block_hashes) == sorted(stored.block_hashes)
     with pytest.raises(TypeError):
         encode_batch(["not an event"])  # type: ignore[list-item]
+
+
+def test_an_older_vllm_decoder_still_reads_stores() -> None:
+    old = msgspec.msgpack.decode(encode_batch([EVENTS[0], EVENTS[2]]), type=OldKVEventBatch)
+    assert old.events[0] == OldBlockStoredStruct([11, 22], None, [1, 2, 3, 4], 2, None, "GPU")
+
+
+def test_a_hybrid_pools_events_name_their_group() -> None:
+    """Per group, as vLLM's hybrid manager reports them: group_idx, the kind (vLLM's
+    KVCacheSpecKind values) and the sliding window."""
+    pool = KVCachePool(32, 2, num_layers=3, device=None, enable_kv_events=True,
+                       layer_types=["sliding_attention", "full_attention", "chunked_attention"],
+                       sliding_window=4, attention_chunk_size=4)
+    pool.alloc_sequence(1, list(range(9)))
+    pool.mark_computed(1)
+    pool.free_sequence(1)
+    pool.reset_prefix_cache()
+    batch = decoder.decode(encode_batch(pool.take_events()))
+    stores = [event for event in batch.events if isinstance(event, BlockStoredStruct)]
+    assert [(event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+            for event in stores] == [(0, "sliding_window", 4), (1, "full_attention", None),
+                                     (2, "chunked_local_attention", None)]
+    assert len({tuple(event.block_hashes) for event in stores}) == 1  # same tokens, same hashes
+    assert isinstance(batch.events[-1], AllBlocksClearedStruct)
 
 
 def receive(socket: zmq.Socket[bytes], timeout_ms: int = 200) -> list[bytes] | None:
@@ -120,7 +165,7 @@ def test_published_batches_arrive_numbered_and_a_late_subscriber_replays_them() 
         publisher.publish([])  # nothing to send: no batch, no number used
         while (frames := receive(subscriber, 5000)) is not None:
             if decoder.decode(frames[2]).events[0] != BlockStoredStruct(
-                    [11, 22], None, [1, 2, 3, 4], 2, None, "GPU"):
+                    [11, 22], None, [1, 2, 3, 4], 2, None, "GPU", None):
                 break
         assert frames is not None
         topic, seq, payload = frames

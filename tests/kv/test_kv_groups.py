@@ -52,7 +52,6 @@ def test_a_window_without_layer_types_makes_every_layer_slide() -> None:
     ({"layer_types": "full_attention"}, TypeError, "list of str"),
     ({"layer_types": ["chunked_attention"] * 6}, ValueError, "attention_chunk_size"),
     ({"sliding_window": 0}, ValueError, "at least 1"),
-    ({"enable_kv_events": True}, ValueError, "not supported yet"),
 ])
 def test_bad_group_arguments_are_refused(kwargs: dict[str, object], error: type[Exception],
                                          match: str) -> None:

@@ -18,6 +18,9 @@ operation = st.one_of(
     st.tuples(st.just("swap_in"), st.integers(0, 5)),
     st.tuples(st.just("reset"),),
 )
+# With windows: a running sequence decodes, so its windowed groups release blocks early.
+hybrid_operation = st.one_of(operation, st.tuples(st.just("decode"), st.integers(0, 5),
+                                                  st.integers(1, 4)))
 
 
 def apply(pool: Any, step: tuple[Any, ...]) -> None:
@@ -36,6 +39,10 @@ def apply(pool: Any, step: tuple[Any, ...]) -> None:
         elif name == "swap_in":
             pool.swap_in([args[0]])
             pool.mark_computed(args[0])  # the bytes are back
+        elif name == "decode":
+            for token in range(args[1]):
+                pool.append_tokens([args[0]], token_ids=[token % 3])
+                pool.mark_computed(args[0])
         else:
             pool.reset_prefix_cache()
     except (ValueError, KeyError, MemoryError, RuntimeError):
@@ -47,13 +54,25 @@ class Router:
 
     def __init__(self) -> None:
         self.blocks: dict[str, set[int]] = {"device": set(), "host": set()}
+        """Per medium, the hashes of one-group pools' blocks."""
+        self.grouped: dict[str, set[tuple[int, int]]] = {"device": set(), "host": set()}
+        """Per medium, the (group, hash) of grouped pools' blocks."""
         self.last_event_id = 0
 
     def replay(self, events: list[KVCacheEvent]) -> None:
         for event in events:
             assert event.event_id == self.last_event_id + 1
             self.last_event_id = event.event_id
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored | BlockRemoved) and event.group is not None:
+                names = {(event.group, int(block)) for block in event.block_hashes}
+                held = self.grouped[event.medium]
+                if isinstance(event, BlockStored):
+                    assert not held & names, "stored twice"
+                    held |= names
+                else:
+                    assert names <= held, "removed but not stored"
+                    held -= names
+            elif isinstance(event, BlockStored):
                 assert not self.blocks[event.medium] & set(event.block_hashes)
                 self.blocks[event.medium] |= set(event.block_hashes)
             elif isinstance(event, BlockRemoved):
@@ -61,3 +80,4 @@ class Router:
                 self.blocks[event.medium] -= set(event.block_hashes)
             else:
                 self.blocks = {"device": set(), "host": set()}
+                self.grouped = {"device": set(), "host": set()}

@@ -12,6 +12,11 @@ means a lost event.
 Events are named tuples (cheap to make: an engine drains every step). Block hashes are the
 first 64 bits of the core's 128-bit chained hash (a router keys blocks
 by 64-bit integers); ``cache_salt_hash`` names the chain's root (0 without a cache salt).
+
+A pool with several KV-cache groups (``layer_types``) reports each group's blocks apart:
+``group`` is the group's index (None in a pool of one group) and a store carries the group's
+``KVCacheGroup`` (kind, layers, window), as vLLM's ``group_idx`` and ``kv_cache_spec_kind``
+do. The same tokens have the same hash in every group.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
+
+from atb_mem._types import KVCacheGroup
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
            "KVEventPublisher", "Medium", "events_from_arrays"]
@@ -41,14 +48,17 @@ class BlockStored(NamedTuple):
     block_size: int
     medium: Medium
     cache_salt_hash: int
+    group: int | None = None
+    kv_cache_group: KVCacheGroup | None = None
 
 
 class BlockRemoved(NamedTuple):
-    """Blocks that left the cache on ``medium`` (uint64 hashes)."""
+    """Blocks of ``group`` that left the cache on ``medium`` (uint64 hashes)."""
 
     event_id: int
     block_hashes: np.ndarray
     medium: Medium
+    group: int | None = None
 
 
 class AllBlocksCleared(NamedTuple):
@@ -71,22 +81,27 @@ _MEDIA: tuple[Medium, Medium] = ("device", "host")
 
 
 def events_from_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-                       block_size: int) -> list[KVCacheEvent]:
-    """Types the core's drain (``_core.KVCachePool.take_event_arrays()``)."""
+                       block_size: int, groups: Sequence[KVCacheGroup] = ()
+                       ) -> list[KVCacheEvent]:
+    """Types the core's drain (``_core.KVCachePool.take_event_arrays()``); ``groups``: the
+    pool's KV-cache groups (more than one: events name theirs)."""
     if arrays is None:
         return []
     table, hashes, token_ids = arrays
+    grouped = len(groups) > 1
     events: list[KVCacheEvent] = []
     hashes_from = tokens_from = 0
-    for event_id, kind, medium, has_parent, parent, root, hashes_to, tokens_to in \
+    for event_id, kind, medium, has_parent, parent, root, hashes_to, tokens_to, group in \
             table.tolist():
         if kind == 0:
             events.append(BlockStored(event_id, hashes[hashes_from:hashes_to],
                                       parent if has_parent else None,
                                       token_ids[tokens_from:tokens_to], block_size,
-                                      _MEDIA[medium], root))
+                                      _MEDIA[medium], root, group if grouped else None,
+                                      groups[group] if grouped else None))
         elif kind == 1:
-            events.append(BlockRemoved(event_id, hashes[hashes_from:hashes_to], _MEDIA[medium]))
+            events.append(BlockRemoved(event_id, hashes[hashes_from:hashes_to], _MEDIA[medium],
+                                       group if grouped else None))
         else:
             events.append(AllBlocksCleared(event_id))
         hashes_from, tokens_from = hashes_to, tokens_to

@@ -9,7 +9,10 @@ their tokens while our ``block_hash`` keeps their identity for removals.
 
 Dynamo's tree holds one tier: only device-medium events are translated; the host tier's
 copies are not blocks a request can hit on this engine until they are swapped back in (and
-then stored again as device blocks).
+then stored again as device blocks). It holds one KV-cache group too: from a pool of several,
+only the events of ``group`` are translated — :func:`router_group`, the first full-attention
+group, whose cached prefix bounds what the engine can serve (a hit also needs the windowed
+groups' blocks at its end, which the engine's own lookup checks).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from atb_mem._types import KVCacheGroup
 from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["TOKENS_HASH_SEED", "encode_event", "tokens_hashes"]
+__all__ = ["TOKENS_HASH_SEED", "encode_event", "router_group", "tokens_hashes"]
 
 TOKENS_HASH_SEED = 1337
 
@@ -37,9 +41,19 @@ def tokens_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int) -> lis
             for start in range(0, len(ids) - block_size + 1, block_size)]
 
 
-def encode_event(event: KVCacheEvent) -> bytes | None:
-    """The event as ``RadixTree.apply_event`` reads it; None for a host-tier event."""
+def router_group(groups: Sequence[KVCacheGroup]) -> int:
+    """The group whose events a one-group router follows: the first full-attention one (the
+    first group when every layer is windowed)."""
+    return next((index for index, group in enumerate(groups)
+                 if group.kind == "full_attention"), 0)
+
+
+def encode_event(event: KVCacheEvent, group: int = 0) -> bytes | None:
+    """The event as ``RadixTree.apply_event`` reads it; None for a host-tier event, or one of
+    another KV-cache group than ``group`` (see :func:`router_group`)."""
     data: object
+    if getattr(event, "group", None) not in (None, group):
+        return None
     if isinstance(event, BlockStored):
         if event.medium != "device":
             return None

@@ -252,7 +252,7 @@ class KVCachePool(_core.KVCachePool):
     def take_events(self) -> list[KVCacheEvent]:
         """The KV-cache events recorded since the last call, oldest first (see
         ``atb_mem.events``); always empty unless the pool has ``enable_kv_events``."""
-        return events_from_arrays(self.take_event_arrays(), self.block_size)
+        return events_from_arrays(self.take_event_arrays(), self.block_size, self.groups)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

@@ -278,7 +278,12 @@ impl EventMirror {
                     }
                 }
             }
-            log.host_hashes().collect::<HashSet<_>>()
+            log.host_hashes()
+                .map(|(hash, group)| {
+                    assert_eq!(group, 0, "one group");
+                    hash
+                })
+                .collect::<HashSet<_>>()
         });
         let device: HashSet<_> = cache.block_pool().cached_hashes().collect();
         assert_eq!(self.device, device, "device blocks after the events");

@@ -34,6 +34,7 @@ struct Harness {
     plan: StepPlan,
     next_id: u64,
     counts: Counts,
+    events: EventMirror,
 }
 
 /// What a run exercised, to show the model test is not vacuous.
@@ -47,6 +48,8 @@ struct Counts {
     failures: usize,
     aborted_by_recovery: usize,
     forked_requests: usize,
+    /// Checks after which KV events had named blocks of a group other than the first.
+    grouped_events: usize,
 }
 
 impl Harness {
@@ -61,6 +64,7 @@ impl Harness {
         let mut cache =
             KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, kinds).unwrap();
         cache.enable_host_tier(HOST_BLOCKS).unwrap();
+        cache.enable_kv_events().unwrap();
         let scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         Harness {
             cache,
@@ -75,6 +79,7 @@ impl Harness {
             plan: StepPlan::default(),
             next_id: 1,
             counts: Counts::default(),
+            events: EventMirror::default(),
         }
     }
 
@@ -340,8 +345,11 @@ impl Harness {
         }
     }
 
-    /// Every computed position of every sequence on the cache holds its value.
-    fn check(&self) {
+    /// Every computed position of every sequence on the cache holds its value, and the KV
+    /// events tell a router exactly which blocks are cached.
+    fn check(&mut self) {
+        self.events.replay(&mut self.cache);
+        self.counts.grouped_events += usize::from(self.events.groups_seen().len() > 1);
         self.scheduler.check_invariants(&self.cache).unwrap();
         let mut memory = self.memory.clone();
         for planned in self.cache.pending_moves() {
@@ -506,8 +514,10 @@ fn hybrid_models_release_windows_and_still_hit() {
         total.windowed_releases += counts.windowed_releases;
         total.hit_steps += counts.hit_steps;
         total.swaps += counts.swaps;
+        total.grouped_events += counts.grouped_events;
     }
     println!("{total:?}");
     assert!(total.windowed_releases > 500, "{total:?}");
+    assert!(total.grouped_events > 1000, "{total:?}");
     assert!(total.hit_steps > 100 && total.swaps > 100, "{total:?}");
 }

@@ -51,10 +51,10 @@ pub struct BlockPool {
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
-    /// Hashes of the blocks that left the prefix cache since the last `drain_removed`, kept
-    /// only while `record_removed` (KV-cache events).
+    /// The blocks that left the prefix cache since the last `drain_removed`, kept only while
+    /// `record_removed` (KV-cache events name them).
     record_removed: bool,
-    removed: Vec<BlockHash>,
+    removed: Vec<u32>,
     /// Hashes of the last `num_blocks` evicted blocks: a lookup miss can say "evicted".
     evicted: EvictionHistory,
 }
@@ -134,7 +134,7 @@ impl BlockPool {
     #[inline]
     fn unregister(&mut self, block: u32) {
         if self.record_removed {
-            self.removed.push(self.block_hashes[block as usize]);
+            self.removed.push(block);
         }
         let hashes = &self.block_hashes;
         self.prefix_table
@@ -169,15 +169,16 @@ impl BlockPool {
         self.num_evictable
     }
 
-    /// Records the hash of every block that leaves the prefix cache (see `drain_removed`).
+    /// Records every block that leaves the prefix cache (see `drain_removed`).
     pub fn set_record_removed(&mut self, record: bool) {
         self.record_removed = record;
     }
 
-    /// Hands the hashes recorded since the last call to `sink`, oldest first.
-    pub fn drain_removed(&mut self, mut sink: impl FnMut(BlockHash)) {
-        for &hash in &self.removed {
-            sink(hash);
+    /// Hands the blocks recorded since the last call to `sink`, oldest first. A block is
+    /// registered again only after the caller drained its removal.
+    pub fn drain_removed(&mut self, mut sink: impl FnMut(u32)) {
+        for &block in &self.removed {
+            sink(block);
         }
         self.removed.clear();
     }
@@ -351,7 +352,7 @@ impl BlockPool {
             + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.is_cached.capacity()
             + self.prefix_table.heap_bytes()
-            + self.removed.capacity() * std::mem::size_of::<BlockHash>()
+            + self.removed.capacity() * std::mem::size_of::<u32>()
             + self.evicted.heap_bytes()
     }
 

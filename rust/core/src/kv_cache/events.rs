@@ -8,10 +8,15 @@
 //! events in order gives exactly the hashes the cache holds, per medium (the property tests
 //! check this after every operation).
 //!
+//! With KV-cache groups every group's blocks are events of their own, named by the chain's
+//! hash (the same tokens have the same hash in every group) and the group's index, as vLLM's
+//! `group_idx` does; a router that scores prefixes reads one full-attention group.
+//!
 //! Recording costs one branch per membership change when events are off. When on, events go
 //! into three flat buffers (events, their hashes, their token ids) that keep their capacity
 //! across drains, so a steady state allocates nothing. Consecutive stores that continue one
-//! chain, and consecutive removals, share an event, as vLLM batches them.
+//! chain in one group, and consecutive removals in one group, share an event, as vLLM batches
+//! them.
 
 use std::ops::Range;
 
@@ -42,6 +47,8 @@ pub struct KvEvent {
     pub event_id: u64,
     pub kind: KvEventKind,
     pub medium: Medium,
+    /// The KV-cache group of the blocks (0 in a cache of one group).
+    pub group: u32,
     /// `BlockStored`: the hash of the block before the first stored one; `None` when the
     /// first stored block starts its sequence.
     pub parent_hash: Option<BlockHash>,
@@ -59,10 +66,13 @@ pub struct KvEventLog {
     events: Vec<KvEvent>,
     hashes: Vec<BlockHash>,
     tokens: Vec<u32>,
+    /// Per device block, the (hash, group) it was stored under: the block pool reports an
+    /// eviction by block, and a block is named again only after the eviction was logged.
+    device_names: Vec<(BlockHash, u32)>,
     /// Per host block, the cached contents it holds a copy of (swapped out).
-    host_block_hashes: Vec<Option<BlockHash>>,
-    /// How many host blocks hold a copy of each hash.
-    host_copies: HashMap<BlockHash, u32>,
+    host_block_hashes: Vec<Option<(BlockHash, u32)>>,
+    /// How many host blocks hold a copy of each (hash, group).
+    host_copies: HashMap<(BlockHash, u32), u32>,
 }
 
 impl KvEventLog {
@@ -71,8 +81,14 @@ impl KvEventLog {
         self.enabled
     }
 
-    /// Starts recording; `host_blocks` is the host tier's block count (0 without one).
-    pub(super) fn enable(&mut self, host_blocks: usize) -> CoreResult<()> {
+    /// Starts recording for `device_blocks` device blocks and `host_blocks` host blocks (0
+    /// without a host tier).
+    pub(super) fn enable(&mut self, device_blocks: usize, host_blocks: usize) -> CoreResult<()> {
+        self.device_names = try_filled_vec(
+            device_blocks,
+            (BlockHash::default(), 0),
+            "the names of the device's cached blocks",
+        )?;
         self.enabled = true;
         self.next_event_id = self.next_event_id.max(1);
         self.resize_host_tier(host_blocks)
@@ -110,8 +126,8 @@ impl KvEventLog {
         self.tokens.clear();
     }
 
-    /// Hashes with at least one copy on the host tier.
-    pub fn host_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+    /// (hash, group) of the blocks with at least one copy on the host tier.
+    pub fn host_hashes(&self) -> impl Iterator<Item = (BlockHash, u32)> + '_ {
         self.host_copies.keys().copied()
     }
 
@@ -119,6 +135,7 @@ impl KvEventLog {
         &mut self,
         kind: KvEventKind,
         medium: Medium,
+        group: u32,
         parent: Option<BlockHash>,
         root: BlockHash,
     ) {
@@ -127,6 +144,7 @@ impl KvEventLog {
             event_id: self.next_event_id,
             kind,
             medium,
+            group,
             parent_hash: parent,
             root_hash: root,
             hashes: hashes..hashes,
@@ -135,11 +153,31 @@ impl KvEventLog {
         self.next_event_id += 1;
     }
 
-    /// A block named `hash` (child of `parent`, `None` for a sequence's first block) joined
-    /// the cache on `medium`.
-    pub(super) fn stored(
+    /// Device block `block` of `group` joined the prefix cache as `hash` (child of `parent`,
+    /// `None` for a sequence's first block).
+    pub(super) fn stored_on_device(
+        &mut self,
+        block: u32,
+        group: u32,
+        parent: Option<BlockHash>,
+        root: BlockHash,
+        hash: BlockHash,
+        token_ids: &[u32],
+    ) {
+        self.device_names[block as usize] = (hash, group);
+        self.stored(Medium::Device, group, parent, root, hash, token_ids);
+    }
+
+    /// Device block `block` left the prefix cache.
+    pub(super) fn removed_from_device(&mut self, block: u32) {
+        let (hash, group) = self.device_names[block as usize];
+        self.removed(Medium::Device, group, hash);
+    }
+
+    fn stored(
         &mut self,
         medium: Medium,
+        group: u32,
         parent: Option<BlockHash>,
         root: BlockHash,
         hash: BlockHash,
@@ -148,12 +186,13 @@ impl KvEventLog {
         let continues = self.events.last().is_some_and(|last| {
             last.kind == KvEventKind::BlockStored
                 && last.medium == medium
+                && last.group == group
                 && last.root_hash == root
                 && parent.is_some()
                 && self.hashes.get(last.hashes.end.wrapping_sub(1)) == parent.as_ref()
         });
         if !continues {
-            self.push(KvEventKind::BlockStored, medium, parent, root);
+            self.push(KvEventKind::BlockStored, medium, group, parent, root);
         }
         self.hashes.push(hash);
         self.tokens.extend_from_slice(token_ids);
@@ -163,16 +202,16 @@ impl KvEventLog {
         }
     }
 
-    /// The block named `hash` left the cache on `medium`.
-    pub(super) fn removed(&mut self, medium: Medium, hash: BlockHash) {
-        let continues = self
-            .events
-            .last()
-            .is_some_and(|last| last.kind == KvEventKind::BlockRemoved && last.medium == medium);
+    /// The block of `group` named `hash` left the cache on `medium`.
+    fn removed(&mut self, medium: Medium, group: u32, hash: BlockHash) {
+        let continues = self.events.last().is_some_and(|last| {
+            last.kind == KvEventKind::BlockRemoved && last.medium == medium && last.group == group
+        });
         if !continues {
             self.push(
                 KvEventKind::BlockRemoved,
                 medium,
+                group,
                 None,
                 BlockHash::default(),
             );
@@ -188,15 +227,17 @@ impl KvEventLog {
         self.push(
             KvEventKind::AllBlocksCleared,
             Medium::Device,
+            0,
             None,
             BlockHash::default(),
         );
     }
 
-    /// Host block `block` now holds a copy of the cached block `hash`.
+    /// Host block `block` now holds a copy of the cached block `hash` of `group`.
     pub(super) fn host_copy_made(
         &mut self,
         block: u32,
+        group: u32,
         parent: Option<BlockHash>,
         root: BlockHash,
         hash: BlockHash,
@@ -206,24 +247,24 @@ impl KvEventLog {
         if slot.is_some() {
             return; // shared by several swapped sequences: one copy
         }
-        *slot = Some(hash);
-        let copies = self.host_copies.entry(hash).or_insert(0);
+        *slot = Some((hash, group));
+        let copies = self.host_copies.entry((hash, group)).or_insert(0);
         *copies += 1;
         if *copies == 1 {
-            self.stored(Medium::Host, parent, root, hash, token_ids);
+            self.stored(Medium::Host, group, parent, root, hash, token_ids);
         }
     }
 
     /// Host block `block` was freed.
     pub(super) fn host_block_freed(&mut self, block: u32) {
-        let Some(hash) = self.host_block_hashes[block as usize].take() else {
+        let Some(name) = self.host_block_hashes[block as usize].take() else {
             return;
         };
-        if let Some(copies) = self.host_copies.get_mut(&hash) {
+        if let Some(copies) = self.host_copies.get_mut(&name) {
             *copies -= 1;
             if *copies == 0 {
-                self.host_copies.remove(&hash);
-                self.removed(Medium::Host, hash);
+                self.host_copies.remove(&name);
+                self.removed(Medium::Host, name.1, name.0);
             }
         }
     }
@@ -236,7 +277,8 @@ impl KvEventLog {
         self.events.capacity() * std::mem::size_of::<KvEvent>()
             + self.hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.tokens.capacity() * 4
-            + self.host_block_hashes.capacity() * std::mem::size_of::<Option<BlockHash>>()
-            + self.host_copies.capacity() * (std::mem::size_of::<BlockHash>() + 4)
+            + self.device_names.capacity() * std::mem::size_of::<(BlockHash, u32)>()
+            + self.host_block_hashes.capacity() * std::mem::size_of::<Option<(BlockHash, u32)>>()
+            + self.host_copies.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 4)
     }
 }

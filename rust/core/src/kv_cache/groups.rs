@@ -181,7 +181,7 @@ pub fn group_layers(kinds: &[AttentionKind]) -> CoreResult<(Vec<KvCacheGroup>, u
 /// one-group cache and KV events see the plain hashes); other groups mix their index in, so
 /// the same tokens cached by two groups are two entries.
 #[inline]
-pub(super) fn group_key(hash: BlockHash, group: usize) -> BlockHash {
+pub fn group_key(hash: BlockHash, group: usize) -> BlockHash {
     if group == 0 {
         return hash;
     }

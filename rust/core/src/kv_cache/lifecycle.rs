@@ -1,7 +1,7 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
 use super::groups::group_key;
-use super::{allocate_checked, swapped_out, two_mut, KvCache, Medium, Tokens};
+use super::{allocate_checked, swapped_out, two_mut, KvCache, Tokens};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
 /// serves (`hits`), how many of those sit in the free queue, and the (group, block) that
@@ -450,8 +450,9 @@ impl KvCache {
                 available: self.block_pool.num_free(),
             });
         }
-        self.sync_removed();
         self.advance_windows(slab, num_tokens)?;
+        // Evictions (the windows' allocations too) are logged before blocks are named again.
+        self.sync_removed();
         let KvCache {
             sequences,
             block_pool,
@@ -462,22 +463,23 @@ impl KvCache {
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         let mut joined = 0;
-        while seq.num_registered < full {
-            let index = seq.num_registered;
-            for (group, table) in seq.tables.iter().enumerate() {
+        // Group by group, so that a group's new blocks are one chain (one event).
+        for (group, table) in seq.tables.iter().enumerate() {
+            for index in seq.num_registered..full {
                 let block = table.blocks[index];
                 if block == NULL_BLOCK {
                     continue;
                 }
                 let stored = block_pool.register(block, group_key(seq.hashes[index], group));
-                if stored && group == 0 && events.enabled() {
+                if stored && events.enabled() {
                     let (parent, hash, tokens) = seq.named_block(index, block_size);
-                    events.stored(Medium::Device, parent, seq.root_hash, hash, tokens);
+                    let root = seq.root_hash;
+                    events.stored_on_device(block, group as u32, parent, root, hash, tokens);
                 }
                 joined += usize::from(stored);
             }
-            seq.num_registered += 1;
         }
+        seq.num_registered = seq.num_registered.max(full);
         Ok(joined)
     }
 

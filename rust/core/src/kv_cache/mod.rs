@@ -28,7 +28,7 @@ use hashbrown::HashMap;
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
-pub use groups::{group_layers, layer_kinds, AttentionKind, KvCacheGroup};
+pub use groups::{group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup};
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
@@ -237,7 +237,8 @@ impl KvCache {
             "KV events are turned on once, before any sequence exists"
         );
         let host_blocks = self.host_pool.as_ref().map_or(0, BlockPool::num_blocks);
-        self.events.enable(host_blocks)?;
+        self.events
+            .enable(self.block_pool.num_blocks(), host_blocks)?;
         self.block_pool.set_record_removed(true);
         Ok(())
     }
@@ -270,7 +271,7 @@ impl KvCache {
             block_pool, events, ..
         } = self;
         if events.enabled() {
-            block_pool.drain_removed(|hash| events.removed(Medium::Device, hash));
+            block_pool.drain_removed(|block| events.removed_from_device(block));
         }
     }
 

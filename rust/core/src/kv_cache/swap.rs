@@ -1,7 +1,7 @@
 //! The host tier: swapping sequences out to host blocks and back in.
 
 use super::{allocate_checked, swapped_out, KvCache, NO_BLOCK};
-use crate::alloc::BlockPool;
+use crate::alloc::{BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
@@ -156,10 +156,16 @@ impl KvCache {
                 table.layout = seq.version;
             }
             if out && events.enabled() {
-                for index in 0..named {
-                    let (parent, hash, tokens) = seq.named_block(index, block_size);
-                    let block = seq.tables[0].blocks[index];
-                    events.host_copy_made(block, parent, seq.root_hash, hash, tokens);
+                for group in 0..seq.tables.len() {
+                    for index in 0..named {
+                        let block = seq.tables[group].blocks[index];
+                        if block == NULL_BLOCK {
+                            continue; // released by a window
+                        }
+                        let (parent, hash, tokens) = seq.named_block(index, block_size);
+                        let root = seq.root_hash;
+                        events.host_copy_made(block, group as u32, parent, root, hash, tokens);
+                    }
                 }
             }
             seq.swapped = out;

@@ -15,12 +15,12 @@ fn external(hash: BlockHash) -> u64 {
 }
 
 /// Columns of the per-event array.
-const EVENT_COLUMNS: usize = 8;
+const EVENT_COLUMNS: usize = 9;
 
-/// `(events, hashes, token_ids)`: `events` is uint64 `[E, 8]`, per event (event_id, kind:
+/// `(events, hashes, token_ids)`: `events` is uint64 `[E, 9]`, per event (event_id, kind:
 /// 0 stored | 1 removed | 2 cleared, medium: 0 device | 1 host, has_parent, parent hash, root
-/// hash, end of its hashes, end of its token ids); an event's block hashes (uint64) and token
-/// ids (uint32) run from the previous event's ends to its own.
+/// hash, end of its hashes, end of its token ids, KV-cache group); an event's block hashes
+/// (uint64) and token ids (uint32) run from the previous event's ends to its own.
 pub(crate) fn events_to_arrays<'py>(
     py: Python<'py>,
     log: &KvEventLog,
@@ -48,6 +48,7 @@ pub(crate) fn events_to_arrays<'py>(
             external(event.root_hash),
             hashes.len() as u64,
             token_ids.len() as u64,
+            u64::from(event.group),
         ]);
     }
     let table = Array2::from_shape_vec((events.len(), EVENT_COLUMNS), table)

@@ -118,11 +118,6 @@ impl PyKvCachePool {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
         }
         if enable_kv_events {
-            if cache.num_groups() > 1 {
-                return Err(crate::errors::value_error(
-                    "KV events with several KV-cache groups (layer_types) are not supported yet",
-                ));
-            }
             cache.enable_kv_events().into_py_result()?;
         }
         Ok(PyKvCachePool {
