@@ -1,7 +1,7 @@
 """Stubs of the Rust extension ``atb_mem._core``, kept in sync by tests/package/test_stubs.py."""
 
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,7 @@ from atb_mem._types import (
     RequestBatcherConfig,
     SchedulerCounts,
 )
+from atb_mem.events import KVCacheEvent
 
 __version__: str
 NULL_BLOCK: int
@@ -191,14 +192,28 @@ class KVCachePool:
         """Drops every cached block no sequence uses; returns how many."""
     @property
     def enable_kv_events(self) -> bool: ...
-    def take_event_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Drains the KV-cache events since the last call, oldest first: uint64 ``[E, 9]``
-        (event_id, kind, medium, has_parent, parent, root, end of hashes, end of token ids,
-        group), uint64 hashes, uint32 token ids; None when there are none. See
-        atb_mem.events.events_from_arrays."""
+    def take_events(self) -> KVEventList:
+        """The KV-cache events recorded since the last call, oldest first (see
+        ``atb_mem.events``), typed when first read; always empty unless the pool has
+        ``enable_kv_events``."""
     def stats(self) -> KVCacheStats: ...
     def _check_invariants(self) -> None:
         """Raises AssertionError naming the first broken internal invariant."""
+
+class KVEventList(Sequence[KVCacheEvent]):
+    """The events of one drain (``KVCachePool.take_events()``), typed when first read."""
+
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: int) -> KVCacheEvent: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[KVCacheEvent]: ...
+    def __iter__(self) -> Iterator[KVCacheEvent]: ...
+    def __eq__(self, other: object) -> bool: ...
+    @property
+    def buffer(self) -> npt.NDArray[np.uint64]:
+        """uint64 ``[E]``, the ``[E, 9]`` table, the hashes, the token ids as uint32 pairs
+        (see ``atb_mem.events.events_from_buffer``)."""
 
 class BatchTable:
     """Persistent decode-step buffers of the running batch, updated in place.

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atb_mem import KVCachePool
-from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored
+from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventList
 from tests.support.kv_event_workload import Router, apply, operation
 
 
@@ -117,3 +117,34 @@ def test_a_router_replaying_the_events_counts_the_cached_blocks(operations: list
     router.replay(pool.take_events())
     assert len(router.blocks["device"]) == pool.stats()["blocks_cached"]
     assert router.blocks["host"] == set()
+
+
+def test_a_drain_is_a_list_typed_when_read() -> None:
+    """``take_events()`` is a ``KVEventList``: its length without typing, then indexing,
+    slices, iteration, equality and repr like the list of its events; the buffer it came as;
+    two threads reading it first at once see the same events."""
+    import threading
+
+    pool = events_pool(num_blocks=4)
+    empty = pool.take_events()
+    assert isinstance(empty, KVEventList) and len(empty) == 0 and empty == [] and not empty
+    pool.alloc_sequence(1, [1, 2, 3, 4, 5])
+    pool.mark_computed(1)
+    pool.free_sequence(1)
+    pool.alloc_sequence(2, 6)  # evicts both cached blocks
+    events = pool.take_events()
+    assert len(events) == 2 and int(events.buffer[0]) == 2 and events.buffer.dtype == np.uint64
+    seen: list[list[object]] = []
+    readers = [threading.Thread(target=lambda: seen.append(list(events))) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    stored, removed = seen[0]
+    assert seen[1] == seen[0] == list(events) == events[:] == [events[0], events[-1]]
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert events == (stored, removed) and events != [stored] and events != "events"
+    assert repr(events).startswith("KVEventList([BlockStored(event_id=1")
+    with pytest.raises(IndexError):
+        events[2]
+    assert pool.take_events() == []  # drained

@@ -9,7 +9,9 @@ where: ``"device"``, or ``"host"`` for the copies a swap-out makes. ``pool.take_
 drains them in order; ``event_id`` increases by one per event over the pool's life, so a gap
 means a lost event.
 
-Events are named tuples (cheap to make: an engine drains every step). Block hashes are the
+A drain is a ``KVEventList``: one object over one buffer, whose events are typed when first
+read — by a publisher, on its own thread (``ZmqEventPublisher`` queues the list as it is), so
+draining every step costs the engine's thread little. Events are named tuples. Block hashes are the
 first 64 bits of the core's 128-bit chained hash (a router keys blocks
 by 64-bit integers); ``cache_salt_hash`` names the chain's root (0 without a cache salt).
 
@@ -26,10 +28,11 @@ from typing import Literal, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 
+from atb_mem._core import KVEventList
 from atb_mem._types import KVCacheGroup
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
-           "KVEventPublisher", "Medium", "events_from_arrays"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventList",
+           "KVEventPublisher", "Medium", "events_from_buffer"]
 
 Medium: TypeAlias = Literal["device", "host"]
 
@@ -80,14 +83,19 @@ class KVEventPublisher(Protocol):
 _MEDIA: tuple[Medium, Medium] = ("device", "host")
 
 
-def events_from_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-                       block_size: int, groups: Sequence[KVCacheGroup] = ()
-                       ) -> list[KVCacheEvent]:
-    """Types the core's drain (``_core.KVCachePool.take_event_arrays()``); ``groups``: the
-    pool's KV-cache groups (more than one: events name theirs)."""
-    if arrays is None:
+def events_from_buffer(buffer: np.ndarray | None, block_size: int,
+                       groups: Sequence[KVCacheGroup] = ()) -> list[KVCacheEvent]:
+    """Types the core's drain (``_core.KVCachePool.take_event_buffer()``: uint64 ``[E]``, the
+    ``[E, 9]`` table — event_id, kind, medium, has_parent, parent, root, end of its hashes,
+    end of its token ids, group —, the hashes, then the token ids as uint32 pairs);
+    ``groups``: the pool's KV-cache groups (more than one: events name theirs)."""
+    if buffer is None:
         return []
-    table, hashes, token_ids = arrays
+    count = int(buffer[0])
+    table = buffer[1:1 + 9 * count].reshape(count, 9)
+    num_hashes, num_tokens = (int(table[-1, 6]), int(table[-1, 7])) if count else (0, 0)
+    hashes = buffer[1 + 9 * count:1 + 9 * count + num_hashes]
+    token_ids = buffer[1 + 9 * count + num_hashes:].view(np.uint32)[:num_tokens]
     grouped = len(groups) > 1
     events: list[KVCacheEvent] = []
     hashes_from = tokens_from = 0

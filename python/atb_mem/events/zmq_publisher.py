@@ -21,7 +21,13 @@ from collections.abc import Sequence
 
 import zmq
 
-from atb_mem.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from atb_mem.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventList,
+)
 from atb_mem.events.vllm import encode_batch
 
 __all__ = ["ZmqEventPublisher"]
@@ -60,14 +66,19 @@ class ZmqEventPublisher:
         self.replay_endpoint = None if self._replay is None else \
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._queue: queue.Queue[list[KVCacheEvent] | None] = queue.Queue()
+        self._queue: queue.Queue[Sequence[KVCacheEvent] | None] = queue.Queue()
         self._next_seq = 0
         self._thread = threading.Thread(target=self._run, name="atb-mem-kv-events",
                                         daemon=True)
         self._thread.start()
 
     def publish(self, events: Sequence[KVCacheEvent]) -> None:
-        """Queues one batch (nothing for no events); returns at once."""
+        """Queues one batch (nothing for no events); returns at once. A pool's drain
+        (``KVEventList``) is queued as it is: the publisher's thread types and encodes it."""
+        if isinstance(events, KVEventList):
+            if len(events):
+                self._queue.put(events)
+            return
         for event in events:  # refused here: the thread that encodes must not fail
             if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
                 raise TypeError(f"not a KV-cache event: {event!r}")

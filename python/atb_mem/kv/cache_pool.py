@@ -23,7 +23,6 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem._types import GroupPrefix, KVCacheGroup, KVCachePoolStats, PrefixExplanation
-from atb_mem.events import KVCacheEvent, events_from_arrays
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -68,7 +67,8 @@ class KVCachePool(_core.KVCachePool):
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
     """
 
-    __slots__ = ("_mem_pool", "_own_pool", "_region", "_tensors")
+    __slots__ = ("_group_specs", "_mem_pool", "_own_pool", "_region", "_tensors")
+    _group_specs: tuple[KVCacheGroup, ...]
     _mem_pool: MemPool | None
     _own_pool: MemPool | None
     _region: _core.Allocation | None
@@ -81,6 +81,8 @@ class KVCachePool(_core.KVCachePool):
             raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
         self = super().__new__(cls, num_blocks, block_size, num_host_blocks=num_host_blocks,
                                **kwargs)
+        self._group_specs = tuple(KVCacheGroup(kind, tuple(layers), window)
+                                  for kind, layers, window in self._groups)
         self._mem_pool = pool
         self._own_pool = None
         self._region = None
@@ -113,8 +115,7 @@ class KVCachePool(_core.KVCachePool):
     def groups(self) -> list[KVCacheGroup]:
         """The KV-cache groups, by first layer: one full-attention group of every layer
         unless ``layer_types``/``sliding_window`` made more."""
-        return [KVCacheGroup(kind, tuple(layers), window)
-                for kind, layers, window in self._groups]
+        return list(self._group_specs)
 
     # ---- the bytes -------------------------------------------------------------------------
 
@@ -248,11 +249,6 @@ class KVCachePool(_core.KVCachePool):
         change), as one transaction like ``swap_out``. Returns the (host block, device block)
         pairs moved."""
         return super().swap_in(seq_ids, execute or self._executor)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """The KV-cache events recorded since the last call, oldest first (see
-        ``atb_mem.events``); always empty unless the pool has ``enable_kv_events``."""
-        return events_from_arrays(self.take_event_arrays(), self.block_size, self.groups)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

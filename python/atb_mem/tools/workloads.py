@@ -101,10 +101,11 @@ def prefix_prompts(requests: int = 10_000) -> list[np.ndarray]:
     return prompts
 
 
-def prefix_workload(prompts: list[np.ndarray], *,
-                    kv_events: bool = False) -> Workload[KVCachePoolStats]:
+def prefix_workload(prompts: list[np.ndarray], *, kv_events: bool = False,
+                    typed: bool = False) -> Workload[KVCachePoolStats]:
     """W3: allocate each prompt with its token ids, then free it. Returns the stats. With
-    ``kv_events`` the pool records KV-cache events, drained (typed) after each request."""
+    ``kv_events`` the pool records KV-cache events, drained after each request (and with
+    ``typed`` read as named tuples there too, rather than where they are published)."""
 
     def run() -> KVCachePoolStats:
         kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
@@ -114,7 +115,9 @@ def prefix_workload(prompts: list[np.ndarray], *,
             kv.mark_computed(seq_id)  # the prefill ran
             kv.free_sequence(seq_id)
             if kv_events:
-                kv.take_events()
+                events = kv.take_events()
+                if typed:
+                    list(events)
         return kv.stats()
 
     return run, len(prompts)

@@ -18,6 +18,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
     module.add_class::<kv_cache::PyKvCachePool>()?;
     module.add_class::<kv_cache::PyBatchTable>()?;
+    module.add_class::<kv_cache::PyKvEventList>()?;
     module.add_class::<alloc::PyMemPool>()?;
     module.add_class::<alloc::PyAllocation>()?;
     module.add_class::<alloc::HostRegion>()?;

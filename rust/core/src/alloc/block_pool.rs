@@ -51,10 +51,10 @@ pub struct BlockPool {
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
-    /// The blocks that left the prefix cache since the last `drain_removed`, kept only while
-    /// `record_removed` (KV-cache events name them).
+    /// The (key, block) of the blocks that left the prefix cache since the last
+    /// `drain_removed`, kept only while `record_removed` (KV-cache events).
     record_removed: bool,
-    removed: Vec<u32>,
+    removed: Vec<(BlockHash, u32)>,
     /// Hashes of the last `num_blocks` evicted blocks: a lookup miss can say "evicted".
     evicted: EvictionHistory,
 }
@@ -134,7 +134,8 @@ impl BlockPool {
     #[inline]
     fn unregister(&mut self, block: u32) {
         if self.record_removed {
-            self.removed.push(block);
+            self.removed
+                .push((self.block_hashes[block as usize], block));
         }
         let hashes = &self.block_hashes;
         self.prefix_table
@@ -174,11 +175,10 @@ impl BlockPool {
         self.record_removed = record;
     }
 
-    /// Hands the blocks recorded since the last call to `sink`, oldest first. A block is
-    /// registered again only after the caller drained its removal.
-    pub fn drain_removed(&mut self, mut sink: impl FnMut(u32)) {
-        for &block in &self.removed {
-            sink(block);
+    /// Hands the (key, block) recorded since the last call to `sink`, oldest first.
+    pub fn drain_removed(&mut self, mut sink: impl FnMut(BlockHash, u32)) {
+        for &(key, block) in &self.removed {
+            sink(key, block);
         }
         self.removed.clear();
     }
@@ -352,7 +352,7 @@ impl BlockPool {
             + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.is_cached.capacity()
             + self.prefix_table.heap_bytes()
-            + self.removed.capacity() * std::mem::size_of::<u32>()
+            + self.removed.capacity() * std::mem::size_of::<(BlockHash, u32)>()
             + self.evicted.heap_bytes()
     }
 

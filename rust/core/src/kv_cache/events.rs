@@ -22,6 +22,7 @@ use std::ops::Range;
 
 use hashbrown::HashMap;
 
+use super::groups::group_key;
 use crate::alloc::fallible::try_filled_vec;
 use crate::alloc::BlockHash;
 use crate::error::CoreResult;
@@ -66,9 +67,10 @@ pub struct KvEventLog {
     events: Vec<KvEvent>,
     hashes: Vec<BlockHash>,
     tokens: Vec<u32>,
-    /// Per device block, the (hash, group) it was stored under: the block pool reports an
-    /// eviction by block, and a block is named again only after the eviction was logged.
-    device_names: Vec<(BlockHash, u32)>,
+    /// Per device block, the group it was cached for (2 bytes a block, so the table stays in
+    /// cache): with its key, which the block pool reports, it names an evicted block. A block
+    /// is cached again only after its eviction was logged.
+    device_groups: Vec<u16>,
     /// Per host block, the cached contents it holds a copy of (swapped out).
     host_block_hashes: Vec<Option<(BlockHash, u32)>>,
     /// How many host blocks hold a copy of each (hash, group).
@@ -84,11 +86,8 @@ impl KvEventLog {
     /// Starts recording for `device_blocks` device blocks and `host_blocks` host blocks (0
     /// without a host tier).
     pub(super) fn enable(&mut self, device_blocks: usize, host_blocks: usize) -> CoreResult<()> {
-        self.device_names = try_filled_vec(
-            device_blocks,
-            (BlockHash::default(), 0),
-            "the names of the device's cached blocks",
-        )?;
+        self.device_groups =
+            try_filled_vec(device_blocks, 0, "the groups of the device's cached blocks")?;
         self.enabled = true;
         self.next_event_id = self.next_event_id.max(1);
         self.resize_host_tier(host_blocks)
@@ -113,6 +112,16 @@ impl KvEventLog {
     /// `BlockStored`: the token ids of the stored blocks, block after block.
     pub fn token_ids(&self, event: &KvEvent) -> &[u32] {
         &self.tokens[event.tokens.clone()]
+    }
+
+    /// Every event's hashes, event after event.
+    pub fn all_hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    /// Every event's token ids, event after event.
+    pub fn all_token_ids(&self) -> &[u32] {
+        &self.tokens
     }
 
     pub fn is_empty(&self) -> bool {
@@ -153,34 +162,28 @@ impl KvEventLog {
         self.next_event_id += 1;
     }
 
-    /// Device block `block` of `group` joined the prefix cache as `hash` (child of `parent`,
-    /// `None` for a sequence's first block).
-    pub(super) fn stored_on_device(
-        &mut self,
-        block: u32,
-        group: u32,
-        parent: Option<BlockHash>,
-        root: BlockHash,
-        hash: BlockHash,
-        token_ids: &[u32],
-    ) {
-        self.device_names[block as usize] = (hash, group);
-        self.stored(Medium::Device, group, parent, root, hash, token_ids);
+    /// Device block `block` is cached for `group` (which its removal will be logged under);
+    /// the store itself is logged by `stored_run`.
+    #[inline]
+    pub(super) fn cached_for(&mut self, block: u32, group: u32) {
+        self.device_groups[block as usize] = group as u16;
     }
 
-    /// Device block `block` left the prefix cache.
-    pub(super) fn removed_from_device(&mut self, block: u32) {
-        let (hash, group) = self.device_names[block as usize];
-        self.removed(Medium::Device, group, hash);
+    /// Device block `block`, cached under `key`, left the prefix cache.
+    pub(super) fn removed_from_device(&mut self, key: BlockHash, block: u32) {
+        let group = u32::from(self.device_groups[block as usize]);
+        self.removed(Medium::Device, group, group_key(key, group as usize));
     }
 
-    fn stored(
+    /// Blocks named `hashes` (a chain: each the child of the one before, the first the child
+    /// of `parent`, `None` when it starts its sequence) joined the cache on `medium`.
+    pub(super) fn stored_run(
         &mut self,
         medium: Medium,
         group: u32,
         parent: Option<BlockHash>,
         root: BlockHash,
-        hash: BlockHash,
+        hashes: &[BlockHash],
         token_ids: &[u32],
     ) {
         let continues = self.events.last().is_some_and(|last| {
@@ -194,7 +197,7 @@ impl KvEventLog {
         if !continues {
             self.push(KvEventKind::BlockStored, medium, group, parent, root);
         }
-        self.hashes.push(hash);
+        self.hashes.extend_from_slice(hashes);
         self.tokens.extend_from_slice(token_ids);
         if let Some(last) = self.events.last_mut() {
             last.hashes.end = self.hashes.len();
@@ -251,7 +254,7 @@ impl KvEventLog {
         let copies = self.host_copies.entry((hash, group)).or_insert(0);
         *copies += 1;
         if *copies == 1 {
-            self.stored(Medium::Host, group, parent, root, hash, token_ids);
+            self.stored_run(Medium::Host, group, parent, root, &[hash], token_ids);
         }
     }
 
@@ -277,7 +280,7 @@ impl KvEventLog {
         self.events.capacity() * std::mem::size_of::<KvEvent>()
             + self.hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.tokens.capacity() * 4
-            + self.device_names.capacity() * std::mem::size_of::<(BlockHash, u32)>()
+            + self.device_groups.capacity() * 2
             + self.host_block_hashes.capacity() * std::mem::size_of::<Option<(BlockHash, u32)>>()
             + self.host_copies.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 4)
     }

@@ -178,18 +178,18 @@ pub fn group_layers(kinds: &[AttentionKind]) -> CoreResult<(Vec<KvCacheGroup>, u
 }
 
 /// The prefix-cache key of a block of group `group`: group 0 keeps the chain's hash itself (a
-/// one-group cache and KV events see the plain hashes); other groups mix their index in, so
-/// the same tokens cached by two groups are two entries.
+/// one-group cache and KV events see the plain hashes); other groups XOR a constant of their
+/// own in, so the same tokens cached by two groups are two entries. XOR undoes itself:
+/// `group_key(group_key(hash, g), g) == hash`, which names an evicted block for its event
+/// from its key and group alone. (The chain's hash is uniform, so its XOR with a constant is
+/// as well spread in the prefix table.)
 #[inline]
 pub fn group_key(hash: BlockHash, group: usize) -> BlockHash {
-    if group == 0 {
-        return hash;
-    }
-    // A bijective mix of the first word (the prefix table's key) keeps keys well spread.
-    let mut word = hash.0[0] ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    word = (word ^ (word >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    word ^= word >> 29;
-    BlockHash([word, hash.0[1] ^ group as u64])
+    let group = group as u64;
+    BlockHash([
+        hash.0[0] ^ group.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        hash.0[1] ^ group,
+    ])
 }
 
 #[cfg(test)]
@@ -270,5 +270,6 @@ mod tests {
         assert_eq!(group_key(hash, 0), hash);
         assert_ne!(group_key(hash, 1), hash);
         assert_ne!(group_key(hash, 1), group_key(hash, 2));
+        assert_eq!(group_key(group_key(hash, 3), 3), hash);
     }
 }

@@ -463,20 +463,27 @@ impl KvCache {
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         let mut joined = 0;
-        // Group by group, so that a group's new blocks are one chain (one event).
+        // Group by group, so that a group's new blocks are one chain: one event per run of
+        // blocks that joined (a block whose contents another block holds does not).
         for (group, table) in seq.tables.iter().enumerate() {
+            let mut run_start = None;
             for index in seq.num_registered..full {
                 let block = table.blocks[index];
-                if block == NULL_BLOCK {
+                let stored = block != NULL_BLOCK
+                    && block_pool.register(block, group_key(seq.hashes[index], group));
+                joined += usize::from(stored);
+                if !events.enabled() {
                     continue;
                 }
-                let stored = block_pool.register(block, group_key(seq.hashes[index], group));
-                if stored && events.enabled() {
-                    let (parent, hash, tokens) = seq.named_block(index, block_size);
-                    let root = seq.root_hash;
-                    events.stored_on_device(block, group as u32, parent, root, hash, tokens);
+                if stored {
+                    events.cached_for(block, group as u32);
+                    run_start.get_or_insert(index);
+                } else if let Some(start) = run_start.take() {
+                    seq.log_stored(events, group, start..index, block_size);
                 }
-                joined += usize::from(stored);
+            }
+            if let Some(start) = run_start {
+                seq.log_stored(events, group, start..full, block_size);
             }
         }
         seq.num_registered = seq.num_registered.max(full);
@@ -551,7 +558,7 @@ impl KvCache {
         let dropped = self.block_pool.reset_prefix_cache();
         let nothing_left = self.block_pool.num_cached() == 0 && !self.events.has_host_copies();
         if self.events.enabled() && dropped > 0 && nothing_left {
-            self.block_pool.drain_removed(|_| {});
+            self.block_pool.drain_removed(|_, _| {});
             self.events.all_cleared();
         }
         self.sync_removed();

@@ -236,6 +236,11 @@ impl KvCache {
             self.index.is_empty(),
             "KV events are turned on once, before any sequence exists"
         );
+        ensure!(
+            self.groups.len() <= usize::from(u16::MAX) + 1,
+            "KV events name at most 65,536 KV-cache groups, this cache has {}",
+            self.groups.len()
+        );
         let host_blocks = self.host_pool.as_ref().map_or(0, BlockPool::num_blocks);
         self.events
             .enable(self.block_pool.num_blocks(), host_blocks)?;
@@ -271,7 +276,7 @@ impl KvCache {
             block_pool, events, ..
         } = self;
         if events.enabled() {
-            block_pool.drain_removed(|block| events.removed_from_device(block));
+            block_pool.drain_removed(|key, block| events.removed_from_device(key, block));
         }
     }
 

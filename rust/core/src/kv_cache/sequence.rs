@@ -1,5 +1,8 @@
 //! One sequence's state in the cache's slab.
 
+use std::ops::Range;
+
+use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
 
 /// Bytes of one sequence's fixed state (for memory accounting).
@@ -100,6 +103,33 @@ impl Sequence {
         self.tables
             .iter()
             .flat_map(|table| table.live().iter().copied())
+    }
+
+    /// Logs that full blocks `blocks` of `group` joined the device's prefix cache.
+    pub(super) fn log_stored(
+        &self,
+        events: &mut KvEventLog,
+        group: usize,
+        blocks: Range<usize>,
+        block_size: usize,
+    ) {
+        let tokens = self
+            .token_ids
+            .get(blocks.start * block_size..blocks.end * block_size)
+            .unwrap_or_default();
+        let parent = blocks
+            .start
+            .checked_sub(1)
+            .map(|parent| self.hashes[parent]);
+        let hashes = &self.hashes[blocks];
+        events.stored_run(
+            Medium::Device,
+            group as u32,
+            parent,
+            self.root_hash,
+            hashes,
+            tokens,
+        );
     }
 
     /// What a stored event says of full block `index`: its parent's hash (`None` for the

@@ -9,9 +9,10 @@ pub mod transfer;
 use atb_mem_core::{layer_kinds, pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyDict;
 
 pub use batch_table::PyBatchTable;
+pub use events::PyKvEventList;
 
 use crate::convert::{
     self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, LayerTypes, Positions,
@@ -553,17 +554,20 @@ impl PyKvCachePool {
         Ok(self.lock()?.kv_events_enabled())
     }
 
-    /// Drains the KV-cache events recorded since the last call, oldest first, as numpy
-    /// arrays (see `atb_mem.events` for their types); None when there are none.
-    fn take_event_arrays<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let mut cache = self.lock()?;
+    /// Drains the KV-cache events recorded since the last call, oldest first, as a
+    /// `KVEventList` (typed when first read; see `atb_mem.events`).
+    fn take_events(slf: &Bound<'_, Self>) -> PyResult<events::PyKvEventList> {
+        let mut cache = slf.get().lock()?;
         if cache.kv_events().is_empty() {
-            return Ok(None);
+            return Ok(events::PyKvEventList::new(Vec::new(), None));
         }
         // Dropped only once converted: a failed conversion loses no event.
-        let arrays = events::events_to_arrays(py, cache.kv_events())?;
+        let buffer = events::events_to_buffer(cache.kv_events())?;
         cache.clear_kv_events();
-        Ok(Some(arrays))
+        Ok(events::PyKvEventList::new(
+            buffer,
+            Some(slf.clone().into_any().unbind()),
+        ))
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
