@@ -170,7 +170,9 @@ class KVCachePool:
     def context_lens(self, seq_ids: SeqIdsLike) -> Int32Array: ...
     def page_table_csr(self, seq_ids: SeqIdsLike, *,
                        group: int = 0) -> tuple[Int32Array, Int32Array, Int32Array]:
-        """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)``, all int32."""
+        """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)``, all int32; a
+        windowed group's lists the blocks its window still holds (read them with
+        ``window_left = window - 1``), never the null block."""
     def batch_table(self, max_seqs: int, max_blocks_per_seq: int) -> BatchTable: ...
     @property
     def num_host_blocks(self) -> int:

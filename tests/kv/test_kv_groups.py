@@ -181,3 +181,23 @@ def test_bad_group_and_layer_arguments_are_clear_errors(bad: object) -> None:
     with pytest.raises(ValueError, match="layer 6 is not a layer"):
         pool.group_of_layer(6)
     assert pool.stats() == before
+
+
+def test_flashinfers_page_table_of_a_window_lists_only_the_blocks_it_holds() -> None:
+    """A sliding group's CSR starts at the first block its window still holds (FlashInfer
+    reads those with ``window_left = W - 1``: the null block is never listed); a full group's
+    lists every block."""
+    pool = KVCachePool(64, 2, num_layers=2, device=None, sliding_window=3,
+                       layer_types=["sliding_attention", "full_attention"])
+    pool.alloc_sequence(1, list(range(7)))
+    pool.mark_computed(1)
+    for token in range(4):
+        pool.append_tokens([1], token_ids=[token])
+        pool.mark_computed(1)  # 11 tokens; token 10 read positions 8-10: blocks 4 and 5
+    sliding, full = (pool.block_table(1, group=group) for group in (0, 1))
+    assert (sliding[:4] == 0).all() and (sliding[4:] > 0).all()
+    indptr, indices, last = pool.page_table_csr([1], group=0)
+    assert indices.tolist() == sliding[4:].tolist() and indptr.tolist() == [0, 2]
+    assert last.tolist() == [1]  # 11 tokens: the last page holds one
+    indptr, indices, last = pool.page_table_csr([1], group=1)
+    assert indices.tolist() == full.tolist() and indptr.tolist() == [0, 6]

@@ -124,7 +124,8 @@ impl KvCache {
 
     /// FlashInfer's CSR page table of `group`: `indptr[i]..indptr[i+1]` indexes sequence
     /// i's blocks in `indices`; `last_page_len[i]` is how many slots of its last block hold
-    /// tokens.
+    /// tokens. A windowed group lists the blocks its window still holds (never the null
+    /// block): FlashInfer reads them with `window_left = window - 1`.
     pub fn page_table_csr(
         &self,
         group: usize,
@@ -148,9 +149,20 @@ impl KvCache {
         let block_size = self.block_size();
         for &seq_id in seq_ids {
             let seq = self.sequence(seq_id)?;
-            indices.extend(seq.tables[group].blocks.iter().map(|&block| block as i32));
+            // The run of blocks the group holds: a window's released blocks before it (read
+            // with FlashInfer's `window_left`, the positions shift alike), a lazily admitted
+            // prompt's blocks not allocated yet after it.
+            let blocks = &seq.tables[group].blocks;
+            let first = blocks.iter().position(|&block| block != NULL_BLOCK);
+            let first = first.unwrap_or(blocks.len());
+            let end = blocks[first..]
+                .iter()
+                .position(|&block| block == NULL_BLOCK)
+                .map_or(blocks.len(), |held| first + held);
+            indices.extend(blocks[first..end].iter().map(|&block| block as i32));
             indptr.push(indices.len() as i32);
-            last_page_len.push(((seq.num_tokens - 1) % block_size + 1) as i32);
+            let before_last = end.saturating_sub(1) * block_size;
+            last_page_len.push(seq.num_tokens.saturating_sub(before_last).min(block_size) as i32);
         }
         Ok(())
     }
