@@ -60,20 +60,28 @@ def fill(kv: atb_mem.KVCachePool, context: int, limit: int = 4096
             return scheduler, stats["running"]
 
 
-def time_steps(scheduler: atb_mem.ContinuousBatchScheduler, repeats: int) -> float:
-    """Median seconds of one decode step of every running sequence (plan + tokens), once
-    past the first steps after the prefills (where windowed groups release the blocks the
-    last prefill chunk read: a one-time cost per sequence, like freeing it)."""
+def step(scheduler: atb_mem.ContinuousBatchScheduler) -> float:
+    """Seconds of one decode step of every running sequence (plan + tokens)."""
+    start = time.perf_counter()
+    plan = scheduler.step()
+    scheduler.on_tokens(plan.sample_seq_ids, np.ones(len(plan.sample_seq_ids), np.int32))
+    return time.perf_counter() - start
+
+
+def time_steps(schedulers: list[atb_mem.ContinuousBatchScheduler],
+               repeats: int) -> list[float]:
+    """Median seconds of a decode step of each scheduler, stepped in turn (the machine's
+    noise hits all alike), once past the first steps after the prefills (where windowed
+    groups release the blocks the last prefill chunk read: a one-time cost per sequence,
+    like freeing it)."""
     for _ in range(100):
-        plan = scheduler.step()
-        scheduler.on_tokens(plan.sample_seq_ids, np.ones(len(plan.sample_seq_ids), np.int32))
-    times = []
+        for scheduler in schedulers:
+            step(scheduler)
+    times: list[list[float]] = [[] for _ in schedulers]
     for _ in range(repeats):
-        start = time.perf_counter()
-        plan = scheduler.step()
-        scheduler.on_tokens(plan.sample_seq_ids, np.ones(len(plan.sample_seq_ids), np.int32))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for scheduler, timed in zip(schedulers, times, strict=True):
+            timed.append(step(scheduler))
+    return [statistics.median(timed) for timed in times]
 
 
 def time_lookup(kv: atb_mem.KVCachePool, context: int, repeats: int) -> float:
@@ -103,25 +111,27 @@ def main() -> None:
         lookup = time_lookup(kv, args.context, args.repeats)
         scheduler, running = fill(kv, args.context)
         mean_context = kv.stats()["num_tokens"] / running
-        full_step = time_steps(scheduler, args.repeats)
-        rows[grouped] = [running, full_step, lookup, len(kv.groups), mean_context, scheduler, kv]
+        rows[grouped] = [running, 0.0, lookup, len(kv.groups), mean_context, scheduler, kv]
+    # Each cache full, stepped in turn.
+    rows[False][1], rows[True][1] = time_steps([rows[False][5], rows[True][5]], args.repeats)
     # The same batch in both: the grouped cache keeps as many sequences as the other holds.
-    plain_running, plain_step = rows[False][0], rows[False][1]
+    plain_running = rows[False][0]
     scheduler, kv = rows[True][5], rows[True][6]
     for seq_id in sorted(kv.seq_ids())[plain_running:]:
         scheduler.abort(seq_id)
-    same_batch_step = time_steps(scheduler, args.repeats)
+    plain_step, same_batch_step = time_steps([rows[False][5], scheduler], args.repeats)
     print(f"{args.memory_gib:g} GiB of bf16 K/V, {args.context}-token contexts, Gemma-3 shape")
     print(f"{'cache':<22}{'groups':>7}{'running':>9}{'context':>9}{'step ms':>10}"
           f"{'per seq us':>12}{'lookup ms':>11}")
-    for grouped, (running, step, lookup, groups, context, *_) in rows.items():
+    for grouped, (running, step_time, lookup, groups, context, *_) in rows.items():
         name = "KV-cache groups" if grouped else "every block kept"
-        print(f"{name:<22}{groups:>7}{running:>9}{context:>9.0f}{step * 1e3:>10.2f}"
-              f"{step / running * 1e6:>12.1f}{lookup * 1e3:>11.2f}")
-    hybrid, step, lookup = rows[True][:3]
+        print(f"{name:<22}{groups:>7}{running:>9}{context:>9.0f}{step_time * 1e3:>10.2f}"
+              f"{step_time / running * 1e6:>12.1f}{lookup * 1e3:>11.2f}")
+    hybrid, step_time, lookup = rows[True][:3]
     print(f"concurrency x{hybrid / plain_running:.2f}; decode step at {plain_running} "
           f"sequences x{same_batch_step / plain_step:.2f} ({same_batch_step * 1e3:.3f} ms); "
-          f"per sequence at full concurrency x{(step / hybrid) / (plain_step / plain_running):.2f}"
+          f"per sequence at full concurrency "
+          f"x{(step_time / hybrid) / (rows[False][1] / plain_running):.2f}"
           f"; prefix lookup x{lookup / rows[False][2]:.2f}")
 
 

@@ -4,8 +4,8 @@
 //! `cargo bench -p atb-mem-core --bench hybrid`.
 //!
 //! A decode step is `step` (plan, block tables, slot mappings) plus `on_tokens` for 10
-//! sequences, with every block they do not hold cached (allocations evict, as on a busy
-//! server). The lookup is `blocks_to_allocate` on a cached 32k prompt (its hashing
+//! sequences: with every block they do not hold cached (allocations evict, as on a busy
+//! server), and with the free blocks uncached but for those windows released. The lookup is `blocks_to_allocate` on a cached 32k prompt (its hashing
 //! included).
 
 use atb_mem_core::{
@@ -65,8 +65,9 @@ fn decode(
         .unwrap();
 }
 
-/// 10 sequences past their prefill, decoding.
-fn decoding(grouped: bool) -> (ContinuousScheduler, KvCache, Vec<i32>) {
+/// 10 sequences past their prefill, decoding; with `busy`, every block they do not hold
+/// holds cached contents (allocations evict), else only the blocks windows released do.
+fn decoding(grouped: bool, busy: bool) -> (ContinuousScheduler, KvCache, Vec<i32>) {
     let mut cache = cache(grouped);
     let config = SchedulerConfig {
         max_num_seqs: 16,
@@ -88,7 +89,9 @@ fn decoding(grouped: bool) -> (ContinuousScheduler, KvCache, Vec<i32>) {
         decode(&mut scheduler, &mut cache, &mut plan, &mut cells);
     }
     assert_eq!(plan.decode_seq_ids.len(), SEQUENCES as usize);
-    fill_with_cached_blocks(&mut cache);
+    if busy {
+        fill_with_cached_blocks(&mut cache);
+    }
     (scheduler, cache, cells)
 }
 
@@ -108,15 +111,20 @@ fn fill_with_cached_blocks(cache: &mut KvCache) {
 }
 
 fn decode_step(c: &mut Criterion) {
-    for grouped in [false, true] {
-        let state = decoding(grouped);
-        let name = match grouped {
-            true => "hybrid/decode step, 10 seqs at 30k, 7 groups",
-            false => "hybrid/decode step, 10 seqs at 30k, one group",
-        };
+    for (busy, grouped) in [(true, false), (true, true), (false, false), (false, true)] {
+        let state = decoding(grouped, busy);
+        let name = format!(
+            "hybrid/decode step, 10 seqs at 30k, {}, {}",
+            if grouped { "7 groups" } else { "one group" },
+            if busy {
+                "every allocation evicts"
+            } else {
+                "free blocks uncached"
+            }
+        );
         // Each iteration is one step; a run of steps starts from a copy of the same state
         // (the sequences would otherwise finish), and only the steps are timed.
-        c.bench_function(name, |b| {
+        c.bench_function(&name, |b| {
             b.iter_custom(|iters| {
                 let mut timed = Duration::ZERO;
                 let mut left = iters;

@@ -47,7 +47,8 @@ impl KvCache {
             // A group still taking a prompt's blocks as it is computed takes these later.
             let growing = seq.tables.iter().filter(|table| table.complete()).count();
             needed += (total.div_ceil(block_size) - seq.num_blocks()) * growing;
-            if seq.num_tokens % block_size != 0 {
+            // Only a fork shares a partly filled block (prefix hits share full ones).
+            if self.has_forked && seq.num_tokens % block_size != 0 {
                 for table in seq.tables.iter().filter(|table| table.complete()) {
                     let last = table.blocks.last().copied().unwrap_or(NULL_BLOCK);
                     if last != NULL_BLOCK && self.block_pool.ref_count(last) > 1 {
@@ -134,10 +135,11 @@ impl KvCache {
             block_pool,
             pending_moves,
             events,
+            has_forked,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
-        if seq.num_tokens % block_size != 0 {
+        if *has_forked && seq.num_tokens % block_size != 0 {
             for table in seq.tables.iter_mut().filter(|table| table.complete()) {
                 let Some(last) = table.live_mut().last_mut() else {
                     continue;
@@ -160,7 +162,7 @@ impl KvCache {
         let keep_token_ids = seq.hashable && events.enabled();
         for t in 0..n {
             let position = seq.num_tokens + t;
-            let offset = position % block_size;
+            let (index, offset) = (position / block_size, position % block_size);
             for (group, table) in seq.tables.iter_mut().enumerate() {
                 if !table.complete() {
                     // Its blocks come as the tokens are computed; no slot yet.
@@ -173,7 +175,7 @@ impl KvCache {
                 if offset == 0 {
                     table.push(allocate_checked(block_pool)?);
                 }
-                let block = table.blocks[position / block_size];
+                let block = table.blocks[index];
                 emit(group, t, (block as usize * block_size + offset) as i32);
             }
             if let (Some(ids), true) = (token_ids, seq.hashable) {

@@ -80,6 +80,8 @@ pub struct KvCache {
     /// Set once any fork happened: only then can a shared, partly filled block (and so a
     /// copy-on-write) appear.
     has_forked: bool,
+    /// `tokens_in_blocks(num_blocks - 1)`, checked on every append.
+    max_seq_tokens: usize,
     next_version: u64,
     /// Prefix-cache membership changes, recorded once `enable_kv_events` was called.
     events: KvEventLog,
@@ -153,7 +155,7 @@ impl KvCache {
                 "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
             )
         })?;
-        Ok(KvCache {
+        let mut cache = KvCache {
             block_pool,
             host_pool: None,
             layout,
@@ -165,6 +167,7 @@ impl KvCache {
             index: HashMap::new(),
             pending_moves: Vec::new(),
             has_forked: false,
+            max_seq_tokens: 0,
             next_version: 1,
             events: KvEventLog::default(),
             query_tokens: 0,
@@ -174,7 +177,9 @@ impl KvCache {
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
             scratch_moves: Vec::new(),
-        })
+        };
+        cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
+        Ok(cache)
     }
 
     /// The layer groups, in order of their first layer.
@@ -301,7 +306,7 @@ impl KvCache {
     /// Most tokens one sequence can ever hold: every block but the null block (see
     /// [`KvCache::tokens_in_blocks`]).
     pub fn max_seq_tokens(&self) -> usize {
-        self.tokens_in_blocks(self.num_blocks() - 1)
+        self.max_seq_tokens
     }
 
     /// Most tokens one sequence can hold in `blocks` blocks, computed as a scheduler computes

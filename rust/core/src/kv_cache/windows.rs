@@ -2,7 +2,7 @@
 //! they release what no later token reads, ahead of it they take the blocks of the tokens
 //! being computed (a prompt admitted with `admit_sequence` gets them chunk by chunk).
 
-use super::{allocate_checked, KvCache};
+use super::{allocate_checked, AttentionKind, KvCache};
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
 
@@ -27,9 +27,10 @@ impl KvCache {
         let seq = &self.sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
         let mut needed = 0;
+        let mut first_needed = FirstNeeded::default();
         for (table, spec) in seq.tables.iter().zip(&self.groups) {
             if spec.kind.span().is_some() {
-                let from = spec.kind.first_needed_block(seq.num_computed, block_size);
+                let from = first_needed.of(spec.kind, seq.num_computed, block_size);
                 needed += end.saturating_sub(table.allocated.max(from));
             }
         }
@@ -50,13 +51,13 @@ impl KvCache {
         } = self;
         let seq = &mut sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
+        let mut first_needed = FirstNeeded::default();
         for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
             if spec.kind.span().is_none() {
                 continue;
             }
-            let from = spec
-                .kind
-                .first_needed_block(seq.num_computed, block_size)
+            let from = first_needed
+                .of(spec.kind, seq.num_computed, block_size)
                 .min(table.blocks.len());
             // A release only turns leading cells null (tables follow `released`); filling a
             // prompt's pending cells replaces entries, which the layout stamp says.
@@ -84,5 +85,24 @@ impl KvCache {
             }
         }
         Ok(())
+    }
+}
+
+/// The first block a windowed kind still reads, computed once per kind (a model's windowed
+/// groups are mostly of one kind: Gemma 3's six sliding groups share one window).
+#[derive(Default)]
+struct FirstNeeded(Option<(AttentionKind, usize)>);
+
+impl FirstNeeded {
+    #[inline]
+    fn of(&mut self, kind: AttentionKind, position: usize, block_size: usize) -> usize {
+        match self.0 {
+            Some((known, block)) if known == kind => block,
+            _ => {
+                let block = kind.first_needed_block(position, block_size);
+                self.0 = Some((kind, block));
+                block
+            }
+        }
     }
 }
