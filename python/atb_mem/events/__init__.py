@@ -85,10 +85,10 @@ _MEDIA: tuple[Medium, Medium] = ("device", "host")
 
 def events_from_buffer(buffer: np.ndarray | None, block_size: int,
                        groups: Sequence[KVCacheGroup] = ()) -> list[KVCacheEvent]:
-    """Types the core's drain (``_core.KVCachePool.take_event_buffer()``: uint64 ``[E]``, the
-    ``[E, 9]`` table — event_id, kind, medium, has_parent, parent, root, end of its hashes,
-    end of its token ids, group —, the hashes, then the token ids as uint32 pairs);
-    ``groups``: the pool's KV-cache groups (more than one: events name theirs)."""
+    """Types one drain of the core (``KVEventList.buffer``): uint64 ``[E]``, the ``[E, 9]``
+    table — event_id, kind, medium, has_parent, parent, root, end of its hashes, end of its
+    token ids, group —, the hashes, then the token ids as uint32 pairs; ``groups``: the
+    pool's KV-cache groups (more than one: events name theirs)."""
     if buffer is None:
         return []
     count = int(buffer[0])

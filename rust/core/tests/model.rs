@@ -16,10 +16,13 @@
 use std::collections::{HashMap, HashSet};
 
 use atb_mem_core::{
-    BatchTable, BlockHash, BlockMove, CoreError, KvCache, KvEventKind, KvLayout, Medium, MoveKind,
-    Tokens,
+    BatchTable, BlockHash, BlockMove, CoreError, KvCache, KvLayout, MoveKind, Tokens,
 };
 use proptest::prelude::*;
+
+#[path = "support/event_mirror.rs"]
+mod event_mirror;
+use event_mirror::EventMirror;
 
 const BLOCK_SIZE: usize = 3;
 const NUM_BLOCKS: usize = 24;
@@ -234,63 +237,6 @@ fn check_batch(cache: &KvCache, batch: &BatchTable, rows_fresh: bool) {
     }
 }
 
-/// What a router knows from the events alone.
-#[derive(Default)]
-struct EventMirror {
-    device: HashSet<BlockHash>,
-    host: HashSet<BlockHash>,
-    last_event_id: u64,
-}
-
-impl EventMirror {
-    /// Replays the new events and checks the result against the cache.
-    fn replay(&mut self, cache: &mut KvCache) {
-        let host = cache.take_kv_events(|log| {
-            for event in log.events() {
-                assert_eq!(event.event_id, self.last_event_id + 1, "event ids");
-                self.last_event_id = event.event_id;
-                let set = match event.medium {
-                    Medium::Device => &mut self.device,
-                    Medium::Host => &mut self.host,
-                };
-                let hashes = log.hashes(event);
-                match event.kind {
-                    KvEventKind::BlockStored => {
-                        let tokens = log.token_ids(event);
-                        assert_eq!(tokens.len(), hashes.len() * BLOCK_SIZE);
-                        assert!([BlockHash::root(None), BlockHash::root(Some(b"tenant"))]
-                            .contains(&event.root_hash));
-                        let mut parent = event.parent_hash.unwrap_or(event.root_hash);
-                        for (hash, block_tokens) in hashes.iter().zip(tokens.chunks(BLOCK_SIZE)) {
-                            assert_eq!(parent.chain(block_tokens), *hash, "{event:?}");
-                            assert!(set.insert(*hash), "{hash:?} stored twice");
-                            parent = *hash;
-                        }
-                    }
-                    KvEventKind::BlockRemoved => {
-                        for hash in hashes {
-                            assert!(set.remove(hash), "{hash:?} removed but not stored");
-                        }
-                    }
-                    KvEventKind::AllBlocksCleared => {
-                        self.device.clear();
-                        self.host.clear();
-                    }
-                }
-            }
-            log.host_hashes()
-                .map(|(hash, group)| {
-                    assert_eq!(group, 0, "one group");
-                    hash
-                })
-                .collect::<HashSet<_>>()
-        });
-        let device: HashSet<_> = cache.block_pool().cached_hashes().collect();
-        assert_eq!(self.device, device, "device blocks after the events");
-        assert_eq!(self.host, host, "host copies after the events");
-    }
-}
-
 fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
     run_with(ops, enable_prefix_caching, false);
 }
@@ -306,7 +252,10 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
     cache.enable_host_tier(HOST_BLOCKS).unwrap();
     let mut mirror = kv_events.then(|| {
         cache.enable_kv_events().unwrap();
-        EventMirror::default()
+        EventMirror::with_roots(vec![
+            BlockHash::root(None),
+            BlockHash::root(Some(b"tenant")),
+        ])
     });
     let mut batch = BatchTable::new(4, 5).unwrap();
     let mut model = Model::default();
@@ -432,7 +381,7 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
             let swapped = model.swapped_block_hashes(&cache);
             mirror.replay(&mut cache);
             assert!(
-                mirror.host.is_subset(&swapped),
+                mirror.host_hashes(0).is_subset(&swapped),
                 "host copies of blocks no swapped sequence holds"
             );
         }

@@ -20,8 +20,11 @@ use atb_mem_core::{
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
+#[path = "support/event_mirror.rs"]
+mod event_mirror;
 #[path = "scheduler_model/workload.rs"]
 mod workload;
+use event_mirror::EventMirror;
 use workload::*;
 
 struct Harness {
