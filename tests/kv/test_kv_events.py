@@ -3,6 +3,8 @@ recorded unless asked for, and nothing recorded by a call that fails."""
 
 from __future__ import annotations
 
+import collections.abc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -128,6 +130,7 @@ def test_a_drain_is_a_list_typed_when_read() -> None:
     pool = events_pool(num_blocks=4)
     empty = pool.take_events()
     assert isinstance(empty, KVEventList) and len(empty) == 0 and empty == [] and not empty
+    assert isinstance(empty, collections.abc.Sequence)  # publishers may check for one
     pool.alloc_sequence(1, [1, 2, 3, 4, 5])
     pool.mark_computed(1)
     pool.free_sequence(1)
@@ -148,3 +151,14 @@ def test_a_drain_is_a_list_typed_when_read() -> None:
     with pytest.raises(IndexError):
         events[2]
     assert pool.take_events() == []  # drained
+
+
+def test_the_bare_core_pools_events_are_typed_too() -> None:
+    """``_core.KVCachePool`` (without the Python layer's attributes) types its drains."""
+    from atb_mem import _core
+
+    pool = _core.KVCachePool(8, 2, enable_kv_events=True)
+    pool.alloc_sequence(1, [1, 2, 3])
+    pool.mark_computed(1)
+    [stored] = pool.take_events()
+    assert isinstance(stored, BlockStored) and stored.token_ids.tolist() == [1, 2]

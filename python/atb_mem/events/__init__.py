@@ -34,6 +34,8 @@ from atb_mem._types import KVCacheGroup
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventList",
            "KVEventPublisher", "Medium", "events_from_buffer"]
 
+Sequence.register(KVEventList)  # a list in all but storage: publishers may check for one
+
 Medium: TypeAlias = Literal["device", "host"]
 
 
@@ -84,19 +86,21 @@ _MEDIA: tuple[Medium, Medium] = ("device", "host")
 
 
 def events_from_buffer(buffer: np.ndarray | None, block_size: int,
-                       groups: Sequence[KVCacheGroup] = ()) -> list[KVCacheEvent]:
+                       groups: Sequence[tuple[str, Sequence[int], int | None]] = ()
+                       ) -> list[KVCacheEvent]:
     """Types one drain of the core (``KVEventList.buffer``): uint64 ``[E]``, the ``[E, 9]``
     table — event_id, kind, medium, has_parent, parent, root, end of its hashes, end of its
     token ids, group —, the hashes, then the token ids as uint32 pairs; ``groups``: the
-    pool's KV-cache groups (more than one: events name theirs)."""
+    pool's KV-cache groups as (kind, layers, window) (more than one: events name theirs)."""
     if buffer is None:
         return []
+    specs = [KVCacheGroup(kind, tuple(layers), window) for kind, layers, window in groups]
     count = int(buffer[0])
     table = buffer[1:1 + 9 * count].reshape(count, 9)
     num_hashes, num_tokens = (int(table[-1, 6]), int(table[-1, 7])) if count else (0, 0)
     hashes = buffer[1 + 9 * count:1 + 9 * count + num_hashes]
     token_ids = buffer[1 + 9 * count + num_hashes:].view(np.uint32)[:num_tokens]
-    grouped = len(groups) > 1
+    grouped = len(specs) > 1
     events: list[KVCacheEvent] = []
     hashes_from = tokens_from = 0
     for event_id, kind, medium, has_parent, parent, root, hashes_to, tokens_to, group in \
@@ -106,7 +110,7 @@ def events_from_buffer(buffer: np.ndarray | None, block_size: int,
                                       parent if has_parent else None,
                                       token_ids[tokens_from:tokens_to], block_size,
                                       _MEDIA[medium], root, group if grouped else None,
-                                      groups[group] if grouped else None))
+                                      specs[group] if grouped else None))
         elif kind == 1:
             events.append(BlockRemoved(event_id, hashes[hashes_from:hashes_to], _MEDIA[medium],
                                        group if grouped else None))

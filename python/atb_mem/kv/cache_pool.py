@@ -67,8 +67,7 @@ class KVCachePool(_core.KVCachePool):
     ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
     """
 
-    __slots__ = ("_group_specs", "_mem_pool", "_own_pool", "_region", "_tensors")
-    _group_specs: tuple[KVCacheGroup, ...]
+    __slots__ = ("_mem_pool", "_own_pool", "_region", "_tensors")
     _mem_pool: MemPool | None
     _own_pool: MemPool | None
     _region: _core.Allocation | None
@@ -81,8 +80,6 @@ class KVCachePool(_core.KVCachePool):
             raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
         self = super().__new__(cls, num_blocks, block_size, num_host_blocks=num_host_blocks,
                                **kwargs)
-        self._group_specs = tuple(KVCacheGroup(kind, tuple(layers), window)
-                                  for kind, layers, window in self._groups)
         self._mem_pool = pool
         self._own_pool = None
         self._region = None
@@ -115,7 +112,8 @@ class KVCachePool(_core.KVCachePool):
     def groups(self) -> list[KVCacheGroup]:
         """The KV-cache groups, by first layer: one full-attention group of every layer
         unless ``layer_types``/``sliding_window`` made more."""
-        return list(self._group_specs)
+        return [KVCacheGroup(kind, tuple(layers), window)
+                for kind, layers, window in self._groups]
 
     # ---- the bytes -------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ impl PyKvEventList {
             let events = function.call1((
                 self.buffer(py),
                 pool.getattr("block_size")?,
-                pool.getattr("_group_specs")?,
+                pool.getattr("_groups")?,
             ))?;
             Ok(events.cast_into::<PyList>()?.unbind())
         })?;
