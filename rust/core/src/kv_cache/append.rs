@@ -44,9 +44,12 @@ impl KvCache {
                 seq.seq_id,
                 self.max_seq_tokens()
             );
-            // A group still taking a prompt's blocks as it is computed takes these later.
-            let growing = seq.tables.iter().filter(|table| table.complete()).count();
-            needed += (total.div_ceil(block_size) - seq.num_blocks()) * growing;
+            let new_blocks = total.div_ceil(block_size) - seq.num_blocks();
+            if new_blocks > 0 {
+                // A group still taking a prompt's blocks as it is computed takes these later.
+                let growing = seq.tables.iter().filter(|table| table.complete()).count();
+                needed += new_blocks * growing;
+            }
             // Only a fork shares a partly filled block (prefix hits share full ones).
             if self.has_forked && seq.num_tokens % block_size != 0 {
                 for table in seq.tables.iter().filter(|table| table.complete()) {

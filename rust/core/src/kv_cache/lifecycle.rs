@@ -463,6 +463,9 @@ impl KvCache {
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         let mut joined = 0;
+        if full <= seq.num_registered {
+            return Ok(0); // most calls: no block filled since the last
+        }
         // Group by group, so that a group's new blocks are one chain: one event per run of
         // blocks that joined (a block whose contents another block holds does not).
         for (group, table) in seq.tables.iter().enumerate() {

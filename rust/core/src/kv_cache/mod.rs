@@ -34,6 +34,7 @@ pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
 pub use tables::RowView;
+use windows::WindowBounds;
 
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::{CoreError, CoreResult};
@@ -434,7 +435,9 @@ impl KvCache {
             self.sequences.push(Sequence::default());
             (self.sequences.len() - 1) as u32
         });
-        let tables = &mut self.sequences[slab as usize].tables;
+        let seq = &mut self.sequences[slab as usize];
+        seq.window_bounds = WindowBounds::default();
+        let tables = &mut seq.tables;
         // Exactly one table per group (a plain resize would reserve four at first).
         tables.reserve_exact(self.groups.len().saturating_sub(tables.len()));
         tables.resize_with(self.groups.len(), GroupTable::default);

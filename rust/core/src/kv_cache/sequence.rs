@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 
+use super::windows::WindowBounds;
 use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
 
@@ -34,6 +35,8 @@ pub(super) struct Sequence {
     pub(super) num_computed: usize,
     /// Leading blocks already offered to the prefix cache (hits, or registered).
     pub(super) num_registered: usize,
+    /// When `mark_computed` next has windowed groups' blocks to release or allocate.
+    pub(super) window_bounds: WindowBounds,
     /// Changes whenever a block list or the length changes (and when a batch names the
     /// sequence); unique across the cache's life.
     pub(super) version: u64,

@@ -26,6 +26,9 @@ impl KvCache {
         let block_size = self.block_size();
         let seq = &self.sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
+        if seq.window_bounds.settled(seq.num_computed) {
+            return 0;
+        }
         let mut needed = 0;
         let mut first_needed = FirstNeeded::default();
         for (table, spec) in seq.tables.iter().zip(&self.groups) {
@@ -51,7 +54,11 @@ impl KvCache {
         } = self;
         let seq = &mut sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
+        if seq.window_bounds.settled(seq.num_computed) {
+            return Ok(()); // most decode steps
+        }
         let mut first_needed = FirstNeeded::default();
+        let mut bounds = WindowBounds::SETTLED;
         for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
             if spec.kind.span().is_none() {
                 continue;
@@ -83,8 +90,56 @@ impl KvCache {
             if released || filled {
                 seq.version = version;
             }
+            bounds.include(spec.kind, table.released, table.complete(), block_size);
         }
+        seq.window_bounds = bounds;
         Ok(())
+    }
+}
+
+/// Until when a sequence's windowed groups have nothing to release or allocate, so that
+/// `mark_computed` skips them (a decode step crosses a block boundary once in `block_size`
+/// steps). Valid while no table's `released` decreases and no complete table turns
+/// incomplete: appends only add blocks (a complete table's held), and whatever starts a table
+/// over (a new sequence, a fork's child) resets the bounds to the default, which settles
+/// nothing. One `u32` (a sequence's fixed state is per-sequence memory): beyond `u32::MAX`
+/// it only says less.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct WindowBounds {
+    /// Computed positions below this leave every windowed group as it is: no held block
+    /// falls out of a window, and every group's blocks are allocated (none is still taking a
+    /// prompt's blocks as they are computed).
+    quiet_below: u32,
+}
+
+impl WindowBounds {
+    /// No windowed group: nothing ever to do.
+    const SETTLED: WindowBounds = WindowBounds {
+        quiet_below: u32::MAX,
+    };
+
+    /// Whether computing from position `position` on leaves every windowed group as it is.
+    #[inline]
+    fn settled(self, position: usize) -> bool {
+        position < self.quiet_below as usize
+    }
+
+    /// Narrows the bounds to those of a group of `kind` that released its first `released`
+    /// blocks, all of whose other blocks are allocated if `complete`.
+    fn include(&mut self, kind: AttentionKind, released: usize, complete: bool, block_size: usize) {
+        // The block after the released ones is left behind once the first attended
+        // position reaches the block after it.
+        let past = (released + 1) * block_size;
+        let quiet_below = match (kind, complete) {
+            (_, false) => 0,
+            (AttentionKind::Full, true) => usize::MAX,
+            (AttentionKind::SlidingWindow { window }, true) => past.saturating_add(window - 1),
+            (AttentionKind::ChunkedLocal { chunk }, true) => {
+                past.div_ceil(chunk).saturating_mul(chunk)
+            }
+        };
+        let quiet_below = u32::try_from(quiet_below).unwrap_or(u32::MAX);
+        self.quiet_below = self.quiet_below.min(quiet_below);
     }
 }
 

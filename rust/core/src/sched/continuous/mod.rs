@@ -74,6 +74,9 @@ pub struct ContinuousScheduler {
     /// next step preempts the extra ones.
     forked_since_step: usize,
     scratch_slots: Vec<i32>,
+    /// The slots of this step's decodes in every group (`[decodes, groups]`), as their
+    /// tokens were appended.
+    decode_slots: Vec<i32>,
     scratch_ids: Vec<u64>,
     /// Running sequences by (priority, admission), then id.
     scratch_order: Vec<((u32, u64), u64)>,
@@ -99,6 +102,7 @@ impl ContinuousScheduler {
             deferred_frees: Vec::new(),
             forked_since_step: 0,
             scratch_slots: Vec::new(),
+            decode_slots: Vec::new(),
             scratch_ids: Vec::new(),
             scratch_order: Vec::new(),
             block_tables: BlockTableWriter::new(),

@@ -30,6 +30,7 @@ impl ContinuousScheduler {
             self.preempt(cache, victim, plan)?;
         }
         self.forked_since_step = 0;
+        self.decode_slots.clear();
         let mut budget = self.config.max_num_batched_tokens;
         let mut rows = std::mem::take(&mut self.scratch_scheduled);
         rows.clear();
@@ -129,6 +130,7 @@ impl ContinuousScheduler {
         cache.append_tokens(&[seq_id], 1, token_id, &mut self.scratch_slots)?;
         request.num_computed += 1;
         cache.mark_computed(seq_id, Some(request.num_computed))?;
+        self.decode_slots.extend_from_slice(&self.scratch_slots);
         rows.push(ScheduledRow {
             seq_id,
             num_tokens: 1,
@@ -319,8 +321,7 @@ impl ContinuousScheduler {
         if plan.num_groups > 1 {
             plan.slot_mapping.resize(tokens * plan.num_groups, 0);
             let block_size = cache.block_size();
-            let rows = prefills.chain(decodes);
-            for (row, &first) in rows.zip(&plan.query_start_loc) {
+            for (row, &first) in prefills.zip(&plan.query_start_loc) {
                 let end = self.request(row.seq_id)?.num_computed;
                 for (group, view) in cache.group_rows(row.seq_id)?.enumerate().skip(1) {
                     let out = &mut plan.slot_mapping[group * tokens + first as usize..];
@@ -328,6 +329,16 @@ impl ContinuousScheduler {
                         let block = view.blocks[position / block_size] as usize;
                         *cell = (block * block_size + position % block_size) as i32;
                     }
+                }
+            }
+            // A decode's slots were known when its token was appended (nothing scheduled
+            // after it in the step replaces a block of another sequence).
+            let first_decode = tokens - decodes.count();
+            for (decode, slots) in self.decode_slots.chunks_exact(plan.num_groups).enumerate() {
+                let token = first_decode + decode;
+                debug_assert_eq!(slots[0], plan.slot_mapping[token]);
+                for (group, &slot) in slots.iter().enumerate().skip(1) {
+                    plan.slot_mapping[group * tokens + token] = slot;
                 }
             }
         }
