@@ -231,7 +231,8 @@ class BatchTable:
         """Removes a row; the last row moves into the hole."""
     def clear(self) -> None: ...
     def append_tokens(self, token_ids: TokenIdsLike | None = None) -> None:
-        """Appends one token to every row; writes only the entries that change."""
+        """Appends one token to every row; writes only the entries that change (blocks a
+        window released since, as ``mark_computed`` says, turn to block 0 here)."""
     def __len__(self) -> int: ...
     def __contains__(self, seq_id: int) -> bool: ...
     @property
@@ -243,11 +244,15 @@ class BatchTable:
     @property
     def pool(self) -> KVCachePool: ...
     @property
-    def block_tables(self) -> Int32Array: ...
+    def block_tables(self) -> Int32Array:
+        """int32 ``[max_seqs, max_blocks_per_seq]``; with several KV-cache groups
+        ``[groups, max_seqs, max_blocks_per_seq]``."""
     @property
     def context_lens(self) -> Int32Array: ...
     @property
-    def slot_mapping(self) -> Int32Array: ...
+    def slot_mapping(self) -> Int32Array:
+        """int32 ``[max_seqs]``, -1 for rows without a new token; with several KV-cache
+        groups ``[groups, max_seqs]``."""
 
 class HostRegion:
     """One aligned, zeroed host allocation: the bytes of a host-backed ``MemPool``.

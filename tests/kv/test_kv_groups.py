@@ -201,3 +201,34 @@ def test_flashinfers_page_table_of_a_window_lists_only_the_blocks_it_holds() -> 
     assert last.tolist() == [1]  # 11 tokens: the last page holds one
     indptr, indices, last = pool.page_table_csr([1], group=1)
     assert indices.tolist() == full.tolist() and indptr.tolist() == [0, 6]
+
+
+def test_a_batch_table_has_a_table_and_a_slot_per_group() -> None:
+    pool = hybrid(num_blocks=64, device=None)
+    groups = len(pool.groups)
+    for seq_id in (1, 2):
+        pool.alloc_sequence(seq_id, list(range(5)))
+    batch = pool.batch_table(max_seqs=3, max_blocks_per_seq=8)
+    tables, slots = batch.block_tables, batch.slot_mapping
+    assert tables.shape == (groups, 3, 8) and slots.shape == (groups, 3)
+    batch.add(1)
+    batch.add(2)
+    for _ in range(6):
+        batch.append_tokens(token_ids=[7, 8])
+        for row, seq_id in enumerate((1, 2)):
+            end = pool.seq_len(seq_id)
+            for group in range(groups):
+                blocks = pool.block_table(seq_id, group=group).tolist()
+                assert tables[group, row, :len(blocks)].tolist() == blocks
+                assert not tables[group, row, len(blocks):].any()
+                assert slots[group, row] == pool.slot_mapping([seq_id], [end - 1], [end],
+                                                              group=group)[0]
+        # The model computed the tokens: the windows move, and the next append shows it.
+        for seq_id in (1, 2):
+            pool.mark_computed(seq_id)
+    sliding = next(g for g, group in enumerate(pool.groups) if group.kind == SLIDING)
+    assert tables[sliding, 0, 0] == 0, "a block the window left is the null block"
+    assert slots[:, 2].tolist() == [-1] * groups and not tables[:, 2].any()
+    # A single-group table keeps its shapes.
+    plain = KVCachePool(8, 2).batch_table(2, 4)
+    assert plain.block_tables.shape == (2, 4) and plain.slot_mapping.shape == (2,)

@@ -257,7 +257,7 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
             BlockHash::root(Some(b"tenant")),
         ])
     });
-    let mut batch = BatchTable::new(4, 5).unwrap();
+    let mut batch = BatchTable::new(4, 5, 1).unwrap();
     let mut model = Model::default();
     for op in ops {
         let before = snapshot(&cache, &batch);
@@ -507,7 +507,7 @@ fn shared_block_is_copied_once_per_extra_holder() {
         cache.fork(1, 3).unwrap();
         assert_eq!(cache.num_free_blocks(), 2);
         if through_batch_table {
-            let mut batch = BatchTable::new(3, 2).unwrap();
+            let mut batch = BatchTable::new(3, 2, 1).unwrap();
             for id in [1, 2, 3] {
                 batch.add(&cache, id).unwrap();
             }

@@ -3,9 +3,10 @@
 //!
 //! A model runner (and a captured CUDA graph) reads these buffers every step. Rebuilding a
 //! padded table per step writes `rows × max_blocks` entries; appending one token changes at
-//! most one block id, one length and one slot per row, and that is all this writes. A row
-//! whose sequence was changed by other calls since (noticed through the sequence's version)
-//! is rewritten whole, so the buffers never go stale.
+//! most one block id, one length and one slot per row and group, and that is about all this
+//! writes: each row of each group's table keeps a memo of what it holds ([`RowMemo`]), so a
+//! block released by a window or replaced by other calls (copy-on-write, swap) is rewritten
+//! and the rest stays, and the buffers never go stale.
 
 use hashbrown::HashMap;
 
@@ -15,7 +16,7 @@ use crate::alloc::fallible::{
 };
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, RowMemo};
 
 /// Slot mapping entry of a row with no new token: kernels skip negative slots.
 pub const PAD_SLOT: i32 = -1;
@@ -37,35 +38,45 @@ struct Row {
     seq_id: u64,
     /// Where the sequence sat in the cache's slab when last seen (a hint, checked on use).
     slab: u32,
-    /// The sequence's version when this row was last written.
+    /// The sequence's version when the row was last brought up to date.
     version: u64,
 }
 
 #[derive(Debug, Clone)]
 pub struct BatchTable {
     max_blocks_per_seq: usize,
+    num_groups: usize,
     rows: Vec<Row>,
     row_of: HashMap<u64, u32>,
+    /// `[groups, max_seqs, max_blocks_per_seq]`.
     block_tables: Box<[i32]>,
     context_lens: Box<[i32]>,
+    /// `[groups, max_seqs]`.
     slot_mapping: Box<[i32]>,
+    /// What each row of each group's table holds, `[groups, max_seqs]`.
+    memos: Box<[RowMemo]>,
     /// Per-step scratch: each row's slab in the cache.
     slabs: Vec<u32>,
 }
 
 impl BatchTable {
-    pub fn new(max_seqs: usize, max_blocks_per_seq: usize) -> CoreResult<Self> {
+    /// Buffers for up to `max_seqs` rows of `max_blocks_per_seq` blocks, one table per
+    /// KV-cache group of a cache with `num_groups` groups.
+    pub fn new(max_seqs: usize, max_blocks_per_seq: usize, num_groups: usize) -> CoreResult<Self> {
         ensure!(max_seqs != 0 && max_blocks_per_seq != 0, "max_seqs and max_blocks_per_seq must be at least 1, got {max_seqs} and {max_blocks_per_seq}");
+        ensure!(num_groups != 0, "a batch table needs at least one group");
         let cells = max_seqs
             .checked_mul(max_blocks_per_seq)
+            .and_then(|cells| cells.checked_mul(num_groups))
             .filter(|&cells| cells <= MAX_CELLS)
             .ok_or_else(|| {
                 invalid!(
                     "max_seqs × max_blocks_per_seq = {max_seqs} × {max_blocks_per_seq} is too \
-                     large: over 2**28 block-table entries"
+                     large: over 2**28 block-table entries (in {num_groups} group(s))"
                 )
             })?;
-        let bytes = check_bookkeeping(Self::bookkeeping_bytes(max_seqs, cells), || {
+        let rows = max_seqs * num_groups; // at most `cells`
+        let bytes = check_bookkeeping(Self::bookkeeping_bytes(max_seqs, rows, cells), || {
             format!("max_seqs = {max_seqs} (with max_blocks_per_seq = {max_blocks_per_seq})")
         })?;
         let what = format!(
@@ -78,25 +89,33 @@ impl BatchTable {
             .map_err(|_| out_of_host_memory(row_index_bytes(max_seqs), &what))?;
         Ok(BatchTable {
             max_blocks_per_seq,
+            num_groups,
             rows: try_with_capacity(max_seqs, &what)?,
             row_of,
             block_tables: try_filled_vec(cells, NULL_BLOCK as i32, &what)?.into_boxed_slice(),
             context_lens: try_filled_vec(max_seqs, 0, &what)?.into_boxed_slice(),
-            slot_mapping: try_filled_vec(max_seqs, PAD_SLOT, &what)?.into_boxed_slice(),
+            slot_mapping: try_filled_vec(rows, PAD_SLOT, &what)?.into_boxed_slice(),
+            memos: try_filled_vec(rows, RowMemo::default(), &what)?.into_boxed_slice(),
             slabs: try_with_capacity(max_seqs, &what)?,
         })
     }
 
-    /// Host bytes `new` takes for `max_seqs` rows and `cells` block-table entries; `None` on
-    /// overflow.
-    fn bookkeeping_bytes(max_seqs: usize, cells: usize) -> Option<u64> {
+    /// Host bytes `new` takes for `max_seqs` sequences, `rows` table rows (of every group)
+    /// and `cells` block-table entries; `None` on overflow.
+    fn bookkeeping_bytes(max_seqs: usize, rows: usize, cells: usize) -> Option<u64> {
         total_bytes(&[
             array_bytes::<i32>(cells),
             array_bytes::<Row>(max_seqs),
             row_index_bytes(max_seqs),
-            array_bytes::<i32>(max_seqs)?.checked_mul(2),
+            array_bytes::<i32>(max_seqs),
+            array_bytes::<i32>(rows),
+            array_bytes::<RowMemo>(rows),
             array_bytes::<u32>(max_seqs),
         ])
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.num_groups
     }
 
     pub fn max_seqs(&self) -> usize {
@@ -124,7 +143,7 @@ impl BatchTable {
         self.rows.iter().map(|row| row.seq_id)
     }
 
-    /// `[max_seqs, max_blocks_per_seq]`, row-major, padded with the null block.
+    /// `[groups, max_seqs, max_blocks_per_seq]`, row-major, padded with the null block.
     pub fn block_tables(&self) -> &[i32] {
         &self.block_tables
     }
@@ -134,7 +153,8 @@ impl BatchTable {
         &self.context_lens
     }
 
-    /// `[max_seqs]`: the slot of each row's last appended token; [`PAD_SLOT`] where none.
+    /// `[groups, max_seqs]`: the slot of each row's last appended token in each group;
+    /// [`PAD_SLOT`] where none.
     pub fn slot_mapping(&self) -> &[i32] {
         &self.slot_mapping
     }
@@ -148,14 +168,19 @@ impl BatchTable {
         Ok(())
     }
 
-    /// Adds a running sequence as the next row.
-    pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
+    fn check_groups(&self, cache: &KvCache) -> CoreResult<()> {
         ensure!(
-            cache.num_groups() == 1,
-            "a batch table serves a cache of one layer group; this one has {} (layer_types): \
-             use the scheduler's step plan, which has a block table per group",
+            cache.num_groups() == self.num_groups,
+            "the batch table has {} group(s); the cache has {}",
+            self.num_groups,
             cache.num_groups()
         );
+        Ok(())
+    }
+
+    /// Adds a running sequence as the next row.
+    pub fn add(&mut self, cache: &KvCache, seq_id: u64) -> CoreResult<()> {
+        self.check_groups(cache)?;
         ensure!(
             !self.row_of.contains_key(&seq_id),
             "sequence {seq_id} is already in the batch table"
@@ -179,8 +204,7 @@ impl BatchTable {
             version: 0,
         });
         self.row_of.insert(seq_id, row as u32);
-        self.rewrite_row(row, cache);
-        self.slot_mapping[row] = PAD_SLOT;
+        self.write_row(row, cache);
         Ok(())
     }
 
@@ -194,36 +218,71 @@ impl BatchTable {
         let last = self.rows.len() - 1;
         let width = self.max_blocks_per_seq;
         if row != last {
-            self.block_tables
-                .copy_within(last * width..(last + 1) * width, row * width);
             self.context_lens[row] = self.context_lens[last];
-            self.slot_mapping[row] = self.slot_mapping[last];
             self.row_of.insert(self.rows[last].seq_id, row as u32);
         }
+        for group in 0..self.num_groups {
+            let (from, to) = (self.row_index(group, last), self.row_index(group, row));
+            if row != last {
+                self.block_tables
+                    .copy_within(from * width..(from + 1) * width, to * width);
+                self.slot_mapping[to] = self.slot_mapping[from];
+                self.memos[to] = self.memos[from];
+            }
+            self.block_tables[from * width..(from + 1) * width].fill(NULL_BLOCK as i32);
+            self.slot_mapping[from] = PAD_SLOT;
+            self.memos[from] = RowMemo::default();
+        }
         self.rows.swap_remove(row);
-        self.block_tables[last * width..(last + 1) * width].fill(NULL_BLOCK as i32);
         self.context_lens[last] = 0;
-        self.slot_mapping[last] = PAD_SLOT;
         Ok(())
     }
 
     /// Removes every row.
     pub fn clear(&mut self) {
         let used = self.rows.len();
-        self.block_tables[..used * self.max_blocks_per_seq].fill(NULL_BLOCK as i32);
+        let width = self.max_blocks_per_seq;
+        for group in 0..self.num_groups {
+            let first = self.row_index(group, 0);
+            self.block_tables[first * width..(first + used) * width].fill(NULL_BLOCK as i32);
+            self.slot_mapping[first..first + used].fill(PAD_SLOT);
+            self.memos[first..first + used].fill(RowMemo::default());
+        }
         self.context_lens[..used].fill(0);
-        self.slot_mapping[..used].fill(PAD_SLOT);
         self.rows.clear();
         self.row_of.clear();
     }
 
-    fn rewrite_row(&mut self, row: usize, cache: &KvCache) {
+    /// Where row `row` of group `group`'s table sits among all groups' rows.
+    #[inline]
+    fn row_index(&self, group: usize, row: usize) -> usize {
+        group * self.max_seqs() + row
+    }
+
+    /// Brings row `row` up to date in every group's table (see [`RowMemo`]).
+    fn write_row(&mut self, row: usize, cache: &KvCache) {
+        let Row { seq_id, slab, .. } = self.rows[row];
+        let seq = cache.slab_view(slab);
+        let width = self.max_blocks_per_seq;
+        for (group, table) in seq.tables.iter().enumerate() {
+            let index = self.row_index(group, row);
+            let cells = &mut self.block_tables[index * width..(index + 1) * width];
+            self.memos[index].update(cells, seq_id, table.row_view());
+        }
+        self.context_lens[row] = seq.num_tokens as i32;
+        self.rows[row].version = seq.version;
+    }
+
+    /// Row `row` after an append to a sequence that nothing else changed since the row was
+    /// last brought up to date: each group's last cell (a new block, or the copy a
+    /// copy-on-write made of the last one) is all that changed.
+    fn write_appended(&mut self, row: usize, cache: &KvCache) {
         let seq = cache.slab_view(self.rows[row].slab);
         let width = self.max_blocks_per_seq;
-        let cells = &mut self.block_tables[row * width..(row + 1) * width];
-        cells.fill(NULL_BLOCK as i32);
-        for (cell, &block) in cells.iter_mut().zip(seq.blocks) {
-            *cell = block as i32;
+        for (group, table) in seq.tables.iter().enumerate() {
+            let index = self.row_index(group, row);
+            let cells = &mut self.block_tables[index * width..(index + 1) * width];
+            self.memos[index].appended(cells, table.row_view());
         }
         self.context_lens[row] = seq.num_tokens as i32;
         self.rows[row].version = seq.version;
@@ -247,6 +306,7 @@ impl BatchTable {
         cache: &mut KvCache,
         token_ids: Option<&[u32]>,
     ) -> CoreResult<()> {
+        self.check_groups(cache)?;
         if let Some(ids) = token_ids {
             ensure!(
                 ids.len() == self.rows.len(),
@@ -265,23 +325,19 @@ impl BatchTable {
             self.slabs.push(slab);
         }
         cache.check_append_budget(&self.slabs, 1)?;
-        let width = self.max_blocks_per_seq;
+        let max_seqs = self.max_seqs();
         for row in 0..self.rows.len() {
             let Row { slab, version, .. } = self.rows[row];
-            let stale = cache.slab_view(slab).version != version;
-            let mut slot = PAD_SLOT;
+            let unchanged = cache.slab_view(slab).version == version;
             let ids = token_ids.map(|ids| std::slice::from_ref(&ids[row]));
-            cache.append_to(slab, 1, ids, |_, _, new_slot| slot = new_slot)?;
-            self.slot_mapping[row] = slot;
-            if stale {
-                self.rewrite_row(row, cache);
-                continue;
+            let slot_mapping = &mut self.slot_mapping;
+            cache.append_to(slab, 1, ids, |group, _, slot| {
+                slot_mapping[group * max_seqs + row] = slot;
+            })?;
+            match unchanged {
+                true => self.write_appended(row, cache),
+                false => self.write_row(row, cache),
             }
-            let seq = cache.slab_view(slab);
-            let last = seq.blocks.len() - 1;
-            self.block_tables[row * width + last] = seq.blocks[last] as i32;
-            self.context_lens[row] = seq.num_tokens as i32;
-            self.rows[row].version = seq.version;
         }
         Ok(())
     }
@@ -294,17 +350,17 @@ mod tests {
 
     #[test]
     fn huge_sizes_are_errors_naming_the_argument_not_aborts() {
-        let table = BatchTable::new(3, 4).unwrap();
+        let table = BatchTable::new(3, 4, 1).unwrap();
         assert_eq!((table.max_seqs(), table.block_tables().len()), (3, 12));
         // Within the entry limit, but 2**28 rows of bookkeeping are far over the byte limit.
-        let message = BatchTable::new(1 << 28, 1).unwrap_err().to_string();
+        let message = BatchTable::new(1 << 28, 1, 1).unwrap_err().to_string();
         assert!(
             message.starts_with("max_seqs = 268435456 (with max_blocks_per_seq = 1) would take")
                 && message.contains("bytes"),
             "{message}"
         );
         for (max_seqs, width) in [(1 << 40, 1), (1 << 16, 1 << 16), (usize::MAX, usize::MAX)] {
-            let message = BatchTable::new(max_seqs, width).unwrap_err().to_string();
+            let message = BatchTable::new(max_seqs, width, 1).unwrap_err().to_string();
             assert!(
                 message.contains(&format!(
                     "max_seqs × max_blocks_per_seq = {max_seqs} × {width}"
@@ -312,9 +368,9 @@ mod tests {
                 "{message}"
             );
         }
-        let bytes = BatchTable::bookkeeping_bytes(1 << 24, MAX_CELLS).unwrap();
+        let bytes = BatchTable::bookkeeping_bytes(1 << 24, 1 << 24, MAX_CELLS).unwrap();
         assert!(bytes <= MAX_BOOKKEEPING_BYTES);
-        assert_eq!(BatchTable::bookkeeping_bytes(usize::MAX, 1), None);
+        assert_eq!(BatchTable::bookkeeping_bytes(usize::MAX, 1, 1), None);
         assert_eq!(row_index_bytes(7), Some(8 * 17));
         assert_eq!(row_index_bytes(usize::MAX), None);
     }

@@ -33,7 +33,7 @@ pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
-pub use tables::RowView;
+pub use tables::RowMemo;
 use windows::WindowBounds;
 
 use crate::alloc::{BlockHash, BlockPool};
@@ -103,8 +103,9 @@ struct SlabView<'a> {
     /// `None` when the slab is vacant.
     pub seq_id: Option<u64>,
     pub swapped: bool,
-    /// Group 0's blocks (batch tables serve one-group caches).
+    /// Group 0's blocks (every group's list is as long).
     pub blocks: &'a [u32],
+    pub tables: &'a [GroupTable],
     pub num_tokens: usize,
     pub version: u64,
 }
@@ -356,6 +357,7 @@ impl KvCache {
             seq_id: seq.live.then_some(seq.seq_id),
             swapped: seq.swapped,
             blocks: seq.blocks(),
+            tables: &seq.tables,
             num_tokens: seq.num_tokens,
             version: seq.version,
         }

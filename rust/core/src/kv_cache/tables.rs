@@ -1,7 +1,7 @@
 //! What kernels read: slot mappings, padded block tables, context lengths, FlashInfer's CSR
 //! page table; and the check that a kernel only writes slots some sequence holds.
 
-use super::KvCache;
+use super::{GroupTable, KvCache};
 
 /// One group's block list of a sequence as a block table row sees it: the blocks (the null
 /// block where released or not yet allocated), how many leading ones a window released, and
@@ -15,6 +15,72 @@ pub struct RowView<'a> {
 }
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
+
+impl GroupTable {
+    pub(super) fn row_view(&self) -> RowView<'_> {
+        RowView {
+            blocks: &self.blocks,
+            released: self.released,
+            layout: self.layout,
+        }
+    }
+}
+
+/// What a row of a persistent block table holds: the first `written` blocks of `seq_id`
+/// under `layout`, the first `released` of them null. Lets the row be brought up to date by
+/// writing only what changed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowMemo {
+    seq_id: u64,
+    layout: u64,
+    written: usize,
+    released: usize,
+}
+
+impl RowMemo {
+    /// Brings `row` (which holds what this memo says, or is all null for a default memo) up
+    /// to date with `view`, the list of `seq_id`: only new cells and newly released ones
+    /// when the memo still describes the list, else the whole row.
+    #[inline]
+    pub fn update(&mut self, row: &mut [i32], seq_id: u64, view: RowView<'_>) {
+        let blocks = view.blocks;
+        let memo = *self;
+        let from = match memo.seq_id == seq_id && memo.layout == view.layout {
+            true if memo.written <= blocks.len() && memo.released <= view.released => {
+                row[memo.released..view.released.min(memo.written)].fill(NULL_BLOCK as i32);
+                memo.written
+            }
+            _ => {
+                // Clear what a longer list left behind.
+                let stale = memo.written.min(row.len());
+                if stale > blocks.len() {
+                    row[blocks.len()..stale].fill(NULL_BLOCK as i32);
+                }
+                0
+            }
+        };
+        for (cell, &block) in row[from..].iter_mut().zip(&blocks[from..]) {
+            *cell = block as i32;
+        }
+        *self = RowMemo {
+            seq_id,
+            layout: view.layout,
+            written: blocks.len(),
+            released: view.released,
+        };
+    }
+
+    /// Brings `row` up to date after one token was appended to a list that was up to date
+    /// and that nothing else changed: only its last cell can differ (a new block, or the
+    /// copy a copy-on-write made of the partly filled last one).
+    #[inline]
+    pub fn appended(&mut self, row: &mut [i32], view: RowView<'_>) {
+        let last = view.blocks.len() - 1;
+        row[last] = view.blocks[last] as i32;
+        self.written = view.blocks.len();
+        self.layout = view.layout;
+    }
+}
 
 impl KvCache {
     /// Slots of tokens `[starts[i], ends[i])` of each sequence in `group`, concatenated in
@@ -80,11 +146,7 @@ impl KvCache {
     /// Every group's block list of a device sequence, in group order, in one lookup.
     pub fn group_rows(&self, seq_id: u64) -> CoreResult<impl Iterator<Item = RowView<'_>>> {
         let seq = self.device_sequence(seq_id)?;
-        Ok(seq.tables.iter().map(|table| RowView {
-            blocks: &table.blocks,
-            released: table.released,
-            layout: table.layout,
-        }))
+        Ok(seq.tables.iter().map(GroupTable::row_view))
     }
 
     /// Padded block tables of `group`, row-major `[batch, max blocks in the batch]`. Returns

@@ -1,8 +1,8 @@
 //! `BatchTable`: the persistent decode-step buffers, as read-only numpy views.
 
 use atb_mem_core::{BatchTable, KvCache};
-use numpy::ndarray::{ArrayView1, ArrayView2};
-use numpy::{PyArray1, PyArray2};
+use numpy::ndarray::{ArrayView1, ArrayViewD};
+use numpy::{PyArray1, PyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -39,6 +39,14 @@ impl PyBatchTable {
         flags.set_item("write", false)?;
         array.call_method("setflags", (), Some(&flags))?;
         Ok(array)
+    }
+}
+
+/// `shape` per group: as is for one group, with a leading group axis for several.
+fn grouped_shape(table: &BatchTable, shape: &[usize]) -> Vec<usize> {
+    match table.num_groups() {
+        1 => shape.to_vec(),
+        groups => [&[groups], shape].concat(),
     }
 }
 
@@ -106,15 +114,14 @@ impl PyBatchTable {
         self.pool.clone_ref(py)
     }
 
-    /// int32 `[max_seqs, max_blocks_per_seq]`, padded with block 0 (read-only view).
+    /// int32 `[max_seqs, max_blocks_per_seq]`, padded with block 0 (read-only view); with
+    /// several KV-cache groups, `[groups, max_seqs, max_blocks_per_seq]`.
     #[getter]
-    fn block_tables<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn block_tables<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArrayDyn<i32>>> {
         Self::view(slf, |table| {
-            ArrayView2::from_shape(
-                (table.max_seqs(), table.max_blocks_per_seq()),
-                table.block_tables(),
-            )
-            .expect("buffer matches its shape")
+            let rows = [table.max_seqs(), table.max_blocks_per_seq()];
+            ArrayViewD::from_shape(grouped_shape(table, &rows), table.block_tables())
+                .expect("buffer matches its shape")
         })
     }
 
@@ -124,10 +131,17 @@ impl PyBatchTable {
         Self::view(slf, |table| ArrayView1::from(table.context_lens()))
     }
 
-    /// int32 `[max_seqs]`: each row's newest slot, -1 for rows without one (read-only view).
+    /// int32 `[max_seqs]`: each row's newest slot, -1 for rows without one (read-only view);
+    /// with several KV-cache groups, `[groups, max_seqs]`.
     #[getter]
-    fn slot_mapping<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        Self::view(slf, |table| ArrayView1::from(table.slot_mapping()))
+    fn slot_mapping<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArrayDyn<i32>>> {
+        Self::view(slf, |table| {
+            ArrayViewD::from_shape(
+                grouped_shape(table, &[table.max_seqs()]),
+                table.slot_mapping(),
+            )
+            .expect("buffer matches its shape")
+        })
     }
 
     fn __repr__(&self) -> PyResult<String> {

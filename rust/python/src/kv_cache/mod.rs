@@ -474,9 +474,8 @@ impl PyKvCachePool {
         max_seqs: Count<1>,
         max_blocks_per_seq: Count<1>,
     ) -> PyResult<PyBatchTable> {
-        let max_seqs = max_seqs.0;
-        let max_blocks_per_seq = max_blocks_per_seq.0;
-        let table = BatchTable::new(max_seqs, max_blocks_per_seq).into_py_result()?;
+        let groups = slf.get().lock()?.num_groups();
+        let table = BatchTable::new(max_seqs.0, max_blocks_per_seq.0, groups).into_py_result()?;
         Ok(PyBatchTable {
             pool: slf.clone().unbind(),
             table: PyLock::new(table),

@@ -8,17 +8,7 @@
 
 use super::{ContinuousScheduler, StepPlan};
 use crate::error::CoreResult;
-use crate::kv_cache::{KvCache, RowView};
-
-/// What a row of the buffer holds: the first `written` blocks of `seq_id` under `layout`, the
-/// first `released` of them null.
-#[derive(Debug, Clone, Copy, Default)]
-struct RowMemo {
-    seq_id: u64,
-    layout: u64,
-    written: usize,
-    released: usize,
-}
+use crate::kv_cache::{KvCache, RowMemo};
 
 /// One memo list per KV-cache group.
 #[derive(Debug, Clone, Default)]
@@ -70,41 +60,11 @@ impl BlockTableWriter {
                 );
                 let start = group * per_group + index * stride;
                 let row = &mut cells[start..start + stride];
-                write_row(&mut self.groups[group][index], row, seq_id, view);
+                self.groups[group][index].update(row, seq_id, view);
             }
         }
         Ok(())
     }
-}
-
-/// Brings one row up to date: only new cells and newly released ones when the memo still
-/// describes the list, else the whole row.
-#[inline]
-fn write_row(memo: &mut RowMemo, row: &mut [i32], seq_id: u64, view: RowView<'_>) {
-    let blocks = view.blocks;
-    let from = match memo.seq_id == seq_id && memo.layout == view.layout {
-        true if memo.written <= blocks.len() && memo.released <= view.released => {
-            row[memo.released..view.released.min(memo.written)].fill(0);
-            memo.written
-        }
-        _ => {
-            // Clear what a longer list left behind.
-            let stale = memo.written.min(row.len());
-            if stale > blocks.len() {
-                row[blocks.len()..stale].fill(0);
-            }
-            0
-        }
-    };
-    for (cell, &block) in row[from..].iter_mut().zip(&blocks[from..]) {
-        *cell = block as i32;
-    }
-    *memo = RowMemo {
-        seq_id,
-        layout: view.layout,
-        written: blocks.len(),
-        released: view.released,
-    };
 }
 
 impl ContinuousScheduler {
