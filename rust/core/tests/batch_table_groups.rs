@@ -1,8 +1,9 @@
 //! A batch table over a cache with KV-cache groups: after any sequence of appends, window
-//! releases (`mark_computed`, shown from the next append on), forks (copy-on-write on the
-//! next append), removals and sequences started over under the same id, every row of every
-//! group's table, every slot and every length is what the cache itself says; a failed append
-//! changes no buffer.
+//! releases (`mark_computed`) and swaps (both shown from the next append on), forks
+//! (copy-on-write on the next append), removals, sequences started over under the same id
+//! and lazily admitted prompts, every row of every group's table, every slot and every
+//! length is what the cache itself says; a failed append changes no buffer. In debug builds
+//! the cache also checks that its window bounds never skip a release (`windows_stay`).
 
 use atb_mem_core::{AttentionKind, BatchTable, KvCache, KvLayout, Tokens, PAD_SLOT};
 use proptest::prelude::*;
@@ -17,6 +18,11 @@ enum Op {
     Fork(usize),
     Remove(usize),
     StartOver(usize),
+    /// Started over as a prompt admitted lazily: its windowed groups take blocks as the
+    /// prompt is computed.
+    Admit(usize, usize),
+    /// Out to the host tier and back: every held block is a new one.
+    SwapRoundTrip(usize),
 }
 
 fn kind() -> impl Strategy<Value = AttentionKind> {
@@ -34,6 +40,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..MAX_SEQS).prop_map(Op::Fork),
         1 => (0..MAX_SEQS).prop_map(Op::Remove),
         1 => (0..MAX_SEQS).prop_map(Op::StartOver),
+        1 => (0..MAX_SEQS, 1..12usize).prop_map(|(row, len)| Op::Admit(row, len)),
+        1 => (0..MAX_SEQS).prop_map(Op::SwapRoundTrip),
     ]
 }
 
@@ -89,8 +97,11 @@ fn appended(cache: &mut KvCache, rows: &[u64], last_slots: &mut [Vec<i32>]) {
         let position = cache.seq_len(seq_id).unwrap() - 1;
         for (group, slot) in slots.iter_mut().enumerate() {
             let blocks = cache.group_block_table(seq_id, group).unwrap();
-            let block = blocks[position / block_size] as usize;
-            *slot = (block * block_size + position % block_size) as i32;
+            *slot = match blocks[position / block_size] as usize {
+                // A group still to take the prompt's blocks has no slot for it yet.
+                0 => PAD_SLOT,
+                block => (block * block_size + position % block_size) as i32,
+            };
         }
     }
 }
@@ -101,13 +112,14 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
         ..KvLayout::default()
     };
     let mut cache = KvCache::with_layer_kinds(160, block_size, layout, true, &kinds).unwrap();
+    cache.enable_host_tier(160).unwrap();
     let groups = cache.num_groups();
     let mut table = BatchTable::new(MAX_SEQS, WIDTH, groups).unwrap();
     // The slots the last append wrote per row and group (PAD_SLOT before any).
     let mut last_slots: Vec<Vec<i32>> = Vec::new();
     let mut next_id = 0u64;
     let mut token = 0u32;
-    let mut releases_pending = false;
+    let mut stale_until_append = false;
     for _ in 0..2 {
         let ids: Vec<u32> = (0..3).map(|t| t % 2).collect();
         cache
@@ -131,7 +143,7 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
                     assert_eq!(table.slot_mapping(), &before.1[..]);
                 } else {
                     appended(&mut cache, &rows, &mut last_slots);
-                    releases_pending = false;
+                    stale_until_append = false;
                 }
             }
             Op::MarkComputed => {
@@ -142,7 +154,7 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
                 }
                 // The table shows the releases from the next append on (before the model
                 // reads it again): until then, rows need not match.
-                releases_pending = true;
+                stale_until_append = true;
             }
             Op::Fork(row) if row < rows.len() && rows.len() < MAX_SEQS => {
                 cache.fork(rows[row], next_id).unwrap();
@@ -164,7 +176,7 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
                 // The row holds the old list until the next append brings it up to date.
                 if table.append_tokens(&mut cache, None).is_ok() {
                     appended(&mut cache, &rows, &mut last_slots);
-                    releases_pending = false;
+                    stale_until_append = false;
                 } else {
                     // Out of blocks or width: the row is added again to learn the new list.
                     table.remove(rows[row]).unwrap();
@@ -173,10 +185,41 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
                     last_slots.push(vec![PAD_SLOT; groups]);
                 }
             }
+            Op::Admit(row, len) if row < rows.len() => {
+                cache.free_sequence(rows[row]).unwrap();
+                let ids: Vec<u32> = (0..len as u32).map(|t| t % 3).collect();
+                if cache
+                    .admit_sequence(rows[row], Tokens::Ids(&ids), None)
+                    .is_err()
+                {
+                    cache
+                        .alloc_sequence(rows[row], Tokens::Count(1), None)
+                        .unwrap();
+                }
+                table.remove(rows[row]).unwrap();
+                last_slots.swap_remove(row);
+                table.add(&cache, rows[row]).unwrap();
+                last_slots.push(vec![PAD_SLOT; groups]);
+            }
+            Op::SwapRoundTrip(row) if row < rows.len() => {
+                if cache.swap_out(&[rows[row]]).is_err() {
+                    continue; // the host tier is full
+                }
+                cache.take_moves(&mut Vec::new());
+                if cache.swap_in(&[rows[row]]).is_err() {
+                    // Blocks it shared with a fork need copies there is no room for.
+                    table.remove(rows[row]).unwrap();
+                    cache.free_sequence(rows[row]).unwrap();
+                    last_slots.swap_remove(row);
+                }
+                cache.take_moves(&mut Vec::new());
+                // The row shows the new blocks from the next append on.
+                stale_until_append = true;
+            }
             _ => continue,
         }
         cache.check_invariants().unwrap();
-        if !releases_pending {
+        if !stale_until_append {
             check(&cache, &table, &last_slots);
         }
     }

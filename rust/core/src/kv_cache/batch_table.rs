@@ -77,7 +77,13 @@ impl BatchTable {
             })?;
         let rows = max_seqs * num_groups; // at most `cells`
         let bytes = check_bookkeeping(Self::bookkeeping_bytes(max_seqs, rows, cells), || {
-            format!("max_seqs = {max_seqs} (with max_blocks_per_seq = {max_blocks_per_seq})")
+            let groups = match num_groups {
+                1 => String::new(),
+                groups => format!(", in {groups} KV-cache groups"),
+            };
+            format!(
+                "max_seqs = {max_seqs} (with max_blocks_per_seq = {max_blocks_per_seq}{groups})"
+            )
         })?;
         let what = format!(
             "the batch table of max_seqs = {max_seqs}, max_blocks_per_seq = \
@@ -353,6 +359,8 @@ mod tests {
         let table = BatchTable::new(3, 4, 1).unwrap();
         assert_eq!((table.max_seqs(), table.block_tables().len()), (3, 12));
         // Within the entry limit, but 2**28 rows of bookkeeping are far over the byte limit.
+        let message = BatchTable::new(1 << 25, 1, 8).unwrap_err().to_string();
+        assert!(message.contains("in 8 KV-cache groups"), "{message}");
         let message = BatchTable::new(1 << 28, 1, 1).unwrap_err().to_string();
         assert!(
             message.starts_with("max_seqs = 268435456 (with max_blocks_per_seq = 1) would take")

@@ -45,6 +45,14 @@ impl KvCache {
     /// budget was checked (`window_need`).
     pub(super) fn advance_windows(&mut self, slab: u32, num_tokens: usize) -> CoreResult<()> {
         let block_size = self.block_size();
+        let seq = &self.sequences[slab as usize];
+        if seq.window_bounds.settled(seq.num_computed) {
+            debug_assert!(
+                self.windows_stay(slab, num_tokens),
+                "window bounds skipped a release or an allocation"
+            );
+            return Ok(()); // most decode steps
+        }
         let version = self.bump_version();
         let KvCache {
             sequences,
@@ -54,9 +62,6 @@ impl KvCache {
         } = self;
         let seq = &mut sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
-        if seq.window_bounds.settled(seq.num_computed) {
-            return Ok(()); // most decode steps
-        }
         let mut first_needed = FirstNeeded::default();
         let mut bounds = WindowBounds::SETTLED;
         for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
@@ -94,6 +99,23 @@ impl KvCache {
         }
         seq.window_bounds = bounds;
         Ok(())
+    }
+}
+
+impl KvCache {
+    /// Whether `advance_windows(slab, num_tokens)` would change nothing, worked out in full:
+    /// what the bounds' shortcut must agree with (checked in debug builds).
+    fn windows_stay(&self, slab: u32, num_tokens: usize) -> bool {
+        let block_size = self.block_size();
+        let seq = &self.sequences[slab as usize];
+        let end = num_tokens.div_ceil(block_size);
+        let windowed = seq.tables.iter().zip(&self.groups);
+        windowed
+            .filter(|(_, spec)| spec.kind.span().is_some())
+            .all(|(table, spec)| {
+                let from = spec.kind.first_needed_block(seq.num_computed, block_size);
+                table.released >= from.min(table.blocks.len()) && table.allocated >= end
+            })
     }
 }
 
