@@ -18,7 +18,7 @@ fn block_allocate_free(c: &mut Criterion) {
     let blocks: Vec<u32> = (0..65_535).map(|_| pool.allocate().unwrap()).collect();
     for (i, &block) in blocks.iter().enumerate() {
         if i % 2 == 0 {
-            pool.register(block, BlockHash::root(None).chain(&[i as u32]));
+            pool.register(block, BlockHash::root(None).chain(&[i as u32]), true);
         }
     }
     for block in blocks {
@@ -29,7 +29,7 @@ fn block_allocate_free(c: &mut Criterion) {
         b.iter(|| {
             let block = pool.allocate().unwrap();
             i += 1;
-            pool.register(block, BlockHash::root(None).chain(&[i]));
+            pool.register(block, BlockHash::root(None).chain(&[i]), true);
             pool.release(black_box(block));
         })
     });

@@ -1,7 +1,7 @@
 //! KV-cache groups: windows release blocks, prefix hits that every group can serve, and an
 //! eviction order that keeps shorter hits whole.
 
-use atb_mem_core::{AttentionKind, KvCache, KvLayout, Tokens, NULL_BLOCK};
+use atb_mem_core::{AttentionKind, KvCache, KvLayout, MissReason, Tokens, NULL_BLOCK};
 
 const FULL: AttentionKind = AttentionKind::Full;
 
@@ -188,4 +188,45 @@ fn eviction_shortens_hybrid_hits_gracefully() {
     for pair in hits.windows(2) {
         assert!(pair[1] + block_size >= pair[0], "a hit collapsed: {hits:?}");
     }
+}
+
+/// Windowed groups churn through blocks (a block leaves the window every few tokens), but
+/// their misses are explained without the eviction history: their evictions must not push a
+/// full group's out of it, or a prompt evicted a moment ago reads as never cached.
+#[test]
+fn window_churn_keeps_full_evictions_remembered() {
+    let slide = AttentionKind::SlidingWindow { window: 1 };
+    let mut cache = cache(&[slide, slide, slide, FULL], 64, 1);
+    let full = 3;
+    let evicted_prompt = [1, 2, 3];
+    cache
+        .alloc_sequence(1, Tokens::Ids(&evicted_prompt), None)
+        .unwrap();
+    cache.mark_computed(1, Some(3)).unwrap();
+    cache.free_sequence(1).unwrap();
+    // Fresh blocks in every group evict most of it.
+    cache.alloc_sequence(2, Tokens::Count(15), None).unwrap();
+    cache.free_sequence(2).unwrap();
+    let reason = |cache: &mut KvCache| {
+        let explained = cache.explain_prefix(&evicted_prompt, None).unwrap();
+        explained.groups[full].reason
+    };
+    assert_eq!(reason(&mut cache), MissReason::Evicted);
+    // One sequence decodes: each token's three windowed blocks leave the window at once and
+    // are evicted by the next tokens' allocations, well over the history's 64 entries.
+    cache.alloc_sequence(3, Tokens::Ids(&[7]), None).unwrap();
+    cache.mark_computed(3, Some(1)).unwrap();
+    let mut token = 10;
+    let evictions_before = cache.stats().evictions;
+    while cache.num_free_blocks() >= 4 {
+        cache
+            .append_tokens(&[3], 1, Some(&[token]), &mut Vec::new())
+            .unwrap();
+        token += 1;
+        let len = cache.seq_len(3).unwrap();
+        cache.mark_computed(3, Some(len)).unwrap();
+    }
+    assert!(cache.stats().evictions - evictions_before > 100);
+    cache.check_invariants().unwrap();
+    assert_eq!(reason(&mut cache), MissReason::Evicted);
 }

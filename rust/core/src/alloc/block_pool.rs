@@ -39,6 +39,16 @@ pub struct PrefixCacheCounters {
     pub evictions: u64,
 }
 
+/// What the prefix cache holds of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cached {
+    No,
+    /// Findable by its hash; with `remember`, its eviction goes into the history.
+    Yes {
+        remember: bool,
+    },
+}
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
@@ -46,7 +56,7 @@ pub struct BlockPool {
     free_queue: FreeQueue,
     /// Hash of every block registered in `prefix_table`; meaningless for the others.
     block_hashes: Vec<BlockHash>,
-    is_cached: Vec<bool>,
+    cached: Vec<Cached>,
     prefix_table: IndexTable,
     num_evictable: usize,
     enable_prefix_caching: bool,
@@ -55,7 +65,8 @@ pub struct BlockPool {
     /// `drain_removed`, kept only while `record_removed` (KV-cache events).
     record_removed: bool,
     removed: Vec<(BlockHash, u32)>,
-    /// Hashes of the last `num_blocks` evicted blocks: a lookup miss can say "evicted".
+    /// Hashes of the last `num_blocks` evicted blocks registered to be remembered: a lookup
+    /// miss can say "evicted".
     evicted: EvictionHistory,
 }
 
@@ -99,7 +110,7 @@ impl BlockPool {
             ref_counts: try_filled_vec(num_blocks, 0, &what)?,
             free_queue,
             block_hashes: try_filled_vec(table_blocks, BlockHash::default(), &what)?,
-            is_cached: try_filled_vec(table_blocks, false, &what)?,
+            cached: try_filled_vec(table_blocks, Cached::No, &what)?,
             prefix_table: IndexTable::new(table_blocks, &what)?,
             num_evictable: 0,
             enable_prefix_caching,
@@ -142,7 +153,7 @@ impl BlockPool {
             .remove(block, hashes[block as usize].0[0], |other| {
                 hashes[other as usize].0[0]
             });
-        self.is_cached[block as usize] = false;
+        self.cached[block as usize] = Cached::No;
     }
 
     #[inline]
@@ -206,7 +217,7 @@ impl BlockPool {
 
     #[inline]
     fn is_cached(&self, block: u32) -> bool {
-        self.enable_prefix_caching && self.is_cached[block as usize]
+        self.enable_prefix_caching && self.cached[block as usize] != Cached::No
     }
 
     /// Blocks no sequence holds and the prefix cache does not keep (the null block aside):
@@ -222,7 +233,9 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Option<u32> {
         let block = self.free_queue.pop_front()?;
         if self.is_cached(block) {
-            self.evicted.record(self.block_hashes[block as usize]);
+            if self.cached[block as usize] == (Cached::Yes { remember: true }) {
+                self.evicted.record(self.block_hashes[block as usize]);
+            }
             self.unregister(block);
             self.num_evictable -= 1;
             self.counters.evictions += 1;
@@ -296,17 +309,22 @@ impl BlockPool {
 
     /// Registers a full, in-use block under `hash`; returns whether it joined. Does nothing
     /// when caching is off, when the block is registered already, or when another block
-    /// holds the same contents (the first one stays the cached copy).
+    /// holds the same contents (the first one stays the cached copy). With
+    /// `remember_eviction`, `was_evicted` will know of its eviction: a windowed group's
+    /// blocks go without (its misses are explained without the history, and its churn would
+    /// crowd the full groups' evictions out).
     #[inline]
-    pub fn register(&mut self, block: u32, hash: BlockHash) -> bool {
-        if !self.enable_prefix_caching || self.is_cached[block as usize] {
+    pub fn register(&mut self, block: u32, hash: BlockHash, remember_eviction: bool) -> bool {
+        if !self.enable_prefix_caching || self.cached[block as usize] != Cached::No {
             return false;
         }
         if self.find_cached(hash).is_some() {
             return false;
         }
         self.block_hashes[block as usize] = hash;
-        self.is_cached[block as usize] = true;
+        self.cached[block as usize] = Cached::Yes {
+            remember: remember_eviction,
+        };
         self.prefix_table.insert(block, hash.0[0]);
         true
     }
@@ -333,7 +351,7 @@ impl BlockPool {
         }
         let mut dropped = 0;
         for block in 1..self.num_blocks() as u32 {
-            if self.is_cached[block as usize] && self.ref_counts[block as usize] == 0 {
+            if self.cached[block as usize] != Cached::No && self.ref_counts[block as usize] == 0 {
                 self.unregister(block);
                 // Move it ahead of the cached blocks, where free blocks live.
                 self.free_queue.remove(block);
@@ -350,7 +368,7 @@ impl BlockPool {
         self.ref_counts.capacity() * 4
             + self.free_queue.heap_bytes()
             + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
-            + self.is_cached.capacity()
+            + self.cached.capacity() * std::mem::size_of::<Cached>()
             + self.prefix_table.heap_bytes()
             + self.removed.capacity() * std::mem::size_of::<(BlockHash, u32)>()
             + self.evicted.heap_bytes()
@@ -441,8 +459,8 @@ mod tests {
         assert_eq!(blocks, [1, 2, 3, 4]);
         assert_eq!(pool.allocate(), None);
         let (h1, h2) = (BlockHash([11, 0]), BlockHash([22, 0]));
-        pool.register(1, h1);
-        pool.register(2, h2);
+        pool.register(1, h1, true);
+        pool.register(2, h2, true);
         pool.release(2); // cached, older
         pool.release(1); // cached, newer
         pool.release(3); // free

@@ -457,6 +457,7 @@ impl KvCache {
             sequences,
             block_pool,
             events,
+            groups,
             ..
         } = self;
         let seq = &mut sequences[slab as usize];
@@ -468,12 +469,14 @@ impl KvCache {
         }
         // Group by group, so that a group's new blocks are one chain: one event per run of
         // blocks that joined (a block whose contents another block holds does not).
-        for (group, table) in seq.tables.iter().enumerate() {
+        for (group, (table, spec)) in seq.tables.iter().zip(groups.iter()).enumerate() {
             let mut run_start = None;
+            let remember_eviction = spec.kind.span().is_none();
             for index in seq.num_registered..full {
                 let block = table.blocks[index];
-                let stored = block != NULL_BLOCK
-                    && block_pool.register(block, group_key(seq.hashes[index], group));
+                let key = group_key(seq.hashes[index], group);
+                let stored =
+                    block != NULL_BLOCK && block_pool.register(block, key, remember_eviction);
                 joined += usize::from(stored);
                 if !events.enabled() {
                     continue;
