@@ -10,10 +10,11 @@ use super::{ContinuousScheduler, StepPlan};
 use crate::error::CoreResult;
 use crate::kv_cache::{KvCache, RowMemo};
 
-/// One memo list per KV-cache group.
+/// A memo per row and KV-cache group, `[rows, groups]`: a row's groups are written
+/// together, so their memos sit together.
 #[derive(Debug, Clone, Default)]
 pub struct BlockTableWriter {
-    groups: Vec<Vec<RowMemo>>,
+    memos: Vec<RowMemo>,
 }
 
 impl BlockTableWriter {
@@ -23,7 +24,7 @@ impl BlockTableWriter {
 
     /// Forgets what the buffer holds: the caller replaced it with a zeroed one.
     pub fn reset(&mut self) {
-        self.groups.clear();
+        self.memos.clear();
     }
 
     /// Writes the block lists of `seq_ids` (device sequences) as rows of `cells`, one equal
@@ -44,11 +45,9 @@ impl BlockTableWriter {
             "a block table buffer of {per_group} cells per group cannot hold {} rows of {stride}",
             seq_ids.len()
         );
-        self.groups.resize_with(groups, Vec::new);
-        for memos in &mut self.groups {
-            if memos.len() < seq_ids.len() {
-                memos.resize(seq_ids.len(), RowMemo::default());
-            }
+        if self.memos.len() < seq_ids.len() * groups {
+            self.memos
+                .resize(seq_ids.len() * groups, RowMemo::default());
         }
         for (index, &seq_id) in seq_ids.iter().enumerate() {
             // Rows written so far stay consistent with their memos if this one fails.
@@ -60,7 +59,7 @@ impl BlockTableWriter {
                 );
                 let start = group * per_group + index * stride;
                 let row = &mut cells[start..start + stride];
-                self.groups[group][index].update(row, seq_id, view);
+                self.memos[index * groups + group].update(row, seq_id, view);
             }
         }
         Ok(())
