@@ -10,6 +10,7 @@ import pytest
 
 from atb_mem import ContinuousBatchScheduler, KVCachePool, OutOfMemoryError
 from atb_mem.kv import GroupPrefix, KVCacheGroup
+from tests.support.unchanged import assert_unchanged, kv_snapshot
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA_LIKE = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
@@ -232,3 +233,22 @@ def test_a_batch_table_has_a_table_and_a_slot_per_group() -> None:
     # A single-group table keeps its shapes.
     plain = KVCachePool(8, 2).batch_table(2, 4)
     assert plain.block_tables.shape == (2, 4) and plain.slot_mapping.shape == (2,)
+
+
+def test_a_batch_table_call_that_fails_changes_nothing() -> None:
+    pool = hybrid(num_blocks=18, device=None)  # 3 groups: 6 + 9 of 17 blocks, 2 left
+    pool.alloc_sequence(1, list(range(4)))
+    pool.alloc_sequence(2, list(range(6)))
+    batch = pool.batch_table(max_seqs=2, max_blocks_per_seq=3)
+    batch.add(1)
+    batch.add(2)
+    observe = lambda: kv_snapshot(pool, batch)  # noqa: E731
+    assert_unchanged(observe, ValueError, lambda: batch.add(2), match="already")
+    assert_unchanged(observe, ValueError, lambda: batch.add(7))
+    assert_unchanged(observe, ValueError, lambda: batch.append_tokens([1]), match="2 rows")
+    # Sequence 2's next token needs a 4th block per row: wider than the table.
+    assert_unchanged(observe, ValueError, lambda: batch.append_tokens(), match="holds 3")
+    batch.remove(2)
+    # Sequence 1's 5th token needs a block in each of the 3 groups; 2 are free.
+    assert_unchanged(observe, OutOfMemoryError, lambda: batch.append_tokens())
+    pool._check_invariants()

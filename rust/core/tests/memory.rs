@@ -127,7 +127,7 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
             "  of which size_of::<Sequence>() = {}",
             atb_mem_core::SEQUENCE_BYTES
         );
-        // Measured 296 and 280 (the slab and index grow by doubling, so part of this is
+        // Measured 304 and 288 (the slab and index grow by doubling, so part of this is
         // reserve; 24 of it is the header of the token-id list KV events keep, empty
         // here, 40 the one group table on the heap); without prefix caching a sequence
         // keeps no token ids.

@@ -33,6 +33,12 @@ fn row_index_bytes(max_seqs: usize) -> Option<u64> {
     array_bytes::<(u64, u32)>(buckets)?.checked_add(array_bytes::<u8>(buckets)?)
 }
 
+/// Where row `row` of group `group`'s table sits among all groups' rows.
+#[inline]
+fn row_index(max_seqs: usize, group: usize, row: usize) -> usize {
+    group * max_seqs + row
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Row {
     seq_id: u64,
@@ -259,10 +265,9 @@ impl BatchTable {
         self.row_of.clear();
     }
 
-    /// Where row `row` of group `group`'s table sits among all groups' rows.
     #[inline]
     fn row_index(&self, group: usize, row: usize) -> usize {
-        group * self.max_seqs() + row
+        row_index(self.max_seqs(), group, row)
     }
 
     /// Brings row `row` up to date in every group's table (see [`RowMemo`]).
@@ -338,7 +343,7 @@ impl BatchTable {
             let ids = token_ids.map(|ids| std::slice::from_ref(&ids[row]));
             let slot_mapping = &mut self.slot_mapping;
             cache.append_to(slab, 1, ids, |group, _, slot| {
-                slot_mapping[group * max_seqs + row] = slot;
+                slot_mapping[row_index(max_seqs, group, row)] = slot;
             })?;
             match unchanged {
                 true => self.write_appended(row, cache),

@@ -463,10 +463,10 @@ impl KvCache {
         let seq = &mut sequences[slab as usize];
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
-        let mut joined = 0;
         if full <= seq.num_registered {
             return Ok(0); // most calls: no block filled since the last
         }
+        let mut joined = 0;
         // Group by group, so that a group's new blocks are one chain: one event per run of
         // blocks that joined (a block whose contents another block holds does not).
         for (group, (table, spec)) in seq.tables.iter().zip(groups.iter()).enumerate() {

@@ -25,10 +25,10 @@ impl KvCache {
     pub(super) fn window_need(&self, slab: u32, num_tokens: usize) -> usize {
         let block_size = self.block_size();
         let seq = &self.sequences[slab as usize];
-        let end = num_tokens.div_ceil(block_size);
         if seq.window_bounds.settled(seq.num_computed) {
             return 0;
         }
+        let end = num_tokens.div_ceil(block_size);
         let mut needed = 0;
         let mut first_needed = FirstNeeded::default();
         for (table, spec) in seq.tables.iter().zip(&self.groups) {
@@ -100,17 +100,16 @@ impl KvCache {
         seq.window_bounds = bounds;
         Ok(())
     }
-}
 
-impl KvCache {
     /// Whether `advance_windows(slab, num_tokens)` would change nothing, worked out in full:
     /// what the bounds' shortcut must agree with (checked in debug builds).
     fn windows_stay(&self, slab: u32, num_tokens: usize) -> bool {
         let block_size = self.block_size();
         let seq = &self.sequences[slab as usize];
         let end = num_tokens.div_ceil(block_size);
-        let windowed = seq.tables.iter().zip(&self.groups);
-        windowed
+        seq.tables
+            .iter()
+            .zip(&self.groups)
             .filter(|(_, spec)| spec.kind.span().is_some())
             .all(|(table, spec)| {
                 let from = spec.kind.first_needed_block(seq.num_computed, block_size);
