@@ -433,10 +433,17 @@ class ContinuousScheduler:
     def __new__(cls, kv_cache: KVCachePool,
                 config: ContinuousSchedulerConfig) -> ContinuousScheduler: ...
     def config(self) -> ContinuousSchedulerConfig: ...
+    def check_config(self, config: ContinuousSchedulerConfig) -> None:
+        """Raises unless ``config`` could replace the current one (valid, and no request in
+        the scheduler stranded by it); changes nothing."""
+    def check_request(self, config: ContinuousSchedulerConfig, seq_id: int,
+                      prompt: int | TokenIdsLike, max_new_tokens: int,
+                      num_samples: int) -> None:
+        """Raises unless such a request could ever be scheduled under ``config``."""
     def set_config(self, config: ContinuousSchedulerConfig) -> ContinuousSchedulerConfig:
         """Validated first; returns the previous configuration."""
     def add_request(self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int,
-                    priority: int, arrival_ns: int) -> None: ...
+                    priority: int, arrival_ns: int, num_samples: int = 1) -> None: ...
     def step(self, now_ns: int, execute: MoveExecutor | None = None) -> StepPlan:
         """The step plan as numpy arrays (see ``atb_mem.StepPlan``)."""
     def on_tokens(

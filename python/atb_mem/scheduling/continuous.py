@@ -68,14 +68,22 @@ class ContinuousBatchScheduler:
     # ---- requests --------------------------------------------------------------------------
 
     def add_request(self, seq_id: int, prompt: Any, max_new_tokens: int, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, num_samples: int = 1) -> None:
         """Queues a request. ``prompt`` is a token count or the token ids (prefix-cache hits
         then count as computed). Lower ``priority`` numbers go first. ``arrival_time`` is in
         the clock ``step(now=...)`` uses; the request is not admitted before it (default: at
-        once)."""
+        once). ``num_samples`` sequences will be forked from it at its first token (``fork``):
+        it is admitted when there are seats for all of them under ``max_num_seqs``.
+
+        Refused (``ValueError``, nothing changed) if it could never be scheduled, under the
+        settings in force or under a change ``reconfigure`` has not applied yet."""
         arrival_ns = 0 if arrival_time is None else to_ns("arrival_time", arrival_time,
                                                           SECOND_NS, "seconds")
-        self._core.add_request(seq_id, prompt, max_new_tokens, priority, arrival_ns)
+        if self._new_settings is not None:
+            self._core.check_request(self._new_settings, seq_id, prompt, max_new_tokens,
+                                     num_samples)
+        self._core.add_request(seq_id, prompt, max_new_tokens, priority, arrival_ns,
+                               num_samples)
 
     def step(self, now: float | None = None) -> StepPlan:
         """Plans the next step and, if the cache holds bytes, executes its block moves — one
@@ -139,7 +147,10 @@ class ContinuousBatchScheduler:
 
     def reconfigure(self, **changes: Any) -> ContinuousSchedulerConfig:
         """Changes settings while requests flow: validated now (a bad value changes nothing
-        and raises), applied at the next step. Returns the previous configuration."""
+        and raises), applied at the next step. A change under which a request already in
+        the scheduler could never run (a watermark that leaves it no room, a
+        ``max_num_seqs`` below its samples) is refused. Returns the previous
+        configuration."""
         new = self.check_settings(**changes)
         # What the next step would have run with: an earlier change not yet applied counts.
         previous = self._new_settings or self.config
@@ -154,7 +165,7 @@ class ContinuousBatchScheduler:
             raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
         # Checked on the next line: the core refuses a missing, extra or ill-typed setting.
         new = cast(ContinuousSchedulerConfig, dict(self._new_settings or self.config) | changes)
-        _core.ContinuousScheduler(self.kv_cache, new)  # validates, changes nothing
+        self._core.check_config(new)  # against the requests queued and running, too
         return new
 
     def _apply_new_settings(self) -> ContinuousSchedulerConfig | None:

@@ -4,8 +4,10 @@
 events in OpenAI's chunk format), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
 ``/admin/config`` for guarded live changes (``atb_mem.serving.admin``).
 Handlers only queue requests with the ``EngineLoop`` and read their outputs; a client that
-disconnects has its request aborted (its blocks are freed). Bad requests get OpenAI-style
-JSON errors with status 400.
+disconnects has its request aborted (its blocks are freed). Every error is OpenAI-shaped
+JSON: 400 for a bad request, 404/405 for a wrong route, 500 for a request the engine failed
+(the others run on). ``/health`` answers 503 when the engine loop stopped, or made no
+progress for ``health_stall_s`` seconds with work pending.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from atb_mem.scheduling.request_batching import DynamicBatchScheduler
 from atb_mem.serving import protocol
 from atb_mem.serving.admin import AdminState, add_admin_routes
 from atb_mem.serving.config_guard import ConfigGuard
-from atb_mem.serving.engine_loop import EngineLoop, RequestStream
+from atb_mem.serving.engine_loop import EngineLoop, RequestFailed, RequestStream
 from atb_mem.serving.live_settings import LiveSettings
 from atb_mem.serving.params import CompletionOutput, RequestOutput, SamplingParams
 from atb_mem.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,12 +51,7 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics) -> FastAPI:
-    """The app; the caller starts ``engine_loop`` (with ``metrics.observe``) and stops it."""
-    app = FastAPI(title="atb-mem", docs_url=None, redoc_url=None)
-    engine = engine_loop.engine
-    created = int(time.time())
-
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
@@ -64,10 +62,36 @@ def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics) 
     async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
         return _error(400, str(error))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(RequestFailed)
+    async def failed(_: Request, error: RequestFailed) -> JSONResponse:
+        return _error(500, str(error), "server_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {error}", "server_error")
+
+
+def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics,
+              health_stall_s: float = 60.0) -> FastAPI:
+    """The app; the caller starts ``engine_loop`` (with ``metrics.observe``) and stops it."""
+    app = FastAPI(title="atb-mem", docs_url=None, redoc_url=None)
+    engine = engine_loop.engine
+    created = int(time.time())
+    _add_error_handlers(app)
+
     @app.get("/health")
     async def health() -> Response:
         if not engine_loop.alive:
             return _error(503, f"the engine stopped: {engine_loop.error}", "server_error")
+        stalled = engine_loop.stalled_for()
+        if stalled > health_stall_s:
+            return _error(503, f"the engine made no progress for {stalled:.0f} s with work "
+                               "pending", "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -223,21 +247,35 @@ class ApiServer:
     def __init__(self, engine: Any, model_name: str, host: str = "127.0.0.1",
                  port: int = 8000, *, guard: ConfigGuard | None = None,
                  admin_token: str | None = None, config_path: str | None = None,
-                 admission: DynamicBatchScheduler | None = None) -> None:
+                 admission: DynamicBatchScheduler | None = None,
+                 admin_allow_loopback: bool | None = None,
+                 health_stall_s: float = 60.0) -> None:
+        """``admin_allow_loopback`` (default: whether ``host`` is a loopback address) lets
+        loopback clients use ``/admin/config`` without the token."""
         import uvicorn
 
+        from atb_mem.serving.admin import is_loopback
+
+        if not health_stall_s > 0:
+            raise ValueError(f"health_stall_s must be > 0, got {health_stall_s}")
+        if admin_allow_loopback is None:
+            admin_allow_loopback = is_loopback(host) or host == "localhost"
         self.metrics = ServerMetrics(engine, model_name)
         self.guard = guard or ConfigGuard(LiveSettings(engine.scheduler, admission).check())
         self.admin = AdminState(admin_token=admin_token, config_path=config_path,
-                                rollbacks=self.metrics.rollbacks)
+                                rollbacks=self.metrics.rollbacks,
+                                allow_loopback=admin_allow_loopback)
         self.engine_loop = EngineLoop(engine, self.metrics.observe, self.guard,
                                       self.admin.on_decision, admission)
         self.metrics.model_time_ratio.set_function(
             lambda: figures.model_time_ratio if (figures := self.guard.recent()) else 1.0)
-        self.app = build_app(self.engine_loop, model_name, self.metrics)
+        self.app = build_app(self.engine_loop, model_name, self.metrics, health_stall_s)
         add_admin_routes(self.app, self.engine_loop, self.admin)
+        # proxy_headers off: the client address the admin check reads is the socket's peer,
+        # never an X-Forwarded-For a remote client wrote (whatever FORWARDED_ALLOW_IPS says).
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
-                                                    log_level="warning", access_log=False))
+                                                    log_level="warning", access_log=False,
+                                                    proxy_headers=False))
         self._thread: threading.Thread | None = None
 
     def run(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 __all__ = ["ROLLBACK_REASONS", "ConfigGuard", "Decision", "HealthRanges", "StepSample",
            "WindowFigures"]
 
-ROLLBACK_REASONS = ("throughput", "ttft_p90", "kv_usage", "model_time_ratio")
+ROLLBACK_REASONS = ("throughput", "ttft_p90", "kv_usage", "model_time_ratio", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -176,8 +176,21 @@ class ConfigGuard:
         watch = self._watch
         if watch is None or now < watch.until:
             return None
+        outcome, reason = self._judge(watch, WindowFigures.of(watch.samples, watch.started, now))
+        return self._end(watch, now, outcome, reason, apply)
+
+    def cancel(self, now: float,
+               apply: Callable[[Decision], None] | None = None) -> Decision:
+        """Ends the watch at once with a rollback (``reason="cancelled"``), as ``check``
+        would end it; ``ValueError`` when no change is watched."""
+        watch = self._watch
+        if watch is None:
+            raise ValueError("no configuration change is being watched")
+        return self._end(watch, now, "rollback", "cancelled", apply)
+
+    def _end(self, watch: _Watch, now: float, outcome: str, reason: str,
+             apply: Callable[[Decision], None] | None) -> Decision:
         after = WindowFigures.of(watch.samples, watch.started, now)
-        outcome, reason = self._judge(watch, after)
         decision = Decision(outcome, reason,
                             watch.previous if outcome == "rollback" else watch.current,
                             watch.before, after)

@@ -58,6 +58,7 @@ class _Request:
     params: SamplingParams
     samples: list[_Sample]
     forked: bool = False
+    error: str | None = None
 
 
 class Engine:
@@ -114,9 +115,11 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_seq_id = itertools.count(1)
-        self._aborted: list[_Request] = []
+        self._ended: list[_Request] = []  # aborted or failed, reported by the next step()
         self.last_step_seconds = (0.0, 0.0)
         """(model forward, whole step) of the last ``step()``, in seconds."""
+        self.last_step_tokens = 0
+        """Tokens the last ``step()`` ran through the model."""
 
     # ---- tensor parallelism ----------------------------------------------------------------
 
@@ -165,7 +168,9 @@ class Engine:
     def add_request(self, request_id: str, prompt: Prompt,
                     params: SamplingParams | None = None) -> None:
         """Queues a request. Raises (and changes nothing) for a duplicate id, a bad prompt, or
-        one that the model's length or the cache could never hold."""
+        one that the model's length or the cache could never hold. ``params.n`` is at most
+        the scheduler's ``max_num_seqs``: the samples run side by side, and a request waits
+        until there is room for all of them."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -177,9 +182,16 @@ class Engine:
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt's {len(token_ids)} tokens plus max_tokens="
                              f"{params.max_tokens} exceed the model's {self.max_model_len}")
+        # Everything that can refuse the request runs before the scheduler takes it.
+        generator = _generator(params, 0, self.runner.device)
         seq_id = next(self._next_seq_id)
-        self.scheduler.add_request(seq_id, token_ids, params.max_tokens)
-        first = _Sample(seq_id, 0, _generator(params, 0, self.runner.device))
+        try:
+            self.scheduler.add_request(seq_id, token_ids, params.max_tokens,
+                                       num_samples=params.n)
+        except ValueError as error:  # the scheduler names its sequence: name the request
+            raise ValueError(str(error).replace(f"request {seq_id} ",
+                                                f"request {request_id!r} ")) from None
+        first = _Sample(seq_id, 0, generator)
         request = _Request(request_id, token_ids, params, [first], forked=params.n == 1)
         self._requests[request_id] = request
         self._by_seq[seq_id] = (request, first)
@@ -187,15 +199,28 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Cancels a request; its blocks are freed. The next ``step()`` reports it, ended with
         ``"abort"``. Unknown (or finished) ids are ignored, as a client may abort late."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._end(request, "abort")
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """Ends a request with ``error``: its samples finish with ``"error"`` and the next
+        ``step()`` reports it with ``RequestOutput.error``. Unknown ids are ignored."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.error = error
+            self._end(request, "error")
+
+    def _end(self, request: _Request, reason: FinishReason) -> None:
+        """Ends every unfinished sample of ``request`` (their blocks are freed)."""
+        self._requests.pop(request.request_id, None)
         for one in request.samples:
             if one.finish_reason is None:
-                self.scheduler.abort(one.seq_id)
-                one.finish_reason = "abort"
+                if one.seq_id in self.scheduler:
+                    self.scheduler.abort(one.seq_id)
+                one.finish_reason = reason
             self._by_seq.pop(one.seq_id, None)
-        self._aborted.append(request)
+        self._ended.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -208,7 +233,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward; returns the requests that progressed, each with
-        this step's new tokens (and text) per sample, in order of arrival."""
+        this step's new tokens (and text) per sample, in order of arrival.
+
+        A failure confined to some requests ends them with ``"error"`` and the others go on:
+        a row that cannot be sampled or whose output cannot be processed fails its request;
+        a forward that raises fails the requests of its batch."""
         began = time.perf_counter()
         plan = self.scheduler.step()
         if self.plan_broadcast is not None and (plan.num_batched_tokens or len(plan.moves)):
@@ -216,32 +245,51 @@ class Engine:
         progressed: dict[str, _Request] = {}
         model_seconds = 0.0
         if plan.num_batched_tokens:
+            forward = time.perf_counter()
             try:
-                forward = time.perf_counter()
                 logits = self.runner.execute(plan)
-                model_seconds = time.perf_counter() - forward
-            except BaseException:
+            except BaseException as error:
                 # The plan's rows would wait forever for their tokens: end their requests
-                # (blocks freed, reported as aborted by the next step), then let it propagate.
+                # (blocks freed, reported by this step) and go on, unless told to stop.
                 for seq_id in plan.seq_ids.tolist():
                     if seq_id in self._by_seq:
-                        self.abort_request(self._by_seq[seq_id][0].request_id)
-                raise
-            rows, samples = self._rows_to_sample(plan.sample_seq_ids)
-            tokens = sample(logits[rows], [request.params for request, _ in samples],
-                            [one.generator for _, one in samples])
-            seq_ids = np.fromiter((one.seq_id for _, one in samples), np.uint64, len(samples))
-            finished = set(self.scheduler.on_tokens(seq_ids, tokens).tolist())
-            for (request, one), token in zip(samples, tokens.tolist(), strict=True):
-                self._record(request, one, token, one.seq_id in finished)
-                progressed[request.request_id] = request
-        outputs = [self._delta(request) for request in self._aborted]
-        self._aborted.clear()
-        outputs += [self._delta(request) for request in progressed.values()]
+                        self.fail_request(self._by_seq[seq_id][0].request_id,
+                                          f"the model's forward failed: {error}")
+                if not isinstance(error, Exception):
+                    raise
+            else:
+                model_seconds = time.perf_counter() - forward
+                self._sample_and_record(plan.sample_seq_ids, logits, progressed)
+        outputs = [self._delta(request) for request in self._ended]
+        self._ended.clear()
+        outputs += [self._delta(request) for request in progressed.values()
+                    if request.error is None]
         if self.kv_events is not None:
             self.kv_events.publish(self.kv_cache.take_events())
         self.last_step_seconds = (model_seconds, time.perf_counter() - began)
+        self.last_step_tokens = plan.num_batched_tokens
         return outputs
+
+    def _sample_and_record(self, sample_seq_ids: np.ndarray, logits: torch.Tensor,
+                           progressed: dict[str, _Request]) -> None:
+        rows, samples = self._rows_to_sample(sample_seq_ids)
+        tokens, failures = sample(logits[rows], [request.params for request, _ in samples],
+                                  [one.generator for _, one in samples])
+        for row, error in failures.items():
+            self.fail_request(samples[row][0].request_id, f"sampling failed: {error}")
+        # A failed request's samples left the scheduler: the others' tokens are reported.
+        keep = [row for row, (request, _) in enumerate(samples) if request.error is None]
+        seq_ids = np.fromiter((samples[row][1].seq_id for row in keep), np.uint64, len(keep))
+        finished = set(self.scheduler.on_tokens(seq_ids, tokens[keep]).tolist())
+        for row in keep:
+            request, one = samples[row]
+            if request.error is not None:
+                continue  # failed at an earlier sample of the same request
+            try:
+                self._record(request, one, int(tokens[row]), one.seq_id in finished)
+            except Exception as error:  # a tokenizer that cannot decode, say
+                self.fail_request(request.request_id, f"processing the output failed: {error}")
+            progressed[request.request_id] = request
 
     def _rows_to_sample(self, seq_ids: np.ndarray) -> tuple[list[int],
                                                            list[tuple[_Request, _Sample]]]:
@@ -255,14 +303,18 @@ class Engine:
             samples.append((request, first))
             if not request.forked:
                 request.forked = True
-                for index in range(1, request.params.n):
-                    child = _Sample(next(self._next_seq_id), index,
-                                    _generator(request.params, index, self.runner.device))
-                    self.scheduler.fork(seq_id, child.seq_id)
-                    request.samples.append(child)
-                    self._by_seq[child.seq_id] = (request, child)
-                    rows.append(row)
-                    samples.append((request, child))
+                try:
+                    for index in range(1, request.params.n):
+                        child = _Sample(next(self._next_seq_id), index,
+                                        _generator(request.params, index, self.runner.device))
+                        self.scheduler.fork(seq_id, child.seq_id)
+                        request.samples.append(child)
+                        self._by_seq[child.seq_id] = (request, child)
+                        rows.append(row)
+                        samples.append((request, child))
+                except Exception as error:
+                    self.fail_request(request.request_id, f"forking the samples failed: "
+                                                          f"{error}")
         return rows, samples
 
     def _record(self, request: _Request, one: _Sample, token: int, at_length: bool) -> None:
@@ -284,16 +336,19 @@ class Engine:
         outputs = []
         for one in request.samples:
             new = one.token_ids[one.reported:]
-            if not new and one.reported and one.finish_reason != "abort":
+            if not new and one.reported and one.finish_reason not in ("abort", "error"):
                 continue
-            text_before = (self.tokenizer.decode(one.token_ids[:one.reported],
-                                                 skip_special_tokens=True)
-                           if self.tokenizer is not None and one.reported else "")
-            outputs.append(CompletionOutput(one.index, new, one.text[len(text_before):],
-                                            one.finish_reason))
+            text = ""
+            if request.error is None:  # a failed request's text may be what failed
+                text_before = (self.tokenizer.decode(one.token_ids[:one.reported],
+                                                     skip_special_tokens=True)
+                               if self.tokenizer is not None and one.reported else "")
+                text = one.text[len(text_before):]
+            outputs.append(CompletionOutput(one.index, new, text, one.finish_reason))
             one.reported = len(one.token_ids)
         finished = request.request_id not in self._requests
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
+                             request.error)
 
     # ---- the whole thing -------------------------------------------------------------------
 
@@ -317,7 +372,7 @@ class Engine:
         except BaseException:
             for request_id in ids:
                 self.abort_request(request_id)
-            self._aborted.clear()
+            self._ended.clear()
             raise
         results = {request_id: self._requests[request_id] for request_id in ids}
         while self._requests:
@@ -325,7 +380,8 @@ class Engine:
         return [RequestOutput(request.request_id, request.prompt_token_ids,
                               [CompletionOutput(one.index, list(one.token_ids), one.text,
                                                 one.finish_reason) for one in request.samples],
-                              finished=True) for request in results.values()]
+                              finished=True, error=request.error)
+                for request in results.values()]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -6,6 +6,10 @@ between steps, steps while there is work, and hands each step's outputs to their
 through the streams' event loops. A request the engine refuses gets the error as its first
 item, so a handler can answer 400 before it starts a response.
 
+A failure ends a request, never the loop: a request the engine fails (its sampling, say)
+gets ``RequestFailed`` on its stream and the others run on; a step that raises fails the
+requests in flight and the loop goes on serving new ones. Only ``stop()`` ends it.
+
 With an ``admission`` batcher (a ``DynamicBatchScheduler``), submitted requests wait there
 and reach the engine together, up to ``max_batch_size`` at a time or once the oldest has
 waited ``timeout_ms``, so their prefills share steps instead of trickling in one per step.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -28,11 +33,17 @@ from atb_mem.serving.engine import Engine, Prompt
 from atb_mem.serving.live_settings import LiveSettings
 from atb_mem.serving.params import RequestOutput, SamplingParams
 
-__all__ = ["ChangeInProgress", "EngineLoop", "RequestStream"]
+__all__ = ["ChangeInProgress", "EngineLoop", "RequestFailed", "RequestStream"]
+
+log = logging.getLogger("atb_mem.engine")
 
 
 class ChangeInProgress(RuntimeError):
     """A configuration change is still being watched: one at a time."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error; the other requests went on."""
 
 ACCEPTED = "accepted"
 
@@ -96,6 +107,9 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="atb-mem-engine", daemon=True)
         self.error: BaseException | None = None
+        self.failed_steps = 0
+        """Steps that raised (their requests in flight failed; the loop went on)."""
+        self._progress_at = time.monotonic()
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -106,6 +120,15 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine last made progress (a step that ran tokens through the
+        model, or ended requests) while work was pending; 0 when idle."""
+        with self._wake:
+            pending = self._commands or self._streams or self._admitting
+        if not pending:
+            return 0.0
+        return max(time.monotonic() - self._progress_at, 0.0)
 
     def submit(self, prompt: Prompt, params: SamplingParams, prefix: str = "req") -> RequestStream:
         """Queues a request (call from a running event loop); returns its stream."""
@@ -155,6 +178,17 @@ class EngineLoop:
         self._command("reconfigure", (dict(changes), watch_s, future))
         return future
 
+    def cancel_watch(self) -> Future[dict[str, Any]]:
+        """Ends the watched change now and rolls it back; the future gives the configuration
+        restored (``ChangeInProgress`` is not raised; ``ValueError`` when nothing is
+        watched)."""
+        future: Future[dict[str, Any]] = Future()
+        if not self.alive:
+            future.set_exception(RuntimeError("the engine is not running"))
+            return future
+        self._command("cancel_watch", future)
+        return future
+
     def abort(self, request_id: str) -> None:
         """Cancels a request (a client that went away); its blocks are freed."""
         with self._wake:
@@ -195,25 +229,51 @@ class EngineLoop:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
+                if not (self._streams or self.engine.has_unfinished_requests()):
+                    self._progress_at = time.monotonic()  # idle until now: nothing stalled
                 busy_since = time.perf_counter()
                 for kind, payload in commands:
                     self._apply(kind, payload)
                 # A step also reports aborts (and drops the engine's record of them).
                 if self.engine.has_unfinished_requests() or \
                         any(kind == "abort" for kind, _ in commands):
-                    self._deliver(self.engine.step())
+                    self._step()
                     self._sample_step(busy_since)
-        except BaseException as error:  # the engine broke: every waiting client must hear it
+        except BaseException as error:  # not an Exception (a KeyboardInterrupt, say)
             self.error = error
         finally:
             self._close_all()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            # The engine could not confine it: the requests in flight fail, new ones are
+            # still served.
+            log.exception("atb-mem: an engine step failed; its requests in flight end")
+            self.failed_steps += 1
+            self._fail_in_flight(RequestFailed(f"the engine's step failed: {error}"))
+            self._progress_at = time.monotonic()
+            return
+        if outputs or self.engine.last_step_tokens:
+            self._progress_at = time.monotonic()
+        self._deliver(outputs)
+
+    def _fail_in_flight(self, error: RequestFailed) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # a broken engine: the stream still hears why
+                log.exception("atb-mem: aborting %s failed", request_id)
+            stream.put(error)
+        self._streams.clear()
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":
             stream, prompt, params = payload
             try:
                 self.engine.add_request(stream.request_id, prompt, params)
-            except (ValueError, TypeError) as error:
+            except Exception as error:  # refused (ValueError, TypeError), or worse: its own
                 stream.put(error)
                 return
             self._streams[stream.request_id] = stream
@@ -230,10 +290,18 @@ class EngineLoop:
                                            "its decision")
                 previous = self.settings.apply(**changes)
                 self.guard.begin(time.perf_counter(), changes, previous, watch_s)
-            except (ValueError, TypeError, ChangeInProgress) as error:
+            except Exception as error:  # ValueError, TypeError, ChangeInProgress
                 future.set_exception(error)
             else:
                 future.set_result(previous)
+        elif kind == "cancel_watch":
+            assert self.guard is not None
+            try:
+                decision = self.guard.cancel(time.perf_counter(), self._decide)
+            except Exception as error:  # nothing watched
+                payload.set_exception(error)
+            else:
+                payload.set_result(decision.config)
 
     def _sample_step(self, busy_since: float) -> None:
         if self.guard is None:
@@ -255,9 +323,16 @@ class EngineLoop:
 
     def _decide(self, decision: Decision) -> None:
         if decision.outcome == "rollback":
-            self.settings.apply(**decision.config)
+            try:
+                self.settings.apply(**decision.config)
+            except (ValueError, TypeError):
+                # The old settings would strand a request admitted since: keep the new ones.
+                log.exception("atb-mem: the rollback to %s was refused", decision.config)
         if self.on_decision is not None:
-            self.on_decision(decision)
+            try:
+                self.on_decision(decision)
+            except Exception:  # logging, counting, persisting: never the loop's end
+                log.exception("atb-mem: handling the decision %s failed", decision.outcome)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -271,10 +346,16 @@ class EngineLoop:
             if new and stream.last_token_time is None:
                 self._first_token_latencies.append(now - stream.arrival)
             if self.observe is not None:
-                self.observe(stream, output, now)
+                try:
+                    self.observe(stream, output, now)
+                except Exception:  # metrics must not cost a request its output
+                    log.exception("atb-mem: observing an output failed")
             if new:
                 stream.last_token_time = now
-            if output.finished:
+            if output.error is not None:
+                del self._streams[output.request_id]
+                stream.put(RequestFailed(output.error))
+            elif output.finished:
                 del self._streams[output.request_id]
                 stream.put(output)
             elif not stream.put(output):

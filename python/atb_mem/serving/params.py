@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["CompletionOutput", "FinishReason", "RequestOutput", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "SEED_LIMIT", "CompletionOutput", "FinishReason", "RequestOutput",
+           "SamplingParams"]
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+GREEDY_BELOW = 1e-5
+"""A ``temperature`` below this is greedy (vLLM's floor): dividing logits by less overflows
+them to infinity, and sampling from the result would be greedy anyway."""
+
+SEED_LIMIT = 2**64
+"""Seeds are 64-bit: sample ``i`` of ``n`` draws from ``seed + i``, so ``seed + n - 1`` must
+stay below this."""
 
 
 def _int(name: str, value: object, minimum: int) -> int:
@@ -21,16 +31,20 @@ def _int(name: str, value: object, minimum: int) -> int:
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return number
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample a request's tokens.
 
-    ``temperature`` 0 is greedy; ``top_k`` -1 (or 0) and ``top_p`` 1 keep every token. A
-    ``seed`` gives the request its own generator (sample ``i`` of ``n`` uses ``seed + i``), so
-    its tokens are the same run after run, whatever else is in the batch. ``n`` samples share
+    ``temperature`` 0 is greedy, and so is any below ``GREEDY_BELOW`` (1e-5); ``top_k`` -1 (or
+    0) and ``top_p`` 1 keep every token. A ``seed`` gives the request its own generator
+    (sample ``i`` of ``n`` uses ``seed + i``, so ``seed + n - 1 < 2**64``), so its tokens are
+    the same run after run, whatever else is in the batch. ``n`` samples share
     one prefill of the prompt. A request stops at ``max_tokens`` new tokens, at one of
     ``stop_token_ids``, or at the tokenizer's end-of-sequence token unless ``ignore_eos``.
     """
@@ -52,8 +66,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be at least 0, got {self.temperature}")
         if not 0 < _float("top_p", self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None:
-            _int("seed", self.seed, 0)
+        if self.seed is not None and _int("seed", self.seed, 0) + self.n - 1 >= SEED_LIMIT:
+            raise ValueError(f"seed + n - 1 must be below 2**64 (sample i draws from seed + "
+                             f"i), got seed={self.seed} with n={self.n}")
         stops = tuple(self.stop_token_ids or ())
         for token in stops:
             _int("a stop token id", token, 0)
@@ -63,7 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -83,9 +98,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's samples; ``finished`` once every sample is."""
+    """A request's samples; ``finished`` once every sample is. ``error`` says why a request
+    that failed in the engine (its samples end with ``"error"``) failed; the other requests
+    of its step went on."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None

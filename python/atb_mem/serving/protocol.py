@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from atb_mem.serving.params import CompletionOutput, SamplingParams
+from atb_mem.serving.params import SEED_LIMIT, CompletionOutput, SamplingParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "chat_chunk", "chat_response",
            "completion_chunk", "completion_response", "error_body"]
@@ -17,16 +17,17 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "chat_chunk", "chat_res
 
 class _Sampling(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does
-    for ones it does not know; ones that would change the result unseen are refused."""
+    for ones it does not know; ones that would change the result unseen are refused. Types
+    are strict (``"5"`` is not a number, ``"yes"`` not a bool) and numbers finite."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stream: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -52,7 +53,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str

@@ -57,6 +57,12 @@ import click
                    "changes to it.")
 @click.option("--admin-token", default=None, envvar="ATB_MEM_ADMIN_TOKEN",
               help="Lets non-loopback clients use /admin/config with this bearer token.")
+@click.option("--admin-allow-loopback/--no-admin-allow-loopback", default=None,
+              help="Serve /admin/config to loopback clients without the token [default: on "
+                   "when --host is a loopback address].")
+@click.option("--health-stall-s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True,
+              help="/health answers 503 after this long without progress with work pending.")
 def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
@@ -65,7 +71,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
           kv_events_replay_endpoint: str | None, kv_events_topic: str,
-          tensor_parallel_size: int, config_path: str | None, admin_token: str | None) -> None:
+          tensor_parallel_size: int, config_path: str | None, admin_token: str | None,
+          admin_allow_loopback: bool | None, health_stall_s: float) -> None:
     """Serves the checkpoint in MODEL_DIR: /v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics and /admin/config (see `atb-mem ctl`). Ctrl-C stops it."""
     from atb_mem.scheduling.request_batching import DynamicBatchScheduler
@@ -84,6 +91,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         admission = DynamicBatchScheduler(max_batch_size or 8,
                                           10.0 if timeout_ms is None else timeout_ms)
 
+    if admin_token is not None and not admin_token.strip():
+        raise click.UsageError("--admin-token is empty: give a secret, or none")
     if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
         raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     engine_kwargs = {
@@ -116,7 +125,9 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
                f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens)")
     try:
         ApiServer(engine, name, host, port, admin_token=admin_token,
-                  config_path=config_path, admission=admission).run()
+                  config_path=config_path, admission=admission,
+                  admin_allow_loopback=admin_allow_loopback,
+                  health_stall_s=health_stall_s).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     finally:

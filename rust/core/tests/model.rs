@@ -414,19 +414,24 @@ fn assert_out_of_blocks_is_warranted(cache: &KvCache, batch: &BatchTable, op: &O
 }
 
 impl Model {
-    /// The hashes of the full blocks of every swapped-out sequence whose tokens are all known
-    /// ids: what host copies can name.
+    /// The hashes of the leading full blocks of known ids of every swapped-out sequence:
+    /// what host copies can name. (A fork whose later tokens came as a count still holds its
+    /// parent's named blocks: a run of the model found it.)
     fn swapped_block_hashes(&self, cache: &KvCache) -> HashSet<BlockHash> {
         let mut hashes = HashSet::new();
         for (&id, tokens) in &self.tokens {
-            let ids: Option<Vec<u32>> = tokens.iter().map(|&t| u32::try_from(t).ok()).collect();
-            let (Some(ids), true) = (ids, cache.is_swapped(id).unwrap()) else {
+            if !cache.is_swapped(id).unwrap() {
                 continue;
-            };
+            }
             let salt = self.salted.contains(&id).then_some(&b"tenant"[..]);
             let mut parent = BlockHash::root(salt);
-            for block in ids.chunks_exact(BLOCK_SIZE) {
-                parent = parent.chain(block);
+            for block in tokens.chunks_exact(BLOCK_SIZE) {
+                let ids: Option<Vec<u32>> =
+                    block.iter().map(|&t| u32::try_from(t).ok()).collect();
+                let Some(ids) = ids else {
+                    break;
+                };
+                parent = parent.chain(&ids);
                 hashes.insert(parent);
             }
         }

@@ -116,7 +116,7 @@ impl Harness {
                 };
                 if self
                     .scheduler
-                    .add_request(&self.cache, seq_id, tokens, *max_new, 0, 0)
+                    .add_request(&self.cache, seq_id, tokens, *max_new, 1, 0, 0)
                     .is_ok()
                 {
                     let known = prompt.iter().map(|&t| (!by_count).then_some(t)).collect();

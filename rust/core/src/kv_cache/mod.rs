@@ -312,24 +312,37 @@ impl KvCache {
     }
 
     /// Most tokens one sequence can hold in `blocks` blocks, computed as a scheduler computes
-    /// it: full-attention groups need a block per `block_size` tokens, a windowed group at
-    /// most its window (or chunk) and a block more. Without full-attention groups, any length
-    /// whose slots fit the kernels' int32.
+    /// it: a full-attention group needs a block per `block_size` tokens; a windowed group as
+    /// many, but never more than its window (or chunk) and a block more, so a window larger
+    /// than the pool still serves every sequence shorter than the pool. Without
+    /// full-attention groups, a length past every window is any length whose slots fit the
+    /// kernels' int32.
     pub fn tokens_in_blocks(&self, blocks: usize) -> usize {
         let block_size = self.block_size();
-        let mut full = 0;
-        let mut windows = 0;
-        for spec in &self.groups {
-            match spec.kind.span() {
-                Some(span) => windows += span.div_ceil(block_size) + 1,
-                None => full += 1,
+        // Blocks a sequence of `k` blocks' worth of tokens holds at once; nondecreasing in k.
+        let held = |k: usize| -> usize {
+            self.groups
+                .iter()
+                .map(|spec| match spec.kind.span() {
+                    Some(span) => k.min(span.div_ceil(block_size) + 1),
+                    None => k,
+                })
+                .fold(0usize, usize::saturating_add)
+        };
+        if held(usize::MAX) <= blocks {
+            return crate::alloc::MAX_SLOTS - 1; // only windows, all of which fit
+        }
+        // The largest k with held(k) <= blocks lies in [0, blocks]: past `blocks`, either
+        // the widest window still grows with k, or every window is full, which is too many.
+        let (mut fits, mut too_many) = (0, blocks + 1);
+        while too_many - fits > 1 {
+            let middle = fits + (too_many - fits) / 2;
+            match held(middle) <= blocks {
+                true => fits = middle,
+                false => too_many = middle,
             }
         }
-        match (full, blocks.checked_sub(windows)) {
-            (_, None) => 0,
-            (0, Some(_)) => crate::alloc::MAX_SLOTS - 1,
-            (full, Some(left)) => left / full * block_size,
-        }
+        fits * block_size
     }
 
     pub fn block_pool(&self) -> &BlockPool {

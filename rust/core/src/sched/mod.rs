@@ -10,5 +10,6 @@ mod request_batcher;
 
 pub use continuous::{
     BlockTableWriter, ContinuousScheduler, Preemption, SchedulerConfig, StepPlan,
+    MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
 };
 pub use request_batcher::{BatcherConfig, Poll, RequestBatcher, TimeoutAction};

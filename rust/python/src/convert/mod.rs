@@ -28,7 +28,7 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn describe(obj: &Bound<'_, PyAny>) -> String {
+pub fn describe(obj: &Bound<'_, PyAny>) -> String {
     match obj.repr() {
         Ok(repr) => {
             let repr = repr.to_string();
@@ -71,6 +71,18 @@ pub fn seq_id(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         Some(Ok(value)) if value >= 0 => Ok(value as u64),
         _ => Err(type_error(format!(
             "{what} must be {SEQ_ID_RANGE}, got {}",
+            describe(obj)
+        ))),
+    }
+}
+
+/// A real number: an int or a float (numpy's too), not a bool or a string.
+pub fn number(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
+    let numeric = obj.is_instance_of::<pyo3::types::PyFloat>() || exact_int(obj).is_some();
+    match obj.extract::<f64>() {
+        Ok(value) if numeric || obj.hasattr("dtype").unwrap_or(false) => Ok(value),
+        _ => Err(type_error(format!(
+            "{what} must be a number, got {}",
             describe(obj)
         ))),
     }

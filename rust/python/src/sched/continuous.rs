@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
 use numpy::{IntoPyArray, PyArray1, PyArray3, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice};
+use pyo3::types::{PyBool, PyDict, PySlice};
 
 use super::step_plan::PyStepPlan;
 use crate::convert::{self, Count, Nanos, Prompt, SeqId, SeqIds, TokenIds};
@@ -34,16 +34,22 @@ fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             "max_num_batched_tokens",
             1,
         )?,
-        enable_chunked_prefill: chunked.is_truthy()?,
+        enable_chunked_prefill: chunked
+            .cast::<PyBool>()
+            .map_err(|_| {
+                type_error(format!(
+                    "enable_chunked_prefill must be a bool, got {}",
+                    convert::describe(&chunked)
+                ))
+            })?
+            .is_true(),
         preemption: Preemption::parse(
             preemption_name
                 .extract::<&str>()
                 .map_err(|_| value_error("preemption must be \"recompute\" or \"swap\""))?,
         )
         .into_py_result()?,
-        watermark: watermark
-            .extract::<f64>()
-            .map_err(|_| type_error("watermark must be a number"))?,
+        watermark: convert::number(&watermark, "watermark")?,
     })
 }
 
@@ -149,6 +155,36 @@ impl PyContinuousScheduler {
         config_dict(py, &self.lock()?.config())
     }
 
+    /// Whether `config` could replace the current one (valid, and no request in the
+    /// scheduler would be stranded by it); raises otherwise. Changes nothing.
+    fn check_config(&self, config: &Bound<'_, PyAny>) -> PyResult<()> {
+        let config = build_config(config)?;
+        let cache = self.pool.get().lock()?;
+        self.lock()?.check_config(config, &cache).into_py_result()
+    }
+
+    /// Whether a new request could ever be scheduled under `config`; raises otherwise.
+    fn check_request(
+        &self,
+        config: &Bound<'_, PyAny>,
+        seq_id: SeqId,
+        prompt: Prompt<'_>,
+        max_new_tokens: Count<1>,
+        num_samples: Count<1>,
+    ) -> PyResult<()> {
+        let config = build_config(config)?;
+        let cache = self.pool.get().lock()?;
+        ContinuousScheduler::check_new_request(
+            config,
+            &cache,
+            seq_id.0,
+            prompt.tokens().len(),
+            max_new_tokens.get(),
+            num_samples.get(),
+        )
+        .into_py_result()
+    }
+
     /// Validated first; returns the previous configuration.
     fn set_config<'py>(
         &self,
@@ -161,7 +197,7 @@ impl PyContinuousScheduler {
         config_dict(py, &previous)
     }
 
-    #[pyo3(signature = (seq_id, prompt, max_new_tokens, priority, arrival_ns))]
+    #[pyo3(signature = (seq_id, prompt, max_new_tokens, priority, arrival_ns, num_samples=None))]
     fn add_request(
         &self,
         seq_id: SeqId,
@@ -169,6 +205,7 @@ impl PyContinuousScheduler {
         max_new_tokens: Count<1>,
         priority: Count<0>,
         arrival_ns: Nanos,
+        num_samples: Option<Count<1>>,
     ) -> PyResult<()> {
         let priority = u32::try_from(priority.get())
             .map_err(|_| value_error("priority must be below 2**32"))?;
@@ -179,6 +216,7 @@ impl PyContinuousScheduler {
                 seq_id.0,
                 prompt.tokens(),
                 max_new_tokens.get(),
+                num_samples.map_or(1, |count| count.get()),
                 priority,
                 arrival_ns.as_u64(),
             )

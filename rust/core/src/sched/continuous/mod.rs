@@ -40,8 +40,8 @@ use std::collections::BTreeSet;
 use hashbrown::HashMap;
 
 pub use block_tables::BlockTableWriter;
-pub use config::{Preemption, SchedulerConfig};
-use requests::Request;
+pub use config::{Preemption, SchedulerConfig, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS};
+use requests::{check_request, Request};
 use step::ScheduledRow;
 pub use step_plan::StepPlan;
 
@@ -120,8 +120,39 @@ impl ContinuousScheduler {
         config: SchedulerConfig,
         cache: &KvCache,
     ) -> CoreResult<SchedulerConfig> {
-        config.validate_for(cache)?;
+        self.check_config(config, cache)?;
         Ok(std::mem::replace(&mut self.config, config))
+    }
+
+    /// Whether a new request of `prompt_len` tokens, `max_new_tokens` and `num_samples`
+    /// could ever be scheduled under `config` (one not in force yet, say). Changes nothing.
+    pub fn check_new_request(
+        config: SchedulerConfig,
+        cache: &KvCache,
+        seq_id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        num_samples: usize,
+    ) -> CoreResult<()> {
+        config.validate_for(cache)?;
+        check_request(&config, cache, seq_id, prompt_len + max_new_tokens, num_samples)
+    }
+
+    /// Whether `config` could replace this one: valid with `cache`, and every request in
+    /// the scheduler could still be scheduled under it (a change that would strand one
+    /// forever is refused, naming it). Changes nothing.
+    pub fn check_config(&self, config: SchedulerConfig, cache: &KvCache) -> CoreResult<()> {
+        config.validate_for(cache)?;
+        for (&seq_id, request) in &self.requests {
+            check_request(
+                &config,
+                cache,
+                seq_id,
+                request.prompt_len + request.max_new_tokens,
+                1 + request.samples_to_fork,
+            )?;
+        }
+        Ok(())
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -167,6 +198,6 @@ impl ContinuousScheduler {
     }
 
     fn watermark_blocks(&self, cache: &KvCache) -> usize {
-        (self.config.watermark * cache.num_blocks() as f64).ceil() as usize
+        self.config.watermark_blocks(cache)
     }
 }

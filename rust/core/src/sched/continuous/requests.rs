@@ -1,9 +1,33 @@
 //! Requests arrive, sample tokens, finish or are aborted.
 
-use super::{ContinuousScheduler, QueueKey};
+use super::{ContinuousScheduler, QueueKey, SchedulerConfig};
 use crate::alloc::BlockHash;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, Tokens};
+
+/// Whether a request of `longest` tokens (prompt and every new token) and `num_samples`
+/// sequences could ever be scheduled under `config`: refused otherwise, as it would wait
+/// forever.
+pub(super) fn check_request(
+    config: &SchedulerConfig,
+    cache: &KvCache,
+    seq_id: u64,
+    longest: usize,
+    num_samples: usize,
+) -> CoreResult<()> {
+    let room = config.room(cache);
+    ensure!(
+        longest <= room,
+        "request {seq_id} may hold {longest} tokens; with watermark={} the cache fits {room}",
+        config.watermark
+    );
+    ensure!(
+        num_samples <= config.max_num_seqs,
+        "request {seq_id} runs {num_samples} samples side by side, more than max_num_seqs={}",
+        config.max_num_seqs
+    );
+    Ok(())
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum State {
@@ -36,6 +60,9 @@ pub(super) struct Request {
     /// Prefix-cache hashes of the leading full blocks of `token_ids`, kept so that a request
     /// waiting for room is not hashed again at every step's admission check.
     pub block_hashes: Vec<BlockHash>,
+    /// Samples still to be forked from it (`n - 1` until its first token): they hold seats
+    /// under `max_num_seqs` from its admission on, so the forks never overrun the limit.
+    pub samples_to_fork: usize,
 }
 
 impl Request {
@@ -72,13 +99,16 @@ impl Request {
 }
 
 impl ContinuousScheduler {
-    /// Queues a request. Refuses one that could never fit the cache.
+    /// Queues a request of `num_samples` sequences (forked from it at its first token).
+    /// Refuses one that could never fit the cache or the batch.
+    #[allow(clippy::too_many_arguments)]
     pub fn add_request(
         &mut self,
         cache: &KvCache,
         seq_id: u64,
         prompt: Tokens<'_>,
         max_new_tokens: usize,
+        num_samples: usize,
         priority: u32,
         arrival_ns: u64,
     ) -> CoreResult<()> {
@@ -86,17 +116,11 @@ impl ContinuousScheduler {
             return Err(CoreError::DuplicateSequence(seq_id));
         }
         ensure!(
-            !prompt.is_empty() && max_new_tokens > 0,
-            "the prompt and max_new_tokens must be at least 1"
+            !prompt.is_empty() && max_new_tokens > 0 && num_samples > 0,
+            "the prompt, max_new_tokens and num_samples must be at least 1"
         );
         let longest = prompt.len() + max_new_tokens;
-        let room = cache.tokens_in_blocks(
-            (cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache)),
-        );
-        ensure!(
-            longest <= room,
-            "request {seq_id} may hold {longest} tokens; with the watermark the cache fits {room}"
-        );
+        check_request(&self.config, cache, seq_id, longest, num_samples)?;
         ensure!(
             self.config.enable_chunked_prefill || longest <= self.config.max_num_batched_tokens,
             "request {seq_id} may need a {longest}-token prefill (after a preemption), more than \
@@ -123,6 +147,7 @@ impl ContinuousScheduler {
             awaiting_token: false,
             arrival_ns,
             block_hashes: Vec::new(),
+            samples_to_fork: num_samples - 1,
         };
         self.waiting.insert(request.queue_key(seq_id));
         self.requests.insert(seq_id, request);
@@ -158,10 +183,14 @@ impl ContinuousScheduler {
             "sequence {parent} can be forked only after a step sampled it and before its \
              on_tokens"
         );
-        let copy = request.clone();
+        let mut copy = request.clone();
+        copy.samples_to_fork = 0;
         cache.fork(parent, child)?;
         self.running.push(child);
         self.requests.insert(child, copy);
+        if let Some(parent) = self.requests.get_mut(&parent) {
+            parent.samples_to_fork = parent.samples_to_fork.saturating_sub(1);
+        }
         self.forked_since_step += 1;
         Ok(())
     }
@@ -226,6 +255,7 @@ impl ContinuousScheduler {
             };
             request.num_outputs += 1;
             request.awaiting_token = false;
+            request.samples_to_fork = 0; // whatever was not forked by now never will be
             if request.has_ids {
                 request.token_ids.push(token);
             }

@@ -143,10 +143,12 @@ impl ContinuousScheduler {
     /// Phase 2: swapped-out sequences come back (oldest preemption first) while blocks beyond
     /// the watermark and `max_num_seqs` allow.
     fn swap_in_swapped(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        let mut seats = self.seats_taken();
         while let Some(&key) = self.swapped.first() {
             let seq_id = key.2;
             let blocks = cache.num_held_blocks(seq_id)?;
-            if self.running.len() >= self.config.max_num_seqs
+            let wanted = 1 + self.request(seq_id)?.samples_to_fork;
+            if seats + wanted > self.config.max_num_seqs
                 || blocks + self.watermark_blocks(cache) > cache.num_free_blocks()
             {
                 break;
@@ -154,8 +156,20 @@ impl ContinuousScheduler {
             cache.swap_in(&[seq_id])?;
             self.swapped.remove(&key);
             self.resume(seq_id, State::Running);
+            seats += wanted;
         }
         Ok(())
+    }
+
+    /// Seats under `max_num_seqs`: the running sequences and the samples they will fork.
+    fn seats_taken(&self) -> usize {
+        let forks: usize = self
+            .running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|request| request.samples_to_fork)
+            .sum();
+        self.running.len() + forks
     }
 
     /// Phase 3: waiting requests that have arrived, by priority then arrival, while their
@@ -167,7 +181,8 @@ impl ContinuousScheduler {
         budget: &mut usize,
         rows: &mut Vec<ScheduledRow>,
     ) -> CoreResult<()> {
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+        let mut seats = self.seats_taken();
+        while *budget > 0 && seats < self.config.max_num_seqs {
             let requests = &self.requests;
             let Some(&key) = self.waiting.iter().find(|&&(_, _, id)| {
                 requests
@@ -178,7 +193,14 @@ impl ContinuousScheduler {
             };
             let seq_id = key.2;
             let watermark = self.watermark_blocks(cache);
+            let max_num_seqs = self.config.max_num_seqs;
             let request = self.request_mut(seq_id)?;
+            // A request waits for seats for all its samples (vLLM v0 counts a sequence
+            // group's most running sequences the same way).
+            let wanted = 1 + request.samples_to_fork;
+            if seats + wanted > max_num_seqs {
+                break;
+            }
             let total = request.num_tokens();
             // Hashed once while it waits, not at every step's check.
             request.hash_blocks(cache.block_size());
@@ -191,6 +213,7 @@ impl ContinuousScheduler {
             let cached = cache.admit_sequence_hashed(seq_id, tokens, hashes)?;
             self.waiting.remove(&key);
             self.resume(seq_id, State::Running);
+            seats += wanted;
             self.request_mut(seq_id)?.num_computed = cached;
             // Without chunking, a prompt larger than what is left of the budget waits, with
             // its blocks, for a later step.
