@@ -4,8 +4,8 @@
 //! leave no room for any) is refused and changes nothing.
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig,
-    StepPlan, Tokens, MAX_NUM_SEQS,
+    AttentionKind, ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig, StepPlan,
+    Tokens, MAX_NUM_SEQS,
 };
 use proptest::prelude::*;
 
@@ -153,7 +153,13 @@ fn a_request_waits_for_seats_for_all_its_samples() {
         scheduler.fork(&mut cache, 2, child).unwrap();
     }
     scheduler
-        .on_tokens(&mut cache, &[2, 20, 21, 22], &[1, 2, 3, 4], None, &mut Vec::new())
+        .on_tokens(
+            &mut cache,
+            &[2, 20, 21, 22],
+            &[1, 2, 3, 4],
+            None,
+            &mut Vec::new(),
+        )
         .unwrap();
     // Four running: a newcomer waits, and nobody was preempted for the forks.
     scheduler
@@ -201,7 +207,10 @@ fn a_watermark_that_leaves_no_room_is_refused() {
             .map(|_| ())
             .unwrap_err()
             .to_string();
-        assert!(error.contains("no request could ever be admitted"), "{error}");
+        assert!(
+            error.contains("no request could ever be admitted"),
+            "{error}"
+        );
     }
     // Two blocks left (ceil(0.9 × 33) = 30 kept free of 32) are room for 8 tokens.
     ContinuousScheduler::new(config(8, 0.9), &cache).unwrap();

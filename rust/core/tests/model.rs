@@ -426,8 +426,7 @@ impl Model {
             let salt = self.salted.contains(&id).then_some(&b"tenant"[..]);
             let mut parent = BlockHash::root(salt);
             for block in tokens.chunks_exact(BLOCK_SIZE) {
-                let ids: Option<Vec<u32>> =
-                    block.iter().map(|&t| u32::try_from(t).ok()).collect();
+                let ids: Option<Vec<u32>> = block.iter().map(|&t| u32::try_from(t).ok()).collect();
                 let Some(ids) = ids else {
                     break;
                 };

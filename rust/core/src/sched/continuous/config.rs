@@ -92,6 +92,7 @@ impl SchedulerConfig {
 
     /// Most tokens one request may hold to be admitted at all.
     pub(super) fn room(&self, cache: &KvCache) -> usize {
-        cache.tokens_in_blocks((cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache)))
+        cache
+            .tokens_in_blocks((cache.num_blocks() - 1).saturating_sub(self.watermark_blocks(cache)))
     }
 }

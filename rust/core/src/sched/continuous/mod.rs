@@ -135,7 +135,13 @@ impl ContinuousScheduler {
         num_samples: usize,
     ) -> CoreResult<()> {
         config.validate_for(cache)?;
-        check_request(&config, cache, seq_id, prompt_len + max_new_tokens, num_samples)
+        check_request(
+            &config,
+            cache,
+            seq_id,
+            prompt_len + max_new_tokens,
+            num_samples,
+        )
     }
 
     /// Whether `config` could replace this one: valid with `cache`, and every request in
