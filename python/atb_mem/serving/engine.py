@@ -25,7 +25,8 @@ from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling.continuous import ContinuousBatchScheduler
 from atb_mem.serving.kv_sizing import kv_cache_shape, num_kv_blocks
 from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
-from atb_mem.serving.sampler import sample
+from atb_mem.serving.prompts import Prompt, eos_token_ids, prompt_list
+from atb_mem.serving.sampler import sample, sample_generator
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine"]
 
-Prompt = str | Sequence[int]
-"""Text (the engine needs a tokenizer) or token ids."""
 
 
 @dataclass
@@ -111,7 +110,7 @@ class Engine:
             self.kv_cache, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
         self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size, attention_backend)
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_seq_id = itertools.count(1)
@@ -183,7 +182,7 @@ class Engine:
             raise ValueError(f"the prompt's {len(token_ids)} tokens plus max_tokens="
                              f"{params.max_tokens} exceed the model's {self.max_model_len}")
         # Everything that can refuse the request runs before the scheduler takes it.
-        generator = _generator(params, 0, self.runner.device)
+        generator = sample_generator(params, 0, self.runner.device)
         seq_id = next(self._next_seq_id)
         try:
             self.scheduler.add_request(seq_id, token_ids, params.max_tokens,
@@ -306,7 +305,7 @@ class Engine:
                 try:
                     for index in range(1, request.params.n):
                         child = _Sample(next(self._next_seq_id), index,
-                                        _generator(request.params, index, self.runner.device))
+                                        sample_generator(request.params, index, self.runner.device))
                         self.scheduler.fork(seq_id, child.seq_id)
                         request.samples.append(child)
                         self._by_seq[child.seq_id] = (request, child)
@@ -360,7 +359,7 @@ class Engine:
         if self._requests:
             raise RuntimeError("generate() needs an idle engine; step() serves the requests "
                                "already added")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -397,34 +396,3 @@ class Engine:
                     not 0 <= token < self.vocab_size:
                 raise ValueError(f"prompt token {token!r} is not an id in [0, {self.vocab_size})")
         return [int(token) for token in token_ids]
-
-
-def _prompt_list(prompts: Any) -> list[Prompt]:
-    """One prompt (text or token ids) or a sequence of them, as a list of prompts."""
-    one: list[Prompt] = [prompts]
-    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
-        return one
-    items = list(prompts)
-    if items and not isinstance(items[0], str | Sequence | np.ndarray):
-        return one  # token ids
-    return items
-
-
-def _generator(params: SamplingParams, index: int, device: Any) -> torch.Generator | None:
-    if params.seed is None or params.greedy:
-        return None
-    import torch
-
-    return torch.Generator(device=device).manual_seed(params.seed + index)
-
-
-def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    generation = getattr(model, "generation_config", None)
-    for source in (getattr(generation, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(int(token) for token in source)
-    return frozenset(ids)

@@ -29,9 +29,10 @@ from typing import Any
 
 from atb_mem.scheduling.request_batching import DynamicBatchScheduler
 from atb_mem.serving.config_guard import ConfigGuard, Decision, StepSample
-from atb_mem.serving.engine import Engine, Prompt
+from atb_mem.serving.engine import Engine
 from atb_mem.serving.live_settings import LiveSettings
 from atb_mem.serving.params import RequestOutput, SamplingParams
+from atb_mem.serving.prompts import Prompt
 
 __all__ = ["ChangeInProgress", "EngineLoop", "RequestFailed", "RequestStream"]
 

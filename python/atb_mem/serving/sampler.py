@@ -7,7 +7,7 @@ and the rest of the batch goes on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from atb_mem.serving.params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SampledTokens", "sample"]
+__all__ = ["SampledTokens", "sample", "sample_generator"]
 
 
 class SampledTokens(NamedTuple):
@@ -70,3 +70,12 @@ def _draw(logits: torch.Tensor, params: SamplingParams,
         scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def sample_generator(params: SamplingParams, index: int, device: Any) -> torch.Generator | None:
+    """Sample ``index``'s own generator when the request is seeded (``seed + index``)."""
+    if params.seed is None or params.greedy:
+        return None
+    import torch
+
+    return torch.Generator(device=device).manual_seed(params.seed + index)
