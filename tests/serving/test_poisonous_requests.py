@@ -291,3 +291,42 @@ def test_persisting_into_a_missing_directory_is_refused(checkpoint: Path,
         assert httpx.get(f"{running.url}/health").status_code == 200
     finally:
         running.shutdown()
+
+
+def test_health_reports_a_stuck_engine(checkpoint: Path) -> None:
+    import threading
+    import time
+
+    import httpx
+
+    from atb_mem.serving.api_server import ApiServer
+
+    engine = Engine.from_pretrained(str(checkpoint), device="cpu", num_blocks=32,
+                                    block_size=4)
+    release = threading.Event()
+    execute = engine.runner.execute
+
+    def hang(plan: Any) -> Any:
+        release.wait(30)
+        return execute(plan)
+
+    engine.runner.execute = hang  # type: ignore[method-assign]
+    running = ApiServer(engine, "tiny", port=0, health_stall_s=0.3).start()
+    try:
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        request = threading.Thread(target=lambda: httpx.post(
+            f"{running.url}/v1/completions", json=body, timeout=60))
+        request.start()
+        statuses = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and 503 not in statuses:
+            statuses.append(httpx.get(f"{running.url}/health").status_code)
+            time.sleep(0.1)
+        assert statuses[-1] == 503
+        release.set()
+        request.join(60)
+        assert httpx.get(f"{running.url}/health").status_code == 200
+    finally:
+        release.set()
+        running.shutdown()
