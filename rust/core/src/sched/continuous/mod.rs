@@ -73,6 +73,9 @@ pub struct ContinuousScheduler {
     /// Requests forked since the last step: they may run beyond `max_num_seqs` until the
     /// next step preempts the extra ones.
     forked_since_step: usize,
+    /// `samples_to_fork` summed over every request: while 0 (no request of several
+    /// samples), seats are the running sequences and need no walk over them.
+    unforked_samples: usize,
     scratch_slots: Vec<i32>,
     /// The slots of this step's decodes in every group (`[decodes, groups]`), as their
     /// tokens were appended.
@@ -101,6 +104,7 @@ impl ContinuousScheduler {
             in_flight: Vec::new(),
             deferred_frees: Vec::new(),
             forked_since_step: 0,
+            unforked_samples: 0,
             scratch_slots: Vec::new(),
             decode_slots: Vec::new(),
             scratch_ids: Vec::new(),

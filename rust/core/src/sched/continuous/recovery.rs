@@ -54,6 +54,13 @@ impl ContinuousScheduler {
 
     /// Checks the scheduler's bookkeeping against the cache (for tests).
     pub fn check_invariants(&self, cache: &KvCache) -> Result<(), String> {
+        let unforked: usize = self.requests.values().map(|r| r.samples_to_fork).sum();
+        if unforked != self.unforked_samples {
+            return Err(format!(
+                "{unforked} samples to fork, counted {}",
+                self.unforked_samples
+            ));
+        }
         for (&seq_id, request) in &self.requests {
             let key = request.queue_key(seq_id);
             let (in_waiting, in_swapped, in_running) = (

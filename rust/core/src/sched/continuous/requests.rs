@@ -149,6 +149,7 @@ impl ContinuousScheduler {
             block_hashes: Vec::new(),
             samples_to_fork: num_samples - 1,
         };
+        self.unforked_samples += request.samples_to_fork;
         self.waiting.insert(request.queue_key(seq_id));
         self.requests.insert(seq_id, request);
         Ok(())
@@ -189,7 +190,10 @@ impl ContinuousScheduler {
         self.running.push(child);
         self.requests.insert(child, copy);
         if let Some(parent) = self.requests.get_mut(&parent) {
-            parent.samples_to_fork = parent.samples_to_fork.saturating_sub(1);
+            if parent.samples_to_fork > 0 {
+                parent.samples_to_fork -= 1;
+                self.unforked_samples -= 1;
+            }
         }
         self.forked_since_step += 1;
         Ok(())
@@ -198,6 +202,7 @@ impl ContinuousScheduler {
     /// Removes a request from the books and from whichever queue holds it.
     pub(super) fn forget(&mut self, seq_id: u64) -> Option<Request> {
         let request = self.requests.remove(&seq_id)?;
+        self.unforked_samples -= request.samples_to_fork;
         let key = request.queue_key(seq_id);
         match request.state {
             State::Waiting => self.waiting.remove(&key),
@@ -255,7 +260,8 @@ impl ContinuousScheduler {
             };
             request.num_outputs += 1;
             request.awaiting_token = false;
-            request.samples_to_fork = 0; // whatever was not forked by now never will be
+            // Whatever was not forked by now never will be.
+            self.unforked_samples -= std::mem::take(&mut request.samples_to_fork);
             if request.has_ids {
                 request.token_ids.push(token);
             }

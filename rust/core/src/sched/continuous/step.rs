@@ -163,6 +163,9 @@ impl ContinuousScheduler {
 
     /// Seats under `max_num_seqs`: the running sequences and the samples they will fork.
     fn seats_taken(&self) -> usize {
+        if self.unforked_samples == 0 {
+            return self.running.len();
+        }
         let forks: usize = self
             .running
             .iter()
