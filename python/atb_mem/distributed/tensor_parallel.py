@@ -67,11 +67,26 @@ class TensorParallelGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    @staticmethod
+    def leave() -> None:
+        """Destroys the process group while this process still runs. Left to interpreter
+        exit, gloo's threads can be torn down in an order that aborts the process
+        (``terminate called without an active exception``), above all after a peer died."""
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # already broken: nothing more to release
+                pass
+
 
 def _collective(what: str, call: Any, *args: Any) -> Any:
+    if not dist.is_initialized():
+        raise TensorParallelError(f"tensor parallelism: {what} is impossible: the process "
+                                  f"group was left (after a failure or a shutdown)")
     try:
         return call(*args)
     except RuntimeError as error:  # gloo/NCCL: a peer closed, or the timeout passed
+        TensorParallelGroup.leave()  # the group is lost; every later collective fails too
         raise TensorParallelError(f"tensor parallelism: {what} failed (a rank died or timed "
                                   f"out): {error}") from error
 
@@ -218,8 +233,10 @@ class PlanBroadcast:
         return int(tensor.item())
 
     def stop(self) -> None:
-        """Tells the workers to return."""
-        self._header(np.full(self._HEADER, self.STOP, np.int64))
+        """Tells the workers to return, then leaves the process group."""
+        if dist.is_initialized():
+            self._header(np.full(self._HEADER, self.STOP, np.int64))
+        self.group.leave()
 
     def receive(self) -> WirePlan | None:
         """The next plan, or None once rank 0 stopped."""
@@ -283,6 +300,7 @@ def run_worker(engine: Any) -> int:
         if plan.num_batched_tokens:
             engine.runner.execute(plan)
         steps += 1
+    broadcast.group.leave()
     return steps
 
 
