@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,10 @@ from typing import Any
 import pytest
 
 from tests.support.models import run_poisoned, save_tiny_checkpoint
+from tests.support.processes import free_port
 from tests.support.tensor_parallel_rank import ENGINE, FORK_PROMPT, MAX_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def run_ranks(checkpoint: Path, out: Path, *extra: str) -> list[subprocess.CompletedProcess[str]]:

@@ -3,34 +3,12 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.support.models import save_tiny_checkpoint
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def wait_until_healthy(process: subprocess.Popen[str], port: int, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, process.communicate()[1]
-        assert time.monotonic() < deadline, "the server never answered /health"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)  # still loading the model
+from tests.support.processes import free_port, wait_until_healthy
 
 
 def replayed_events(endpoint: str) -> bytes:
