@@ -181,3 +181,36 @@ def test_groups_without_the_window_mask_are_caught(monkeypatch: pytest.MonkeyPat
     tokens = prompt(7, 2 * WINDOW + 1)
     results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})
     assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)
+
+
+@pytest.mark.parametrize(("architecture", "num_blocks", "length"), [
+    ("mistral", 8, 60),  # every layer slides: a sequence needs a window's blocks, not 60 tokens'
+    # Three groups (sliding, full, sliding): 10 blocks for the full one, 3 for each other.
+    ("gemma3", 20, 40),
+])
+def test_a_sequence_longer_than_the_pool_fits_in_its_windows(architecture: str, num_blocks: int,
+                                                             length: int) -> None:
+    """Admission counts a windowed group's blocks by the window, as alloc and append do: a
+    request longer than the pool could hold at full attention runs to its end."""
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    tokens = prompt(11, 16)
+    results = run_poisoned(engine, {0: [("long", tokens, greedy(length - len(tokens)))]})
+    groups = len(engine.kv_cache.groups)
+    assert (num_blocks - 1) * BLOCK_SIZE < length * groups  # no room at full attention
+    assert results["long"][0][0] == hf_tokens(reference, tokens, length - len(tokens))
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma3"])
+def test_a_window_as_wide_as_the_pool_serves_what_fits(architecture: str) -> None:
+    """A window of the pool's whole size (or wider): requests that fit in the pool are served
+    (it once refused every request: the windowed need overflowed)."""
+    model, reference = model_pair(architecture)
+    for config in (model.config, reference.config):
+        config.sliding_window = 64
+    # 64 tokens per group: one group for Mistral, three for Gemma 3.
+    engine = Engine(model, num_blocks={"mistral": 16, "gemma3": 48}[architecture],
+                    block_size=BLOCK_SIZE)
+    tokens = prompt(12, 20)
+    results = run_poisoned(engine, {0: [("wide", tokens, greedy(10))]})
+    assert results["wide"][0][0] == hf_tokens(reference, tokens, 10)
