@@ -203,3 +203,23 @@ def test_regression_lowering_the_budget_without_chunking_strands_a_request() -> 
         if len(plan.sample_seq_ids):
             sched.on_tokens(plan.sample_seq_ids, [1] * len(plan.sample_seq_ids))
     assert 1 not in sched, f"request 1 never ran: {sched.stats()}, {len(kv)} on the cache"
+
+
+def test_regression_a_sequence_freed_behind_the_schedulers_back_fails_the_step_unchanged(
+) -> None:
+    """The step raised, but only after it had appended a slot to the other two sequences: the
+    next step scheduled a position never computed. A step that raises must change nothing."""
+    from tests.support.unchanged import kv_snapshot
+
+    kv = atb_mem.KVCachePool(num_blocks=40, block_size=3, device=None)
+    sched = atb_mem.ContinuousBatchScheduler(kv, max_num_batched_tokens=96, watermark=0.0)
+    for seq_id, length in [(86, 7), (87, 8), (88, 5)]:
+        sched.add_request(seq_id, length, 4)
+    plan = sched.step(now=0.0)
+    sched.on_tokens(plan.sample_seq_ids, [3] * len(plan.sample_seq_ids))
+    kv.free_sequence(88)
+    before = (kv_snapshot(kv), sched.stats(), [sched.progress(i) for i in (86, 87, 88)])
+    with pytest.raises(atb_mem.UnknownSequenceError):
+        sched.step(now=1.0)
+    assert (kv_snapshot(kv), sched.stats(), [sched.progress(i) for i in (86, 87, 88)]) == before
+    assert (kv.seq_len(86), kv.seq_len(87)) == (7, 8)

@@ -395,6 +395,12 @@ impl KvCache {
         Ok(self.sequence(seq_id)?.swapped)
     }
 
+    /// (tokens, swapped out) of a sequence, in one lookup.
+    pub fn seq_state(&self, seq_id: u64) -> CoreResult<(usize, bool)> {
+        let sequence = self.sequence(seq_id)?;
+        Ok((sequence.num_tokens, sequence.swapped))
+    }
+
     pub fn seq_len(&self, seq_id: u64) -> CoreResult<usize> {
         Ok(self.sequence(seq_id)?.num_tokens)
     }

@@ -1,11 +1,48 @@
-//! Snapshots and their use: whether a step may move blocks, putting everything back when
-//! executing its moves failed, and the invariants (for tests).
+//! What a step relies on and what puts things back: the cache agreeing with the scheduler
+//! (checked before a step changes anything), whether a step may move blocks, putting
+//! everything back when executing its moves failed, and the invariants (for tests).
 
 use super::requests::State;
 use super::{ContinuousScheduler, Preemption};
+use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, KvCache};
 
 impl ContinuousScheduler {
+    /// Checks that `cache` holds what this scheduler put there: every running request on the
+    /// device with its computed tokens, every swapped one on the host, no waiting one at
+    /// all. Everything a step looks up in the cache is checked here, before it changes
+    /// anything, so a sequence freed (or allocated) behind the scheduler's back fails the
+    /// step with nothing changed instead of half-way through it. One lookup per request.
+    pub fn check_cache(&self, cache: &KvCache) -> CoreResult<()> {
+        for &seq_id in &self.running {
+            let (num_tokens, swapped) = cache.seq_state(seq_id)?;
+            let computed = self.request(seq_id)?.num_computed;
+            ensure!(
+                !swapped && num_tokens >= computed,
+                "sequence {seq_id} is running but the cache holds it {} with {num_tokens} \
+                 tokens for {computed} computed (changed behind the scheduler's back)",
+                if swapped {
+                    "swapped out"
+                } else {
+                    "on the device"
+                }
+            );
+        }
+        for &(_, _, seq_id) in &self.swapped {
+            ensure!(
+                cache.seq_state(seq_id)?.1,
+                "sequence {seq_id} is swapped out but the cache holds it on the device \
+                 (changed behind the scheduler's back)"
+            );
+        }
+        for &(_, _, seq_id) in &self.waiting {
+            if cache.contains(seq_id) {
+                return Err(CoreError::DuplicateSequence(seq_id));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
     /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
     /// decode may find no free block), or a copy-on-write (only after a fork).

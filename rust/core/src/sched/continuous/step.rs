@@ -15,13 +15,15 @@ pub(super) struct ScheduledRow {
 }
 
 impl ContinuousScheduler {
-    /// Plans one step at time `now_ns` into `plan` (cleared first).
+    /// Plans one step at time `now_ns` into `plan` (cleared first). Fails, changing nothing,
+    /// if the cache no longer holds what the scheduler put there (see `check_cache`).
     pub fn step(
         &mut self,
         cache: &mut KvCache,
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
+        self.check_cache(cache)?;
         self.plan_executed(cache)?;
         plan.clear();
         // A lowered max_num_seqs takes effect now: the newest extra sequences make room.
