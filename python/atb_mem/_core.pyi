@@ -1,7 +1,7 @@
 """Stubs of the Rust extension ``atb_mem._core``, kept in sync by tests/package/test_stubs.py."""
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -202,6 +202,7 @@ class KVCachePool:
     def _check_invariants(self) -> None:
         """Raises AssertionError naming the first broken internal invariant."""
 
+@final
 class KVEventList(Sequence[KVCacheEvent]):
     """The events of one drain (``KVCachePool.take_events()``), typed when first read."""
 
@@ -217,6 +218,7 @@ class KVEventList(Sequence[KVCacheEvent]):
         """uint64 ``[E]``, the ``[E, 9]`` table, the hashes, the token ids as uint32 pairs
         (see ``atb_mem.events.events_from_buffer``)."""
 
+@final
 class BatchTable:
     """Persistent decode-step buffers of the running batch, updated in place.
 
@@ -254,6 +256,7 @@ class BatchTable:
         """int32 ``[max_seqs]``, -1 for rows without a new token; with several KV-cache
         groups ``[groups, max_seqs]``."""
 
+@final
 class HostRegion:
     """One aligned, zeroed host allocation: the bytes of a host-backed ``MemPool``.
 
@@ -271,6 +274,7 @@ class HostRegion:
     ) -> npt.NDArray[Any]:
         """A numpy array over bytes ``[offset, offset + nbytes)`` that keeps the region alive."""
 
+@final
 class Allocation:
     """A live allocation from a ``MemPool``: bytes ``[offset, offset + size)`` at ``ptr``."""
 
@@ -349,6 +353,7 @@ def copy_blocks(dst: npt.NDArray[np.uint8], dst_blocks: int, src: npt.NDArray[np
     group, block ``pairs[i, 1]`` of ``dst`` gets block ``pairs[i, 0]`` of ``src`` (of ``dst``
     itself when ``src`` is None). Bounds-checked."""
 
+@final
 class RequestBatcher:
     """Deterministic request-batching policy behind ``DynamicBatchScheduler`` (times in ns).
 
@@ -370,6 +375,7 @@ class RequestBatcher:
     def __len__(self) -> int: ...
     def __contains__(self, request_id: int) -> bool: ...
 
+@final
 class StepPlan:
     """One step's decisions and a model runner's inputs (see ``ContinuousBatchScheduler``).
 
@@ -424,6 +430,7 @@ class StepPlan:
         """Sequence ids by row."""
     def __len__(self) -> int: ...
 
+@final
 class ContinuousScheduler:
     """Continuous-batching policy behind ``ContinuousBatchScheduler`` (times in ns).
 

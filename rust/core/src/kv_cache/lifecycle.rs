@@ -301,7 +301,8 @@ impl KvCache {
             });
         }
 
-        // Checked: from here on nothing can fail.
+        // Checked: the budget above counts every block taken below, so `allocate_checked`
+        // fails only if that count is wrong (a bug, which would leave this sequence half made).
         if let (Tokens::Ids(_), true) = (tokens, self.enable_prefix_caching()) {
             self.count_miss(queries, hits, limited_by);
         }
