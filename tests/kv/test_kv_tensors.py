@@ -213,3 +213,18 @@ def test_host_copy_kernels_refuse_overflowing_sizes() -> None:
         frozen = np.zeros(16, np.uint8)
         frozen.flags.writeable = False
         _core.scatter_rows(frozen, 4, 4, np.zeros(1, np.int64), [(0, np.ones(4, np.uint8))])
+
+
+def test_the_executor_is_public_and_runs_a_pools_moves() -> None:
+    """``KVCachePool.executor`` is what schedulers hand the core: it copies the bytes of a
+    move; a pool without bytes has none (its moves stay pending for the caller)."""
+    import numpy as np
+
+    import atb_mem
+
+    pool = atb_mem.KVCachePool(8, 4, num_layers=1, num_kv_heads=1, head_dim=2)
+    assert atb_mem.KVCachePool(8, 4, device=None).executor is None
+    kv = pool.kv_cache
+    kv[:, :, 1] = 7.0
+    pool.executor(np.array([[0, 1, 2]], np.int32))  # copy block 1 to block 2
+    assert (kv[:, :, 2] == 7.0).all()

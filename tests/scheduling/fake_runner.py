@@ -112,5 +112,5 @@ def flaky(kv: atb_mem.KVCachePool) -> FlakyTensors:
     assert tensors is not None
     flaky_tensors = FlakyTensors(tensors)
     kv._tensors = flaky_tensors  # the executor step() passes is kv.tensors.execute
-    assert kv._executor == flaky_tensors.execute
+    assert kv.executor == flaky_tensors.execute
     return flaky_tensors

@@ -221,9 +221,10 @@ class KVCachePool(_core.KVCachePool):
                          lambda: tensors.scatter_kv(layer, slots, key, value))
 
     @property
-    def _executor(self) -> Any:
-        """What executes block moves: the bytes' executor, or None without bytes (the moves
-        then stay pending for the caller)."""
+    def executor(self) -> Any:
+        """What executes block moves: ``execute(moves)`` of the bytes (int32 ``[k, 3]`` rows of
+        kind, source, destination), or None without bytes (the moves then stay pending for
+        the caller)."""
         tensors = self.tensors
         return None if tensors is None else tensors.execute
 
@@ -231,22 +232,22 @@ class KVCachePool(_core.KVCachePool):
         """Executes the pending block moves (copy-on-write copies from forks), in order, for
         every layer, as one transaction: if a copy raises, the pool is rolled back and
         ``BlockMoveError`` says what was lost. Returns how many blocks moved."""
-        if self._executor is None:
+        if self.executor is None:
             return len(self.take_pending_copies())
-        return self.execute_pending_moves(self._executor)
+        return self.execute_pending_moves(self.executor)
 
     def swap_out(self, seq_ids: Any, execute: Any = None) -> np.ndarray:
         """Moves the sequences' blocks to the host tier and frees their device blocks; a block
         they share is moved once. Pending copy-on-write copies run first. One transaction:
         plan, move the bytes, commit — or, if moving raises, roll back (``BlockMoveError``).
         Returns the (device block, host block) pairs moved."""
-        return super().swap_out(seq_ids, execute or self._executor)
+        return super().swap_out(seq_ids, execute or self.executor)
 
     def swap_in(self, seq_ids: Any, execute: Any = None) -> np.ndarray:
         """Brings swapped-out sequences back into free device blocks (their block tables
         change), as one transaction like ``swap_out``. Returns the (host block, device block)
         pairs moved."""
-        return super().swap_in(seq_ids, execute or self._executor)
+        return super().swap_in(seq_ids, execute or self.executor)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors

@@ -95,7 +95,7 @@ class ContinuousBatchScheduler:
         pending = self._new_settings
         previous = self._apply_new_settings()
         try:
-            plan = self._core.step(now_ns, self.kv_cache._executor)
+            plan = self._core.step(now_ns, self.kv_cache.executor)
         except BaseException:
             # All-or-nothing: the settings wait for the next step too.
             if previous is not None:
