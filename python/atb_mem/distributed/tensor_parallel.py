@@ -23,11 +23,16 @@ import sys
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from atb_mem.kv.cache_pool import KVCachePool
 
 __all__ = ["PlanBroadcast", "RowParallelLinear", "TensorParallelError", "TensorParallelGroup",
            "WirePlan", "launch_workers", "run_worker", "shard_model"]
@@ -286,19 +291,21 @@ class PlanBroadcast:
                                       f"{[int(value) for value in gathered]}")
 
 
-def run_worker(engine: Any) -> int:
+def run_worker(broadcast: PlanBroadcast, kv_cache: KVCachePool,
+               forward: Callable[[Any], Any]) -> int:
     """A worker rank's loop: for each plan rank 0 sends, execute its block moves on this
-    rank's KV bytes, then the forward. Returns the number of steps run once rank 0 stops."""
-    broadcast: PlanBroadcast = engine.plan_broadcast
+    rank's ``kv_cache`` bytes, then ``forward(plan)`` (a WirePlan reads as a StepPlan).
+    Returns the number of steps run once rank 0 stops. It takes these three, not the
+    engine, so it does not reach into the engine's parts."""
     steps = 0
     while (plan := broadcast.receive()) is not None:
         if len(plan.poison):
-            kv = engine.kv_cache.kv_cache
+            kv = kv_cache.kv_cache
             kv[:, :, torch.from_numpy(plan.poison.astype(np.int64)).to(kv.device)] = float("nan")
         if len(plan.moves):
-            engine.kv_cache.tensors.execute(plan.moves)
+            kv_cache.executor(plan.moves)
         if plan.num_batched_tokens:
-            engine.runner.execute(plan)
+            forward(plan)
         steps += 1
     broadcast.group.leave()
     return steps

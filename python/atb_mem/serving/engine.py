@@ -134,7 +134,8 @@ class Engine:
 
         if self.is_driver:
             raise RuntimeError("run_worker() is for tensor-parallel ranks other than 0")
-        return run_worker(self)
+        assert self.plan_broadcast is not None  # is_driver holds without one
+        return run_worker(self.plan_broadcast, self.kv_cache, self.runner.execute)
 
     def shutdown(self) -> None:
         """On rank 0 of a tensor-parallel engine: releases the workers (their ``run_worker``
