@@ -76,13 +76,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(500, f"internal error: {error}", "server_error")
 
 
-def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics,
-              health_stall_s: float = 60.0) -> FastAPI:
-    """The app; the caller starts ``engine_loop`` (with ``metrics.observe``) and stops it."""
-    app = FastAPI(title="atb-mem", docs_url=None, redoc_url=None)
+def _add_info_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str,
+                     metrics: ServerMetrics, health_stall_s: float) -> None:
+    """``/health``, ``/v1/models`` and ``/metrics``."""
     engine = engine_loop.engine
     created = int(time.time())
-    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -104,26 +102,39 @@ def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def check(body: protocol._Sampling) -> None:
-        if body.model != model_name:
-            raise BadRequest(f"the model {body.model!r} does not exist; this server serves "
-                             f"{model_name!r}")
-        problem = body.unsupported()
-        if problem:
-            raise BadRequest(problem)
 
-    def sampling(body: protocol._Sampling, max_tokens: int) -> SamplingParams:
-        try:
-            return body.sampling_params(max_tokens)
-        except (ValueError, TypeError) as error:
-            raise BadRequest(str(error)) from error
+def _check_model(body: protocol._Sampling, model_name: str) -> None:
+    """``BadRequest`` for another model's name or what this server does not support."""
+    if body.model != model_name:
+        raise BadRequest(f"the model {body.model!r} does not exist; this server serves "
+                         f"{model_name!r}")
+    problem = body.unsupported()
+    if problem:
+        raise BadRequest(problem)
+
+
+def _sampling(body: protocol._Sampling, max_tokens: int) -> SamplingParams:
+    """The request's sampling parameters, or ``BadRequest`` saying what is wrong."""
+    try:
+        return body.sampling_params(max_tokens)
+    except (ValueError, TypeError) as error:
+        raise BadRequest(str(error)) from error
+
+
+def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics,
+              health_stall_s: float = 60.0) -> FastAPI:
+    """The app; the caller starts ``engine_loop`` (with ``metrics.observe``) and stops it."""
+    app = FastAPI(title="atb-mem", docs_url=None, redoc_url=None)
+    engine = engine_loop.engine
+    _add_error_handlers(app)
+    _add_info_routes(app, engine_loop, model_name, metrics, health_stall_s)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check(body)
+        _check_model(body, model_name)
         if isinstance(body.prompt, str) and engine.tokenizer is None:
             raise BadRequest("this model has no tokenizer: send the prompt as token ids")
-        params = sampling(body, body.max_tokens or 16)
+        params = _sampling(body, body.max_tokens or 16)
         stream = await _submit(engine_loop, body.prompt, params, "cmpl")
         if body.stream:
             header = protocol.header("cmpl", stream.request_id, model_name)
@@ -136,12 +147,12 @@ def build_app(engine_loop: EngineLoop, model_name: str, metrics: ServerMetrics,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check(body)
+        _check_model(body, model_name)
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template")
         prompt = _chat_prompt(engine.tokenizer, body)
         room = engine.max_model_len - len(prompt)
-        params = sampling(body, body.max_completion_tokens or body.max_tokens or max(room, 1))
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens or max(room, 1))
         stream = await _submit(engine_loop, prompt, params, "chatcmpl")
         if body.stream:
             header = protocol.header("chatcmpl", stream.request_id, model_name)
