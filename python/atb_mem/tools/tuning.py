@@ -3,6 +3,7 @@ objective."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -72,7 +73,50 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
     requests = (simulate.load_trace(trace, limit) if trace
                 else simulate.synthetic_workload(limit))
     requests = [simulate.Request(r.arrival / speedup, r.prompt, r.output) for r in requests]
-    token_bytes = simulate.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    objective = _objective(requests, simulate.bytes_per_token(layers, kv_heads, head_dim, dtype),
+                           total_memory, model_memory, activation_bytes_per_token, latency_p99)
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize",
+                                sampler=optuna.samplers.TPESampler(seed=seed))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("tuning", total=trials)
+        study.optimize(objective, n_trials=trials,
+                       callbacks=[lambda *_: progress.advance(task)])
+    rows = [{"number": t.number, "value": t.value, **t.params, **t.user_attrs}
+            for t in study.trials]
+    feasible = [row for row in rows if "infeasible" not in row]
+    if not feasible:
+        raise click.ClickException(f"no configuration met p99 <= {latency_p99} s in "
+                                   f"{trials} trials")
+    best = max(feasible, key=lambda row: row["value"])
+    _print_best(best, feasible, trials, latency_p99)
+    result: dict[str, Any] = {"latency_p99_bound": latency_p99, "speedup": speedup,
+                              "best": best, "trials": rows}
+    try:
+        if server is not None:
+            # The batch budget first: a larger max_num_seqs is only worth its memory once the
+            # step can hold its tokens. Each step is watched; a rollback stops the sequence.
+            steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
+                     {"max_num_seqs": best["max_num_seqs"]}]
+            result["applied"] = []
+            apply_steps(server, steps, live=True, watch_s=watch_s,
+                        persist=False, results=result["applied"])
+            console.print(f"not applied live (they size the cache at start): block_size="
+                          f"{best['block_size']}, gpu_memory_utilization="
+                          f"{best['gpu_memory_utilization']:.3f}")
+    finally:
+        write_json(json_path, result)
+    if plot_path:
+        _plot(rows, plot_path)
+
+
+def _objective(requests: list[Any], token_bytes: int, total_memory: int, model_memory: int,
+               activation_bytes_per_token: int, latency_p99: float) -> Callable[[Any], float]:
+    """A trial's score: the replay's serving capacity, or 0 (with why) where it does not fit
+    or misses the latency bound."""
+    from atb_mem.tools import simulate
+
     longest = simulate.max_length(requests)
 
     def objective(trial: Any) -> float:
@@ -98,20 +142,12 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
             return 0.0
         return result.capacity
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize",
-                                sampler=optuna.samplers.TPESampler(seed=seed))
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("tuning", total=trials)
-        study.optimize(objective, n_trials=trials,
-                       callbacks=[lambda *_: progress.advance(task)])
-    rows = [{"number": t.number, "value": t.value, **t.params, **t.user_attrs}
-            for t in study.trials]
-    feasible = [row for row in rows if "infeasible" not in row]
-    if not feasible:
-        raise click.ClickException(f"no configuration met p99 <= {latency_p99} s in "
-                                   f"{trials} trials")
-    best = max(feasible, key=lambda row: row["value"])
+    return objective
+
+
+def _print_best(best: dict[str, Any], feasible: list[dict[str, Any]], trials: int,
+                latency_p99: float) -> None:
+    """The best configuration as a table, and a warning when every one scored the same."""
     table = Table(title=f"best of {trials} trials (p99 <= {latency_p99} s)")
     table.add_column("parameter")
     table.add_column("value", justify="right")
@@ -124,30 +160,17 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
     if len(values) > 1 and max(values) - min(values) <= 1e-9 * max(values):
         console.print("[yellow]every configuration scored the same: the workload does not load "
                       "the system; try a larger --speedup[/yellow]")
-    result: dict[str, Any] = {"latency_p99_bound": latency_p99, "speedup": speedup,
-                              "best": best, "trials": rows}
-    try:
-        if server is not None:
-            # The batch budget first: a larger max_num_seqs is only worth its memory once the
-            # step can hold its tokens. Each step is watched; a rollback stops the sequence.
-            steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
-                     {"max_num_seqs": best["max_num_seqs"]}]
-            result["applied"] = []
-            apply_steps(server, steps, live=True, watch_s=watch_s,
-                        persist=False, results=result["applied"])
-            console.print(f"not applied live (they size the cache at start): block_size="
-                          f"{best['block_size']}, gpu_memory_utilization="
-                          f"{best['gpu_memory_utilization']:.3f}")
-    finally:
-        write_json(json_path, result)
-    if plot_path:
-        plt = require_matplotlib()
-        figure, axes = plt.subplots(1, 4, figsize=(16, 4))
-        for axis, key in zip(axes, ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                                    "gpu_memory_utilization"), strict=True):
-            axis.scatter([row[key] for row in rows], [row["value"] for row in rows], s=12)
-            axis.set(xlabel=key, ylabel="tok/s of step time (0 = infeasible)")
-            if key in ("max_num_seqs", "max_num_batched_tokens"):
-                axis.set_xscale("log")
-        figure.tight_layout()
-        figure.savefig(plot_path, dpi=120)
+
+
+def _plot(rows: list[dict[str, Any]], plot_path: str) -> None:
+    """Each searched parameter against the score, one panel each."""
+    plt = require_matplotlib()
+    figure, axes = plt.subplots(1, 4, figsize=(16, 4))
+    for axis, key in zip(axes, ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                                "gpu_memory_utilization"), strict=True):
+        axis.scatter([row[key] for row in rows], [row["value"] for row in rows], s=12)
+        axis.set(xlabel=key, ylabel="tok/s of step time (0 = infeasible)")
+        if key in ("max_num_seqs", "max_num_batched_tokens"):
+            axis.set_xscale("log")
+    figure.tight_layout()
+    figure.savefig(plot_path, dpi=120)
