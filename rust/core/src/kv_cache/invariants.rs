@@ -1,12 +1,11 @@
 //! Every invariant of the cache and its block pools, checked from scratch (for tests).
 
-use super::{KvCache, NO_BLOCK};
+use super::{KvCache, Sequence, NO_BLOCK};
 use crate::alloc::NULL_BLOCK;
 
 impl KvCache {
     /// Verifies every invariant of the cache and its block pool (for tests).
     pub fn check_invariants(&self) -> Result<(), String> {
-        let block_size = self.block_size();
         let mut holders = vec![0u32; self.num_blocks()];
         let mut host_holders = vec![0u32; self.num_host_blocks() + 1];
         for (&seq_id, &slab) in &self.index {
@@ -17,61 +16,7 @@ impl KvCache {
                     seq.seq_id
                 ));
             }
-            if seq.tables.len() != self.groups.len() {
-                return Err(format!(
-                    "sequence {seq_id}: {} group tables",
-                    seq.tables.len()
-                ));
-            }
-            for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {
-                if seq.num_tokens == 0 || table.blocks.len() != seq.num_tokens.div_ceil(block_size)
-                {
-                    return Err(format!(
-                        "sequence {seq_id}: {} tokens in {} blocks of group {group}",
-                        seq.num_tokens,
-                        table.blocks.len()
-                    ));
-                }
-                let nulls = table.blocks.iter().filter(|&&b| b == NULL_BLOCK).count();
-                let (released, allocated) = (table.released, table.allocated);
-                let shaped = released <= allocated
-                    && allocated <= table.blocks.len()
-                    && table.blocks[..released].iter().all(|&b| b == NULL_BLOCK)
-                    && table.blocks[allocated..].iter().all(|&b| b == NULL_BLOCK)
-                    && nulls == released + table.blocks.len() - allocated;
-                // A window never releases a block the first token still to compute reads, and
-                // every computed token's block is allocated; full groups hold every block.
-                let needed = spec.kind.first_needed_block(seq.num_computed, block_size);
-                let windowed = spec.kind.span().is_some();
-                if !shaped
-                    || released > needed
-                    || allocated < seq.num_computed.div_ceil(block_size)
-                    || (!windowed && !table.complete())
-                {
-                    return Err(format!(
-                        "sequence {seq_id}, group {group}: {nulls} null blocks, released \
-                         {released}, allocated {allocated} of {}, blocks from {needed} needed",
-                        table.blocks.len()
-                    ));
-                }
-            }
-            if seq.hashable
-                && (seq.partial_tokens.len() != seq.num_tokens % block_size
-                    || seq.hashes.len() != seq.num_tokens / block_size)
-            {
-                return Err(format!(
-                    "sequence {seq_id}: block ids or hashes out of step"
-                ));
-            }
-            if seq.num_computed > seq.num_tokens || seq.num_registered > seq.num_blocks() {
-                return Err(format!(
-                    "sequence {seq_id}: {} computed of {} tokens, {} registered of {} blocks",
-                    seq.num_computed,
-                    seq.num_tokens,
-                    seq.num_registered,
-                    seq.num_blocks()
-                ));
-            }
+            self.check_sequence(seq_id, seq)?;
             let tier = if seq.swapped {
                 &mut host_holders
             } else {
@@ -97,5 +42,65 @@ impl KvCache {
             return Err("swap scratch left dirty".into());
         }
         self.block_pool.check_invariants(&holders)
+    }
+
+    /// One sequence's group tables, token bookkeeping and hashes.
+    fn check_sequence(&self, seq_id: u64, seq: &Sequence) -> Result<(), String> {
+        let block_size = self.block_size();
+        if seq.tables.len() != self.groups.len() {
+            return Err(format!(
+                "sequence {seq_id}: {} group tables",
+                seq.tables.len()
+            ));
+        }
+        for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {
+            if seq.num_tokens == 0 || table.blocks.len() != seq.num_tokens.div_ceil(block_size) {
+                return Err(format!(
+                    "sequence {seq_id}: {} tokens in {} blocks of group {group}",
+                    seq.num_tokens,
+                    table.blocks.len()
+                ));
+            }
+            let nulls = table.blocks.iter().filter(|&&b| b == NULL_BLOCK).count();
+            let (released, allocated) = (table.released, table.allocated);
+            let shaped = released <= allocated
+                && allocated <= table.blocks.len()
+                && table.blocks[..released].iter().all(|&b| b == NULL_BLOCK)
+                && table.blocks[allocated..].iter().all(|&b| b == NULL_BLOCK)
+                && nulls == released + table.blocks.len() - allocated;
+            // A window never releases a block the first token still to compute reads, and
+            // every computed token's block is allocated; full groups hold every block.
+            let needed = spec.kind.first_needed_block(seq.num_computed, block_size);
+            let windowed = spec.kind.span().is_some();
+            if !shaped
+                || released > needed
+                || allocated < seq.num_computed.div_ceil(block_size)
+                || (!windowed && !table.complete())
+            {
+                return Err(format!(
+                    "sequence {seq_id}, group {group}: {nulls} null blocks, released \
+                     {released}, allocated {allocated} of {}, blocks from {needed} needed",
+                    table.blocks.len()
+                ));
+            }
+        }
+        if seq.hashable
+            && (seq.partial_tokens.len() != seq.num_tokens % block_size
+                || seq.hashes.len() != seq.num_tokens / block_size)
+        {
+            return Err(format!(
+                "sequence {seq_id}: block ids or hashes out of step"
+            ));
+        }
+        if seq.num_computed > seq.num_tokens || seq.num_registered > seq.num_blocks() {
+            return Err(format!(
+                "sequence {seq_id}: {} computed of {} tokens, {} registered of {} blocks",
+                seq.num_computed,
+                seq.num_tokens,
+                seq.num_registered,
+                seq.num_blocks()
+            ));
+        }
+        Ok(())
     }
 }

@@ -1,7 +1,8 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
 use super::groups::group_key;
-use super::{allocate_checked, swapped_out, two_mut, KvCache, Tokens};
+use super::sequence::Sequence;
+use super::{allocate_checked, swapped_out, two_mut, KvCache, KvCacheGroup, Tokens};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
 /// serves (`hits`), how many of those sit in the free queue, and the (group, block) that
@@ -13,7 +14,7 @@ pub(super) struct PrefixMatch {
     pub(super) hits_queued: usize,
     pub(super) limited_by: Option<(usize, usize)>,
 }
-use crate::alloc::{BlockHash, NULL_BLOCK};
+use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 
 impl KvCache {
@@ -303,13 +304,8 @@ impl KvCache {
 
         // Checked: the budget above counts every block taken below, so `allocate_checked`
         // fails only if that count is wrong (a bug, which would leave this sequence half made).
-        if let (Tokens::Ids(_), true) = (tokens, self.enable_prefix_caching()) {
-            self.count_miss(queries, hits, limited_by);
-        }
         if let Tokens::Ids(_) = tokens {
-            self.block_pool.record_lookups(queries, hits);
-            self.query_tokens += (queries * block_size) as u64;
-            self.hit_tokens += (hits * block_size) as u64;
+            self.record_lookup(queries, hits, limited_by);
         }
         let version = self.bump_version();
         let slab = self.vacant_slab(version);
@@ -328,29 +324,8 @@ impl KvCache {
         seq.swapped = false;
         seq.num_tokens = num_tokens;
         seq.version = version;
-        // Every group takes its hits before any allocates: a fresh block could otherwise be
-        // another group's unused hit, evicted from under it.
-        for (group, table) in seq.tables.iter_mut().enumerate() {
-            let row = group * queries;
-            for &block in &scratch_blocks[row..row + hits] {
-                if block == NULL_BLOCK {
-                    table.released += 1;
-                } else {
-                    block_pool.take_hit(block);
-                }
-                table.blocks.push(block);
-            }
-            table.allocated = hits;
-        }
-        for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
-            if lazy && spec.kind.span().is_some() {
-                table.blocks.resize(num_blocks, NULL_BLOCK);
-                continue;
-            }
-            for _ in hits..num_blocks {
-                table.push(allocate_checked(block_pool)?);
-            }
-        }
+        let hit_row = |group: usize| &scratch_blocks[group * queries..group * queries + hits];
+        take_blocks(seq, block_pool, groups, hit_row, num_blocks, lazy)?;
         seq.partial_tokens.clear();
         seq.hashes.clear();
         seq.token_ids.clear();
@@ -571,4 +546,43 @@ impl KvCache {
         self.sync_removed();
         dropped
     }
+}
+
+/// Fills a new sequence's group tables: every group's hits first (`hit_row(group)`,
+/// `NULL_BLOCK` where a window released one), then fresh blocks up to `num_blocks`
+/// (windowed groups of a `lazy` admission take theirs chunk by chunk later). Every group takes
+/// its hits before any allocates: a fresh block could otherwise be another group's unused
+/// hit, evicted from under it.
+fn take_blocks<'a>(
+    seq: &mut Sequence,
+    block_pool: &mut BlockPool,
+    groups: &[KvCacheGroup],
+    hit_row: impl Fn(usize) -> &'a [u32],
+    num_blocks: usize,
+    lazy: bool,
+) -> CoreResult<()> {
+    let mut hits = 0;
+    for (group, table) in seq.tables.iter_mut().enumerate() {
+        let row = hit_row(group);
+        hits = row.len();
+        for &block in row {
+            if block == NULL_BLOCK {
+                table.released += 1;
+            } else {
+                block_pool.take_hit(block);
+            }
+            table.blocks.push(block);
+        }
+        table.allocated = hits;
+    }
+    for (table, spec) in seq.tables.iter_mut().zip(groups) {
+        if lazy && spec.kind.span().is_some() {
+            table.blocks.resize(num_blocks, NULL_BLOCK);
+            continue;
+        }
+        for _ in hits..num_blocks {
+            table.push(allocate_checked(block_pool)?);
+        }
+    }
+    Ok(())
 }

@@ -127,4 +127,21 @@ impl KvCache {
             self.miss_counts[reason as usize] += 1;
         }
     }
+
+    /// Records a prefix lookup of token ids: `queries` full blocks asked, `hits` served, and
+    /// (with prefix caching) the miss's reason.
+    pub(super) fn record_lookup(
+        &mut self,
+        queries: usize,
+        hits: usize,
+        limited_by: Option<(usize, usize)>,
+    ) {
+        if self.enable_prefix_caching() {
+            self.count_miss(queries, hits, limited_by);
+        }
+        let block_size = self.block_size();
+        self.block_pool.record_lookups(queries, hits);
+        self.query_tokens += (queries * block_size) as u64;
+        self.hit_tokens += (hits * block_size) as u64;
+    }
 }
