@@ -9,11 +9,13 @@ use crate::kv_cache::{BlockMove, KvCache};
 
 impl ContinuousScheduler {
     /// Checks that `cache` holds what this scheduler put there: every running request on the
-    /// device with its computed tokens, every swapped one on the host, no waiting one at
-    /// all. Everything a step looks up in the cache is checked here, before it changes
-    /// anything, so a sequence freed (or allocated) behind the scheduler's back fails the
-    /// step with nothing changed instead of half-way through it. One lookup per request.
-    pub fn check_cache(&self, cache: &KvCache) -> CoreResult<()> {
+    /// device with its computed tokens, every swapped one on the host, and none of the
+    /// waiting requests a step at `now_ns` may admit. Everything a step looks up in the cache
+    /// is checked here, before it changes anything, so a sequence freed (or allocated) behind
+    /// the scheduler's back fails the step with nothing changed instead of half-way through
+    /// it. One lookup per running or swapped request, and per free seat: a long queue costs
+    /// nothing.
+    pub fn check_cache(&self, cache: &KvCache, now_ns: u64) -> CoreResult<()> {
         for &seq_id in &self.running {
             let (num_tokens, swapped) = cache.seq_state(seq_id)?;
             let computed = self.request(seq_id)?.num_computed;
@@ -35,7 +37,15 @@ impl ContinuousScheduler {
                  (changed behind the scheduler's back)"
             );
         }
-        for &(_, _, seq_id) in &self.waiting {
+        // A step admits at most one waiting request per free seat, the arrived ones in queue
+        // order (see `admit_waiting`).
+        let free_seats = self.config.max_num_seqs.saturating_sub(self.seats_taken());
+        let admissible = self.waiting.iter().map(|key| key.2).filter(|id| {
+            self.requests
+                .get(id)
+                .is_some_and(|r| r.arrival_ns <= now_ns && !r.awaiting_token)
+        });
+        for seq_id in admissible.take(free_seats) {
             if cache.contains(seq_id) {
                 return Err(CoreError::DuplicateSequence(seq_id));
             }

@@ -23,7 +23,7 @@ impl ContinuousScheduler {
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
-        self.check_cache(cache)?;
+        self.check_cache(cache, now_ns)?;
         self.plan_executed(cache)?;
         plan.clear();
         // A lowered max_num_seqs takes effect now: the newest extra sequences make room.
@@ -164,7 +164,7 @@ impl ContinuousScheduler {
     }
 
     /// Seats under `max_num_seqs`: the running sequences and the samples they will fork.
-    fn seats_taken(&self) -> usize {
+    pub(super) fn seats_taken(&self) -> usize {
         if self.unforked_samples == 0 {
             return self.running.len();
         }
