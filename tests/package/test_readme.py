@@ -1,4 +1,5 @@
-"""The README's example is part of the test suite, and is the quickstart script verbatim."""
+"""The README's example and the serving page's are part of the test suite; the README's is the
+quickstart script verbatim, and the README stays a README (the reference is in docs/)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,21 @@ from tests.support.models import require_transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+SERVING = ROOT / "docs" / "serving.md"
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
 
-def readme_examples() -> list[str]:
-    blocks: list[str] = re.findall(r"^```python\n(.*?)^```$", README.read_text(),
+def python_blocks(path: Path) -> list[str]:
+    blocks: list[str] = re.findall(r"^```python\n(.*?)^```$", path.read_text(),
                                    flags=re.S | re.M)
-    assert len(blocks) == 4, \
-        "the README's Python examples: the quickstart, serving, hybrid models, KV-cache events"
     return blocks
+
+
+def readme_examples() -> list[str]:
+    """The quickstart (README), then serving, hybrid models and KV-cache events (docs)."""
+    readme, serving = python_blocks(README), python_blocks(SERVING)
+    assert len(readme) == 1 and len(serving) == 3, (len(readme), len(serving))
+    return readme + serving
 
 
 def readme_example() -> str:
@@ -32,7 +39,15 @@ def readme_example() -> str:
 def test_readme_example_runs(index: int) -> None:
     if index == 1:
         require_transformers()
-    exec(compile(readme_examples()[index], str(README), "exec"), {"__name__": "__readme__"})
+    source = README if index == 0 else SERVING
+    exec(compile(readme_examples()[index], str(source), "exec"), {"__name__": "__readme__"})
+
+
+def test_the_readme_is_short_and_its_links_resolve() -> None:
+    text = README.read_text()
+    assert len(text.encode()) <= 12 * 1024
+    links = re.findall(r"\]\((docs/[^)#]+)\)", text)
+    assert links and all((ROOT / link).is_file() for link in links), links
 
 
 def test_quickstart_is_the_readme_example() -> None:
