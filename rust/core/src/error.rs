@@ -30,6 +30,10 @@ pub enum CoreError {
     /// An argument that can never be valid (a count out of range, a malformed shape, a
     /// batch that names a sequence twice, ...).
     InvalidArgument(String),
+    /// The executor failed with the first `attempted` of a transaction's block moves
+    /// possibly run. Everything was put back as it was before the operation, except the
+    /// sequences whose bytes the partial execution destroyed: those (`aborted`) were ended.
+    MovesFailed { attempted: usize, aborted: Vec<u64> },
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -99,6 +103,16 @@ impl fmt::Display for CoreError {
                 "out of host memory: could not allocate {bytes} bytes for {what}"
             ),
             CoreError::InvalidArgument(message) => f.write_str(message),
+            CoreError::MovesFailed { attempted, aborted } if aborted.is_empty() => write!(
+                f,
+                "executing block moves failed ({attempted} attempted); nothing was lost: the \
+                 operation was rolled back"
+            ),
+            CoreError::MovesFailed { attempted, aborted } => write!(
+                f,
+                "executing block moves failed ({attempted} attempted); rolled back, and ended \
+                 the sequences whose bytes were lost: {aborted:?}"
+            ),
         }
     }
 }

@@ -5,6 +5,10 @@ use atb_mem_core::{
     ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 
+#[path = "support/state.rs"]
+mod state;
+use state::state;
+
 fn scheduler_over(cache: &KvCache) -> ContinuousScheduler {
     let config = SchedulerConfig {
         max_num_seqs: 8,
@@ -35,35 +39,6 @@ fn decoding() -> (ContinuousScheduler, KvCache) {
         .on_tokens(&mut cache, &ids, &tokens, None, &mut Vec::new())
         .unwrap();
     (scheduler, cache)
-}
-
-/// Everything but the scratch buffers, which hold no state between calls.
-fn state(scheduler: &ContinuousScheduler, cache: &KvCache) -> String {
-    let printed = format!("{scheduler:?}\n{cache:?}");
-    let mut kept = String::new();
-    let mut rest = printed.as_str();
-    while let Some(at) = rest
-        .find(" scratch_")
-        .or_else(|| rest.find(" decode_slots"))
-    {
-        kept.push_str(&rest[..at]);
-        // Skip `name: value` up to the next `,` or `}` at the same depth.
-        let mut depth = 0i32;
-        let end = rest[at..]
-            .char_indices()
-            .find(|&(_, c)| {
-                match c {
-                    '[' | '{' | '(' => depth += 1,
-                    ']' | '}' | ')' => depth -= 1,
-                    _ => {}
-                }
-                depth < 0 || (depth == 0 && c == ',')
-            })
-            .map_or(rest.len() - at, |(offset, _)| offset);
-        rest = &rest[at + end..];
-    }
-    kept.push_str(rest);
-    kept
 }
 
 #[test]

@@ -140,25 +140,28 @@ pub fn to_py_err(error: CoreError) -> PyErr {
         CoreError::UnknownSequence(_) => raise(&UNKNOWN_SEQUENCE_ERROR, message),
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
         CoreError::InvalidArgument(_) => PyValueError::new_err(message),
+        CoreError::MovesFailed { aborted, .. } => block_move_error(message, &aborted),
     }
 }
 
-/// `BlockMoveError` caused by `cause`, naming the sequences that were ended.
-pub fn block_move_error(py: Python<'_>, cause: PyErr, aborted: &[u64]) -> PyErr {
-    let message = if aborted.is_empty() {
-        format!("executing block moves failed ({cause}); nothing was lost: the operation was rolled back")
-    } else {
-        format!(
-            "executing block moves failed ({cause}); rolled back, and ended the sequences whose \
-             bytes were lost: {aborted:?}"
-        )
-    };
+/// `BlockMoveError` for a failed transaction (the core's message names what was ended), its
+/// `aborted_seq_ids` set.
+fn block_move_error(message: String, aborted: &[u64]) -> PyErr {
     let error = raise(&BLOCK_MOVE_ERROR, message);
-    let value = error.value(py);
-    if let Err(failed) = value.setattr("aborted_seq_ids", aborted.to_vec()) {
-        return failed;
+    Python::attach(
+        |py| match error.value(py).setattr("aborted_seq_ids", aborted.to_vec()) {
+            Ok(()) => error,
+            Err(failed) => failed,
+        },
+    )
+}
+
+/// [`to_py_err`], with the executor's exception (when it raised one) as the cause.
+pub fn to_py_err_caused_by(error: CoreError, cause: Option<PyErr>) -> PyErr {
+    let error = to_py_err(error);
+    if let Some(cause) = cause {
+        Python::attach(|py| error.set_cause(py, Some(cause)));
     }
-    error.set_cause(py, Some(cause));
     error
 }
 

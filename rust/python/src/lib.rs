@@ -1,7 +1,8 @@
 //! Python bindings of atb-mem: argument conversion, locking and error mapping around the
-//! Rust core. No policy lives here. The folders mirror the core's: `alloc` (MemPool),
-//! `kv_cache` (the cache, its batch table, byte movers and transactions), `sched` (the
-//! continuous scheduler, its step plan, the request batcher).
+//! Rust core. No policy lives here: every transaction (plan, execute, commit or roll back) is
+//! the core's, given Python's byte executor as a closure. The folders mirror the core's:
+//! `alloc` (MemPool), `kv_cache` (the cache, its batch table, its events, host byte copies,
+//! the executor), `sched` (the continuous scheduler, its step plan, the request batcher).
 
 mod alloc;
 mod convert;

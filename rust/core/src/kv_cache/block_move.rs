@@ -6,7 +6,7 @@
 //! it can be written only by a move recorded after it was handed out again. (Executing copies
 //! before swaps, say, is not: a swap-out's freed block may be a later copy's destination.)
 //!
-//! If executing a list fails part-way, [`KvCache::recover_from_failed_moves`] puts the cache
+//! If executing a list fails part-way, `KvCache::recover_from_failed_moves` puts the cache
 //! back as it was before the operation and ends exactly the sequences whose bytes the partial
 //! execution destroyed, so nothing is left swapped, copied or cached with bytes that were
 //! never moved.
@@ -82,7 +82,7 @@ impl KvCache {
     /// snapshot run again later and rewrite their destinations (from intact sources), so they
     /// heal what they rewrite; every other damaged block costs its holders their life (their
     /// ids go to `aborted`) and its place in the prefix cache.
-    pub fn recover_from_failed_moves(
+    pub(crate) fn recover_from_failed_moves(
         &mut self,
         snapshot: KvCache,
         moves: &[BlockMove],

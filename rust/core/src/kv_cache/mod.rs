@@ -21,6 +21,7 @@ mod sequence;
 mod stats;
 mod swap;
 mod tables;
+mod transaction;
 mod windows;
 
 use hashbrown::HashMap;
@@ -34,6 +35,7 @@ pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 pub use stats::KvCacheStats;
 pub use tables::RowMemo;
+pub use transaction::MoveFailure;
 use windows::WindowBounds;
 
 use crate::alloc::{BlockHash, BlockPool};
@@ -94,6 +96,8 @@ pub struct KvCache {
     scratch_hashes: Vec<BlockHash>,
     scratch_blocks: Vec<u32>,
     scratch_slabs: Vec<u32>,
+    /// The versions `resolve_batch` replaced, to put back if the batch is refused.
+    scratch_versions: Vec<u64>,
     /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
     scratch_moves: Vec<u32>,
 }
@@ -178,6 +182,7 @@ impl KvCache {
             scratch_hashes: Vec::new(),
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
+            scratch_versions: Vec::new(),
             scratch_moves: Vec::new(),
         };
         cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
@@ -474,24 +479,43 @@ impl KvCache {
         version
     }
 
-    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
+    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats;
+    /// returns the first version of the batch.
     ///
     /// Each named sequence gets a fresh version; one whose version is already from this
-    /// batch was named before. (A failed batch thus leaves new versions behind: that only
-    /// makes a batch table rewrite those rows, and changes nothing observable.)
-    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+    /// batch was named before. A refused batch gets its old versions back (here, or from
+    /// [`KvCache::refuse_batch`] when the caller's checks refuse it), so that a call that
+    /// fails changes nothing, not even which rows a batch table thinks changed.
+    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<u64> {
         let batch_start = self.next_version;
         self.scratch_slabs.clear();
+        self.scratch_versions.clear();
         for &seq_id in seq_ids {
-            let slab = self.slab_of(seq_id)?;
-            ensure!(
-                self.sequences[slab as usize].version < batch_start,
-                "sequence {seq_id} appears twice in the batch"
-            );
-            self.sequences[slab as usize].version = self.bump_version();
+            let slab = match self.slab_of(seq_id) {
+                Ok(slab) if self.sequences[slab as usize].version < batch_start => slab,
+                Ok(_) => {
+                    self.refuse_batch(batch_start);
+                    return Err(invalid!("sequence {seq_id} appears twice in the batch"));
+                }
+                Err(error) => {
+                    self.refuse_batch(batch_start);
+                    return Err(error);
+                }
+            };
+            let version = self.bump_version();
+            let previous = std::mem::replace(&mut self.sequences[slab as usize].version, version);
+            self.scratch_versions.push(previous);
             self.scratch_slabs.push(slab);
         }
-        Ok(())
+        Ok(batch_start)
+    }
+
+    /// Gives the sequences of the batch `resolve_batch` resolved their old versions back.
+    fn refuse_batch(&mut self, batch_start: u64) {
+        for (&slab, &version) in self.scratch_slabs.iter().zip(&self.scratch_versions) {
+            self.sequences[slab as usize].version = version;
+        }
+        self.next_version = batch_start;
     }
 }
 

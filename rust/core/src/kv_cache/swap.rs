@@ -58,10 +58,15 @@ impl KvCache {
             self.host_pool.is_some(),
             "this KV cache has no host tier: construct it with num_host_blocks",
         );
-        self.resolve_batch(seq_ids)?;
+        let batch_start = self.resolve_batch(seq_ids)?;
         let slabs = std::mem::take(&mut self.scratch_slabs);
-        let result = self.swap_resolved(&slabs, out);
+        let checked = self.check_swap(&slabs, out);
+        let refused = checked.is_err();
+        let result = checked.and_then(|()| self.swap_resolved(&slabs, out));
         self.scratch_slabs = slabs;
+        if refused {
+            self.refuse_batch(batch_start);
+        }
         result
     }
 
@@ -103,8 +108,8 @@ impl KvCache {
         Ok(())
     }
 
+    /// Swaps the sequences of `slabs`, which `check_swap` passed.
     fn swap_resolved(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
-        self.check_swap(slabs, out)?;
         self.sync_removed();
         let block_size = self.block_size();
         let KvCache {

@@ -44,18 +44,25 @@ pub enum Op {
     ForkRequest {
         pick: usize,
     },
+    /// Change a copy of the cache behind the scheduler's back; a step over it must fail
+    /// and change nothing.
+    Tamper {
+        pick: usize,
+        how: usize,
+    },
 }
 
 pub fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0usize..3, 0usize..9, prop::collection::vec(0u32..4, 1..7), prop::bool::weighted(0.2), 1usize..9)
             .prop_map(|(template, keep, tail, by_count, max_new)| Op::Add { template, keep, tail, by_count, max_new }),
-        6 => prop::option::weighted(0.5, 0usize..8).prop_map(|fail| Op::Step { fail }),
+        6 => prop::option::weighted(0.5, 0usize..9).prop_map(|fail| Op::Step { fail }),
         4 => (0u32..4).prop_map(|token| Op::Sample { token }),
         1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
         3 => (0usize..16).prop_map(|pick| Op::Fork { pick }),
         1 => (0usize..16).prop_map(|pick| Op::FreeFork { pick }),
         2 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
+        1 => (0usize..16, 0usize..3).prop_map(|(pick, how)| Op::Tamper { pick, how }),
     ]
 }
 

@@ -354,12 +354,12 @@ impl PyKvCachePool {
     /// Executes every pending move with `execute(moves)` as one transaction (see
     /// `BlockMoveError`); returns how many moves ran.
     fn execute_pending_moves(&self, py: Python<'_>, execute: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut cache = self.lock_running_python()?;
-        if cache.num_pending_moves() == 0 {
-            return Ok(0);
-        }
-        let snapshot = cache.clone();
-        Ok(transfer::execute_pending(py, &mut cache, snapshot, execute)?.len())
+        let (mut raised, mut executed) = (None, Vec::new());
+        let result = self
+            .lock_running_python()?
+            .execute_pending_moves(transfer::executor(py, execute, &mut raised), &mut executed);
+        transfer::into_py_result(result, raised)?;
+        Ok(executed.len())
     }
 
     /// Takes the pending moves and returns the copy-on-write pairs among them, int32
@@ -371,9 +371,9 @@ impl PyKvCachePool {
         pairs_to_array(py, &pairs)
     }
 
-    /// Checks `slots` and, holding the cache locked throughout, first executes the pending
-    /// moves with `execute` (a copy-on-write must land before a write into its block), then
-    /// calls `write()`: no other thread can free or take the slots' blocks in between.
+    /// Checks `slots`, executes the pending moves with `execute` (a copy-on-write must land
+    /// before a write into its block), then calls `write()`, all under the cache's lock: no
+    /// other thread can free or take the slots' blocks in between.
     fn write_slots(
         &self,
         py: Python<'_>,
@@ -381,14 +381,11 @@ impl PyKvCachePool {
         execute: &Bound<'_, PyAny>,
         write: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let slots = slots.0;
-        let narrow = narrow_slots(&slots)?;
+        let narrow = narrow_slots(&slots.0)?;
         let mut cache = self.lock_running_python()?;
-        if cache.num_pending_moves() > 0 {
-            let snapshot = cache.clone();
-            transfer::execute_pending(py, &mut cache, snapshot, execute)?;
-        }
-        cache.check_slots(&narrow).into_py_result()?;
+        let mut raised = None;
+        let result = cache.prepare_write(&narrow, transfer::executor(py, execute, &mut raised));
+        transfer::into_py_result(result, raised)?;
         write.call0()?;
         Ok(())
     }

@@ -1,14 +1,14 @@
-//! Plan → execute → commit across the language boundary: the core's block moves as an array
-//! for Python's byte executor, and what happens when executing them raises.
+//! The Python byte executor as the core's: the core's block moves as an array, and the
+//! exception it raises kept as the cause of the core's `MovesFailed`.
 
-use atb_mem_core::{pairs_of, BlockMove, KvCache, MoveKind};
+use atb_mem_core::{pairs_of, BlockMove, CoreError, MoveFailure, MoveKind};
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2};
 use pyo3::prelude::*;
 
 use super::PyKvCachePool;
 use crate::convert::{pairs_to_array, SeqIds};
-use crate::errors::{block_move_error, type_error, IntoPyResult};
+use crate::errors::{to_py_err_caused_by, type_error, IntoPyResult};
 
 /// int32 `[k, 3]`: (kind, source block, destination block) per move, in execution order;
 /// kind 0 = copy (device → device), 1 = to host, 2 = to device.
@@ -25,45 +25,36 @@ pub(crate) fn moves_to_array<'py>(
     Ok(array.into_pyarray(py))
 }
 
-/// Calls `execute(moves)`. On failure, also says how many moves may have run: the
-/// exception's `moves_attempted` when the executor set it, else all of them.
-pub(crate) fn call_executor(
-    py: Python<'_>,
-    execute: &Bound<'_, PyAny>,
-    moves: &[BlockMove],
-) -> Result<(), (PyErr, usize)> {
-    let array = moves_to_array(py, moves).map_err(|error| (error, 0))?;
-    execute.call1((array,)).map(drop).map_err(|error| {
+/// Python's `execute(moves)` as the core's executor. What it raises goes to `raised`; the
+/// core is told the exception's `moves_attempted` when the executor set it, else that all
+/// of them may have run.
+pub(crate) fn executor<'a>(
+    py: Python<'a>,
+    execute: &'a Bound<'a, PyAny>,
+    raised: &'a mut Option<PyErr>,
+) -> impl FnMut(&[BlockMove]) -> Result<(), MoveFailure> + 'a {
+    move |moves| {
+        let called = moves_to_array(py, moves).and_then(|array| execute.call1((array,)));
+        let error = match called {
+            Ok(_) => return Ok(()),
+            Err(error) => error,
+        };
         let attempted = error
             .value(py)
             .getattr("moves_attempted")
             .and_then(|value| value.extract::<usize>())
             .unwrap_or(moves.len());
-        (error, attempted)
-    })
+        *raised = Some(error);
+        Err(MoveFailure { attempted })
+    }
 }
 
-/// Takes the cache's pending moves and executes them with `execute`, all under the caller's
-/// lock. If that raises, the cache goes back to `snapshot` (taken before the operation that
-/// planned the moves), the sequences whose bytes were lost are ended, and `BlockMoveError`
-/// says which. Returns the moves executed.
-pub(crate) fn execute_pending(
-    py: Python<'_>,
-    cache: &mut KvCache,
-    snapshot: KvCache,
-    execute: &Bound<'_, PyAny>,
-) -> PyResult<Vec<BlockMove>> {
-    let mut moves = Vec::new();
-    cache.take_moves(&mut moves);
-    if moves.is_empty() {
-        return Ok(moves);
-    }
-    if let Err((error, attempted)) = call_executor(py, execute, &moves) {
-        let mut aborted = Vec::new();
-        cache.recover_from_failed_moves(snapshot, &moves, attempted, &mut aborted);
-        return Err(block_move_error(py, error, &aborted));
-    }
-    Ok(moves)
+/// A transaction's outcome as Python's: `BlockMoveError` caused by the executor's exception.
+pub(crate) fn into_py_result<T>(
+    result: Result<T, CoreError>,
+    raised: Option<PyErr>,
+) -> PyResult<T> {
+    result.map_err(|error| to_py_err_caused_by(error, raised))
 }
 
 impl PyKvCachePool {
@@ -78,32 +69,32 @@ impl PyKvCachePool {
         out: bool,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = seq_ids.as_slice();
-        let mut cache = self.lock_running_python()?;
-        let execute = execute.filter(|execute| !execute.is_none());
-        let snapshot = execute.map(|_| cache.clone());
-        let first = cache.num_pending_moves();
-        match out {
-            true => cache.swap_out(ids),
-            false => cache.swap_in(ids),
-        }
-        .into_py_result()?;
         let kind = if out {
             MoveKind::ToHost
         } else {
             MoveKind::ToDevice
         };
-        let pairs: Vec<[u32; 2]> = match (execute, snapshot) {
-            (Some(execute), Some(snapshot)) => {
-                let moves = execute_pending(py, &mut cache, snapshot, execute)?;
-                if !out {
-                    // The bytes are back: the blocks may serve prefix hits again.
-                    for &seq_id in ids {
-                        cache.mark_computed(seq_id, None).into_py_result()?;
-                    }
-                }
-                pairs_of(&moves, kind).collect()
+        let mut cache = self.lock_running_python()?;
+        let pairs: Vec<[u32; 2]> = match execute.filter(|execute| !execute.is_none()) {
+            Some(execute) => {
+                let (mut raised, mut executed) = (None, Vec::new());
+                let run = executor(py, execute, &mut raised);
+                let result = match out {
+                    true => cache.swap_out_executing(ids, run, &mut executed),
+                    false => cache.swap_in_executing(ids, run, &mut executed),
+                };
+                into_py_result(result, raised)?;
+                pairs_of(&executed, kind).collect()
             }
-            _ => pairs_of(&cache.pending_moves()[first..], kind).collect(),
+            None => {
+                let first = cache.num_pending_moves();
+                match out {
+                    true => cache.swap_out(ids),
+                    false => cache.swap_in(ids),
+                }
+                .into_py_result()?;
+                pairs_of(&cache.pending_moves()[first..], kind).collect()
+            }
         };
         pairs_to_array(py, &pairs)
     }

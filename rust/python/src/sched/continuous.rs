@@ -10,7 +10,7 @@ use pyo3::types::{PyBool, PyDict, PySlice};
 
 use super::step_plan::PyStepPlan;
 use crate::convert::{self, Count, Nanos, Prompt, SeqId, SeqIds, TokenIds};
-use crate::errors::{block_move_error, type_error, value_error, IntoPyResult};
+use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::kv_cache::{transfer, PyKvCachePool};
 use crate::lock::{lock, Guard, PyLock};
 
@@ -78,9 +78,9 @@ impl PyContinuousScheduler {
         self.scheduler.lock()
     }
 
-    /// Writes the plan's block tables into the persistent buffer (under the caller's locks)
-    /// and returns the read-only `[rows, width]` view of them (`[groups, rows, width]` with
-    /// several KV-cache groups).
+    /// Writes the plan's block tables into the persistent buffer (under the caller's locks),
+    /// replaced by one of the shape the core asks for when it no longer fits, and returns the
+    /// read-only `[rows, width]` view of them (`[groups, rows, width]` with several groups).
     fn block_tables_view<'py>(
         &self,
         py: Python<'py>,
@@ -88,23 +88,13 @@ impl PyContinuousScheduler {
         cache: &atb_mem_core::KvCache,
         plan: &StepPlan,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (rows, width) = (plan.query_lens.len(), plan.block_table_width);
-        let groups = cache.num_groups();
         let mut buffer = lock(&self.block_tables);
-        let (held_rows, held_columns) = match buffer.as_ref() {
-            Some(array) => {
-                let dims = array.bind(py).dims();
-                (dims[1], dims[2])
-            }
-            None => (0, 0),
-        };
-        let fresh = buffer.is_none() || rows > held_rows || width > held_columns;
-        if fresh {
-            let shape = [
-                groups,
-                rows.max(held_rows).max(16).next_power_of_two(),
-                width.max(held_columns).max(16).next_power_of_two(),
-            ];
+        let held = buffer.as_ref().map(|array| {
+            let dims = array.bind(py).dims();
+            [dims[0], dims[1], dims[2]]
+        });
+        let grown = plan.block_table_shape(held);
+        if let Some(shape) = grown {
             *buffer = Some(PyArray3::zeros(py, shape, false).unbind());
         }
         let array = buffer.as_ref().map(|array| array.bind(py).clone());
@@ -114,13 +104,13 @@ impl PyContinuousScheduler {
         // read-only views, and every write happens under the scheduler's lock.
         let cells = unsafe { array.as_slice_mut() }.map_err(|e| type_error(e.to_string()))?;
         scheduler
-            .write_block_tables(cache, plan, cells, stride, fresh)
+            .write_block_tables(cache, plan, cells, stride, grown.is_some())
             .into_py_result()?;
         let (rows, columns) = (
-            PySlice::new(py, 0, rows as isize, 1),
-            PySlice::new(py, 0, width as isize, 1),
+            PySlice::new(py, 0, plan.query_lens.len() as isize, 1),
+            PySlice::new(py, 0, plan.block_table_width as isize, 1),
         );
-        let view = match groups {
+        let view = match plan.num_groups {
             1 => array.get_item((0, rows, columns))?,
             _ => array.get_item((PySlice::full(py), rows, columns))?,
         };
@@ -236,37 +226,23 @@ impl PyContinuousScheduler {
         now_ns: Nanos,
         execute: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PyStepPlan> {
-        let now_ns = now_ns.as_u64();
-        let execute = execute.as_ref();
         let mut plan = StepPlan::default();
         let tables = {
             let mut cache = self.pool.get().lock_running_python()?;
             let mut scheduler = self.scheduler.lock_running_python()?;
-            // Most steps move nothing and need no snapshot; see `step_may_move`.
-            let snapshot = (execute.is_some() && scheduler.step_may_move(&cache))
-                .then(|| (scheduler.clone(), cache.clone()));
-            if let Err(error) = scheduler.step(&mut cache, now_ns, &mut plan) {
-                if let Some((scheduler_before, cache_before)) = snapshot {
-                    *scheduler = scheduler_before;
-                    *cache = cache_before;
+            let now_ns = now_ns.as_u64();
+            let result = match execute.as_ref().filter(|execute| !execute.is_none()) {
+                Some(execute) => {
+                    let mut raised = None;
+                    let run = transfer::executor(py, execute, &mut raised);
+                    let result = scheduler.step_executing(&mut cache, now_ns, &mut plan, run);
+                    transfer::into_py_result(result, raised)
                 }
-                return Err(error).into_py_result();
-            }
-            if let (Some(execute), false) = (execute, plan.moves.is_empty()) {
-                if let Err((error, attempted)) = transfer::call_executor(py, execute, &plan.moves) {
-                    debug_assert!(snapshot.is_some(), "a step moved blocks it did not foresee");
-                    let snapshot = snapshot.unwrap_or_else(|| (scheduler.clone(), cache.clone()));
-                    let mut aborted = Vec::new();
-                    scheduler.recover_from_failed_moves(
-                        &mut cache,
-                        snapshot,
-                        &plan.moves,
-                        attempted,
-                        &mut aborted,
-                    );
-                    return Err(block_move_error(py, error, &aborted));
-                }
-            }
+                None => scheduler
+                    .step(&mut cache, now_ns, &mut plan)
+                    .into_py_result(),
+            };
+            result?;
             self.block_tables_view(py, &mut scheduler, &cache, &plan)?
         };
         Ok(PyStepPlan::new(py, plan, tables))

@@ -25,8 +25,9 @@
 //! token history, so its output blocks are reusable by a follow-up request.
 //!
 //! One file per part: [`config`](self) (what an operator sets), requests (arrive, sample,
-//! abort), step (the three phases and the plan), recovery (snapshots and invariants), and the
-//! plan's persistent block table.
+//! abort), step (the three phases and the plan), transaction (check, plan, execute, commit or
+//! roll back), recovery (what a step relies on, and the invariants), and the plan's
+//! persistent block table.
 
 mod block_tables;
 mod config;
@@ -34,6 +35,7 @@ mod recovery;
 mod requests;
 mod step;
 mod step_plan;
+mod transaction;
 
 use std::collections::BTreeSet;
 

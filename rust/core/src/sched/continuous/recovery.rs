@@ -1,11 +1,10 @@
-//! What a step relies on and what puts things back: the cache agreeing with the scheduler
-//! (checked before a step changes anything), whether a step may move blocks, putting
-//! everything back when executing its moves failed, and the invariants (for tests).
+//! What a step relies on: the cache agreeing with the scheduler (checked before a step
+//! changes anything), and the invariants (for tests).
 
 use super::requests::State;
-use super::{ContinuousScheduler, Preemption};
+use super::ContinuousScheduler;
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache::{BlockMove, KvCache};
+use crate::kv_cache::KvCache;
 
 impl ContinuousScheduler {
     /// Checks that `cache` holds what this scheduler put there: every running request on the
@@ -51,52 +50,6 @@ impl ContinuousScheduler {
             }
         }
         Ok(())
-    }
-
-    /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
-    /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
-    /// decode may find no free block), or a copy-on-write (only after a fork).
-    pub fn step_may_move(&self, cache: &KvCache) -> bool {
-        // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
-        // windowed group: either may preempt by swapping out.
-        let decode_need = self.running.len() * 2 * cache.num_groups();
-        let windowed = cache.groups().iter().any(|g| g.kind.span().is_some());
-        let prefilling = || {
-            self.running.iter().any(|&id| {
-                let computed = self.requests.get(&id).map_or(0, |r| r.num_computed);
-                cache.seq_len(id).is_ok_and(|len| computed < len)
-            })
-        };
-        cache.num_pending_moves() > 0
-            || !self.swapped.is_empty()
-            || cache.has_forked()
-            || (self.config.preemption == Preemption::Swap
-                && cache.num_free_host_blocks() > 0
-                && (cache.num_free_blocks() < decode_need
-                    || self.running.len() > self.config.max_num_seqs
-                    || (windowed && prefilling())))
-    }
-
-    /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after
-    /// executing the step's `moves` failed with the first `attempted` possibly run. Requests
-    /// whose bytes the partial execution destroyed end; their ids go to `aborted`.
-    pub fn recover_from_failed_moves(
-        &mut self,
-        cache: &mut KvCache,
-        snapshot: (ContinuousScheduler, KvCache),
-        moves: &[BlockMove],
-        attempted: usize,
-        aborted: &mut Vec<u64>,
-    ) {
-        let (scheduler, cache_snapshot) = snapshot;
-        *self = scheduler;
-        let first = aborted.len();
-        cache.recover_from_failed_moves(cache_snapshot, moves, attempted, aborted);
-        for &seq_id in &aborted[first..] {
-            if self.forget(seq_id).is_some() {
-                self.finished_since_plan.push(seq_id);
-            }
-        }
     }
 
     /// Checks the scheduler's bookkeeping against the cache (for tests).

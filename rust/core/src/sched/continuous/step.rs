@@ -15,15 +15,14 @@ pub(super) struct ScheduledRow {
 }
 
 impl ContinuousScheduler {
-    /// Plans one step at time `now_ns` into `plan` (cleared first). Fails, changing nothing,
-    /// if the cache no longer holds what the scheduler put there (see `check_cache`).
-    pub fn step(
+    /// Plans one step at time `now_ns` into `plan` (cleared first), once `check_cache`
+    /// passed: every lookup below then finds what it looks for (see `transaction`).
+    pub(super) fn plan_step(
         &mut self,
         cache: &mut KvCache,
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
-        self.check_cache(cache, now_ns)?;
         self.plan_executed(cache)?;
         plan.clear();
         // A lowered max_num_seqs takes effect now: the newest extra sequences make room.

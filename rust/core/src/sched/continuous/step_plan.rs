@@ -38,6 +38,24 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// The block-table buffer `[groups, rows, columns]` this plan's tables need, given the
+    /// shape of the one the caller holds: None if that one fits them, else a new shape,
+    /// grown to powers of two (at least 16 rows and columns, never below `held`), so a server
+    /// replaces its buffer a handful of times in its life.
+    pub fn block_table_shape(&self, held: Option<[usize; 3]>) -> Option<[usize; 3]> {
+        let (groups, rows, width) = (
+            self.num_groups.max(1),
+            self.query_lens.len(),
+            self.block_table_width,
+        );
+        let [held_groups, held_rows, held_columns] = held.unwrap_or_default();
+        if held.is_some() && held_groups == groups && rows <= held_rows && width <= held_columns {
+            return None;
+        }
+        let grow = |needed: usize, held: usize| needed.max(held).max(16).next_power_of_two();
+        Some([groups, grow(rows, held_rows), grow(width, held_columns)])
+    }
+
     /// Empties every field, keeping the buffers' capacity.
     pub fn clear(&mut self) {
         let StepPlan {

@@ -1,0 +1,125 @@
+//! One step as one transaction: check, plan, execute the plan's block moves, commit — or
+//! put everything back.
+//!
+//! Checking reads only, so a step that fails there has nothing to undo. Planning changes the
+//! scheduler and the cache; a snapshot to undo it costs several steps (a clone of every
+//! request and sequence), so it is taken only when the step may move blocks. Otherwise
+//! planning cannot fail: every lookup it makes was checked, and the caller holds both for
+//! the whole step. Debug builds assert that no step fails part-way without a snapshot, which
+//! every test then checks.
+
+use super::{ContinuousScheduler, Preemption, StepPlan};
+use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{BlockMove, KvCache, MoveFailure};
+
+impl ContinuousScheduler {
+    /// [`ContinuousScheduler::step_executing`] with the moves left in `plan.moves` for the
+    /// caller, who executes them before the plan's kernels run.
+    pub fn step(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        plan: &mut StepPlan,
+    ) -> CoreResult<()> {
+        self.step_executing(cache, now_ns, plan, |_| Ok(()))
+    }
+
+    /// Plans one step at time `now_ns` into `plan` (cleared first), executes its block moves
+    /// with `execute`, in order, and commits: one transaction.
+    ///
+    /// Fails, changing nothing, if the cache no longer holds what the scheduler put there
+    /// (see `check_cache`). If executing fails, the scheduler and the cache go back to where
+    /// they were before the step, less the requests whose bytes were lost: those end (the
+    /// next plan reports them finished) and [`CoreError::MovesFailed`] names them.
+    pub fn step_executing<E>(
+        &mut self,
+        cache: &mut KvCache,
+        now_ns: u64,
+        plan: &mut StepPlan,
+        mut execute: E,
+    ) -> CoreResult<()>
+    where
+        E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
+    {
+        self.check_cache(cache, now_ns)?;
+        let before = self
+            .step_may_move(cache)
+            .then(|| (self.clone(), cache.clone()));
+        if let Err(error) = self.plan_step(cache, now_ns, plan) {
+            debug_assert!(
+                before.is_some(),
+                "a step failed part-way with no snapshot to go back to: {error}"
+            );
+            if let Some((scheduler, cache_before)) = before {
+                *self = scheduler;
+                *cache = cache_before;
+            }
+            plan.clear();
+            return Err(error);
+        }
+        if plan.moves.is_empty() {
+            return Ok(());
+        }
+        let Err(MoveFailure { attempted }) = execute(&plan.moves) else {
+            return Ok(());
+        };
+        debug_assert!(
+            before.is_some(),
+            "a step moved blocks that step_may_move did not foresee"
+        );
+        // Unforeseen moves would be a bug; recovering against the step's own state still
+        // ends every request whose blocks they wrote.
+        let before = before.unwrap_or_else(|| (self.clone(), cache.clone()));
+        let attempted = attempted.min(plan.moves.len());
+        let mut aborted = Vec::new();
+        self.recover_from_failed_moves(cache, before, &plan.moves, attempted, &mut aborted);
+        plan.clear();
+        Err(CoreError::MovesFailed { attempted, aborted })
+    }
+
+    /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
+    /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
+    /// decode may find no free block), or a copy-on-write (only after a fork).
+    fn step_may_move(&self, cache: &KvCache) -> bool {
+        // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
+        // windowed group: either may preempt by swapping out.
+        let decode_need = self.running.len() * 2 * cache.num_groups();
+        let windowed = cache.groups().iter().any(|g| g.kind.span().is_some());
+        let prefilling = || {
+            self.running.iter().any(|&id| {
+                let computed = self.requests.get(&id).map_or(0, |r| r.num_computed);
+                cache.seq_len(id).is_ok_and(|len| computed < len)
+            })
+        };
+        cache.num_pending_moves() > 0
+            || !self.swapped.is_empty()
+            || cache.has_forked()
+            || (self.config.preemption == Preemption::Swap
+                && cache.num_free_host_blocks() > 0
+                && (cache.num_free_blocks() < decode_need
+                    || self.running.len() > self.config.max_num_seqs
+                    || (windowed && prefilling())))
+    }
+
+    /// Puts the scheduler and `cache` back to `snapshot` (taken before a step) after
+    /// executing the step's `moves` failed with the first `attempted` possibly run. Requests
+    /// whose bytes the partial execution destroyed end; their ids go to `aborted`.
+    fn recover_from_failed_moves(
+        &mut self,
+        cache: &mut KvCache,
+        snapshot: (ContinuousScheduler, KvCache),
+        moves: &[BlockMove],
+        attempted: usize,
+        aborted: &mut Vec<u64>,
+    ) {
+        let (scheduler, cache_snapshot) = snapshot;
+        *self = scheduler;
+        let first = aborted.len();
+        cache.recover_from_failed_moves(cache_snapshot, moves, attempted, aborted);
+        for &seq_id in &aborted[first..] {
+            if self.forget(seq_id).is_some() {
+                self.finished_since_plan.push(seq_id);
+            }
+        }
+    }
+}
