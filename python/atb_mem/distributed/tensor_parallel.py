@@ -15,7 +15,6 @@ error instead of a hang.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -313,11 +312,10 @@ def run_worker(broadcast: PlanBroadcast, kv_cache: KVCachePool,
 
 # ---- launching the ranks itself ------------------------------------------------------------
 
-def launch_workers(size: int, model_dir: str, engine_kwargs: dict[str, Any]
-                   ) -> list[subprocess.Popen[bytes]]:
+def launch_workers(size: int, worker: list[str]) -> list[subprocess.Popen[bytes]]:
     """For a process not started by torchrun: makes it rank 0 of ``size`` and starts ranks
-    1..size-1 as child processes loading ``model_dir`` with the same ``engine_kwargs`` (JSON
-    values); they serve rank 0's steps and exit when it shuts down."""
+    1..size-1 as child processes running ``python *worker`` (the caller's entry point, which
+    serves rank 0's steps and exits when it shuts down)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
@@ -327,18 +325,6 @@ def launch_workers(size: int, model_dir: str, engine_kwargs: dict[str, Any]
     for rank in range(1, size):
         env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         workers.append(subprocess.Popen(
-            [sys.executable, "-m", "atb_mem.distributed.tensor_parallel", model_dir,
-             json.dumps({**engine_kwargs, "tensor_parallel_size": size})], env=env,
+            [sys.executable, *worker], env=env,
             start_new_session=True))  # Ctrl-C goes to rank 0, which releases them
     return workers
-
-
-def _worker_main(argv: list[str]) -> None:
-    from atb_mem.serving.engine import Engine
-
-    model_dir, engine_kwargs = argv[0], json.loads(argv[1])
-    Engine.from_pretrained(model_dir, **engine_kwargs).run_worker()
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

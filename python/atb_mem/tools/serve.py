@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -106,7 +107,9 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
     if tensor_parallel_size > 1 and "RANK" not in os.environ:
         from atb_mem.distributed.tensor_parallel import launch_workers
 
-        workers = launch_workers(tensor_parallel_size, model_dir, engine_kwargs)
+        worker_kwargs = {**engine_kwargs, "tensor_parallel_size": tensor_parallel_size}
+        workers = launch_workers(tensor_parallel_size, [
+            "-m", "atb_mem.tools.tp_worker", model_dir, json.dumps(worker_kwargs)])
     if int(os.environ.get("RANK", "0")) != 0:  # a torchrun-started worker rank
         Engine.from_pretrained(model_dir, tensor_parallel_size=tensor_parallel_size,
                                **engine_kwargs).run_worker()
