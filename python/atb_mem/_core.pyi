@@ -361,6 +361,9 @@ class RequestBatcher:
     """
 
     def __new__(cls, config: RequestBatcherConfig) -> RequestBatcher: ...
+    @staticmethod
+    def check_config(config: RequestBatcherConfig) -> None:
+        """Raises if ``config`` is not a valid configuration; builds nothing."""
     def config(self) -> RequestBatcherConfig: ...
     def set_config(self, config: RequestBatcherConfig) -> RequestBatcherConfig:
         """Validated first; returns the previous configuration."""

@@ -14,6 +14,7 @@ import numpy as np
 from atb_mem import _core
 from atb_mem._types import ContinuousBatchSchedulerStats, ContinuousSchedulerConfig, Preemption
 from atb_mem.kv.cache_pool import KVCachePool
+from atb_mem.scheduling._settings import merged_settings
 from atb_mem.scheduling._times import SECOND_NS, to_ns
 
 __all__ = ["ContinuousBatchScheduler", "StepPlan"]
@@ -160,11 +161,9 @@ class ContinuousBatchScheduler:
     def check_settings(self, **changes: Any) -> ContinuousSchedulerConfig:
         """The configuration ``changes`` would make, validated (``ValueError``/``TypeError``
         otherwise); changes nothing."""
-        unknown = sorted(set(changes) - set(_SETTINGS))
-        if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
         # Checked on the next line: the core refuses a missing, extra or ill-typed setting.
-        new = cast(ContinuousSchedulerConfig, dict(self._new_settings or self.config) | changes)
+        new = cast(ContinuousSchedulerConfig,
+                   merged_settings(_SETTINGS, self._new_settings or self.config, changes))
         self._core.check_config(new)  # against the requests queued and running, too
         return new
 

@@ -25,6 +25,7 @@ from atb_mem._types import (
     RequestBatcherConfig,
     TimeoutAction,
 )
+from atb_mem.scheduling._settings import merged_settings
 from atb_mem.scheduling._times import MILLISECOND_NS, to_ns
 
 __all__ = ["Batch", "DynamicBatchScheduler"]
@@ -149,7 +150,7 @@ class DynamicBatchScheduler:
     def _validated(self, settings: DynamicBatchSchedulerConfig) -> DynamicBatchSchedulerConfig:
         if settings["timeout_ms"] is None:
             raise TypeError("timeout_ms must be a number of milliseconds, got None")
-        self._make_core(settings)  # raises on anything the core refuses
+        _core.RequestBatcher.check_config(self._core_config(settings))
         return settings
 
     @property
@@ -172,15 +173,12 @@ class DynamicBatchScheduler:
     def check_settings(self, **changes: Any) -> DynamicBatchSchedulerConfig:
         """The configuration ``changes`` would make (over a reconfiguration not yet applied),
         validated (``ValueError``/``TypeError`` otherwise); changes nothing."""
-        unknown = sorted(set(changes) - set(_SETTINGS))
-        if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}; expected some of {list(_SETTINGS)}")
-        if "preferred_batch_sizes" in changes:
-            changes["preferred_batch_sizes"] = tuple(changes["preferred_batch_sizes"])
         with self._condition:
-            base = dict(self._new_settings or self._settings)
+            new = merged_settings(_SETTINGS, self._new_settings or self._settings, changes)
+        if "preferred_batch_sizes" in changes:
+            new["preferred_batch_sizes"] = tuple(changes["preferred_batch_sizes"])
         # _validated checks the result: the core refuses what is not a setting of its own.
-        return self._validated(cast(DynamicBatchSchedulerConfig, base | changes))
+        return self._validated(cast(DynamicBatchSchedulerConfig, new))
 
     def _apply_new_settings(self) -> None:
         if self._new_settings is None:

@@ -14,7 +14,17 @@ use crate::errors::{type_error, value_error, IntoPyResult};
 use crate::kv_cache::{transfer, PyKvCachePool};
 use crate::lock::{lock, Guard, PyLock};
 
-/// The configuration from a dict with the keys `config()` returns.
+/// A configuration: a dict with the keys `config()` returns, every one and nothing else.
+pub struct SchedulerConfigArg(SchedulerConfig);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for SchedulerConfigArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        build_config(&obj).map(SchedulerConfigArg)
+    }
+}
+
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     let [max_num_seqs, max_num_batched_tokens, chunked, preemption_name, watermark] =
         convert::config_items(
@@ -125,15 +135,15 @@ impl PyContinuousScheduler {
 impl PyContinuousScheduler {
     /// `config`: a dict with the keys `config()` returns.
     #[new]
-    fn new(kv_cache: &Bound<'_, PyAny>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn new(kv_cache: &Bound<'_, PyAny>, config: SchedulerConfigArg) -> PyResult<Self> {
         let pool = kv_cache.cast::<PyKvCachePool>().map_err(|_| {
             type_error(format!(
                 "kv_cache must be a KVCachePool, got {}",
                 convert::type_name(kv_cache)
             ))
         })?;
-        let config = build_config(config)?;
-        let scheduler = ContinuousScheduler::new(config, &*pool.get().lock()?).into_py_result()?;
+        let scheduler =
+            ContinuousScheduler::new(config.0, &*pool.get().lock()?).into_py_result()?;
         Ok(PyContinuousScheduler {
             pool: pool.clone().unbind(),
             scheduler: PyLock::new(scheduler),
@@ -147,25 +157,23 @@ impl PyContinuousScheduler {
 
     /// Whether `config` could replace the current one (valid, and no request in the
     /// scheduler would be stranded by it); raises otherwise. Changes nothing.
-    fn check_config(&self, config: &Bound<'_, PyAny>) -> PyResult<()> {
-        let config = build_config(config)?;
+    fn check_config(&self, config: SchedulerConfigArg) -> PyResult<()> {
         let cache = self.pool.get().lock()?;
-        self.lock()?.check_config(config, &cache).into_py_result()
+        self.lock()?.check_config(config.0, &cache).into_py_result()
     }
 
     /// Whether a new request could ever be scheduled under `config`; raises otherwise.
     fn check_request(
         &self,
-        config: &Bound<'_, PyAny>,
+        config: SchedulerConfigArg,
         seq_id: SeqId,
         prompt: Prompt<'_>,
         max_new_tokens: Count<1>,
         num_samples: Count<1>,
     ) -> PyResult<()> {
-        let config = build_config(config)?;
         let cache = self.pool.get().lock()?;
         ContinuousScheduler::check_new_request(
-            config,
+            config.0,
             &cache,
             seq_id.0,
             prompt.tokens().len(),
@@ -179,11 +187,10 @@ impl PyContinuousScheduler {
     fn set_config<'py>(
         &self,
         py: Python<'py>,
-        config: &Bound<'py, PyAny>,
+        config: SchedulerConfigArg,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let config = build_config(config)?;
         let cache = self.pool.get().lock()?;
-        let previous = self.lock()?.set_config(config, &cache).into_py_result()?;
+        let previous = self.lock()?.set_config(config.0, &cache).into_py_result()?;
         config_dict(py, &previous)
     }
 

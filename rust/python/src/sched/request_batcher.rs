@@ -46,7 +46,17 @@ impl PyRequestBatcher {
     }
 }
 
-/// The configuration from a dict with the keys `config()` returns.
+/// A configuration: a dict with the keys `config()` returns, every one and nothing else.
+pub struct BatcherConfigArg(BatcherConfig);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BatcherConfigArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        build_config(&obj).map(BatcherConfigArg)
+    }
+}
+
 fn build_config(config: &Bound<'_, PyAny>) -> PyResult<BatcherConfig> {
     let [max_batch_size, timeout_ns, preferred, max_queue_size, priority_levels, default_timeout_ns, action] =
         convert::config_items(
@@ -88,13 +98,17 @@ fn build_config(config: &Bound<'_, PyAny>) -> PyResult<BatcherConfig> {
 
 #[pymethods]
 impl PyRequestBatcher {
-    /// `config`: a dict with the keys `config()` returns.
     #[new]
-    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let config = build_config(config)?;
+    fn new(config: BatcherConfigArg) -> PyResult<Self> {
         Ok(PyRequestBatcher {
-            batcher: Mutex::new(RequestBatcher::new(config).into_py_result()?),
+            batcher: Mutex::new(RequestBatcher::new(config.0).into_py_result()?),
         })
+    }
+
+    /// Raises if `config` is not a valid configuration; builds nothing.
+    #[staticmethod]
+    fn check_config(config: BatcherConfigArg) -> PyResult<()> {
+        config.0.validate().into_py_result()
     }
 
     /// The configuration as a dict.
@@ -106,10 +120,9 @@ impl PyRequestBatcher {
     fn set_config<'py>(
         &self,
         py: Python<'py>,
-        config: &Bound<'py, PyAny>,
+        config: BatcherConfigArg,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let config = build_config(config)?;
-        let previous = self.lock().set_config(config).into_py_result()?;
+        let previous = self.lock().set_config(config.0).into_py_result()?;
         config_dict(py, &previous)
     }
 
