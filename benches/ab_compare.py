@@ -50,10 +50,13 @@ def main() -> None:
     parser.add_argument("--b", required=True, help="folder with build B's atb_mem")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run the workloads whose name has this")
     args = parser.parse_args()
     print(f"| workload | A ({args.a}) | B ({args.b}) | B / A |")
     print("|---|---|---|---|")
     for name, unit, scale, call in WORKLOADS:
+        if args.only not in name:
+            continue
         running = next((n for n in STEP_ROUNDS if f"({n})" in call), None)
         rounds = STEP_ROUNDS[running] if running else args.rounds
         sides: dict[str, list[float]] = {"a": [], "b": []}

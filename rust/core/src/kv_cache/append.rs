@@ -94,15 +94,10 @@ impl KvCache {
                 seq_ids.len()
             );
         }
-        let batch_start = self.resolve_batch(seq_ids)?;
+        self.resolve_batch(seq_ids)?;
         let slabs = std::mem::take(&mut self.scratch_slabs);
-        let checked = self.check_append_budget(&slabs, n);
-        let refused = checked.is_err();
-        let result = checked.and_then(|()| self.append_resolved(&slabs, n, token_ids, slots));
+        let result = self.append_resolved(&slabs, n, token_ids, slots);
         self.scratch_slabs = slabs;
-        if refused {
-            self.refuse_batch(batch_start);
-        }
         result
     }
 
@@ -113,6 +108,7 @@ impl KvCache {
         token_ids: Option<&[u32]>,
         slots: &mut Vec<i32>,
     ) -> CoreResult<()> {
+        self.check_append_budget(slabs, n)?;
         let per_group = slabs.len() * n;
         slots.clear();
         slots.resize(per_group * self.groups.len(), 0);

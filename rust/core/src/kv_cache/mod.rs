@@ -96,8 +96,9 @@ pub struct KvCache {
     scratch_hashes: Vec<BlockHash>,
     scratch_blocks: Vec<u32>,
     scratch_slabs: Vec<u32>,
-    /// The versions `resolve_batch` replaced, to put back if the batch is refused.
-    scratch_versions: Vec<u64>,
+    /// Per slab, the last batch `resolve_batch` saw it in (finds repeats), and that batch.
+    scratch_batch_marks: Vec<u64>,
+    scratch_batch: u64,
     /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
     scratch_moves: Vec<u32>,
 }
@@ -182,7 +183,8 @@ impl KvCache {
             scratch_hashes: Vec::new(),
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
-            scratch_versions: Vec::new(),
+            scratch_batch_marks: Vec::new(),
+            scratch_batch: 0,
             scratch_moves: Vec::new(),
         };
         cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
@@ -479,43 +481,27 @@ impl KvCache {
         version
     }
 
-    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats;
-    /// returns the first version of the batch.
-    ///
-    /// Each named sequence gets a fresh version; one whose version is already from this
-    /// batch was named before. A refused batch gets its old versions back (here, or from
-    /// [`KvCache::refuse_batch`] when the caller's checks refuse it), so that a call that
-    /// fails changes nothing, not even which rows a batch table thinks changed.
-    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<u64> {
-        let batch_start = self.next_version;
+    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
+    /// Changes nothing but scratch marks: the caller gives the sequences new versions once
+    /// its own checks pass, so a refused batch leaves them as they were.
+    fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
+        self.scratch_batch += 1;
+        let batch = self.scratch_batch;
+        if self.scratch_batch_marks.len() < self.sequences.len() {
+            self.scratch_batch_marks.resize(self.sequences.len(), 0);
+        }
         self.scratch_slabs.clear();
-        self.scratch_versions.clear();
         for &seq_id in seq_ids {
-            let slab = match self.slab_of(seq_id) {
-                Ok(slab) if self.sequences[slab as usize].version < batch_start => slab,
-                Ok(_) => {
-                    self.refuse_batch(batch_start);
-                    return Err(invalid!("sequence {seq_id} appears twice in the batch"));
-                }
-                Err(error) => {
-                    self.refuse_batch(batch_start);
-                    return Err(error);
-                }
-            };
-            let version = self.bump_version();
-            let previous = std::mem::replace(&mut self.sequences[slab as usize].version, version);
-            self.scratch_versions.push(previous);
+            let slab = self.slab_of(seq_id)?;
+            let mark = &mut self.scratch_batch_marks[slab as usize];
+            ensure!(
+                *mark != batch,
+                "sequence {seq_id} appears twice in the batch"
+            );
+            *mark = batch;
             self.scratch_slabs.push(slab);
         }
-        Ok(batch_start)
-    }
-
-    /// Gives the sequences of the batch `resolve_batch` resolved their old versions back.
-    fn refuse_batch(&mut self, batch_start: u64) {
-        for (&slab, &version) in self.scratch_slabs.iter().zip(&self.scratch_versions) {
-            self.sequences[slab as usize].version = version;
-        }
-        self.next_version = batch_start;
+        Ok(())
     }
 }
 

@@ -58,15 +58,12 @@ impl KvCache {
             self.host_pool.is_some(),
             "this KV cache has no host tier: construct it with num_host_blocks",
         );
-        let batch_start = self.resolve_batch(seq_ids)?;
+        self.resolve_batch(seq_ids)?;
         let slabs = std::mem::take(&mut self.scratch_slabs);
-        let checked = self.check_swap(&slabs, out);
-        let refused = checked.is_err();
-        let result = checked.and_then(|()| self.swap_resolved(&slabs, out));
+        let result = self
+            .check_swap(&slabs, out)
+            .and_then(|()| self.swap_resolved(&slabs, out));
         self.scratch_slabs = slabs;
-        if refused {
-            self.refuse_batch(batch_start);
-        }
         result
     }
 
@@ -119,6 +116,7 @@ impl KvCache {
             scratch_moves,
             pending_moves,
             events,
+            next_version,
             ..
         } = self;
         let Some(host_pool) = host_pool.as_mut() else {
@@ -136,6 +134,9 @@ impl KvCache {
         let first_move = pending_moves.len();
         for &slab in slabs {
             let seq = &mut sequences[slab as usize];
+            // New block tables: a new version (rows that show it are rewritten).
+            seq.version = *next_version;
+            *next_version += 1;
             // Blocks whose contents the prefix cache names: their host copies are events.
             let named = seq.num_registered.min(seq.hashes.len());
             for table in seq.tables.iter_mut() {
