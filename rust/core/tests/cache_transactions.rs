@@ -5,30 +5,9 @@
 
 use atb_mem_core::{BlockMove, CoreError, KvCache, KvLayout, MoveFailure, Tokens};
 
-/// `Debug` without the scratch buffers, which hold no state between calls.
-fn state(cache: &KvCache) -> String {
-    let printed = format!("{cache:?}");
-    let mut kept = String::new();
-    let mut rest = printed.as_str();
-    while let Some(at) = rest.find(" scratch_") {
-        kept.push_str(&rest[..at]);
-        let mut depth = 0i32;
-        let end = rest[at..]
-            .char_indices()
-            .find(|&(_, c)| {
-                match c {
-                    '[' | '{' | '(' => depth += 1,
-                    ']' | '}' | ')' => depth -= 1,
-                    _ => {}
-                }
-                depth < 0 || (depth == 0 && c == ',')
-            })
-            .map_or(rest.len() - at, |(offset, _)| offset);
-        rest = &rest[at + end..];
-    }
-    kept.push_str(rest);
-    kept
-}
+#[path = "support/state.rs"]
+mod state;
+use state::cache_state as state;
 
 /// Two sequences sharing a prefix, a third of their own, and a fork whose copy-on-write
 /// copy is pending: every swap also carries an earlier copy.

@@ -48,10 +48,7 @@ impl KvCache {
     where
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
-        executed.clear();
-        let before = self.clone();
-        self.swap_out(seq_ids)?;
-        self.execute_since(before, execute, executed)
+        self.swap_executing(seq_ids, true, execute, executed)
     }
 
     /// [`KvCache::swap_in`] as one transaction like [`KvCache::swap_out_executing`]; once
@@ -65,15 +62,31 @@ impl KvCache {
     where
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
-        executed.clear();
-        let before = self.clone();
-        self.swap_in(seq_ids)?;
-        self.execute_since(before, execute, executed)?;
+        self.swap_executing(seq_ids, false, execute, executed)?;
         for &seq_id in seq_ids {
             // Known swapped in: `swap_in` checked every id.
             let _ = self.mark_computed(seq_id, None);
         }
         Ok(())
+    }
+
+    fn swap_executing<E>(
+        &mut self,
+        seq_ids: &[u64],
+        out: bool,
+        execute: E,
+        executed: &mut Vec<BlockMove>,
+    ) -> CoreResult<()>
+    where
+        E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
+    {
+        executed.clear();
+        let before = self.clone();
+        match out {
+            true => self.swap_out(seq_ids)?,
+            false => self.swap_in(seq_ids)?,
+        }
+        self.execute_since(before, execute, executed)
     }
 
     /// Readies a kernel's write into `slots`: checks that each lies in a block some sequence

@@ -4,10 +4,19 @@
 
 use atb_mem_core::{ContinuousScheduler, KvCache};
 
+#[allow(dead_code)] // each test binary uses one of the two
 pub fn state(scheduler: &ContinuousScheduler, cache: &KvCache) -> String {
-    let printed = format!("{scheduler:?}\n{cache:?}");
+    without_scratch(&format!("{scheduler:?}\n{cache:?}"))
+}
+
+#[allow(dead_code)]
+pub fn cache_state(cache: &KvCache) -> String {
+    without_scratch(&format!("{cache:?}"))
+}
+
+fn without_scratch(printed: &str) -> String {
     let mut kept = String::new();
-    let mut rest = printed.as_str();
+    let mut rest = printed;
     while let Some(at) = rest
         .find(" scratch_")
         .or_else(|| rest.find(" decode_slots"))
