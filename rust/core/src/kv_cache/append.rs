@@ -33,7 +33,7 @@ impl KvCache {
         let mut needed = 0;
         self.scratch_blocks.clear();
         for &slab in slabs {
-            let seq = &self.sequences[slab as usize];
+            let seq = &self.sequences[slab];
             if seq.swapped {
                 return Err(swapped_out(seq.seq_id));
             }
@@ -131,7 +131,7 @@ impl KvCache {
         token_ids: Option<&[u32]>,
         mut emit: impl FnMut(usize, usize, i32),
     ) -> CoreResult<()> {
-        let version = self.bump_version();
+        let version = self.sequences.new_version();
         let block_size = self.block_size();
         let KvCache {
             sequences,
@@ -141,7 +141,7 @@ impl KvCache {
             has_forked,
             ..
         } = self;
-        let seq = &mut sequences[slab as usize];
+        let seq = &mut sequences[slab];
         if *has_forked && seq.num_tokens % block_size != 0 {
             for table in seq.tables.iter_mut().filter(|table| table.complete()) {
                 let Some(last) = table.live_mut().last_mut() else {

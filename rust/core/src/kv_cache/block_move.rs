@@ -111,8 +111,7 @@ impl KvCache {
             }
         }
         let first_aborted = aborted.len();
-        for (&seq_id, &slab) in &self.index {
-            let seq = &self.sequences[slab as usize];
+        for (seq_id, seq) in self.sequences.live() {
             let damaged = match seq.swapped {
                 true => &damaged_host,
                 false => &damaged_device,

@@ -1,6 +1,6 @@
 //! Every invariant of the cache and its block pools, checked from scratch (for tests).
 
-use super::{KvCache, Sequence, NO_BLOCK};
+use super::{KvCache, Sequence};
 use crate::alloc::NULL_BLOCK;
 
 impl KvCache {
@@ -8,14 +8,8 @@ impl KvCache {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut holders = vec![0u32; self.num_blocks()];
         let mut host_holders = vec![0u32; self.num_host_blocks() + 1];
-        for (&seq_id, &slab) in &self.index {
-            let seq = &self.sequences[slab as usize];
-            if !seq.live || seq.seq_id != seq_id {
-                return Err(format!(
-                    "index entry {seq_id} points at slab {slab} holding {}",
-                    seq.seq_id
-                ));
-            }
+        self.sequences.check_invariants()?;
+        for (seq_id, seq) in self.sequences.live() {
             self.check_sequence(seq_id, seq)?;
             let tier = if seq.swapped {
                 &mut host_holders
@@ -29,17 +23,8 @@ impl KvCache {
                 tier[block as usize] += 1;
             }
         }
-        let live = self.sequences.iter().filter(|seq| seq.live).count();
-        if live != self.index.len() || live + self.vacant.len() != self.sequences.len() {
-            return Err("sequence slab and index disagree".into());
-        }
-        if let Some(host_pool) = &self.host_pool {
-            host_pool
-                .check_invariants(&host_holders)
-                .map_err(|error| format!("host tier: {error}"))?;
-        }
-        if self.scratch_moves.iter().any(|&moved| moved != NO_BLOCK) {
-            return Err("swap scratch left dirty".into());
+        if let Some(tier) = &self.host_tier {
+            tier.check_invariants(&host_holders)?;
         }
         self.block_pool.check_invariants(&holders)
     }
@@ -71,7 +56,7 @@ impl KvCache {
             // A window never releases a block the first token still to compute reads, and
             // every computed token's block is allocated; full groups hold every block.
             let needed = spec.kind.first_needed_block(seq.num_computed, block_size);
-            let windowed = spec.kind.span().is_some();
+            let windowed = spec.kind.is_windowed();
             if !shaped
                 || released > needed
                 || allocated < seq.num_computed.div_ceil(block_size)

@@ -2,7 +2,7 @@
 
 use super::groups::group_key;
 use super::sequence::Sequence;
-use super::{allocate_checked, swapped_out, two_mut, KvCache, KvCacheGroup, Tokens};
+use super::{allocate_checked, swapped_out, KvCache, KvCacheGroup, Tokens};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
 /// serves (`hits`), how many of those sit in the free queue, and the (group, block) that
@@ -75,7 +75,7 @@ impl KvCache {
             for (index, block) in row.iter_mut().enumerate() {
                 if index < needed_from {
                     *block = NULL_BLOCK;
-                } else if spec.kind.span().is_some() {
+                } else if spec.kind.is_windowed() {
                     let key = group_key(self.scratch_hashes[index], group);
                     *block = self.block_pool.lookup(key).unwrap_or(NULL_BLOCK);
                 }
@@ -108,7 +108,7 @@ impl KvCache {
         let mut hits = limit;
         let mut limited_by = None;
         for (group, spec) in self.groups.iter().enumerate() {
-            if spec.kind.span().is_none() {
+            if !spec.kind.is_windowed() {
                 let row = &mut blocks[group * limit..(group + 1) * limit];
                 if let (run, Some(missing)) = self.full_hit(group, hits, row) {
                     hits = run;
@@ -120,7 +120,7 @@ impl KvCache {
         while !settled && hits > 0 {
             settled = true;
             for (group, spec) in self.groups.iter().enumerate() {
-                if spec.kind.span().is_some() {
+                if spec.kind.is_windowed() {
                     if let (shorter, Some(missing)) = self.window_hit(group, hits) {
                         hits = shorter;
                         limited_by = Some((group, missing));
@@ -231,11 +231,7 @@ impl KvCache {
     /// ones when windowed groups take theirs as the prompt is computed.
     fn eager_groups(&self, lazy: bool) -> usize {
         match lazy {
-            true => self
-                .groups
-                .iter()
-                .filter(|g| g.kind.span().is_none())
-                .count(),
+            true => self.groups.iter().filter(|g| !g.kind.is_windowed()).count(),
             false => self.groups.len(),
         }
     }
@@ -281,7 +277,7 @@ impl KvCache {
         lazy: bool,
         known: Option<&[BlockHash]>,
     ) -> CoreResult<usize> {
-        if self.index.contains_key(&seq_id) {
+        if self.sequences.contains(seq_id) {
             return Err(CoreError::DuplicateSequence(seq_id));
         }
         let num_tokens = tokens.len();
@@ -307,8 +303,8 @@ impl KvCache {
         if let Tokens::Ids(_) = tokens {
             self.record_lookup(queries, hits, limited_by);
         }
-        let version = self.bump_version();
-        let slab = self.vacant_slab(version);
+        let version = self.sequences.new_version();
+        let slab = self.sequences.vacant_slab(version, self.groups.len());
         let KvCache {
             sequences,
             block_pool,
@@ -318,7 +314,7 @@ impl KvCache {
             groups,
             ..
         } = self;
-        let seq = &mut sequences[slab as usize];
+        let seq = &mut sequences[slab];
         seq.seq_id = seq_id;
         seq.live = true;
         seq.swapped = false;
@@ -346,7 +342,7 @@ impl KvCache {
             }
             _ => seq.hashable = false,
         }
-        self.index.insert(seq_id, slab);
+        self.sequences.insert(seq_id, slab);
         Ok(hits * block_size)
     }
 
@@ -355,16 +351,12 @@ impl KvCache {
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> CoreResult<()> {
         let parent_slab = self.slab_of(parent_id)?;
         self.device_sequence(parent_id)?;
-        if self.index.contains_key(&child_id) {
+        if self.sequences.contains(child_id) {
             return Err(CoreError::DuplicateSequence(child_id));
         }
-        let version = self.bump_version();
-        let child_slab = self.vacant_slab(version);
-        let (parent, child) = two_mut(
-            &mut self.sequences,
-            parent_slab as usize,
-            child_slab as usize,
-        );
+        let version = self.sequences.new_version();
+        let child_slab = self.sequences.vacant_slab(version, self.groups.len());
+        let (parent, child) = self.sequences.two_mut(parent_slab, child_slab);
         child.seq_id = child_id;
         child.live = true;
         child.swapped = false;
@@ -391,7 +383,7 @@ impl KvCache {
             self.block_pool.share(block);
         }
         self.has_forked = true;
-        self.index.insert(child_id, child_slab);
+        self.sequences.insert(child_id, child_slab);
         Ok(())
     }
 
@@ -409,7 +401,7 @@ impl KvCache {
     pub fn mark_computed(&mut self, seq_id: u64, num_tokens: Option<usize>) -> CoreResult<usize> {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
-        let seq = &self.sequences[slab as usize];
+        let seq = &self.sequences[slab];
         if seq.swapped {
             return Err(swapped_out(seq_id));
         }
@@ -436,7 +428,7 @@ impl KvCache {
             groups,
             ..
         } = self;
-        let seq = &mut sequences[slab as usize];
+        let seq = &mut sequences[slab];
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
         if full <= seq.num_registered {
@@ -447,7 +439,7 @@ impl KvCache {
         // blocks that joined (a block whose contents another block holds does not).
         for (group, (table, spec)) in seq.tables.iter().zip(groups.iter()).enumerate() {
             let mut run_start = None;
-            let remember_eviction = spec.kind.span().is_none();
+            let remember_eviction = spec.kind.remembers_evictions();
             for index in seq.num_registered..full {
                 let block = table.blocks[index];
                 let key = group_key(seq.hashes[index], group);
@@ -486,21 +478,17 @@ impl KvCache {
     /// `k`, so evicting index by index from the tail keeps every shorter hit whole (released
     /// early, those blocks would otherwise be evicted first and no hit would survive).
     pub fn free_sequence(&mut self, seq_id: u64) -> CoreResult<()> {
-        let slab = self
-            .index
-            .remove(&seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))?;
+        let slab = self.sequences.remove(seq_id)?;
         let KvCache {
             sequences,
             block_pool,
-            host_pool,
+            host_tier,
             events,
-            vacant,
             ..
         } = self;
-        let seq = &mut sequences[slab as usize];
-        let (pool, on_host) = match (seq.swapped, host_pool.as_mut()) {
-            (true, Some(host_pool)) => (host_pool, true),
+        let seq = &mut sequences[slab];
+        let (pool, on_host) = match (seq.swapped, host_tier.as_mut()) {
+            (true, Some(tier)) => (&mut tier.pool, true),
             _ => (block_pool, false),
         };
         let touch_released = !on_host && pool.enable_prefix_caching();
@@ -519,16 +507,7 @@ impl KvCache {
                 }
             }
         }
-        seq.swapped = false;
-        for table in &mut seq.tables {
-            table.reset(0);
-        }
-        seq.partial_tokens.clear();
-        seq.hashes.clear();
-        seq.token_ids.clear();
-        seq.live = false;
-        seq.num_tokens = 0;
-        vacant.push(slab);
+        seq.clear();
         Ok(())
     }
 
@@ -576,7 +555,7 @@ fn take_blocks<'a>(
         table.allocated = hits;
     }
     for (table, spec) in seq.tables.iter_mut().zip(groups) {
-        if lazy && spec.kind.span().is_some() {
+        if lazy && spec.kind.is_windowed() {
             table.blocks.resize(num_blocks, NULL_BLOCK);
             continue;
         }

@@ -3,11 +3,15 @@
 //! paged-attention kernels read.
 //!
 //! Every public call checks all of its arguments and its block budget before it changes
-//! anything, so a call that fails leaves the cache exactly as it was. Sequences live in a slab
-//! whose vectors keep their capacity when a sequence ends, so steady-state churn allocates
-//! nothing. One file per concern: [`lifecycle`](self) (admit, fork, mark computed, free),
-//! append, tables, swap, stats, invariants; block moves and the batch table are the two
-//! parts other layers see.
+//! anything, so a call that fails leaves the cache exactly as it was.
+//!
+//! State is owned by the part that changes it: the sequences and their block lists by the
+//! sequence table (`sequence_table`), device blocks by the [`BlockPool`], the host tier's
+//! blocks by `swap::HostTier`, prefix-hit counters by `stats::PrefixStats`, and what a
+//! group of each attention kind keeps and releases by the window policy (`windows`). The
+//! verbs built on them: `lifecycle` (admit, fork, mark computed, free), `append`, `tables`,
+//! `swap`, `transaction` (plan, execute, commit or roll back); block moves and the batch
+//! table are the two parts other layers see.
 
 mod append;
 mod batch_table;
@@ -18,13 +22,12 @@ mod invariants;
 mod lifecycle;
 mod prefix_explain;
 mod sequence;
+mod sequence_table;
 mod stats;
 mod swap;
 mod tables;
 mod transaction;
 mod windows;
-
-use hashbrown::HashMap;
 
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
@@ -33,10 +36,12 @@ pub use groups::{group_key, group_layers, layer_kinds, AttentionKind, KvCacheGro
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
+use sequence_table::SequenceTable;
 pub use stats::KvCacheStats;
+use stats::PrefixStats;
+use swap::HostTier;
 pub use tables::RowMemo;
 pub use transaction::MoveFailure;
-use windows::WindowBounds;
 
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::{CoreError, CoreResult};
@@ -66,8 +71,8 @@ impl Tokens<'_> {
 #[derive(Debug, Clone)]
 pub struct KvCache {
     block_pool: BlockPool,
-    /// Host tier for swapped-out sequences (block 0 unused there too).
-    host_pool: Option<BlockPool>,
+    /// Where swapped-out sequences' blocks go, once `enable_host_tier` made one.
+    host_tier: Option<HostTier>,
     /// The model's layers, K/V heads, head size and dtype.
     layout: KvLayout,
     /// The layers' groups (one full-attention group of every layer unless layer kinds were
@@ -75,9 +80,7 @@ pub struct KvCache {
     groups: Vec<KvCacheGroup>,
     layers_per_block: usize,
     bytes_per_block: usize,
-    sequences: Vec<Sequence>,
-    vacant: Vec<u32>,
-    index: HashMap<u64, u32>,
+    sequences: SequenceTable,
     /// Block moves decided but not yet executed, in the order they must run.
     pending_moves: Vec<BlockMove>,
     /// Set once any fork happened: only then can a shared, partly filled block (and so a
@@ -85,22 +88,14 @@ pub struct KvCache {
     has_forked: bool,
     /// `tokens_in_blocks(num_blocks - 1)`, checked on every append.
     max_seq_tokens: usize,
-    next_version: u64,
     /// Prefix-cache membership changes, recorded once `enable_kv_events` was called.
     events: KvEventLog,
-    query_tokens: u64,
-    hit_tokens: u64,
-    /// Admissions whose prefix hit fell short, by [`MissReason`] (the counted ones).
-    miss_counts: [u64; 4],
+    prefix_stats: PrefixStats,
     // Reused per call so that hot paths allocate nothing.
     scratch_hashes: Vec<BlockHash>,
     scratch_blocks: Vec<u32>,
+    /// The slabs of the batch being worked on (see `SequenceTable::resolve_batch`).
     scratch_slabs: Vec<u32>,
-    /// Per slab, the last batch `resolve_batch` saw it in (finds repeats), and that batch.
-    scratch_batch_marks: Vec<u64>,
-    scratch_batch: u64,
-    /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere.
-    scratch_moves: Vec<u32>,
 }
 
 /// A sequence as the batch table sees it: the only window it has into the slab.
@@ -164,28 +159,20 @@ impl KvCache {
         })?;
         let mut cache = KvCache {
             block_pool,
-            host_pool: None,
+            host_tier: None,
             layout,
             groups,
             layers_per_block,
             bytes_per_block,
-            sequences: Vec::new(),
-            vacant: Vec::new(),
-            index: HashMap::new(),
+            sequences: SequenceTable::default(),
             pending_moves: Vec::new(),
             has_forked: false,
             max_seq_tokens: 0,
-            next_version: 1,
             events: KvEventLog::default(),
-            query_tokens: 0,
-            hit_tokens: 0,
-            miss_counts: [0; 4],
+            prefix_stats: PrefixStats::default(),
             scratch_hashes: Vec::new(),
             scratch_blocks: Vec::new(),
             scratch_slabs: Vec::new(),
-            scratch_batch_marks: Vec::new(),
-            scratch_batch: 0,
-            scratch_moves: Vec::new(),
         };
         cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
         Ok(cache)
@@ -247,7 +234,7 @@ impl KvCache {
     /// turned on once, before any sequence exists.
     pub fn enable_kv_events(&mut self) -> CoreResult<()> {
         ensure!(
-            self.index.is_empty(),
+            self.sequences.is_empty(),
             "KV events are turned on once, before any sequence exists"
         );
         ensure!(
@@ -255,7 +242,10 @@ impl KvCache {
             "KV events name at most 65,536 KV-cache groups, this cache has {}",
             self.groups.len()
         );
-        let host_blocks = self.host_pool.as_ref().map_or(0, BlockPool::num_blocks);
+        let host_blocks = self
+            .host_tier
+            .as_ref()
+            .map_or(0, |tier| tier.pool.num_blocks());
         self.events
             .enable(self.block_pool.num_blocks(), host_blocks)?;
         self.block_pool.set_record_removed(true);
@@ -305,11 +295,11 @@ impl KvCache {
     }
 
     pub fn num_sequences(&self) -> usize {
-        self.index.len()
+        self.sequences.len()
     }
 
     pub fn contains(&self, seq_id: u64) -> bool {
-        self.index.contains_key(&seq_id)
+        self.sequences.contains(seq_id)
     }
 
     /// Most tokens one sequence can ever hold: every block but the null block (see
@@ -330,8 +320,8 @@ impl KvCache {
         let held = |k: usize| -> usize {
             self.groups
                 .iter()
-                .map(|spec| match spec.kind.span() {
-                    Some(span) => k.min(span.div_ceil(block_size) + 1),
+                .map(|spec| match spec.kind.max_blocks_held(block_size) {
+                    Some(most) => k.min(most),
                     None => k,
                 })
                 .fold(0usize, usize::saturating_add)
@@ -358,21 +348,18 @@ impl KvCache {
 
     /// Ids of the live sequences, in no particular order.
     pub fn seq_ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.index.keys().copied()
+        self.sequences.ids()
     }
 
     #[inline]
     fn slab_of(&self, seq_id: u64) -> CoreResult<u32> {
-        self.index
-            .get(&seq_id)
-            .copied()
-            .ok_or(CoreError::UnknownSequence(seq_id))
+        self.sequences.slab_of(seq_id)
     }
 
     /// What the batch table reads of the sequence in slab `slab` (live or not).
     #[inline]
     fn slab_view(&self, slab: u32) -> SlabView<'_> {
-        let seq = &self.sequences[slab as usize];
+        let seq = &self.sequences[slab];
         SlabView {
             seq_id: seq.live.then_some(seq.seq_id),
             swapped: seq.swapped,
@@ -385,7 +372,7 @@ impl KvCache {
 
     #[inline]
     fn sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
-        Ok(&self.sequences[self.slab_of(seq_id)? as usize])
+        self.sequences.get(seq_id)
     }
 
     /// A sequence whose blocks are on the device (not swapped out).
@@ -457,51 +444,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// A free slab whose group tables are stamped `version` and empty.
-    fn vacant_slab(&mut self, version: u64) -> u32 {
-        let slab = self.vacant.pop().unwrap_or_else(|| {
-            self.sequences.push(Sequence::default());
-            (self.sequences.len() - 1) as u32
-        });
-        let seq = &mut self.sequences[slab as usize];
-        seq.window_bounds = WindowBounds::default();
-        let tables = &mut seq.tables;
-        // Exactly one table per group (a plain resize would reserve four at first).
-        tables.reserve_exact(self.groups.len().saturating_sub(tables.len()));
-        tables.resize_with(self.groups.len(), GroupTable::default);
-        for table in tables.iter_mut() {
-            table.reset(version);
-        }
-        slab
-    }
-
-    fn bump_version(&mut self) -> u64 {
-        let version = self.next_version;
-        self.next_version += 1;
-        version
-    }
-
-    /// Resolves a batch of ids into `scratch_slabs`, rejecting unknown ids and repeats.
-    /// Changes nothing but scratch marks: the caller gives the sequences new versions once
-    /// its own checks pass, so a refused batch leaves them as they were.
+    /// Resolves a batch of ids into `scratch_slabs` (see `SequenceTable::resolve_batch`).
     fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
-        self.scratch_batch += 1;
-        let batch = self.scratch_batch;
-        if self.scratch_batch_marks.len() < self.sequences.len() {
-            self.scratch_batch_marks.resize(self.sequences.len(), 0);
-        }
-        self.scratch_slabs.clear();
-        for &seq_id in seq_ids {
-            let slab = self.slab_of(seq_id)?;
-            let mark = &mut self.scratch_batch_marks[slab as usize];
-            ensure!(
-                *mark != batch,
-                "sequence {seq_id} appears twice in the batch"
-            );
-            *mark = batch;
-            self.scratch_slabs.push(slab);
-        }
-        Ok(())
+        self.sequences
+            .resolve_batch(seq_ids, &mut self.scratch_slabs)
     }
 }
 
@@ -516,15 +462,4 @@ fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
         needed: 1,
         available: 0,
     })
-}
-
-fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
-    debug_assert_ne!(a, b);
-    if a < b {
-        let (low, high) = items.split_at_mut(b);
-        (&mut low[a], &mut high[0])
-    } else {
-        let (low, high) = items.split_at_mut(a);
-        (&mut high[0], &mut low[b])
-    }
 }

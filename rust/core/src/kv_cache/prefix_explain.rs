@@ -86,9 +86,9 @@ impl KvCache {
         let block_size = self.block_size();
         let groups = (0..self.groups.len())
             .map(|group| {
-                let (cached, missing) = match self.groups[group].kind.span() {
-                    None => self.full_hit(group, found.queries, &mut []),
-                    Some(_) => self.window_hit(group, found.queries),
+                let (cached, missing) = match self.groups[group].kind.is_windowed() {
+                    false => self.full_hit(group, found.queries, &mut []),
+                    true => self.window_hit(group, found.queries),
                 };
                 GroupPrefix {
                     cached_tokens: cached * block_size,
@@ -109,7 +109,7 @@ impl KvCache {
         let Some((group, index)) = limited_by else {
             return MissReason::BlockAlignment;
         };
-        if self.groups[group].kind.span().is_some() {
+        if self.groups[group].kind.is_windowed() {
             return MissReason::WindowGone;
         }
         let key = group_key(self.scratch_hashes[index], group);
@@ -124,7 +124,7 @@ impl KvCache {
     pub(super) fn count_miss(&mut self, queries: usize, hits: usize, by: Option<(usize, usize)>) {
         if hits < queries || queries == 0 {
             let reason = self.miss_reason(by);
-            self.miss_counts[reason as usize] += 1;
+            self.prefix_stats.count_miss(reason);
         }
     }
 
@@ -139,9 +139,8 @@ impl KvCache {
         if self.enable_prefix_caching() {
             self.count_miss(queries, hits, limited_by);
         }
-        let block_size = self.block_size();
         self.block_pool.record_lookups(queries, hits);
-        self.query_tokens += (queries * block_size) as u64;
-        self.hit_tokens += (hits * block_size) as u64;
+        self.prefix_stats
+            .count_lookup(queries, hits, self.block_pool.block_size());
     }
 }

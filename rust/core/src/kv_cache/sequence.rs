@@ -91,6 +91,19 @@ impl GroupTable {
 }
 
 impl Sequence {
+    /// Empties an ended sequence's slab, keeping its vectors' capacity.
+    pub(super) fn clear(&mut self) {
+        self.live = false;
+        self.swapped = false;
+        self.num_tokens = 0;
+        for table in &mut self.tables {
+            table.reset(0);
+        }
+        self.partial_tokens.clear();
+        self.hashes.clear();
+        self.token_ids.clear();
+    }
+
     /// The block list of group 0 (the only group of a cache without layer types).
     pub(super) fn blocks(&self) -> &[u32] {
         &self.tables[0].blocks

@@ -1,6 +1,6 @@
 //! Counters, sizes and fragmentation of the cache, and the bookkeeping's own memory.
 
-use super::{GroupTable, KvCache, Sequence};
+use super::{KvCache, MissReason};
 use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
 use crate::figures::{Figure, Figures};
 
@@ -86,6 +86,27 @@ impl Figures for KvCacheStats {
     }
 }
 
+/// What prefix lookups of token ids asked for and got, in tokens, and why admissions' hits
+/// fell short (the block pool counts the same lookups in blocks).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PrefixStats {
+    query_tokens: u64,
+    hit_tokens: u64,
+    /// Admissions whose prefix hit fell short, by [`MissReason`].
+    misses: [u64; 4],
+}
+
+impl PrefixStats {
+    pub(super) fn count_lookup(&mut self, queries: usize, hits: usize, block_size: usize) {
+        self.query_tokens += (queries * block_size) as u64;
+        self.hit_tokens += (hits * block_size) as u64;
+    }
+
+    pub(super) fn count_miss(&mut self, reason: MissReason) {
+        self.misses[reason as usize] += 1;
+    }
+}
+
 impl KvCache {
     pub fn stats(&self) -> KvCacheStats {
         let block_size = self.block_size();
@@ -94,9 +115,9 @@ impl KvCache {
         let allocated_slots = blocks_used * block_size;
         // A partly filled block shared by forks counts once: sort the (block, fill) pairs.
         let mut partial: Vec<(u32, usize)> = self
-            .index
-            .values()
-            .map(|&slab| &self.sequences[slab as usize])
+            .sequences
+            .live()
+            .map(|(_, seq)| seq)
             .filter(|seq| !seq.swapped && seq.num_tokens % block_size != 0)
             .flat_map(|seq| {
                 let fill = seq.num_tokens % block_size;
@@ -121,12 +142,8 @@ impl KvCache {
             blocks_used,
             blocks_free: pool.num_free() - pool.num_evictable(),
             blocks_cached: pool.num_evictable(),
-            num_sequences: self.index.len(),
-            num_tokens: self
-                .index
-                .values()
-                .map(|&slab| self.sequences[slab as usize].num_tokens)
-                .sum(),
+            num_sequences: self.sequences.len(),
+            num_tokens: self.sequences.live().map(|(_, seq)| seq.num_tokens).sum(),
             allocated_slots,
             used_slots,
             fragmentation: if allocated_slots == 0 {
@@ -136,19 +153,15 @@ impl KvCache {
             },
             prefix_cache_queries: queries,
             prefix_cache_hits: hits,
-            prefix_cache_query_tokens: self.query_tokens,
-            prefix_cache_hit_tokens: self.hit_tokens,
+            prefix_cache_query_tokens: self.prefix_stats.query_tokens,
+            prefix_cache_hit_tokens: self.prefix_stats.hit_tokens,
             evictions,
             pending_copies: self.pending_moves.len(),
             bytes_per_block: self.bytes_per_block,
             host_blocks: self.num_host_blocks(),
             host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
-            num_swapped: self
-                .index
-                .values()
-                .filter(|&&slab| self.sequences[slab as usize].swapped)
-                .count(),
-            prefix_cache_misses: self.miss_counts,
+            num_swapped: self.sequences.live().filter(|(_, seq)| seq.swapped).count(),
+            prefix_cache_misses: self.prefix_stats.misses,
             num_groups: self.groups.len(),
         }
     }
@@ -156,17 +169,7 @@ impl KvCache {
     /// Host memory held by the bookkeeping: the block pool and event log, plus the sequence
     /// slab and index (excluding the block lists themselves, 4 bytes per block held).
     pub fn heap_bytes(&self) -> (usize, usize) {
-        let per_sequence = self.sequences.capacity() * std::mem::size_of::<Sequence>()
-            + self
-                .sequences
-                .iter()
-                .map(|seq| {
-                    (seq.partial_tokens.capacity() + seq.token_ids.capacity()) * 4
-                        + seq.tables.capacity() * std::mem::size_of::<GroupTable>()
-                })
-                .sum::<usize>()
-            + self.vacant.capacity() * 4
-            + self.index.allocation_size();
+        let per_sequence = self.sequences.heap_bytes();
         (
             self.block_pool.heap_bytes() + self.events.heap_bytes(),
             per_sequence,

@@ -5,37 +5,72 @@ use crate::alloc::{BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
+/// Host blocks for swapped-out sequences (block 0 unused here too), and the scratch a swap
+/// plans its moves in.
+#[derive(Debug, Clone)]
+pub(super) struct HostTier {
+    pub(super) pool: BlockPool,
+    /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere. As
+    /// long as the larger tier, so either tier's blocks index it.
+    pub(super) scratch_moves: Vec<u32>,
+}
+
+impl HostTier {
+    fn new(
+        num_host_blocks: usize,
+        num_device_blocks: usize,
+        block_size: usize,
+    ) -> CoreResult<Self> {
+        Ok(HostTier {
+            pool: BlockPool::new(num_host_blocks + 1, block_size, false)?,
+            scratch_moves: crate::alloc::fallible::try_filled_vec(
+                num_device_blocks.max(num_host_blocks + 1),
+                NO_BLOCK,
+                "num_host_blocks",
+            )?,
+        })
+    }
+
+    /// That the host blocks are held as `holders` says and no planned move is left over.
+    pub(super) fn check_invariants(&self, holders: &[u32]) -> Result<(), String> {
+        self.pool
+            .check_invariants(holders)
+            .map_err(|error| format!("host tier: {error}"))?;
+        match self.scratch_moves.iter().all(|&moved| moved == NO_BLOCK) {
+            true => Ok(()),
+            false => Err("swap scratch left dirty".into()),
+        }
+    }
+}
+
 impl KvCache {
     /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to.
     pub fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
         ensure!(
-            self.host_pool.is_none() && self.index.is_empty(),
+            self.host_tier.is_none() && self.sequences.is_empty(),
             "the host tier is set once, before any sequence exists",
         );
         ensure!(
             num_host_blocks != 0,
             "num_host_blocks must be at least 1, got 0",
         );
-        let host_pool = BlockPool::new(num_host_blocks + 1, self.block_size(), false)?;
-        self.scratch_moves = crate::alloc::fallible::try_filled_vec(
-            self.num_blocks().max(num_host_blocks + 1),
-            NO_BLOCK,
-            "num_host_blocks",
-        )?;
+        let tier = HostTier::new(num_host_blocks, self.num_blocks(), self.block_size())?;
         self.events.resize_host_tier(num_host_blocks + 1)?;
-        self.host_pool = Some(host_pool);
+        self.host_tier = Some(tier);
         Ok(())
     }
 
     /// Usable host blocks (0 without a host tier).
     pub fn num_host_blocks(&self) -> usize {
-        self.host_pool
+        self.host_tier
             .as_ref()
-            .map_or(0, |pool| pool.num_blocks() - 1)
+            .map_or(0, |tier| tier.pool.num_blocks() - 1)
     }
 
     pub fn num_free_host_blocks(&self) -> usize {
-        self.host_pool.as_ref().map_or(0, BlockPool::num_free)
+        self.host_tier
+            .as_ref()
+            .map_or(0, |tier| tier.pool.num_free())
     }
 
     /// Moves the sequences' blocks to the host tier and frees their device blocks. The
@@ -55,7 +90,7 @@ impl KvCache {
 
     fn swap(&mut self, seq_ids: &[u64], out: bool) -> CoreResult<()> {
         ensure!(
-            self.host_pool.is_some(),
+            self.host_tier.is_some(),
             "this KV cache has no host tier: construct it with num_host_blocks",
         );
         self.resolve_batch(seq_ids)?;
@@ -71,7 +106,7 @@ impl KvCache {
     /// destination tier has a block for each distinct source block. Changes nothing.
     fn check_swap(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
         for &slab in slabs {
-            let seq = &self.sequences[slab as usize];
+            let seq = &self.sequences[slab];
             if seq.swapped == out {
                 return Err(match out {
                     true => swapped_out(seq.seq_id),
@@ -79,12 +114,15 @@ impl KvCache {
                 });
             }
         }
+        let Some(tier) = self.host_tier.as_mut() else {
+            return Ok(()); // `swap` checked
+        };
         // Each distinct source block is copied once: count them with the scratch marks.
         let mut needed = 0;
         for pass in [true, false] {
             for &slab in slabs {
-                for block in self.sequences[slab as usize].held_blocks() {
-                    let mark = &mut self.scratch_moves[block as usize];
+                for block in self.sequences[slab].held_blocks() {
+                    let mark = &mut tier.scratch_moves[block as usize];
                     if pass && *mark == NO_BLOCK {
                         needed += 1;
                     }
@@ -112,14 +150,16 @@ impl KvCache {
         let KvCache {
             sequences,
             block_pool,
-            host_pool,
-            scratch_moves,
+            host_tier,
             pending_moves,
             events,
-            next_version,
             ..
         } = self;
-        let Some(host_pool) = host_pool.as_mut() else {
+        let Some(HostTier {
+            pool: host_pool,
+            scratch_moves,
+        }) = host_tier.as_mut()
+        else {
             return Ok(());
         };
         let (source, destination) = match out {
@@ -133,10 +173,10 @@ impl KvCache {
         };
         let first_move = pending_moves.len();
         for &slab in slabs {
-            let seq = &mut sequences[slab as usize];
             // New block tables: a new version (rows that show it are rewritten).
-            seq.version = *next_version;
-            *next_version += 1;
+            let version = sequences.new_version();
+            let seq = &mut sequences[slab];
+            seq.version = version;
             // Blocks whose contents the prefix cache names: their host copies are events.
             let named = seq.num_registered.min(seq.hashes.len());
             for table in seq.tables.iter_mut() {

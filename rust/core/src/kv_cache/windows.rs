@@ -1,10 +1,38 @@
-//! Windowed groups (sliding-window, chunked-local) move with the computed frontier: behind it
-//! they release what no later token reads, ahead of it they take the blocks of the tokens
-//! being computed (a prompt admitted with `admit_sequence` gets them chunk by chunk).
+//! The window policy: what a group of each attention kind holds, in one place.
+//!
+//! A full-attention group keeps every block a sequence ever had. Windowed groups
+//! (sliding-window, chunked-local) move with the computed frontier: behind it they release
+//! what no later token reads, ahead of it they take the blocks of the tokens being computed
+//! (a prompt admitted with `admit_sequence` gets them chunk by chunk). The rest of the cache
+//! asks the questions below rather than matching on the kind.
 
 use super::{allocate_checked, AttentionKind, KvCache};
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
+
+impl AttentionKind {
+    /// Whether the group releases blocks behind the computed frontier. Such a group takes a
+    /// prompt's blocks as they are computed when the scheduler admits it, a prefix hit needs
+    /// only the blocks its window reads, and a miss there means the window's blocks are gone.
+    #[inline]
+    pub fn is_windowed(self) -> bool {
+        !matches!(self, AttentionKind::Full)
+    }
+
+    /// Most blocks one sequence holds at once in a group of this kind: the window (or chunk)
+    /// and one block more, as a window straddles a block boundary; `None` for every block.
+    #[inline]
+    pub fn max_blocks_held(self, block_size: usize) -> Option<usize> {
+        self.span().map(|span| span.div_ceil(block_size) + 1)
+    }
+
+    /// Whether the prefix cache remembers this group's evictions, to name a miss `Evicted`: a
+    /// windowed group releases blocks as its window moves, so its misses are `WindowGone`.
+    #[inline]
+    pub fn remembers_evictions(self) -> bool {
+        !self.is_windowed()
+    }
+}
 
 impl KvCache {
     /// Blocks `mark_computed(seq_id, Some(num_tokens))` would take now: the windowed groups'
@@ -24,7 +52,7 @@ impl KvCache {
     /// See [`KvCache::blocks_to_compute`]; `num_tokens` is within the sequence.
     pub(super) fn window_need(&self, slab: u32, num_tokens: usize) -> usize {
         let block_size = self.block_size();
-        let seq = &self.sequences[slab as usize];
+        let seq = &self.sequences[slab];
         if seq.window_bounds.settled(seq.num_computed) {
             return 0;
         }
@@ -32,7 +60,7 @@ impl KvCache {
         let mut needed = 0;
         let mut first_needed = FirstNeeded::default();
         for (table, spec) in seq.tables.iter().zip(&self.groups) {
-            if spec.kind.span().is_some() {
+            if spec.kind.is_windowed() {
                 let from = first_needed.of(spec.kind, seq.num_computed, block_size);
                 needed += end.saturating_sub(table.allocated.max(from));
             }
@@ -45,7 +73,7 @@ impl KvCache {
     /// budget was checked (`window_need`).
     pub(super) fn advance_windows(&mut self, slab: u32, num_tokens: usize) -> CoreResult<()> {
         let block_size = self.block_size();
-        let seq = &self.sequences[slab as usize];
+        let seq = &self.sequences[slab];
         if seq.window_bounds.settled(seq.num_computed) {
             debug_assert!(
                 self.windows_stay(slab, num_tokens),
@@ -53,19 +81,19 @@ impl KvCache {
             );
             return Ok(()); // most decode steps
         }
-        let version = self.bump_version();
+        let version = self.sequences.new_version();
         let KvCache {
             sequences,
             block_pool,
             groups,
             ..
         } = self;
-        let seq = &mut sequences[slab as usize];
+        let seq = &mut sequences[slab];
         let end = num_tokens.div_ceil(block_size);
         let mut first_needed = FirstNeeded::default();
         let mut bounds = WindowBounds::SETTLED;
         for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
-            if spec.kind.span().is_none() {
+            if !spec.kind.is_windowed() {
                 continue;
             }
             let from = first_needed
@@ -105,12 +133,12 @@ impl KvCache {
     /// what the bounds' shortcut must agree with (checked in debug builds).
     fn windows_stay(&self, slab: u32, num_tokens: usize) -> bool {
         let block_size = self.block_size();
-        let seq = &self.sequences[slab as usize];
+        let seq = &self.sequences[slab];
         let end = num_tokens.div_ceil(block_size);
         seq.tables
             .iter()
             .zip(&self.groups)
-            .filter(|(_, spec)| spec.kind.span().is_some())
+            .filter(|(_, spec)| spec.kind.is_windowed())
             .all(|(table, spec)| {
                 let from = spec.kind.first_needed_block(seq.num_computed, block_size);
                 table.released >= from.min(table.blocks.len()) && table.allocated >= end

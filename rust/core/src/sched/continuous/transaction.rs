@@ -84,7 +84,7 @@ impl ContinuousScheduler {
         // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
         // windowed group: either may preempt by swapping out.
         let decode_need = self.running.len() * 2 * cache.num_groups();
-        let windowed = cache.groups().iter().any(|g| g.kind.span().is_some());
+        let windowed = cache.groups().iter().any(|g| g.kind.is_windowed());
         let prefilling = || {
             self.running.iter().any(|&id| {
                 let computed = self.requests.get(&id).map_or(0, |r| r.num_computed);
