@@ -19,7 +19,7 @@ from tests.support.unchanged import assert_unchanged, failed_malloc_counted, mem
 
 def test_defaults() -> None:
     pool = MemPool(1 * MiB)
-    assert isinstance(pool, atb_mem._core.MemPool)
+    assert isinstance(pool.core, atb_mem._core.MemPool)
     assert pool.capacity == 1 * MiB
     assert pool.alignment == 64
     assert pool.policy == "default"

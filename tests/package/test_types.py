@@ -80,7 +80,7 @@ def mem_pool() -> atb_mem.MemPool:
 
 
 RETURNED: list[tuple[Any, Callable[[], object]]] = [
-    (_types.KVCacheStats, lambda: _core.KVCachePool.stats(busy_cache())),
+    (_types.KVCacheStats, lambda: busy_cache().core.stats()),
     (_types.KVCachePoolStats, lambda: busy_cache().stats()),
     (_types.KVCachePoolStats, lambda: atb_mem.KVCachePool(8, 4, device=None).stats()),
     (_types.MemPoolStats, lambda: mem_pool().stats()),

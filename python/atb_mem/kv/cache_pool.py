@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._composition import bind_core, composed
 from atb_mem._types import GroupPrefix, KVCacheGroup, KVCachePoolStats, PrefixExplanation
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
@@ -51,8 +52,14 @@ _CONFIG_KEYS = {
 
 _DEFAULT_DEVICE = "host"
 
+if TYPE_CHECKING:
+    _CoreInterface = _core.KVCachePool  # what the instance answers from its core
+else:
+    _CoreInterface = object
 
-class KVCachePool(_core.KVCachePool):
+
+@composed(_core.KVCachePool)
+class KVCachePool(_CoreInterface):
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots, with their bytes.
 
     ``device``: ``"host"`` (default; numpy), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"`` (torch),
@@ -64,28 +71,30 @@ class KVCachePool(_core.KVCachePool):
     without ``layer_types`` makes every layer slide (Mistral).
 
     Block 0 is the reserved null block (block tables are padded with it), so
-    ``num_blocks - 1`` blocks hold tokens. See ``_core.pyi`` for the bookkeeping methods.
+    ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's
+    (``core``, a ``_core.KVCachePool``; see ``_core.pyi``): its methods and properties are
+    answered by it directly.
     """
 
-    __slots__ = ("_mem_pool", "_own_pool", "_region", "_tensors")
     _mem_pool: MemPool | None
     _own_pool: MemPool | None
     _region: _core.Allocation | None
     _tensors: KVTensors | None
 
-    def __new__(cls, num_blocks: int, block_size: int, *, device: Any = _DEFAULT_DEVICE,
-                pool: MemPool | None = None, num_host_blocks: int | None = None,
-                **kwargs: Any) -> KVCachePool:
-        if pool is not None and not isinstance(pool, _core.MemPool):
-            raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
-        self = super().__new__(cls, num_blocks, block_size, num_host_blocks=num_host_blocks,
-                               **kwargs)
+    def __init__(self, num_blocks: int, block_size: int, *, device: Any = _DEFAULT_DEVICE,
+                 pool: MemPool | None = None, num_host_blocks: int | None = None,
+                 **kwargs: Any) -> None:
         self._mem_pool = pool
         self._own_pool = None
         self._region = None
         self._tensors = None
+        if pool is not None and not isinstance(pool, (MemPool, _core.MemPool)):
+            raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
+        self._core = _core.KVCachePool(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                                       **kwargs)
+        bind_core(self)
         if pool is None and device is None:
-            return self
+            return
         if pool is not None:
             backend = _backend_of_pool(pool)
         else:
@@ -102,7 +111,12 @@ class KVCachePool(_core.KVCachePool):
         if num_host_blocks is not None:
             host_kv = backend.host_tensor(self._shape(self.num_host_blocks + 1), dtype)
         self._tensors = KVTensors(backend, kv, host_kv)
-        return self
+
+    @property
+    def core(self) -> _core.KVCachePool:
+        """The Rust block bookkeeping, for the core types that take it
+        (``_core.ContinuousScheduler``)."""
+        return self._core
 
     def _shape(self, blocks: int) -> tuple[int, ...]:
         return (self.layers_per_block, 2, blocks, self.block_size, self.num_kv_heads,
@@ -241,20 +255,20 @@ class KVCachePool(_core.KVCachePool):
         they share is moved once. Pending copy-on-write copies run first. One transaction:
         plan, move the bytes, commit — or, if moving raises, roll back (``BlockMoveError``).
         Returns the (device block, host block) pairs moved."""
-        return super().swap_out(seq_ids, execute or self.executor)
+        return self._core.swap_out(seq_ids, execute or self.executor)
 
     def swap_in(self, seq_ids: Any, execute: Any = None) -> np.ndarray:
         """Brings swapped-out sequences back into free device blocks (their block tables
         change), as one transaction like ``swap_out``. Returns the (host block, device block)
         pairs moved."""
-        return super().swap_in(seq_ids, execute or self.executor)
+        return self._core.swap_in(seq_ids, execute or self.executor)
 
     def stats(self) -> KVCachePoolStats:
         tensors = self.tensors
         held = 0 if tensors is None else self.num_blocks * self.bytes_per_block
         host = 0 if tensors is None or tensors.host_kv is None else \
             (self.num_host_blocks + 1) * self.bytes_per_block
-        return {**super().stats(), "device": self.device, "bytes_device": held,
+        return {**self._core.stats(), "device": self.device, "bytes_device": held,
                 "bytes_host_tier": host}
 
     def close(self) -> None:

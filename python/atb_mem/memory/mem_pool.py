@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 from atb_mem import _core
+from atb_mem._composition import bind_core, composed
+from atb_mem._types import AlignmentPolicy, MemoryBacking
 
 __all__ = ["MemPool"]
 
@@ -15,7 +19,14 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-class MemPool(_core.MemPool):
+if TYPE_CHECKING:
+    _CoreInterface = _core.MemPool  # what the instance answers from its core
+else:
+    _CoreInterface = object
+
+
+@composed(_core.MemPool)
+class MemPool(_CoreInterface):
     """A preallocated byte pool with O(1) ``malloc``/``free`` of any size inside it.
 
     ``MemPool(capacity, *, alignment=64, policy="default", backing="host",
@@ -23,15 +34,28 @@ class MemPool(_core.MemPool):
     ALIGN_UP(n, 32) + 32, from a 64-byte boundary). ``backing="host"`` owns one aligned host
     buffer (views are numpy arrays); ``backing=None`` hands out offsets only; any object with
     ``ptr``, ``nbytes`` and ``view(offset, nbytes, dtype, shape)`` can own the bytes instead.
-    See ``_core.pyi`` for every method.
+    The pool itself is the core's (``core``, a ``_core.MemPool``; see ``_core.pyi`` for
+    every method), which answers its methods and properties directly.
     """
 
-    __slots__ = ("_release_threshold",)
+    def __init__(self, capacity: int, *, alignment: int | None = None,
+                 policy: AlignmentPolicy | None = None,
+                 backing: Literal["host"] | MemoryBacking | None = "host",
+                 max_allocations: int | None = None) -> None:
+        self._release_threshold = 0
+        self._core = _core.MemPool(capacity, alignment=alignment, policy=policy,
+                                   backing=backing, max_allocations=max_allocations)
+        bind_core(self)
+
+    @property
+    def core(self) -> _core.MemPool:
+        """The Rust pool."""
+        return self._core
 
     @property
     def release_threshold(self) -> int:
         """CANN's ACL_RT_MEM_POOL_ATTR_RELEASE_THRESHOLD, kept for ported code (bytes)."""
-        return getattr(self, "_release_threshold", 0)
+        return self._release_threshold
 
     @release_threshold.setter
     def release_threshold(self, value: int) -> None:
