@@ -62,6 +62,12 @@ class BlockMoveError(AtbMemError, RuntimeError):
     The executor's exception is ``__cause__``."""
     aborted_seq_ids: list[int]
 
+class RequestRefusedError(AtbMemError, ValueError):
+    """The scheduler refuses a request that could never run: ``seq_id`` names it, ``reason``
+    says why (the message is both)."""
+    seq_id: int
+    reason: str
+
 MoveExecutor = Callable[[Int32Array], object]
 """Executes int32 ``[k, 3]`` (kind, src, dst) block moves in order; kind 0 = copy, 1 = to
 host, 2 = to device. On failure it may set ``moves_attempted`` on its exception."""

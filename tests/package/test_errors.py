@@ -127,7 +127,8 @@ def test_errors_form_one_hierarchy() -> None:
     for name, builtin in [("OutOfMemoryError", MemoryError), ("UnknownSequenceError", KeyError),
                           ("DuplicateSequenceError", ValueError),
                           ("InvalidHandleError", ValueError), ("QueueFullError", RuntimeError),
-                          ("RequestTimeoutError", TimeoutError)]:
+                          ("RequestTimeoutError", TimeoutError),
+                          ("RequestRefusedError", ValueError)]:
         error = getattr(atb_mem, name)
         assert issubclass(error, atb_mem.AtbMemError) and issubclass(error, builtin)
         assert error.__module__ == "atb_mem"

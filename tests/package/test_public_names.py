@@ -13,8 +13,8 @@ PUBLIC = ["NULL_BLOCK", "PAD_SLOT", "Allocation", "AtbMemError", "Batch", "Batch
           "BlockMoveError", "ContinuousBatchScheduler", "DuplicateSequenceError",
           "DynamicBatchScheduler", "HostRegion", "InvalidHandleError", "KVCachePlan",
           "KVCachePool", "KVTensors", "MemPool", "OutOfMemoryError", "QueueFullError",
-          "RequestTimeoutError", "StepPlan", "UnknownSequenceError", "__version__", "acl",
-          "attention", "backends", "plan_kv_cache"]
+          "RequestRefusedError", "RequestTimeoutError", "StepPlan", "UnknownSequenceError",
+          "__version__", "acl", "attention", "backends", "plan_kv_cache"]
 
 
 def test_every_public_name_is_there() -> None:

@@ -223,3 +223,19 @@ def test_regression_a_sequence_freed_behind_the_schedulers_back_fails_the_step_u
         sched.step(now=1.0)
     assert (kv_snapshot(kv), sched.stats(), [sched.progress(i) for i in (86, 87, 88)]) == before
     assert (kv.seq_len(86), kv.seq_len(87)) == (7, 8)
+
+
+def test_a_refused_request_carries_its_id_and_the_reason_apart() -> None:
+    """The engine renamed a refused request by rewriting the scheduler's message text; the
+    refusal now carries ``seq_id`` and ``reason`` as fields, and changes nothing."""
+    kv = atb_mem.KVCachePool(16, 4, device=None)
+    sched = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=2)
+    for args, reason in [((5, 300, 100), "may hold 400 tokens"),
+                         ((6, 4, 4), "runs 3 samples side by side")]:
+        with pytest.raises(atb_mem.RequestRefusedError) as refused:
+            sched.add_request(*args, num_samples=1 if args[0] == 5 else 3)
+        assert refused.value.seq_id == args[0]
+        assert refused.value.reason.startswith(reason)
+        assert str(refused.value) == f"request {args[0]} {refused.value.reason}"
+        assert isinstance(refused.value, ValueError)
+    assert sched.stats()["waiting"] == 0 and len(kv) == 0

@@ -123,7 +123,8 @@ def test_abort_frees_blocks_and_is_reported() -> None:
     ("x", "text", None, ValueError, "needs a tokenizer"),
     ("x", [1] * 500, SamplingParams(max_tokens=13), ValueError, "exceed the model's 512"),
     ("x", [1, 2], {"max_tokens": 3}, TypeError, "params must be SamplingParams"),
-    ("x", [1] * 300, SamplingParams(max_tokens=100), ValueError, "the cache fits"),
+    ("x", [1] * 300, SamplingParams(max_tokens=100), ValueError,
+     "^request 'x' may hold 400 tokens; .* the cache fits"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(request_id: Any, prompt_ids: Any,
                                                      params: Any, error: type[Exception],

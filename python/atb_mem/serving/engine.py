@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atb_mem import _core
 from atb_mem._types import AttentionBackend, Preemption
 from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner
@@ -188,9 +189,8 @@ class Engine:
         try:
             self.scheduler.add_request(seq_id, token_ids, params.max_tokens,
                                        num_samples=params.n)
-        except ValueError as error:  # the scheduler names its sequence: name the request
-            raise ValueError(str(error).replace(f"request {seq_id} ",
-                                                f"request {request_id!r} ")) from None
+        except _core.RequestRefusedError as error:  # named by its sequence: name the request
+            raise ValueError(f"request {request_id!r} {error.reason}") from None
         first = _Sample(seq_id, 0, generator)
         request = _Request(request_id, token_ids, params, [first], forked=params.n == 1)
         self._requests[request_id] = request

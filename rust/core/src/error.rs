@@ -34,6 +34,10 @@ pub enum CoreError {
     /// possibly run. Everything was put back as it was before the operation, except the
     /// sequences whose bytes the partial execution destroyed: those (`aborted`) were ended.
     MovesFailed { attempted: usize, aborted: Vec<u64> },
+    /// The scheduler refuses request `seq_id` for `reason`: it could never run (or no longer
+    /// could under a new configuration). The id is a field, so that a caller that knows the
+    /// request by another name can say the reason under that name.
+    RequestRefused { seq_id: u64, reason: String },
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -103,6 +107,7 @@ impl fmt::Display for CoreError {
                 "out of host memory: could not allocate {bytes} bytes for {what}"
             ),
             CoreError::InvalidArgument(message) => f.write_str(message),
+            CoreError::RequestRefused { seq_id, reason } => write!(f, "request {seq_id} {reason}"),
             CoreError::MovesFailed { attempted, aborted } if aborted.is_empty() => write!(
                 f,
                 "executing block moves failed ({attempted} attempted); nothing was lost: the \

@@ -5,7 +5,7 @@
 //! single base, so the classes are made with `type()` when the module loads.
 
 use atb_mem_core::CoreError;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBaseException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -18,6 +18,7 @@ static INVALID_HANDLE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static QUEUE_FULL_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static REQUEST_TIMEOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static BLOCK_MOVE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static REQUEST_REFUSED_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn make_class<'py>(
     py: Python<'py>,
@@ -47,7 +48,7 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     let builtin =
         |name: &str| -> PyResult<Bound<'_, PyAny>> { py.import("builtins")?.getattr(name) };
-    let classes: [(&PyOnceLock<Py<PyType>>, &str, &str, &str); 7] = [
+    let classes: [(&PyOnceLock<Py<PyType>>, &str, &str, &str); 8] = [
         (
             &OUT_OF_MEMORY_ERROR,
             "OutOfMemoryError",
@@ -91,6 +92,13 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
             "Executing block moves failed. The pool was put back as it was before the \
              operation; `aborted_seq_ids` lists the sequences whose bytes the partial \
              execution destroyed, which were ended. The executor's error is the cause.",
+        ),
+        (
+            &REQUEST_REFUSED_ERROR,
+            "RequestRefusedError",
+            "ValueError",
+            "The scheduler refuses a request that could never run: `seq_id` names it, \
+             `reason` says why (the message is both).",
         ),
     ];
     module.add("AtbMemError", &root)?;
@@ -141,19 +149,33 @@ pub fn to_py_err(error: CoreError) -> PyErr {
         CoreError::DuplicateSequence(_) => raise(&DUPLICATE_SEQUENCE_ERROR, message),
         CoreError::InvalidArgument(_) => PyValueError::new_err(message),
         CoreError::MovesFailed { aborted, .. } => block_move_error(message, &aborted),
+        CoreError::RequestRefused { seq_id, reason } => {
+            with_attributes(raise(&REQUEST_REFUSED_ERROR, message), |value| {
+                value.setattr("seq_id", seq_id)?;
+                value.setattr("reason", reason)
+            })
+        }
     }
+}
+
+/// `error` with attributes set on its value by `set`; the error of setting them instead if
+/// that fails.
+fn with_attributes(
+    error: PyErr,
+    set: impl FnOnce(&Bound<'_, PyBaseException>) -> PyResult<()>,
+) -> PyErr {
+    Python::attach(|py| match set(error.value(py)) {
+        Ok(()) => error,
+        Err(failed) => failed,
+    })
 }
 
 /// `BlockMoveError` for a failed transaction (the core's message names what was ended), its
 /// `aborted_seq_ids` set.
 fn block_move_error(message: String, aborted: &[u64]) -> PyErr {
-    let error = raise(&BLOCK_MOVE_ERROR, message);
-    Python::attach(
-        |py| match error.value(py).setattr("aborted_seq_ids", aborted.to_vec()) {
-            Ok(()) => error,
-            Err(failed) => failed,
-        },
-    )
+    with_attributes(raise(&BLOCK_MOVE_ERROR, message), |value| {
+        value.setattr("aborted_seq_ids", aborted.to_vec())
+    })
 }
 
 /// [`to_py_err`], with the executor's exception (when it raised one) as the cause.

@@ -16,17 +16,29 @@ pub(super) fn check_request(
     num_samples: usize,
 ) -> CoreResult<()> {
     let room = config.room(cache);
-    ensure!(
-        longest <= room,
-        "request {seq_id} may hold {longest} tokens; with watermark={} the cache fits {room}",
-        config.watermark
-    );
-    ensure!(
-        num_samples <= config.max_num_seqs,
-        "request {seq_id} runs {num_samples} samples side by side, more than max_num_seqs={}",
-        config.max_num_seqs
-    );
+    if longest > room {
+        return Err(refused(
+            seq_id,
+            format!(
+                "may hold {longest} tokens; with watermark={} the cache fits {room}",
+                config.watermark
+            ),
+        ));
+    }
+    if num_samples > config.max_num_seqs {
+        return Err(refused(
+            seq_id,
+            format!(
+                "runs {num_samples} samples side by side, more than max_num_seqs={}",
+                config.max_num_seqs
+            ),
+        ));
+    }
     Ok(())
+}
+
+fn refused(seq_id: u64, reason: String) -> CoreError {
+    CoreError::RequestRefused { seq_id, reason }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,12 +133,16 @@ impl ContinuousScheduler {
         );
         let longest = prompt.len() + max_new_tokens;
         check_request(&self.config, cache, seq_id, longest, num_samples)?;
-        ensure!(
-            self.config.enable_chunked_prefill || longest <= self.config.max_num_batched_tokens,
-            "request {seq_id} may need a {longest}-token prefill (after a preemption), more than \
-             max_num_batched_tokens={} without chunked prefill",
-            self.config.max_num_batched_tokens
-        );
+        if !self.config.enable_chunked_prefill && longest > self.config.max_num_batched_tokens {
+            return Err(refused(
+                seq_id,
+                format!(
+                    "may need a {longest}-token prefill (after a preemption), more than \
+                     max_num_batched_tokens={} without chunked prefill",
+                    self.config.max_num_batched_tokens
+                ),
+            ));
+        }
         let token_ids = match prompt {
             Tokens::Ids(ids) => ids.to_vec(),
             Tokens::Count(_) => Vec::new(),
