@@ -32,8 +32,9 @@ pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};
 pub use kv_cache::{
     group_key, group_layers, layer_kinds, pairs_of, AttentionKind, BatchTable, BlockMove,
-    GroupPrefix, KvCache, KvCacheGroup, KvCacheStats, KvEvent, KvEventKind, KvEventLog, Medium,
-    MissReason, MoveFailure, MoveKind, PrefixExplanation, Tokens, PAD_SLOT, SEQUENCE_BYTES,
+    GroupPrefix, HostPrefixCounters, KvCache, KvCacheGroup, KvCacheStats, KvEvent, KvEventKind,
+    KvEventLog, Medium, MissReason, MoveFailure, MoveKind, PrefixExplanation, Tokens, PAD_SLOT,
+    SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

@@ -106,6 +106,32 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Ops that keep a small device busy with prompts that share prefixes, admitted, computed
+/// and freed over and over: cached blocks are evicted (demoted) and found again (promoted).
+fn tier_op() -> impl Strategy<Value = Op> {
+    let id = 0u64..6;
+    // Prompts of a few families: a family's prompts share their leading tokens.
+    let prompt = (0u32..3, 1usize..13).prop_map(|(family, len)| {
+        (0..len as u32)
+            .map(|t| (family * 5 + t * (family + 1)) % VOCAB)
+            .collect::<Vec<u32>>()
+    });
+    prop_oneof![
+        5 => (id.clone(), prompt, any::<bool>())
+            .prop_map(|(id, ids, salted)| Op::AllocIds { id, ids, salted }),
+        5 => id.clone().prop_map(|id| Op::Compute { id }),
+        4 => id.clone().prop_map(|id| Op::Free { id }),
+        1 => (prop::collection::vec(id.clone(), 0..3), 1usize..4, any::<bool>())
+            .prop_map(|(ids, n, with_token_ids)| Op::Append { ids, n, with_token_ids }),
+        1 => (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        1 => prop::collection::vec(id.clone(), 0..2).prop_map(|ids| Op::SwapOut { ids }),
+        1 => prop::collection::vec(id.clone(), 0..2).prop_map(|ids| Op::SwapIn { ids }),
+        1 => id.clone().prop_map(|id| Op::BatchAdd { id }),
+        1 => any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
+        1 => id.prop_map(|id| Op::BatchRemove { id }),
+    ]
+}
+
 #[derive(Default)]
 struct Model {
     tokens: HashMap<u64, Vec<u64>>,
@@ -238,18 +264,24 @@ fn check_batch(cache: &KvCache, batch: &BatchTable, rows_fresh: bool) {
 }
 
 fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
-    run_with(ops, enable_prefix_caching, false);
+    run_with(ops, enable_prefix_caching, false, false);
 }
 
-fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
+/// With a host prefix cache the device is small, so that cached blocks are evicted (and
+/// demoted) often.
+fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_prefix: bool) {
+    let num_blocks = if host_prefix { 9 } else { NUM_BLOCKS };
     let mut cache = KvCache::new(
-        NUM_BLOCKS,
+        num_blocks,
         BLOCK_SIZE,
         KvLayout::default(),
         enable_prefix_caching,
     )
     .unwrap();
     cache.enable_host_tier(HOST_BLOCKS).unwrap();
+    if host_prefix {
+        cache.enable_host_prefix_cache().unwrap();
+    }
     let mut mirror = kv_events.then(|| {
         cache.enable_kv_events().unwrap();
         EventMirror::with_roots(vec![
@@ -261,6 +293,8 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
     let mut model = Model::default();
     for op in ops {
         let before = snapshot(&cache, &batch);
+        // A hit's blocks may come from the host tier: it is read once the moves ran.
+        let mut hit_to_check = None;
         let result: Result<(), CoreError> = match &op {
             Op::AllocCount { id, count } => cache
                 .alloc_sequence(*id, Tokens::Count(*count), None)
@@ -292,7 +326,7 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
                         model.salted.insert(*id);
                     }
                     model.computed.insert(*id, cached);
-                    model.check_prefix(&cache, *id, cached);
+                    hit_to_check = Some((*id, cached));
                 })
             }
             Op::Append {
@@ -364,7 +398,12 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool) {
         };
         match &result {
             // Pending moves run before anything reads or writes the blocks again.
-            Ok(()) => model.execute_moves(&mut cache),
+            Ok(()) => {
+                model.execute_moves(&mut cache);
+                if let Some((id, cached)) = hit_to_check {
+                    model.check_prefix(&cache, id, cached);
+                }
+            }
             Err(error) => {
                 assert_eq!(
                     before,
@@ -496,7 +535,21 @@ proptest! {
 
     #[test]
     fn kv_events_mirror_the_cache(ops in prop::collection::vec(op(), 1..60)) {
-        run_with(ops, true, true);
+        run_with(ops, true, true, false);
+    }
+
+    /// Evicted prefix blocks go to the host tier and come back as hits: every hit still
+    /// serves exactly the tokens asked for, read after the moves ran.
+    #[test]
+    fn matches_model_with_a_host_prefix_cache(ops in prop::collection::vec(tier_op(), 1..80)) {
+        run_with(ops, true, false, true);
+    }
+
+    #[test]
+    fn kv_events_mirror_the_cache_with_a_host_prefix_cache(
+        ops in prop::collection::vec(tier_op(), 1..60)
+    ) {
+        run_with(ops, true, true, true);
     }
 }
 

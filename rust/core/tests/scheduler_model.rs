@@ -41,6 +41,7 @@ struct Harness {
     next_id: u64,
     counts: Counts,
     events: EventMirror,
+    host_prefix: bool,
 }
 
 /// What a run exercised, to show the model test is not vacuous.
@@ -58,20 +59,31 @@ struct Counts {
     grouped_events: usize,
     /// Steps that failed over a cache changed behind the scheduler's back.
     tampered_steps: usize,
+    /// Host-tier blocks promoted back to the device by prefix hits.
+    promotions: u64,
 }
 
 impl Harness {
-    fn new(config: SchedulerConfig, (kinds, block_size): &LayerKinds) -> Self {
+    fn new(config: SchedulerConfig, (kinds, block_size): &LayerKinds, host_prefix: bool) -> Self {
         let layout = KvLayout {
             num_layers: kinds.len(),
             ..KvLayout::default()
         };
         let groups = atb_mem_core::group_layers(kinds).unwrap().0.len();
-        // As many slots per group as a one-group cache has in all.
-        let num_blocks = 1 + ((NUM_BLOCKS - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
+        // As many slots per group as a one-group cache has in all; with a host prefix cache,
+        // fewer, so that the templates' prefixes are evicted and come back.
+        let device_blocks = if host_prefix {
+            NUM_BLOCKS - 4
+        } else {
+            NUM_BLOCKS
+        };
+        let num_blocks = 1 + ((device_blocks - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
         let mut cache =
             KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, kinds).unwrap();
         cache.enable_host_tier(HOST_BLOCKS).unwrap();
+        if host_prefix {
+            cache.enable_host_prefix_cache().unwrap();
+        }
         cache.enable_kv_events().unwrap();
         let scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         Harness {
@@ -88,6 +100,7 @@ impl Harness {
             next_id: 1,
             counts: Counts::default(),
             events: EventMirror::default(),
+            host_prefix,
         }
     }
 
@@ -111,7 +124,12 @@ impl Harness {
                 by_count,
                 max_new,
             } => {
-                let mut prompt: Vec<u32> = TEMPLATES[*template][..*keep].to_vec();
+                // Three templates, or six with a host prefix cache.
+                let template = match self.host_prefix {
+                    true => template + 3 * (tail[0] as usize % 2),
+                    false => *template,
+                };
+                let mut prompt: Vec<u32> = TEMPLATES[template][..*keep].to_vec();
                 prompt.extend_from_slice(tail);
                 let seq_id = self.next_id;
                 self.next_id += 1;
@@ -485,8 +503,8 @@ impl Harness {
     }
 }
 
-fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>) -> Counts {
-    let mut harness = Harness::new(config, kinds);
+fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>, host_prefix: bool) -> Counts {
+    let mut harness = Harness::new(config, kinds, host_prefix);
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
         if trace {
@@ -522,6 +540,7 @@ fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>) -> Counts {
         }
         harness.check();
     }
+    harness.counts.promotions = harness.cache.stats().host_prefix.promoted;
     harness.counts
 }
 
@@ -548,8 +567,18 @@ proptest! {
         config in config(),
         kinds in layer_kinds(),
         ops in prop::collection::vec(op(), STEPS),
+        host_prefix in any::<bool>(),
     ) {
-        run(config, &kinds, ops);
+        run(config, &kinds, ops, host_prefix);
+    }
+
+    #[test]
+    fn scheduler_keeps_every_computed_byte_across_tiers(
+        config in config(),
+        kinds in layer_kinds(),
+        ops in prop::collection::vec(tier_op(), STEPS),
+    ) {
+        run(config, &kinds, ops, true);
     }
 }
 
@@ -564,7 +593,7 @@ fn injected_failures_happen_and_sometimes_cost_requests() {
             .new_tree(&mut runner)
             .unwrap()
             .current();
-        let counts = run(config, &(vec![AttentionKind::Full], BLOCK_SIZE), ops);
+        let counts = run(config, &(vec![AttentionKind::Full], BLOCK_SIZE), ops, false);
         total.copies += counts.copies;
         total.swaps += counts.swaps;
         total.hit_steps += counts.hit_steps;
@@ -594,7 +623,7 @@ fn hybrid_models_release_windows_and_still_hit() {
             .new_tree(&mut runner)
             .unwrap()
             .current();
-        let counts = run(config, &kinds, ops);
+        let counts = run(config, &kinds, ops, false);
         total.windowed_releases += counts.windowed_releases;
         total.hit_steps += counts.hit_steps;
         total.swaps += counts.swaps;
@@ -604,4 +633,29 @@ fn hybrid_models_release_windows_and_still_hit() {
     assert!(total.windowed_releases > 300, "{total:?}");
     assert!(total.grouped_events > 1000, "{total:?}");
     assert!(total.hit_steps > 100 && total.swaps > 100, "{total:?}");
+}
+
+/// With a host prefix cache, evicted prefix blocks come back as hits (promotions) while
+/// steps fail part-way, in one-group and hybrid models alike.
+#[test]
+fn host_prefix_hits_happen_under_failures() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let mut total = Counts::default();
+    for case in 0..200 {
+        let config = config().new_tree(&mut runner).unwrap().current();
+        let kinds = match case % 2 {
+            0 => (vec![AttentionKind::Full], BLOCK_SIZE),
+            _ => layer_kinds().new_tree(&mut runner).unwrap().current(),
+        };
+        let ops = prop::collection::vec(tier_op(), STEPS)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current();
+        let counts = run(config, &kinds, ops, true);
+        total.promotions += counts.promotions;
+        total.failures += counts.failures;
+        total.hit_steps += counts.hit_steps;
+    }
+    println!("{total:?}");
+    assert!(total.promotions > 100 && total.failures > 20, "{total:?}");
 }

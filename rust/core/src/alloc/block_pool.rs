@@ -231,17 +231,27 @@ impl BlockPool {
     /// and hands it out with one reference. `None` when the queue is empty.
     #[inline]
     pub fn allocate(&mut self) -> Option<u32> {
+        self.allocate_evicting().map(|(block, _)| block)
+    }
+
+    /// `allocate`, saying what the block held if it was a cached block: its hash, which a
+    /// lower tier may keep a copy under (the bytes are intact until the block is written).
+    #[inline]
+    pub fn allocate_evicting(&mut self) -> Option<(u32, Option<BlockHash>)> {
         let block = self.free_queue.pop_front()?;
+        let mut evicted = None;
         if self.is_cached(block) {
+            let hash = self.block_hashes[block as usize];
             if self.cached[block as usize] == (Cached::Yes { remember: true }) {
-                self.evicted.record(self.block_hashes[block as usize]);
+                self.evicted.record(hash);
             }
             self.unregister(block);
             self.num_evictable -= 1;
             self.counters.evictions += 1;
+            evicted = Some(hash);
         }
         self.ref_counts[block as usize] = 1;
-        Some(block)
+        Some((block, evicted))
     }
 
     /// Adds a reference to a block already in use (a fork).

@@ -1,7 +1,8 @@
 //! Growing sequences: the block budget of an append (copy-on-write included) and the append
 //! itself, batched.
 
-use super::{allocate_checked, swapped_out, KvCache, PAD_SLOT};
+use super::host_prefix::allocate_device;
+use super::{swapped_out, KvCache, PAD_SLOT};
 use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
@@ -136,6 +137,7 @@ impl KvCache {
         let KvCache {
             sequences,
             block_pool,
+            host_tier,
             pending_moves,
             events,
             has_forked,
@@ -148,7 +150,7 @@ impl KvCache {
                     continue;
                 };
                 if block_pool.ref_count(*last) > 1 {
-                    let copy = allocate_checked(block_pool)?;
+                    let copy = allocate_device(block_pool, host_tier.as_mut(), pending_moves)?;
                     pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
                     block_pool.release(*last);
                     *last = copy;
@@ -176,7 +178,11 @@ impl KvCache {
                     continue;
                 }
                 if offset == 0 {
-                    table.push(allocate_checked(block_pool)?);
+                    table.push(allocate_device(
+                        block_pool,
+                        host_tier.as_mut(),
+                        pending_moves,
+                    )?);
                 }
                 let block = table.blocks[index];
                 emit(group, t, (block as usize * block_size + offset) as i32);

@@ -128,5 +128,11 @@ impl KvCache {
         for (block, _) in damaged_device.iter().enumerate().filter(|(_, &bad)| bad) {
             self.block_pool.uncache(block as u32);
         }
+        // A host prefix copy the failed moves overwrote (a demotion into an evicted copy).
+        if let Some(tier) = self.host_tier.as_mut() {
+            for (block, _) in damaged_host.iter().enumerate().filter(|(_, &bad)| bad) {
+                tier.pool.uncache(block as u32);
+            }
+        }
     }
 }

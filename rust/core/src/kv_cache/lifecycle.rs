@@ -1,12 +1,15 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
 use super::groups::group_key;
+use super::host_prefix::{allocate_device, host_block};
 use super::sequence::Sequence;
-use super::{allocate_checked, swapped_out, KvCache, KvCacheGroup, Tokens};
+use super::swap::HostTier;
+use super::{swapped_out, KvCache, KvCacheGroup, Tokens};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
-/// serves (`hits`), how many of those sit in the free queue, and the (group, block) that
-/// stopped it short of `queries`.
+/// serves (`hits`), how many of those take a block from the free queue (unused device hits,
+/// and host hits, each promoted into a fresh block), and the (group, block) that stopped it
+/// short of `queries`.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct PrefixMatch {
     pub(super) queries: usize,
@@ -16,6 +19,7 @@ pub(super) struct PrefixMatch {
 }
 use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
+use crate::kv_cache::{BlockMove, MoveKind};
 
 impl KvCache {
     /// Looks up the cached prefix of `tokens`: fills `scratch_hashes` with the hash of every
@@ -77,10 +81,13 @@ impl KvCache {
                     *block = NULL_BLOCK;
                 } else if spec.kind.is_windowed() {
                     let key = group_key(self.scratch_hashes[index], group);
-                    *block = self.block_pool.lookup(key).unwrap_or(NULL_BLOCK);
+                    *block = self.lookup_tiers(key).unwrap_or(NULL_BLOCK);
                 }
-                hits_queued +=
-                    usize::from(*block != NULL_BLOCK && self.block_pool.ref_count(*block) == 0);
+                // A host hit takes a device block to be promoted into.
+                hits_queued += usize::from(
+                    *block != NULL_BLOCK
+                        && (host_block(*block).is_some() || self.block_pool.ref_count(*block) == 0),
+                );
             }
         }
         self.scratch_blocks = blocks;
@@ -95,7 +102,7 @@ impl KvCache {
     #[inline]
     fn cached(&self, index: usize, group: usize) -> bool {
         let key = group_key(self.scratch_hashes[index], group);
-        self.block_pool.lookup(key).is_some()
+        self.lookup_tiers(key).is_some()
     }
 
     /// The most leading blocks (at most `limit`) that every group can serve from the cache,
@@ -142,7 +149,7 @@ impl KvCache {
     ) -> (usize, Option<usize>) {
         for index in 0..limit {
             let key = group_key(self.scratch_hashes[index], group);
-            match self.block_pool.lookup(key) {
+            match self.lookup_tiers(key) {
                 Some(block) => {
                     if let Some(cell) = found.get_mut(index) {
                         *cell = block;
@@ -302,12 +309,17 @@ impl KvCache {
         // fails only if that count is wrong (a bug, which would leave this sequence half made).
         if let Tokens::Ids(_) = tokens {
             self.record_lookup(queries, hits, limited_by);
+            let from_host = self.host_hit_blocks(queries, hits);
+            self.prefix_stats
+                .count_host_hit(from_host, self.block_size());
         }
         let version = self.sequences.new_version();
         let slab = self.sequences.vacant_slab(version, self.groups.len());
         let KvCache {
             sequences,
             block_pool,
+            host_tier,
+            pending_moves,
             scratch_hashes,
             scratch_blocks,
             events,
@@ -321,14 +333,20 @@ impl KvCache {
         seq.num_tokens = num_tokens;
         seq.version = version;
         let hit_row = |group: usize| &scratch_blocks[group * queries..group * queries + hits];
-        take_blocks(seq, block_pool, groups, hit_row, num_blocks, lazy)?;
+        let tiers = Tiers {
+            block_pool,
+            host_tier: host_tier.as_mut(),
+            moves: pending_moves,
+        };
+        let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
         seq.partial_tokens.clear();
         seq.hashes.clear();
         seq.token_ids.clear();
-        // Hits are computed already; the rest joins the prefix cache once `mark_computed`
-        // says its K/V is written.
+        // Hits are computed already (promoted ones once their moves ran, before any kernel
+        // reads them); the rest joins the prefix cache once `mark_computed` says its K/V is
+        // written, promoted blocks with it.
         seq.num_computed = hits * block_size;
-        seq.num_registered = hits;
+        seq.num_registered = first_promoted;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
                 seq.hashable = true;
@@ -511,11 +529,15 @@ impl KvCache {
         Ok(())
     }
 
-    /// Drops every cached block that no sequence uses. Returns how many.
-    /// With KV events, a reset that leaves nothing cached on any medium is one
+    /// Drops every cached block that no sequence uses, the host prefix cache's too. Returns
+    /// how many. With KV events, a reset that leaves nothing cached on any medium is one
     /// `AllBlocksCleared`; otherwise its blocks are removals.
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.sync_removed();
+        let host_dropped = self
+            .host_tier
+            .as_mut()
+            .map_or(0, |tier| tier.pool.reset_prefix_cache());
         let dropped = self.block_pool.reset_prefix_cache();
         let nothing_left = self.block_pool.num_cached() == 0 && !self.events.has_host_copies();
         if self.events.enabled() && dropped > 0 && nothing_left {
@@ -523,7 +545,21 @@ impl KvCache {
             self.events.all_cleared();
         }
         self.sync_removed();
-        dropped
+        dropped + host_dropped
+    }
+}
+
+/// The device pool, the host tier and the move list, as an allocation that may demote or
+/// promote needs them.
+struct Tiers<'a> {
+    block_pool: &'a mut BlockPool,
+    host_tier: Option<&'a mut HostTier>,
+    moves: &'a mut Vec<BlockMove>,
+}
+
+impl Tiers<'_> {
+    fn allocate(&mut self) -> CoreResult<u32> {
+        allocate_device(self.block_pool, self.host_tier.as_deref_mut(), self.moves)
     }
 }
 
@@ -531,28 +567,55 @@ impl KvCache {
 /// `NULL_BLOCK` where a window released one), then fresh blocks up to `num_blocks`
 /// (windowed groups of a `lazy` admission take theirs chunk by chunk later). Every group takes
 /// its hits before any allocates: a fresh block could otherwise be another group's unused
-/// hit, evicted from under it.
+/// hit, evicted from under it. Host hits are held the same way, then each is promoted into a
+/// fresh device block by a (host → device) move. Returns the first block index promoted
+/// (`hits` when none was): the blocks from there join the device's prefix cache with
+/// `mark_computed`.
 fn take_blocks<'a>(
     seq: &mut Sequence,
-    block_pool: &mut BlockPool,
+    mut tiers: Tiers<'_>,
     groups: &[KvCacheGroup],
     hit_row: impl Fn(usize) -> &'a [u32],
     num_blocks: usize,
     lazy: bool,
-) -> CoreResult<()> {
+) -> CoreResult<usize> {
     let mut hits = 0;
+    let mut first_promoted = usize::MAX;
     for (group, table) in seq.tables.iter_mut().enumerate() {
         let row = hit_row(group);
         hits = row.len();
-        for &block in row {
+        for (index, &block) in row.iter().enumerate() {
             if block == NULL_BLOCK {
                 table.released += 1;
+            } else if let Some(copy) = host_block(block) {
+                if let Some(tier) = tiers.host_tier.as_deref_mut() {
+                    tier.pool.take_hit(copy);
+                }
+                first_promoted = first_promoted.min(index);
             } else {
-                block_pool.take_hit(block);
+                tiers.block_pool.take_hit(block);
             }
             table.blocks.push(block);
         }
         table.allocated = hits;
+    }
+    let first_promoted = first_promoted.min(hits);
+    for table in seq.tables.iter_mut() {
+        for cell in &mut table.blocks[first_promoted..hits] {
+            let Some(copy) = host_block(*cell) else {
+                continue;
+            };
+            let block = tiers.allocate()?;
+            tiers
+                .moves
+                .push(BlockMove::new(MoveKind::ToDevice, copy, block));
+            if let Some(tier) = tiers.host_tier.as_deref_mut() {
+                // Read by the move just planned; a later demotion may reuse it after that.
+                tier.pool.release(copy);
+                tier.prefix_counters.promoted += 1;
+            }
+            *cell = block;
+        }
     }
     for (table, spec) in seq.tables.iter_mut().zip(groups) {
         if lazy && spec.kind.is_windowed() {
@@ -560,8 +623,8 @@ fn take_blocks<'a>(
             continue;
         }
         for _ in hits..num_blocks {
-            table.push(allocate_checked(block_pool)?);
+            table.push(tiers.allocate()?);
         }
     }
-    Ok(())
+    Ok(first_promoted)
 }

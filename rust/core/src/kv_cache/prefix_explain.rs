@@ -3,7 +3,7 @@
 //! their misses by reason (`stats()`), so a hit rate that collapses says why.
 
 use super::groups::group_key;
-use super::{KvCache, Tokens};
+use super::{KvCache, Medium, Tokens};
 use crate::error::CoreResult;
 
 /// Why a prefix hit stops where it does.
@@ -60,6 +60,9 @@ pub struct PrefixExplanation {
     pub reason: MissReason,
     pub limited_by: Option<usize>,
     pub groups: Vec<GroupPrefix>,
+    /// Where the hit comes from, in order: runs of (medium, tokens) that sum to
+    /// `hit_tokens`; a block some group would promote from the host tier counts as `Host`.
+    pub tiers: Vec<(Medium, usize)>,
 }
 
 impl KvCache {
@@ -80,6 +83,7 @@ impl KvCache {
                 reason: MissReason::PrefixCachingOff,
                 limited_by: None,
                 groups: vec![off; self.groups.len()],
+                tiers: Vec::new(),
             });
         }
         let found = self.match_prefix(Tokens::Ids(token_ids), cache_salt);
@@ -96,7 +100,19 @@ impl KvCache {
                 }
             })
             .collect();
+        let mut tiers: Vec<(Medium, usize)> = Vec::new();
+        for index in 0..found.hits {
+            let medium = match self.host_hit_blocks_at(found.queries, index) {
+                true => Medium::Host,
+                false => Medium::Device,
+            };
+            match tiers.last_mut() {
+                Some((last, tokens)) if *last == medium => *tokens += block_size,
+                _ => tiers.push((medium, block_size)),
+            }
+        }
         Ok(PrefixExplanation {
+            tiers,
             hit_tokens: found.hits * block_size,
             reason: self.miss_reason(found.limited_by),
             limited_by: found.limited_by.map(|(group, _)| group),

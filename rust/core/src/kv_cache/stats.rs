@@ -1,6 +1,6 @@
 //! Counters, sizes and fragmentation of the cache, and the bookkeeping's own memory.
 
-use super::{KvCache, MissReason};
+use super::{HostPrefixCounters, KvCache, MissReason};
 use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
 use crate::figures::{Figure, Figures};
 
@@ -28,6 +28,12 @@ pub struct KvCacheStats {
     pub host_blocks: usize,
     pub host_blocks_used: usize,
     pub num_swapped: usize,
+    /// Cached blocks the host tier keeps for the prefix cache (no sequence holds them).
+    pub host_blocks_cached: usize,
+    /// Of `prefix_cache_hit_tokens`, those promoted from the host tier.
+    pub prefix_cache_host_hit_tokens: u64,
+    /// What the host prefix tier did, in blocks.
+    pub host_prefix: HostPrefixCounters,
     /// Admissions whose prefix hit fell short, by reason (`MissReason::COUNTED` order).
     pub prefix_cache_misses: [u64; 4],
     /// KV-cache groups (1 without layer types).
@@ -77,6 +83,12 @@ impl Figures for KvCacheStats {
             "host_blocks" => self.host_blocks,
             "host_blocks_used" => self.host_blocks_used,
             "num_swapped" => self.num_swapped,
+            "host_blocks_cached" => self.host_blocks_cached,
+            "prefix_cache_host_hit_tokens" => self.prefix_cache_host_hit_tokens,
+            "host_prefix_demoted" => self.host_prefix.demoted,
+            "host_prefix_demotions_skipped" => self.host_prefix.demotions_skipped,
+            "host_prefix_demotions_dropped" => self.host_prefix.demotions_dropped,
+            "host_prefix_promoted" => self.host_prefix.promoted,
             "prefix_cache_misses_block_alignment" => self.prefix_cache_misses[0],
             "prefix_cache_misses_not_cached" => self.prefix_cache_misses[1],
             "prefix_cache_misses_evicted" => self.prefix_cache_misses[2],
@@ -92,6 +104,8 @@ impl Figures for KvCacheStats {
 pub(super) struct PrefixStats {
     query_tokens: u64,
     hit_tokens: u64,
+    /// Of `hit_tokens`, those whose blocks came from the host tier in some group.
+    host_hit_tokens: u64,
     /// Admissions whose prefix hit fell short, by [`MissReason`].
     misses: [u64; 4],
 }
@@ -100,6 +114,10 @@ impl PrefixStats {
     pub(super) fn count_lookup(&mut self, queries: usize, hits: usize, block_size: usize) {
         self.query_tokens += (queries * block_size) as u64;
         self.hit_tokens += (hits * block_size) as u64;
+    }
+
+    pub(super) fn count_host_hit(&mut self, blocks: usize, block_size: usize) {
+        self.host_hit_tokens += (blocks * block_size) as u64;
     }
 
     pub(super) fn count_miss(&mut self, reason: MissReason) {
@@ -161,6 +179,9 @@ impl KvCache {
             host_blocks: self.num_host_blocks(),
             host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
             num_swapped: self.sequences.live().filter(|(_, seq)| seq.swapped).count(),
+            host_blocks_cached: self.num_host_cached_blocks(),
+            prefix_cache_host_hit_tokens: self.prefix_stats.host_hit_tokens,
+            host_prefix: self.host_prefix_counters(),
             prefix_cache_misses: self.prefix_stats.misses,
             num_groups: self.groups.len(),
         }

@@ -1,18 +1,21 @@
-//! The host tier: swapping sequences out to host blocks and back in.
+//! The host tier: swapping sequences out to host blocks and back in. (Its prefix cache, the
+//! blocks the device evicts, is `host_prefix`.)
 
+use super::host_prefix::{allocate_device, HostPrefixCounters};
 use super::{allocate_checked, swapped_out, KvCache, NO_BLOCK};
 use crate::alloc::{BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
-/// Host blocks for swapped-out sequences (block 0 unused here too), and the scratch a swap
-/// plans its moves in.
+/// Host blocks for swapped-out sequences (block 0 unused here too) and, with a host prefix
+/// cache, for the cached blocks the device evicted; and the scratch a swap plans its moves in.
 #[derive(Debug, Clone)]
 pub(super) struct HostTier {
     pub(super) pool: BlockPool,
     /// Source block → destination block while a swap is planned; `NO_BLOCK` elsewhere. As
     /// long as the larger tier, so either tier's blocks index it.
     pub(super) scratch_moves: Vec<u32>,
+    pub(super) prefix_counters: HostPrefixCounters,
 }
 
 impl HostTier {
@@ -20,14 +23,16 @@ impl HostTier {
         num_host_blocks: usize,
         num_device_blocks: usize,
         block_size: usize,
+        keep_prefixes: bool,
     ) -> CoreResult<Self> {
         Ok(HostTier {
-            pool: BlockPool::new(num_host_blocks + 1, block_size, false)?,
+            pool: BlockPool::new(num_host_blocks + 1, block_size, keep_prefixes)?,
             scratch_moves: crate::alloc::fallible::try_filled_vec(
                 num_device_blocks.max(num_host_blocks + 1),
                 NO_BLOCK,
                 "num_host_blocks",
             )?,
+            prefix_counters: HostPrefixCounters::default(),
         })
     }
 
@@ -54,9 +59,35 @@ impl KvCache {
             num_host_blocks != 0,
             "num_host_blocks must be at least 1, got 0",
         );
-        let tier = HostTier::new(num_host_blocks, self.num_blocks(), self.block_size())?;
+        let tier = HostTier::new(num_host_blocks, self.num_blocks(), self.block_size(), false)?;
         self.events.resize_host_tier(num_host_blocks + 1)?;
         self.host_tier = Some(tier);
+        Ok(())
+    }
+
+    /// Keeps the cached blocks the device evicts in the host tier, where a later prefix
+    /// lookup finds them (see `host_prefix`). Set once, after `enable_host_tier` and before
+    /// any sequence exists; needs prefix caching.
+    pub fn enable_host_prefix_cache(&mut self) -> CoreResult<()> {
+        ensure!(
+            self.enable_prefix_caching(),
+            "a host prefix cache needs prefix caching on the device"
+        );
+        ensure!(
+            self.sequences.is_empty(),
+            "the host prefix cache is turned on once, before any sequence exists"
+        );
+        let num_host_blocks = self.num_host_blocks();
+        ensure!(
+            num_host_blocks != 0,
+            "a host prefix cache needs a host tier: construct the cache with num_host_blocks"
+        );
+        self.host_tier = Some(HostTier::new(
+            num_host_blocks,
+            self.num_blocks(),
+            self.block_size(),
+            true,
+        )?);
         Ok(())
     }
 
@@ -155,16 +186,8 @@ impl KvCache {
             events,
             ..
         } = self;
-        let Some(HostTier {
-            pool: host_pool,
-            scratch_moves,
-        }) = host_tier.as_mut()
-        else {
+        let Some(tier) = host_tier.as_mut() else {
             return Ok(());
-        };
-        let (source, destination) = match out {
-            true => (block_pool, host_pool),
-            false => (host_pool, block_pool),
         };
         let kind = if out {
             MoveKind::ToHost
@@ -181,17 +204,29 @@ impl KvCache {
             let named = seq.num_registered.min(seq.hashes.len());
             for table in seq.tables.iter_mut() {
                 for block in table.live_mut().iter_mut().rev() {
-                    let moved = match scratch_moves[*block as usize] {
+                    let moved = match tier.scratch_moves[*block as usize] {
                         NO_BLOCK => {
-                            let moved = allocate_checked(destination)?;
-                            scratch_moves[*block as usize] = moved;
+                            let moved = match out {
+                                true => allocate_checked(&mut tier.pool)?,
+                                // A device block this evicts may be demoted to the host tier,
+                                // after the moves that read the host blocks released so far.
+                                false => allocate_device(block_pool, Some(tier), pending_moves)?,
+                            };
+                            tier.scratch_moves[*block as usize] = moved;
                             pending_moves.push(BlockMove::new(kind, *block, moved));
                             moved
                         }
                         moved => {
-                            destination.share(moved);
+                            match out {
+                                true => tier.pool.share(moved),
+                                false => block_pool.share(moved),
+                            }
                             moved
                         }
+                    };
+                    let source = match out {
+                        true => &mut *block_pool,
+                        false => &mut tier.pool,
                     };
                     source.release(*block);
                     if !out && events.enabled() && source.ref_count(*block) == 0 {
@@ -219,7 +254,7 @@ impl KvCache {
             seq.num_registered = 0;
         }
         for planned in &pending_moves[first_move..] {
-            scratch_moves[planned.src as usize] = NO_BLOCK;
+            tier.scratch_moves[planned.src as usize] = NO_BLOCK;
         }
         self.sync_removed();
         Ok(())

@@ -6,7 +6,8 @@
 //! (a prompt admitted with `admit_sequence` gets them chunk by chunk). The rest of the cache
 //! asks the questions below rather than matching on the kind.
 
-use super::{allocate_checked, AttentionKind, KvCache};
+use super::host_prefix::allocate_device;
+use super::{AttentionKind, KvCache};
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
 
@@ -85,6 +86,8 @@ impl KvCache {
         let KvCache {
             sequences,
             block_pool,
+            host_tier,
+            pending_moves,
             groups,
             ..
         } = self;
@@ -114,7 +117,8 @@ impl KvCache {
                 table.allocated = table.allocated.max(from);
             }
             while table.allocated < end {
-                table.blocks[table.allocated] = allocate_checked(block_pool)?;
+                table.blocks[table.allocated] =
+                    allocate_device(block_pool, host_tier.as_mut(), pending_moves)?;
                 table.allocated += 1;
             }
             if filled {

@@ -66,6 +66,19 @@ pub fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Requests that come and finish steadily, so that a small device evicts prefixes that
+/// later requests ask for again (a host prefix cache's workload), with failures injected.
+pub fn tier_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0usize..3, 2usize..9, prop::collection::vec(0u32..4, 1..4), Just(false), 1usize..4)
+            .prop_map(|(template, keep, tail, by_count, max_new)| Op::Add { template, keep, tail, by_count, max_new }),
+        6 => prop::option::weighted(0.3, 0usize..9).prop_map(|fail| Op::Step { fail }),
+        6 => (0u32..4).prop_map(|token| Op::Sample { token }),
+        1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
+        1 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
+    ]
+}
+
 /// Layer kinds of the model and the block size: one full-attention layer (today's caches),
 /// or a mix of full, sliding-window and chunked layers (KV-cache groups).
 pub type LayerKinds = (Vec<AttentionKind>, usize);
@@ -98,10 +111,14 @@ pub fn config() -> impl Strategy<Value = SchedulerConfig> {
     )
 }
 
-pub const TEMPLATES: [[u32; 8]; 3] = [
+pub const TEMPLATES: [[u32; 8]; 6] = [
     [1, 2, 3, 1, 2, 3, 1, 2],
     [1, 2, 3, 0, 0, 1, 1, 0],
     [3, 3, 2, 2, 1, 1, 0, 0],
+    // More prompts than a small device keeps cached: a host prefix cache's workload.
+    [0, 1, 0, 1, 2, 2, 3, 3],
+    [2, 0, 3, 1, 2, 0, 3, 1],
+    [3, 1, 1, 0, 2, 3, 0, 2],
 ];
 
 /// K/V value of a token: its id and position for known ids (so equal prefixes hold equal

@@ -79,12 +79,38 @@ impl ContinuousScheduler {
 
     /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
     /// if executing them fails): moves already pending, a swap-in, a swap preemption (some
-    /// decode may find no free block), or a copy-on-write (only after a fork).
+    /// decode may find no free block), a copy-on-write (only after a fork), or, with a host
+    /// prefix cache, a promotion (an admission while the host tier holds prefixes) or a
+    /// demotion (an allocation that may evict a cached block).
     fn step_may_move(&self, cache: &KvCache) -> bool {
         // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
         // windowed group: either may preempt by swapping out.
         let decode_need = self.running.len() * 2 * cache.num_groups();
         let windowed = cache.groups().iter().any(|g| g.kind.is_windowed());
+        if cache.host_prefix_cache() {
+            // Admissions: waiting or swapped requests, or requests a lowered max_num_seqs
+            // preempts. Cached blocks: the device's, the host's, or those the aborts left
+            // to free at the step's start.
+            let admits = !self.waiting.is_empty()
+                || !self.swapped.is_empty()
+                || self.running.len() > self.config.max_num_seqs;
+            let chunk_need = match windowed {
+                true => {
+                    self.config
+                        .max_num_batched_tokens
+                        .div_ceil(cache.block_size())
+                        * cache.num_groups()
+                }
+                false => 0,
+            };
+            let uncached_free = cache.num_free_blocks() - cache.block_pool().num_evictable();
+            let cached_anywhere = cache.num_host_cached_blocks() > 0
+                || cache.block_pool().num_evictable() > 0
+                || !self.deferred_frees.is_empty();
+            if (admits && cached_anywhere) || uncached_free < decode_need + chunk_need {
+                return true;
+            }
+        }
         let prefilling = || {
             self.running.iter().any(|&id| {
                 let computed = self.requests.get(&id).map_or(0, |r| r.num_computed);
