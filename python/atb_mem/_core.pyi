@@ -83,7 +83,8 @@ class KVCachePool:
                 num_kv_heads: int | None = None, head_dim: int | None = None,
                 dtype: KVDtype | KVDtypeAlias | type[np.generic] | np.dtype[Any] | None = None,
                 enable_prefix_caching: bool = True,
-                num_host_blocks: int | None = None, enable_kv_events: bool = False,
+                num_host_blocks: int | None = None, host_prefix_cache: bool = False,
+                enable_kv_events: bool = False,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None) -> Self: ...
     @property
@@ -129,8 +130,9 @@ class KVCachePool:
     ) -> bool: ...
     def _explain_prefix(
         self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
-    ) -> tuple[int, str, int | None, list[tuple[int, str]]]:
-        """(hit tokens, reason, limiting group, [(cached tokens, reason)] per group)."""
+    ) -> tuple[int, str, int | None, list[tuple[int, str]], list[tuple[str, int]]]:
+        """(hit tokens, reason, limiting group, [(cached tokens, reason)] per group,
+        [(tier, tokens)] in order)."""
     def seq_len(self, seq_id: int) -> int: ...
     def __contains__(self, seq_id: int) -> bool: ...
     def __len__(self) -> int: ...
@@ -183,6 +185,9 @@ class KVCachePool:
     @property
     def num_host_blocks(self) -> int:
         """Usable blocks of the host tier (0 without one)."""
+    @property
+    def host_prefix_cache(self) -> bool:
+        """Whether cached blocks the device evicts are kept in the host tier."""
     @property
     def num_free_host_blocks(self) -> int: ...
     def is_swapped(self, seq_id: int) -> bool: ...

@@ -70,6 +70,14 @@ class KVCacheStats(TypedDict):
     host_blocks: int
     host_blocks_used: int
     num_swapped: int
+    # The host prefix cache (host_prefix_cache=True): what it holds, what it served, and the
+    # device evictions it kept (skipped: a copy was there; dropped: no host block was free).
+    host_blocks_cached: int
+    prefix_cache_host_hit_tokens: int
+    host_prefix_demoted: int
+    host_prefix_demotions_skipped: int
+    host_prefix_demotions_dropped: int
+    host_prefix_promoted: int
     # Admissions whose prefix hit fell short, by reason (see KVCachePool.explain_prefix).
     prefix_cache_misses_block_alignment: int
     prefix_cache_misses_not_cached: int
@@ -218,3 +226,6 @@ class PrefixExplanation(NamedTuple):
     reason: str
     limited_by: int | None
     groups: list[GroupPrefix]
+    #: Where the hit comes from, in order: ``("device" | "host", tokens)`` runs summing to
+    #: ``hit_tokens`` (host: promoted from the host prefix cache).
+    tiers: list[tuple[str, int]]

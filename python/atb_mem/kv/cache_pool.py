@@ -44,6 +44,7 @@ _CONFIG_KEYS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "device": "device",
     "num_host_blocks": "num_host_blocks",
+    "host_prefix_cache": "host_prefix_cache",
     "enable_kv_events": "enable_kv_events",
     "layer_types": "layer_types",
     "sliding_window": "sliding_window",
@@ -65,7 +66,10 @@ class KVCachePool(_CoreInterface):
     ``device``: ``"host"`` (default; numpy), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"`` (torch),
     or ``None`` for block bookkeeping without bytes. ``pool``: a ``MemPool`` to take the region
     from instead (its backing decides the device). ``num_host_blocks``: a host tier that
-    ``swap_out`` moves sequences to (pinned memory when the device is CUDA).
+    ``swap_out`` moves sequences to (pinned memory when the device is CUDA); with
+    ``host_prefix_cache=True`` it also keeps the cached blocks the device evicts, and a prefix
+    lookup that misses on the device promotes them back (``explain_prefix`` says which tier
+    each part of a hit comes from).
     ``layer_types`` (transformers' per-layer names), ``sliding_window``,
     ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
     without ``layer_types`` makes every layer slide (Mistral).
@@ -135,12 +139,12 @@ class KVCachePool(_CoreInterface):
                        ) -> PrefixExplanation:
         """Why a prompt of ``token_ids`` would hit what it hits now, per group and in all,
         without changing anything (reasons: ``MISS_REASONS`` and ``"prefix_caching_off"``)."""
-        hit, reason, limited_by, per_group = self._explain_prefix(token_ids,
-                                                                  cache_salt=cache_salt)
+        hit, reason, limited_by, per_group, tiers = self._explain_prefix(
+            token_ids, cache_salt=cache_salt)
         groups = [GroupPrefix(index, group.kind, cached, why)
                   for index, (group, (cached, why)) in enumerate(zip(self.groups, per_group,
                                                                       strict=True))]
-        return PrefixExplanation(hit, reason, limited_by, groups)
+        return PrefixExplanation(hit, reason, limited_by, groups, tiers)
 
     @property
     def device(self) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner
 from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling.continuous import ContinuousBatchScheduler
-from atb_mem.serving.kv_sizing import kv_cache_shape, num_kv_blocks
+from atb_mem.serving.kv_sizing import host_tier, kv_cache_shape, num_kv_blocks
 from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from atb_mem.serving.prompts import Prompt, eos_token_ids, prompt_list
 from atb_mem.serving.sampler import sample, sample_generator
@@ -68,15 +68,15 @@ class Engine:
     ``plan_kv_cache`` (``gpu_memory_utilization``); on the host from ``kv_cache_memory_bytes``
     (default: what ``max_num_seqs`` sequences of the model's full length need, at most 4 GiB).
     The model is switched to atb-mem's attention (``model.set_attn_implementation``).
-    With ``kv_events`` (e.g. ``atb_mem.events.zmq_publisher.ZmqEventPublisher``), every step
-    ends by publishing the KV-cache events it caused, for a KV-aware router.
-    """
+    ``kv_offload={"host": "8GiB"}``: a host tier that keeps the prefix blocks the device evicts
+    (and takes swapped sequences). With ``kv_events`` (``atb_mem.events.zmq_publisher``'s
+    ``ZmqEventPublisher``, say), every step publishes the KV-cache events it caused."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9,
+                 kv_offload: Mapping[str, Any] | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
@@ -102,10 +102,10 @@ class Engine:
                                        kv_cache_memory_bytes)
             if self.plan_broadcast is not None:  # every rank holds as many blocks as the least
                 num_blocks = self.plan_broadcast.agree_on_minimum(num_blocks)
+        tier = host_tier(kv_offload, num_host_blocks, block_size, shape, enable_prefix_caching)
         self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
                                     enable_prefix_caching=enable_prefix_caching,
-                                    num_host_blocks=num_host_blocks,
-                                    enable_kv_events=kv_events is not None, **shape)
+                                    enable_kv_events=kv_events is not None, **tier, **shape)
         self.kv_events = kv_events
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,

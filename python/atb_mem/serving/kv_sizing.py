@@ -1,16 +1,22 @@
 """The KV cache a model needs: its shape (layers, heads, dtype, and the KV-cache groups its
-sliding-window or chunked layers form) and how many blocks fit the memory it may take."""
+sliding-window or chunked layers form), how many blocks fit the memory it may take, and the
+host tier that ``kv_offload`` asks for."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
+from atb_mem._sizes import parse_size
 from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_layers
 from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
 from atb_mem.kv.planning import block_bytes, plan_kv_cache
 
-__all__ = ["kv_cache_shape", "num_kv_blocks"]
+__all__ = ["OFFLOAD_TIERS", "host_tier", "kv_cache_shape", "num_kv_blocks"]
+
+# The tiers ``kv_offload`` names (the disk tier comes with its own issue).
+OFFLOAD_TIERS = ("host",)
 
 # Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
 HOST_KV_BUDGET = 4 << 30
@@ -44,3 +50,33 @@ def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_se
     # Each group holds a block per block_size tokens of an admitted sequence.
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) * len(groups) + 1
     return min(wanted, HOST_KV_BUDGET // bytes_per_block)
+
+
+def host_tier(kv_offload: Mapping[str, Any] | None, num_host_blocks: int | None,
+              block_size: int, shape: dict[str, Any], enable_prefix_caching: bool
+              ) -> dict[str, Any]:
+    """The ``KVCachePool`` arguments of the host tier: ``num_host_blocks`` for swapping alone,
+    or ``kv_offload={"host": SIZE}``, a host tier of that many bytes that also keeps the
+    prefix blocks the device evicts (``host_prefix_cache``)."""
+    if kv_offload is None:
+        return {"num_host_blocks": num_host_blocks}
+    if not isinstance(kv_offload, Mapping):
+        raise TypeError(f"kv_offload must be a dict like {{'host': '8GiB'}}, got "
+                        f"{type(kv_offload).__name__}")
+    unknown = sorted(set(kv_offload) - set(OFFLOAD_TIERS))
+    if unknown:
+        raise ValueError(f"kv_offload names unknown tiers {unknown}; known: "
+                         f"{list(OFFLOAD_TIERS)}")
+    if "host" not in kv_offload:
+        return {"num_host_blocks": num_host_blocks}
+    if num_host_blocks is not None:
+        raise ValueError("give the host tier once: num_host_blocks or kv_offload['host']")
+    if not enable_prefix_caching:
+        raise ValueError("kv_offload keeps evicted prefix blocks: it needs prefix caching")
+    size = parse_size(kv_offload["host"])
+    bytes_per_block, _ = block_bytes(block_size, **shape)
+    blocks = size // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"kv_offload host={kv_offload['host']!r} holds no block of "
+                         f"{bytes_per_block} bytes")
+    return {"num_host_blocks": blocks, "host_prefix_cache": True}

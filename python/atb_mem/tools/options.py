@@ -4,7 +4,6 @@ shares: the console, ``--json`` output, the optional matplotlib."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,18 +12,7 @@ import click
 from rich.console import Console
 
 from atb_mem._core import KV_DTYPES
-
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
-          "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``"64GiB"`` → bytes. KB/MB/GB/TB are decimal, KiB/MiB/GiB/TiB and bare K/M/G/T binary."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (e.g. 64GiB, 14GB, 1048576)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from atb_mem._sizes import parse_size
 
 
 class _Size(click.ParamType):

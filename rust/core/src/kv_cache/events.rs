@@ -34,11 +34,20 @@ pub enum KvEventKind {
     AllBlocksCleared,
 }
 
-/// Where the blocks of an event live.
+/// Where the blocks of an event (or of a prefix hit) live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Medium {
     Device,
     Host,
+}
+
+impl Medium {
+    pub fn name(self) -> &'static str {
+        match self {
+            Medium::Device => "device",
+            Medium::Host => "host",
+        }
+    }
 }
 
 /// One event; its hashes and token ids are read through [`KvEventLog`].

@@ -24,12 +24,13 @@ use crate::lock::{Guard, PyLock};
 /// A KV-cache group as Python sees it: (kind, layers, window or chunk).
 pub(crate) type GroupRow = (&'static str, Vec<usize>, Option<usize>);
 
-/// An explained prefix lookup: (hit tokens, reason, limiting group, per group).
+/// An explained prefix lookup: (hit tokens, reason, limiting group, per group, per tier).
 type PrefixRow = (
     usize,
     &'static str,
     Option<usize>,
     Vec<(usize, &'static str)>,
+    Vec<(&'static str, usize)>,
 );
 
 /// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
@@ -74,8 +75,8 @@ impl PyKvCachePool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
-                        enable_kv_events=false, layer_types=None, sliding_window=None,
-                        attention_chunk_size=None))]
+                        host_prefix_cache=false, enable_kv_events=false, layer_types=None,
+                        sliding_window=None, attention_chunk_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -86,6 +87,7 @@ impl PyKvCachePool {
         dtype: Option<Dtype>,
         enable_prefix_caching: bool,
         num_host_blocks: Option<Count<1>>,
+        host_prefix_cache: bool,
         enable_kv_events: bool,
         layer_types: Option<LayerTypes>,
         sliding_window: Option<Count<1>>,
@@ -118,12 +120,21 @@ impl PyKvCachePool {
         if let Some(Count(num_host_blocks)) = num_host_blocks {
             cache.enable_host_tier(num_host_blocks).into_py_result()?;
         }
+        if host_prefix_cache {
+            cache.enable_host_prefix_cache().into_py_result()?;
+        }
         if enable_kv_events {
             cache.enable_kv_events().into_py_result()?;
         }
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
         })
+    }
+
+    /// Whether cached blocks the device evicts are kept in the host tier.
+    #[getter]
+    fn host_prefix_cache(&self) -> PyResult<bool> {
+        Ok(self.lock()?.host_prefix_cache())
     }
 
     #[getter]
@@ -225,7 +236,8 @@ impl PyKvCachePool {
     }
 
     /// Why `token_ids` would hit what it hits now: (hit tokens, reason, limiting group or
-    /// None, [(cached tokens, reason)] per group). `KVCachePool.explain_prefix` wraps it.
+    /// None, [(cached tokens, reason)] per group, [(tier, tokens)] in order).
+    /// `KVCachePool.explain_prefix` wraps it.
     #[pyo3(signature = (token_ids, *, cache_salt=None))]
     fn _explain_prefix(
         &self,
@@ -237,7 +249,12 @@ impl PyKvCachePool {
         let why = why.into_py_result()?;
         let groups = why.groups.iter();
         let groups = groups.map(|g| (g.cached_tokens, g.reason.name())).collect();
-        Ok((why.hit_tokens, why.reason.name(), why.limited_by, groups))
+        let tiers = why
+            .tiers
+            .iter()
+            .map(|&(tier, tokens)| (tier.name(), tokens));
+        let (hit, reason, tiers) = (why.hit_tokens, why.reason.name(), tiers.collect());
+        Ok((hit, reason, why.limited_by, groups, tiers))
     }
 
     fn seq_len(&self, seq_id: SeqId) -> PyResult<usize> {
