@@ -76,3 +76,19 @@ def test_windowed_layers_cost_their_window() -> None:
     short = atb_mem.plan_kv_cache(141 << 30, 20 << 30, layer_types=types, sliding_window=1 << 20,
                           **{**common, "max_model_len": 4096})  # type: ignore[arg-type]
     assert short.blocks_per_seq == 7 * 256
+
+
+def test_a_host_offload_tier_is_sized_in_blocks_and_tokens() -> None:
+    common = {"block_size": 16, "num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
+              "dtype": "float16", "max_model_len": 8192}
+    without = atb_mem.plan_kv_cache(80 << 30, 16 << 30, **common)  # type: ignore[arg-type]
+    plan = atb_mem.plan_kv_cache(80 << 30, 16 << 30, host_offload_bytes=(32 << 30) + 1,
+                                 **common)  # type: ignore[arg-type]
+    assert without.num_host_blocks == 0 and without.host_tokens == 0
+    assert plan.num_blocks == without.num_blocks  # the device's share does not change
+    assert plan.num_host_blocks == (32 << 30) // plan.bytes_per_block
+    assert plan.host_tokens == plan.num_host_blocks * 16
+    assert plan.device_tokens == (plan.num_blocks - 1) * 16
+    with pytest.raises(ValueError, match="host_offload_bytes"):
+        atb_mem.plan_kv_cache(80 << 30, 16 << 30, host_offload_bytes=-1,
+                              **common)  # type: ignore[arg-type]

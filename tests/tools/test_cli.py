@@ -45,6 +45,21 @@ def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
         assert row["bytes_per_block"] == 2 * 32 * row["block_size"] * 8 * 128 * 2
 
 
+def test_plan_with_a_host_tier_says_what_each_tier_holds(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = atb_mem_command(*PLAN, "--block-sizes", "16,128", "--utilization", "0.9",
+                             "--kv-offload", "host=64GiB", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "host tokens" in result.stdout
+    for row in json.loads(out.read_text())["rows"]:
+        host_blocks = (64 << 30) // row["bytes_per_block"]
+        assert row["num_host_blocks"] == host_blocks
+        assert row["host_tokens"] == host_blocks * row["block_size"] == 512 * 1024
+        assert row["device_tokens"] == (row["num_blocks"] - 1) * row["block_size"]
+    refused = atb_mem_command(*PLAN, "--kv-offload", "host=64GiB", "--kv-offload", "host=1GiB")
+    assert refused.returncode == 2 and "host is given twice" in refused.stderr
+
+
 def model_config(tmp_path: Path) -> Path:
     """A Gemma-3-like config.json: 32 layers, 5 sliding to 1 full, 8 KV heads of 128."""
     path = tmp_path / "config.json"

@@ -41,6 +41,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
          "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
+         "--kv-offload", "host=1MiB",
          "--config", str(config), "--kv-events-endpoint", "tcp://127.0.0.1:*",
          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -62,6 +63,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert process.returncode == 0, err
     assert "Traceback" not in err
     assert f"serving 'tiny' on http://127.0.0.1:{port}" in out
+    assert "KV blocks of 16 tokens, " in out and " on the host)" in out, out
     assert out.rstrip().endswith("atb-mem: stopped")
 
 
@@ -107,3 +109,15 @@ def test_serve_starts_its_own_tensor_parallel_ranks(tmp_path: Path) -> None:
     [expected] = Engine.from_pretrained(str(tmp_path), device="cpu", num_blocks=64).generate(
         prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert response.json()["choices"][0]["text"] == expected.outputs[0].text
+
+
+def test_serve_refuses_an_unknown_offload_tier_in_one_line(tmp_path: Path) -> None:
+    save_tiny_checkpoint(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
+                             "--device", "cpu", "--num-blocks", "64",
+                             "--kv-offload", "tape=1GiB"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("atb-mem: error:") and "unknown tiers ['tape']" in last, last
+    assert "Traceback" not in result.stderr

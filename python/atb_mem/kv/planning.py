@@ -23,6 +23,19 @@ class KVCachePlan:
     blocks_per_seq: int
     num_groups: int = 1
     """KV-cache groups (``layer_types``); a block holds one group's layers."""
+    block_size: int = 0
+    num_host_blocks: int = 0
+    """Blocks of the host offload tier (``host_offload_bytes``), 0 without one."""
+
+    @property
+    def device_tokens(self) -> int:
+        """Tokens of prefix the device's blocks hold (each token takes a block per group)."""
+        return (self.num_blocks - 1) * self.block_size // self.num_groups
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens of evicted prefix the host tier holds on top (see ``device_tokens``)."""
+        return self.num_host_blocks * self.block_size // self.num_groups
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -46,8 +59,9 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
                   block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                   dtype: str, max_model_len: int, safety: float = 0.9,
                   layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
-                  attention_chunk_size: int | None = None) -> KVCachePlan:
-    """Sizes a KV cache.
+                  attention_chunk_size: int | None = None,
+                  host_offload_bytes: int = 0) -> KVCachePlan:
+    """Sizes a KV cache, and the host offload tier of ``host_offload_bytes`` below it.
 
     The arithmetic:
 
@@ -59,7 +73,10 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     - ``blocks_per_seq = ⌈max_model_len / block_size⌉`` and ``bytes_per_seq = blocks_per_seq ×
       bytes_per_block``: one sequence at the maximum length;
     - ``max_num_seqs = ⌊usable / bytes_per_seq × safety⌋``: how many such sequences fit, with a
-      margin for activations and fragmentation.
+      margin for activations and fragmentation;
+    - ``num_host_blocks = ⌊host_offload_bytes / bytes_per_block⌋``: host blocks that keep the
+      prefix blocks the device evicts (``Engine(kv_offload={"host": ...})``);
+      ``device_tokens`` and ``host_tokens`` say how many tokens of prefix each tier holds.
 
     With ``layer_types`` (and ``sliding_window`` / ``attention_chunk_size``), layers form
     KV-cache groups as ``KVCachePool`` forms them: a block holds one group's
@@ -71,7 +88,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     in ``total × utilization``, and a cache that cannot hold one max-length sequence besides
     the null block.
     """
-    for name, value in (("total_bytes", total_bytes), ("model_bytes", model_bytes)):
+    for name, value in (("total_bytes", total_bytes), ("model_bytes", model_bytes),
+                        ("host_offload_bytes", host_offload_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0 bytes, got {value!r}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -109,4 +127,5 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     return KVCachePlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block,
                        max_num_seqs=max_num_seqs, usable_bytes=usable,
                        bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq,
-                       num_groups=len(groups))
+                       num_groups=len(groups), block_size=dims["block_size"],
+                       num_host_blocks=host_offload_bytes // bytes_per_block)

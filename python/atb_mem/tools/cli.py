@@ -28,11 +28,13 @@ from atb_mem.tools.bench import bench
 from atb_mem.tools.ctl import ctl
 from atb_mem.tools.generate import generate
 from atb_mem.tools.options import (
+    OFFLOAD,
     SIZE,
     CommaList,
     console,
     model_dimensions,
     model_options,
+    offload_tiers,
     write_json,
 )
 from atb_mem.tools.serve import serve
@@ -57,15 +59,24 @@ def cli() -> None:
               show_default=True)
 @click.option("--safety", type=click.FloatRange(0, 1, min_open=True), default=0.9,
               show_default=True)
+@click.option("--kv-offload", type=OFFLOAD, multiple=True,
+              help="A host tier for evicted prefix blocks, host=SIZE: the tokens each tier "
+                   "holds are tabulated.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def plan(total_memory: int, model_memory: int, model_config: str | None, layers: int | None,
          kv_heads: int | None, head_dim: int | None, dtype: str | None, max_model_len: int,
          utilizations: list[float], block_sizes: list[int], safety: float,
-         json_path: str | None) -> None:
-    """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size."""
+         kv_offload: tuple[tuple[str, int], ...], json_path: str | None) -> None:
+    """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size;
+    with --kv-offload, the tokens of prefix the device and the host tier hold."""
     layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
                                                                 head_dim, dtype, {})
     groups = model.group_arguments() if model is not None else {}
+    offload = offload_tiers(kv_offload) or {}
+    if set(offload) - {"host"}:
+        raise click.BadParameter("plan sizes the host tier: host=SIZE",
+                                 param_hint="--kv-offload")
+    host = offload.get("host", 0)
     rows, errors = [], []
     for utilization in utilizations:
         for block_size in block_sizes:
@@ -73,7 +84,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                 sizing = partial(plan_kv_cache, total_memory, model_memory,
                                  gpu_memory_utilization=utilization, block_size=block_size,
                                  num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                                 dtype=dtype, max_model_len=max_model_len, safety=safety)
+                                 dtype=dtype, max_model_len=max_model_len, safety=safety,
+                                 host_offload_bytes=host)
                 result, every_block = sizing(**groups), sizing()
             except ValueError as error:
                 errors.append(f"utilization {utilization}, block size {block_size}: {error}")
@@ -85,12 +97,16 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                          "bytes_per_seq": result.bytes_per_seq,
                          "max_num_seqs": result.max_num_seqs,
                          "num_groups": result.num_groups,
+                         "device_tokens": result.device_tokens,
+                         "num_host_blocks": result.num_host_blocks,
+                         "host_tokens": result.host_tokens,
                          "max_num_seqs_keeping_every_block": every_block.max_num_seqs})
     if not rows:
         raise click.ClickException(errors[0])
     table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
     columns = ["utilization", "block size", "blocks", "bytes/block", "usable GiB",
-               "max_num_seqs"] + (["keeping every block"] if groups else [])
+               "max_num_seqs"] + (["keeping every block"] if groups else []) \
+        + (["device tokens", "host tokens"] if host else [])
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -99,6 +115,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                  f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}"]
         if groups:
             cells.append(f"{row['max_num_seqs_keeping_every_block']:,}")
+        if host:
+            cells += [f"{row['device_tokens']:,}", f"{row['host_tokens']:,}"]
         table.add_row(*cells)
     console.print(table)
     if groups:

@@ -27,6 +27,23 @@ class _Size(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+class _Offload(click.ParamType):
+    """``TIER=SIZE`` (``host=8GiB``) → ``(tier, bytes)``."""
+
+    name = "TIER=SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        tier, equals, size = str(value).partition("=")
+        if not equals or not tier.strip():
+            self.fail(f"{value!r} is not TIER=SIZE (e.g. host=8GiB)", param, ctx)
+        try:
+            return tier.strip(), parse_size(size)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
 class CommaList(click.ParamType):
     def __init__(self, kind: Callable[[str], Any], name: str) -> None:
         self.kind, self.name = kind, name
@@ -43,7 +60,20 @@ class CommaList(click.ParamType):
         return items
 
 
+def offload_tiers(tiers: tuple[tuple[str, int], ...]) -> dict[str, int] | None:
+    """``--kv-offload`` values as ``Engine``'s ``kv_offload``: each tier once."""
+    if not tiers:
+        return None
+    offload: dict[str, int] = {}
+    for tier, size in tiers:
+        if tier in offload:
+            raise click.BadParameter(f"{tier} is given twice", param_hint="--kv-offload")
+        offload[tier] = size
+    return offload
+
+
 SIZE = _Size()
+OFFLOAD = _Offload()
 DTYPES = list(KV_DTYPES)
 # Wide tables when the output is not a terminal (a file, a CI log): rich would use 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from atb_mem.tools.options import OFFLOAD, offload_tiers
+
 
 @click.command()
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
@@ -29,6 +31,9 @@ import click
               show_default=True)
 @click.option("--num-host-blocks", type=click.IntRange(min=1), default=None,
               help="Host-tier blocks for swap preemption.")
+@click.option("--kv-offload", type=OFFLOAD, multiple=True,
+              help="A tier below the device for the prefix blocks it evicts: host=8GiB "
+                   "(repeatable, one per tier).")
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
@@ -67,7 +72,8 @@ import click
 def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
-          num_host_blocks: int | None, no_prefix_caching: bool,
+          num_host_blocks: int | None, kv_offload: tuple[tuple[str, int], ...],
+          no_prefix_caching: bool,
           gpu_memory_utilization: float, attention_backend: str,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
@@ -101,6 +107,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
+        "kv_offload": offload_tiers(kv_offload),
         "gpu_memory_utilization": gpu_memory_utilization,
         "attention_backend": attention_backend}
     workers: list[subprocess.Popen[bytes]] = []
@@ -124,8 +131,10 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
                                     tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
     LiveSettings(engine.scheduler, admission).apply(**settings)  # a bad file stops here
     name = served_model_name or Path(model_dir).resolve().name
+    host_tier = (f", {engine.kv_cache.num_host_blocks} on the host"
+                 if engine.kv_cache.host_prefix_cache else "")
     click.echo(f"atb-mem: serving {name!r} on http://{host}:{port} "
-               f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens)")
+               f"({engine.kv_cache.num_blocks} KV blocks of {block_size} tokens{host_tier})")
     try:
         ApiServer(engine, name, host, port, admin_token=admin_token,
                   config_path=config_path, admission=admission,
@@ -140,3 +149,4 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         if publisher is not None:
             publisher.close()
     click.echo("atb-mem: stopped")
+
