@@ -79,3 +79,25 @@ def test_batcher_metrics_and_bad_arguments() -> None:
     batch.set_results([0, 1])
     with pytest.raises(ValueError, match="at least one"):
         AtbMemCollector()
+
+
+def test_host_prefix_tier_metrics_count_hits_and_bytes_per_tier() -> None:
+    """A prompt evicted from a 4-block device comes back from the host tier: its hit tokens
+    are the host's, and the bytes moved are a block each way."""
+    from atb_mem.observability.metrics import AtbMemCollector
+
+    kv = atb_mem.KVCachePool(5, 4, num_host_blocks=8, host_prefix_cache=True, device=None)
+    first, second = list(range(9)), list(range(100, 109))
+    for seq_id, prompt in enumerate((first, second, first)):
+        kv.alloc_sequence(seq_id, prompt)
+        kv.execute_pending_moves(lambda moves: None)  # no bytes here
+        kv.mark_computed(seq_id)
+        kv.free_sequence(seq_id)
+    samples = scrape(AtbMemCollector(kv_cache=kv))
+    hits = samples["atb_mem_kv_cache_prefix_cache_hit_tokens_total"]
+    assert hits[(("tier", "host"),)] == 4 and hits[(("tier", "device"),)] == 4
+    moved = samples["atb_mem_kv_cache_tier_moved_bytes_total"]
+    per_block = kv.bytes_per_block
+    assert moved[(("direction", "promoted"),)] == per_block
+    assert moved[(("direction", "demoted"),)] >= per_block
+    assert samples["atb_mem_kv_cache_tier_dropped_blocks_total"][()] == 0

@@ -113,6 +113,34 @@ class AtbMemCollector(Collector):
             misses.add_metric([*labels.values(), reason],
                               stats[f"prefix_cache_misses_{reason}"])  # type: ignore[literal-required]
         yield misses
+        yield from self._tiers(stats)
+
+    def _tiers(self, stats: KVCachePoolStats) -> Iterator[Metric]:
+        """Per tier (``device``, ``host``): the hit tokens each served, the bytes the host
+        prefix tier moved each way, and the device evictions it could not keep."""
+        prefix, labels = self.namespace, self.labels
+        host_hits = stats["prefix_cache_host_hit_tokens"]
+        hits = CounterMetricFamily(f"{prefix}_kv_cache_prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache, by tier.",
+                                   labels=[*labels, "tier"])
+        hits.add_metric([*labels.values(), "device"], stats["prefix_cache_hit_tokens"] - host_hits)
+        hits.add_metric([*labels.values(), "host"], host_hits)
+        yield hits
+        moved = CounterMetricFamily(f"{prefix}_kv_cache_tier_moved_bytes",
+                                    "Bytes the host prefix tier moved: demoted (device to "
+                                    "host) and promoted (host to device).",
+                                    labels=[*labels, "direction"])
+        for direction, blocks in (("demoted", stats["host_prefix_demoted"]),
+                                  ("promoted", stats["host_prefix_promoted"])):
+            moved.add_metric([*labels.values(), direction], blocks * stats["bytes_per_block"])
+        yield moved
+        yield _counter(f"{prefix}_kv_cache_tier_dropped_blocks",
+                       "Device evictions the host prefix tier could not keep (every host "
+                       "block held by a swapped sequence).",
+                       stats["host_prefix_demotions_dropped"], labels)
+        yield _gauge(f"{prefix}_kv_cache_host_cached_blocks",
+                     "Evicted prefix blocks the host tier keeps.",
+                     stats["host_blocks_cached"], labels)
 
     def _mem_pool(self, stats: MemPoolStats) -> Iterator[Metric]:
         prefix, labels = self.namespace, self.labels
