@@ -137,12 +137,15 @@ def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
     return churn, pairs
 
 
-def scheduler_step_workload(running: int = 256) -> Workload[None]:
-    """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences."""
+def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False
+                            ) -> Workload[None]:
+    """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences;
+    with `host_prefix`, over a cache with a host prefix tier (with nothing to load)."""
     prompts, _ = decode_lengths(running)
     # Room for every prompt and a few thousand decode steps, whatever `running` is.
     needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
-    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None)
+    tier = {"num_host_blocks": 4096, "host_prefix_cache": True} if host_prefix else {}
+    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None, **tier)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
                                                  max_num_batched_tokens=8192)
     for seq_id, prompt in enumerate(prompts):

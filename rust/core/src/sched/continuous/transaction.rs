@@ -104,10 +104,21 @@ impl ContinuousScheduler {
                 false => 0,
             };
             let uncached_free = cache.num_free_blocks() - cache.block_pool().num_evictable();
-            let cached_anywhere = cache.num_host_cached_blocks() > 0
-                || cache.block_pool().num_evictable() > 0
-                || !self.deferred_frees.is_empty();
-            if (admits && cached_anywhere) || uncached_free < decode_need + chunk_need {
+            let evictable = cache.block_pool().num_evictable() > 0;
+            let cached_anywhere =
+                evictable || cache.num_host_cached_blocks() > 0 || !self.deferred_frees.is_empty();
+            // Short of free blocks, a decode evicts a cached block: one there now, or one a
+            // preempted request with token ids leaves behind.
+            let may_evict = || {
+                evictable
+                    || self
+                        .running
+                        .iter()
+                        .any(|id| self.requests.get(id).is_some_and(|request| request.has_ids))
+            };
+            if (admits && cached_anywhere)
+                || (uncached_free < decode_need + chunk_need && may_evict())
+            {
                 return true;
             }
         }
