@@ -1,7 +1,9 @@
 //! The host prefix tier: cached blocks the device evicts are demoted to host blocks and a
 //! later lookup promotes them back, with the moves in an order that is always correct.
 
-use atb_mem_core::{BlockMove, KvCache, KvLayout, Medium, MoveKind, Tokens};
+use atb_mem_core::{
+    BlockHash, BlockMove, KvCache, KvEventKind, KvLayout, Medium, MoveKind, Tokens,
+};
 
 const BLOCK_SIZE: usize = 4;
 
@@ -64,4 +66,79 @@ fn an_evicted_prefix_is_demoted_then_promoted_back() {
     assert_eq!(stats.prefix_cache_host_hit_tokens as usize, BLOCK_SIZE);
     assert_eq!(stats.host_prefix.promoted, 1);
     assert_eq!(stats.host_prefix.demoted as usize, 1 + moves.len() - 1);
+}
+
+/// (kind, medium, hashes) of the events since the last call.
+fn events(cache: &mut KvCache) -> Vec<(KvEventKind, Medium, Vec<BlockHash>)> {
+    cache.take_kv_events(|log| {
+        log.events()
+            .iter()
+            .map(|event| (event.kind, event.medium, log.hashes(event).to_vec()))
+            .collect()
+    })
+}
+
+fn chain(tokens: &[u32]) -> Vec<BlockHash> {
+    let mut parent = BlockHash::root(None);
+    tokens
+        .chunks_exact(BLOCK_SIZE)
+        .map(|block| {
+            parent = parent.chain(block);
+            parent
+        })
+        .collect()
+}
+
+#[test]
+fn a_demotion_is_stored_on_the_host_and_its_eviction_removed() {
+    let mut cache = KvCache::new(5, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    cache.enable_host_tier(1).unwrap();
+    cache.enable_host_prefix_cache().unwrap();
+    cache.enable_kv_events().unwrap();
+    let (a, b, c) = (prompt(0, 2), prompt(1000, 2), prompt(2000, 2));
+    run_once(&mut cache, 1, &a);
+    events(&mut cache);
+    run_once(&mut cache, 2, &b);
+    let seen = events(&mut cache);
+    let a_tail = chain(&a[..2 * BLOCK_SIZE])[1];
+    assert!(
+        seen.contains(&(KvEventKind::BlockStored, Medium::Host, vec![a_tail])),
+        "the demoted block is stored on the host: {seen:?}"
+    );
+    assert!(seen.contains(&(KvEventKind::BlockRemoved, Medium::Device, vec![a_tail])));
+    // The one host block now takes b's demotion: a's copy leaves the host first.
+    run_once(&mut cache, 3, &c);
+    let seen = events(&mut cache);
+    let removed = seen
+        .iter()
+        .position(|event| *event == (KvEventKind::BlockRemoved, Medium::Host, vec![a_tail]));
+    let stored = seen
+        .iter()
+        .position(|(kind, medium, _)| (*kind, *medium) == (KvEventKind::BlockStored, Medium::Host));
+    assert!(
+        matches!((removed, stored), (Some(r), Some(s)) if r < s),
+        "{seen:?}"
+    );
+}
+
+#[test]
+fn a_swap_out_that_evicts_a_host_copy_stores_its_own() {
+    let mut cache = KvCache::new(5, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    cache.enable_host_tier(1).unwrap();
+    cache.enable_host_prefix_cache().unwrap();
+    cache.enable_kv_events().unwrap();
+    let (a, b) = (prompt(0, 2), prompt(1000, 2));
+    run_once(&mut cache, 1, &a);
+    run_once(&mut cache, 2, &b); // a's tail is the host's one copy
+    events(&mut cache);
+    // A one-block sequence swapped out takes the host's only block, evicting a's copy.
+    let e: Vec<u32> = (4000..4000 + BLOCK_SIZE as u32).collect();
+    cache.alloc_sequence(5, Tokens::Ids(&e), None).unwrap();
+    cache.mark_computed(5, Some(e.len())).unwrap();
+    events(&mut cache);
+    cache.swap_out(&[5]).unwrap();
+    let seen = events(&mut cache);
+    let stored = (KvEventKind::BlockStored, Medium::Host, chain(&e));
+    assert!(seen.contains(&stored), "the swap copy is stored: {seen:?}");
+    cache.check_invariants().unwrap();
 }

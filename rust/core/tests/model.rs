@@ -267,8 +267,8 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
     run_with(ops, enable_prefix_caching, false, false);
 }
 
-/// With a host prefix cache the device is small, so that cached blocks are evicted (and
-/// demoted) often.
+/// With a host prefix cache the device and the host tier are small, so that cached blocks
+/// are evicted (and demoted, and evicted from the host) often.
 fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_prefix: bool) {
     let num_blocks = if host_prefix { 9 } else { NUM_BLOCKS };
     let mut cache = KvCache::new(
@@ -278,7 +278,9 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_pre
         enable_prefix_caching,
     )
     .unwrap();
-    cache.enable_host_tier(HOST_BLOCKS).unwrap();
+    // A small host tier with a host prefix cache: its copies are evicted too.
+    let host_blocks = if host_prefix { 4 } else { HOST_BLOCKS };
+    cache.enable_host_tier(host_blocks).unwrap();
     if host_prefix {
         cache.enable_host_prefix_cache().unwrap();
     }
@@ -417,12 +419,20 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_pre
             }
         }
         if let Some(mirror) = mirror.as_mut() {
-            let swapped = model.swapped_block_hashes(&cache);
+            let mut on_host = model.swapped_block_hashes(&cache);
+            on_host.extend(cache.host_cached_hashes());
             mirror.replay(&mut cache);
             assert!(
-                mirror.host_hashes(0).is_subset(&swapped),
-                "host copies of blocks no swapped sequence holds"
+                mirror.host_hashes(0).is_subset(&on_host),
+                "host copies of blocks no swapped sequence or host prefix cache holds"
             );
+            if host_prefix {
+                let cached: HashSet<BlockHash> = cache.host_cached_hashes().collect();
+                assert!(
+                    cached.is_subset(&mirror.host_hashes(0)),
+                    "host prefix copies the events never stored"
+                );
+            }
         }
         model.check(&cache);
         check_batch(

@@ -150,7 +150,8 @@ impl KvCache {
                     continue;
                 };
                 if block_pool.ref_count(*last) > 1 {
-                    let copy = allocate_device(block_pool, host_tier.as_mut(), pending_moves)?;
+                    let copy =
+                        allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
                     pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
                     block_pool.release(*last);
                     *last = copy;
@@ -178,10 +179,12 @@ impl KvCache {
                     continue;
                 }
                 if offset == 0 {
+                    let host_tier = host_tier.as_mut();
                     table.push(allocate_device(
                         block_pool,
-                        host_tier.as_mut(),
+                        host_tier,
                         pending_moves,
+                        events,
                     )?);
                 }
                 let block = table.blocks[index];

@@ -80,10 +80,25 @@ pub struct KvEventLog {
     /// cache): with its key, which the block pool reports, it names an evicted block. A block
     /// is cached again only after its eviction was logged.
     device_groups: Vec<u16>,
-    /// Per host block, the cached contents it holds a copy of (swapped out).
+    /// Per host block, the cached contents it holds a copy of (swapped out, or demoted by
+    /// the host prefix cache).
     host_block_hashes: Vec<Option<(BlockHash, u32)>>,
+    /// With a host prefix cache, what names each cached device block (its hash, parent, root
+    /// and token ids, `block_size` per block), so that its demotion can be stored on the
+    /// host as a router expects a store: chained, with its tokens.
+    device_names: Vec<DeviceName>,
+    device_tokens: Vec<u32>,
+    block_size: usize,
     /// How many host blocks hold a copy of each (hash, group).
     host_copies: HashMap<(BlockHash, u32), u32>,
+}
+
+/// What a stored block's event names besides its group.
+#[derive(Debug, Clone, Copy, Default)]
+struct DeviceName {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    root: BlockHash,
 }
 
 impl KvEventLog {
@@ -171,11 +186,55 @@ impl KvEventLog {
         self.next_event_id += 1;
     }
 
-    /// Device block `block` is cached for `group` (which its removal will be logged under);
-    /// the store itself is logged by `stored_run`.
+    /// Keeps what names every cached device block from now on (see `demoted`): turned on
+    /// with events and a host prefix cache both.
+    pub(super) fn keep_device_names(
+        &mut self,
+        device_blocks: usize,
+        block_size: usize,
+    ) -> CoreResult<()> {
+        let what = "the names of the device's cached blocks";
+        self.device_names = try_filled_vec(device_blocks, DeviceName::default(), what)?;
+        let slots = device_blocks.saturating_mul(block_size);
+        self.device_tokens = try_filled_vec(slots, 0, what)?;
+        self.block_size = block_size;
+        Ok(())
+    }
+
+    /// Device block `block` is cached for `group` (which its removal will be logged under),
+    /// named `hash` after `parent` over `token_ids`; the store itself is logged by
+    /// `stored_run`.
     #[inline]
-    pub(super) fn cached_for(&mut self, block: u32, group: u32) {
+    pub(super) fn cached_for(
+        &mut self,
+        block: u32,
+        group: u32,
+        (parent, hash, token_ids): (Option<BlockHash>, BlockHash, &[u32]),
+        root: BlockHash,
+    ) {
         self.device_groups[block as usize] = group as u16;
+        if let Some(name) = self.device_names.get_mut(block as usize) {
+            *name = DeviceName { hash, parent, root };
+            let start = block as usize * self.block_size;
+            let cells = &mut self.device_tokens[start..start + self.block_size];
+            if token_ids.len() == cells.len() {
+                cells.copy_from_slice(token_ids);
+            }
+        }
+    }
+
+    /// The host prefix cache keeps a copy of evicted device block `block` in host block
+    /// `copy`: stored on the host, as a swap-out's copy is.
+    pub(super) fn demoted(&mut self, block: u32, copy: u32) {
+        let Some(name) = self.device_names.get(block as usize).copied() else {
+            return;
+        };
+        let group = u32::from(self.device_groups[block as usize]);
+        let start = block as usize * self.block_size;
+        let tokens = std::mem::take(&mut self.device_tokens);
+        let token_ids = &tokens[start..start + self.block_size];
+        self.host_copy_made(copy, group, name.parent, name.root, name.hash, token_ids);
+        self.device_tokens = tokens;
     }
 
     /// Device block `block`, cached under `key`, left the prefix cache.
@@ -292,5 +351,7 @@ impl KvEventLog {
             + self.device_groups.capacity() * 2
             + self.host_block_hashes.capacity() * std::mem::size_of::<Option<(BlockHash, u32)>>()
             + self.host_copies.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 4)
+            + self.device_names.capacity() * std::mem::size_of::<DeviceName>()
+            + self.device_tokens.capacity() * 4
     }
 }

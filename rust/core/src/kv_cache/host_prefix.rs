@@ -15,7 +15,7 @@
 //! demotion in the same admission can reuse it before its host→device move has read it.
 
 use super::swap::HostTier;
-use super::{KvCache, NO_BLOCK};
+use super::{KvCache, KvEventLog, NO_BLOCK};
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
@@ -45,6 +45,7 @@ pub(super) fn allocate_device(
     block_pool: &mut BlockPool,
     host_tier: Option<&mut HostTier>,
     moves: &mut Vec<BlockMove>,
+    events: &mut KvEventLog,
 ) -> CoreResult<u32> {
     // Callers check the budget first; this is a guard, not a code path.
     let (block, evicted) = block_pool
@@ -55,14 +56,20 @@ pub(super) fn allocate_device(
         })?;
     if let (Some(key), Some(tier)) = (evicted, host_tier) {
         if tier.pool.enable_prefix_caching() {
-            demote(tier, moves, block, key);
+            demote(tier, moves, events, block, key);
         }
     }
     Ok(block)
 }
 
 /// Keeps a copy of evicted device block `block`, cached under `key`, in the host tier.
-fn demote(tier: &mut HostTier, moves: &mut Vec<BlockMove>, block: u32, key: BlockHash) {
+fn demote(
+    tier: &mut HostTier,
+    moves: &mut Vec<BlockMove>,
+    events: &mut KvEventLog,
+    block: u32,
+    key: BlockHash,
+) {
     let HostTier {
         pool,
         prefix_counters: counters,
@@ -77,6 +84,11 @@ fn demote(tier: &mut HostTier, moves: &mut Vec<BlockMove>, block: u32, key: Bloc
         counters.demotions_dropped += 1;
         return;
     };
+    if events.enabled() {
+        // The copy this evicted leaves the host first: a block holds one name at a time.
+        pool.drain_removed(|_, evicted| events.host_block_freed(evicted));
+        events.demoted(block, copy);
+    }
     moves.push(BlockMove::new(MoveKind::ToHost, block, copy));
     // Registered before its bytes arrive: moves run in order, so anything that reads the
     // copy (a promotion) is planned, and runs, after this move.
@@ -104,6 +116,13 @@ impl KvCache {
         self.host_tier
             .as_ref()
             .map_or(0, |tier| tier.pool.num_evictable())
+    }
+
+    /// The keys of the blocks the host prefix cache holds, in block order.
+    pub fn host_cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.host_tier
+            .iter()
+            .flat_map(|tier| tier.pool.cached_hashes())
     }
 
     /// Where the prefix cache holds `key`: `Some(block)` on the device, `Some(HOST_HIT |

@@ -4,7 +4,7 @@ use super::groups::group_key;
 use super::host_prefix::{allocate_device, host_block};
 use super::sequence::Sequence;
 use super::swap::HostTier;
-use super::{swapped_out, KvCache, KvCacheGroup, Tokens};
+use super::{swapped_out, KvCache, KvCacheGroup, KvEventLog, Tokens};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
 /// serves (`hits`), how many of those take a block from the free queue (unused device hits,
@@ -337,6 +337,7 @@ impl KvCache {
             block_pool,
             host_tier: host_tier.as_mut(),
             moves: pending_moves,
+            events,
         };
         let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
         seq.partial_tokens.clear();
@@ -468,7 +469,8 @@ impl KvCache {
                     continue;
                 }
                 if stored {
-                    events.cached_for(block, group as u32);
+                    let name = seq.named_block(index, block_size);
+                    events.cached_for(block, group as u32, name, seq.root_hash);
                     run_start.get_or_insert(index);
                 } else if let Some(start) = run_start.take() {
                     seq.log_stored(events, group, start..index, block_size);
@@ -555,11 +557,13 @@ struct Tiers<'a> {
     block_pool: &'a mut BlockPool,
     host_tier: Option<&'a mut HostTier>,
     moves: &'a mut Vec<BlockMove>,
+    events: &'a mut KvEventLog,
 }
 
 impl Tiers<'_> {
     fn allocate(&mut self) -> CoreResult<u32> {
-        allocate_device(self.block_pool, self.host_tier.as_deref_mut(), self.moves)
+        let host_tier = self.host_tier.as_deref_mut();
+        allocate_device(self.block_pool, host_tier, self.moves, self.events)
     }
 }
 

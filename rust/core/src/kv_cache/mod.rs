@@ -251,7 +251,7 @@ impl KvCache {
         self.events
             .enable(self.block_pool.num_blocks(), host_blocks)?;
         self.block_pool.set_record_removed(true);
-        Ok(())
+        self.record_host_prefix_events()
     }
 
     pub fn kv_events_enabled(&self) -> bool {
@@ -279,11 +279,34 @@ impl KvCache {
     /// before anything else is logged, so the log keeps the order things happened in.
     fn sync_removed(&mut self) {
         let KvCache {
-            block_pool, events, ..
+            block_pool,
+            host_tier,
+            events,
+            ..
         } = self;
         if events.enabled() {
             block_pool.drain_removed(|key, block| events.removed_from_device(key, block));
+            if let Some(tier) = host_tier.as_mut() {
+                // The host prefix cache's copies that left it (evicted, or reset).
+                tier.pool
+                    .drain_removed(|_, block| events.host_block_freed(block));
+            }
         }
+    }
+
+    /// With events and a host prefix cache both, the host pool reports the copies that leave
+    /// it and the events keep what names each device block (for its demotion's store).
+    fn record_host_prefix_events(&mut self) -> CoreResult<()> {
+        let block_size = self.block_size();
+        let num_blocks = self.num_blocks();
+        let Some(tier) = self.host_tier.as_mut() else {
+            return Ok(());
+        };
+        if self.events.enabled() && tier.pool.enable_prefix_caching() {
+            tier.pool.set_record_removed(true);
+            self.events.keep_device_names(num_blocks, block_size)?;
+        }
+        Ok(())
     }
 
     /// Whether any fork happened (only then can a copy-on-write be decided).

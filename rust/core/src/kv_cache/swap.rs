@@ -88,7 +88,7 @@ impl KvCache {
             self.block_size(),
             true,
         )?);
-        Ok(())
+        self.record_host_prefix_events()
     }
 
     /// Usable host blocks (0 without a host tier).
@@ -210,7 +210,9 @@ impl KvCache {
                                 true => allocate_checked(&mut tier.pool)?,
                                 // A device block this evicts may be demoted to the host tier,
                                 // after the moves that read the host blocks released so far.
-                                false => allocate_device(block_pool, Some(tier), pending_moves)?,
+                                false => {
+                                    allocate_device(block_pool, Some(tier), pending_moves, events)?
+                                }
                             };
                             tier.scratch_moves[*block as usize] = moved;
                             pending_moves.push(BlockMove::new(kind, *block, moved));
@@ -237,6 +239,9 @@ impl KvCache {
                 table.layout = seq.version;
             }
             if out && events.enabled() {
+                // Host copies this evicted leave first: a block holds one name at a time.
+                tier.pool
+                    .drain_removed(|_, block| events.host_block_freed(block));
                 for group in 0..seq.tables.len() {
                     for index in 0..named {
                         let block = seq.tables[group].blocks[index];

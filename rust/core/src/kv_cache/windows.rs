@@ -88,6 +88,7 @@ impl KvCache {
             block_pool,
             host_tier,
             pending_moves,
+            events,
             groups,
             ..
         } = self;
@@ -118,7 +119,7 @@ impl KvCache {
             }
             while table.allocated < end {
                 table.blocks[table.allocated] =
-                    allocate_device(block_pool, host_tier.as_mut(), pending_moves)?;
+                    allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
                 table.allocated += 1;
             }
             if filled {
