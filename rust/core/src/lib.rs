@@ -38,6 +38,7 @@ pub use kv_cache::{
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{
-    BatcherConfig, BlockTableWriter, ContinuousScheduler, Poll, Preemption, RequestBatcher,
-    SchedulerConfig, StepPlan, TimeoutAction, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
+    BatcherConfig, BlockLoad, BlockTableWriter, ContinuousScheduler, LoadCounters, Poll,
+    Preemption, RequestBatcher, SchedulerConfig, StepPlan, TimeoutAction, MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
 };

@@ -14,9 +14,22 @@
 use std::collections::HashMap;
 
 use atb_mem_core::{
-    AttentionKind, BlockMove, ContinuousScheduler, CoreError, KvCache, KvLayout, MoveFailure,
-    MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
+    AttentionKind, BlockHash, BlockMove, ContinuousScheduler, CoreError, KvCache, KvLayout,
+    MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
 };
+
+/// The chain hashes of `tokens`' full blocks.
+fn chain(tokens: &[u32], block_size: usize) -> impl Iterator<Item = BlockHash> + '_ {
+    let mut parent = BlockHash::root(None);
+    tokens.chunks_exact(block_size).map(move |block| {
+        parent = parent.chain(block);
+        parent
+    })
+}
+
+fn all_full(kinds: &[AttentionKind]) -> bool {
+    kinds.iter().all(|kind| *kind == AttentionKind::Full)
+}
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
@@ -42,6 +55,11 @@ struct Harness {
     counts: Counts,
     events: EventMirror,
     host_prefix: bool,
+    /// A lower tier (a store shared across engines): the contents of every block a request
+    /// computed, by hash, offered to later requests and loaded asynchronously.
+    store: Option<HashMap<BlockHash, Vec<u64>>>,
+    /// Loads planned and not reported yet: (request, [(device block, hash)]).
+    loads: Vec<(u64, Vec<(u32, BlockHash)>)>,
 }
 
 /// What a run exercised, to show the model test is not vacuous.
@@ -61,6 +79,9 @@ struct Counts {
     tampered_steps: usize,
     /// Host-tier blocks promoted back to the device by prefix hits.
     promotions: u64,
+    /// Lower-tier loads reported, and of those failed.
+    loads: usize,
+    failed_loads: usize,
 }
 
 impl Harness {
@@ -80,7 +101,13 @@ impl Harness {
         let num_blocks = 1 + ((device_blocks - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
         let mut cache =
             KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, kinds).unwrap();
-        cache.enable_host_tier(HOST_BLOCKS).unwrap();
+        // With tiers below, a small host tier: the store below it serves what it lets go.
+        let host_blocks = if host_prefix && all_full(kinds) {
+            3
+        } else {
+            HOST_BLOCKS
+        };
+        cache.enable_host_tier(host_blocks).unwrap();
         if host_prefix {
             cache.enable_host_prefix_cache().unwrap();
         }
@@ -101,6 +128,9 @@ impl Harness {
             counts: Counts::default(),
             events: EventMirror::default(),
             host_prefix,
+            // Lower tiers serve caches of full-attention layers.
+            store: (host_prefix && all_full(kinds)).then(HashMap::new),
+            loads: Vec::new(),
         }
     }
 
@@ -144,6 +174,9 @@ impl Harness {
                 {
                     let known = prompt.iter().map(|&t| (!by_count).then_some(t)).collect();
                     self.ids.insert(seq_id, known);
+                    if !by_count {
+                        self.offer_stored_prefix(seq_id, &prompt);
+                    }
                 }
             }
             Op::Step { fail } => self.step(*fail),
@@ -197,6 +230,7 @@ impl Harness {
             }
             Op::ForkRequest { pick } => self.fork_request(*pick),
             Op::Tamper { pick, how } => self.tamper(*pick, *how),
+            Op::FinishLoad { pick, ok } => self.finish_load(*pick, *ok),
             Op::FreeFork { pick } => {
                 if !self.forks.is_empty() {
                     let child = self.forks.swap_remove(pick % self.forks.len());
@@ -240,6 +274,75 @@ impl Harness {
         self.ids.remove(&seq_id);
     }
 
+    /// Offers the scheduler the leading blocks of `prompt` the store holds.
+    fn offer_stored_prefix(&mut self, seq_id: u64, prompt: &[u32]) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        let block_size = self.cache.block_size();
+        let most = (prompt.len() - 1) / block_size;
+        let held = chain(prompt, block_size)
+            .take(most)
+            .take_while(|hash| store.contains_key(hash))
+            .count();
+        if held > 0 {
+            self.scheduler
+                .offer_external_prefix(&self.cache, seq_id, held)
+                .unwrap();
+        }
+    }
+
+    /// Puts every computed full block of every request into the store (write-through).
+    fn store_computed(&mut self) {
+        let Some(store) = self.store.as_mut() else {
+            return;
+        };
+        let block_size = self.cache.block_size();
+        for (&seq_id, ids) in &self.ids {
+            let Ok(computed) = self.cache.num_computed(seq_id) else {
+                continue;
+            };
+            let Some(known) = ids.iter().copied().collect::<Option<Vec<u32>>>() else {
+                continue;
+            };
+            for (index, hash) in chain(&known, block_size).enumerate() {
+                if (index + 1) * block_size > computed {
+                    break;
+                }
+                let values = (index * block_size..(index + 1) * block_size)
+                    .map(|position| value(seq_id, Some(known[position]), position))
+                    .collect();
+                store.entry(hash).or_insert(values);
+            }
+        }
+    }
+
+    /// Reports one load in flight: on `ok` its blocks get the stored bytes first; otherwise
+    /// it half-writes them with garbage, as a load that fails part-way does.
+    fn finish_load(&mut self, pick: usize, ok: bool) {
+        if self.loads.is_empty() {
+            return;
+        }
+        let (seq_id, blocks) = self.loads.remove(pick % self.loads.len());
+        let block_size = self.cache.block_size();
+        let store = self.store.as_ref().unwrap();
+        for (index, &(block, hash)) in blocks.iter().enumerate() {
+            if !ok && index > 0 {
+                break; // it failed after half-writing its first block
+            }
+            for (offset, &stored) in store[&hash].iter().enumerate() {
+                let slot = block as usize * block_size + offset;
+                let written = if ok { stored } else { GARBAGE };
+                self.memory.device.insert(slot, written);
+            }
+        }
+        self.scheduler
+            .finish_loads(&mut self.cache, &[seq_id], &[ok])
+            .unwrap();
+        self.counts.loads += 1;
+        self.counts.failed_loads += usize::from(!ok);
+    }
+
     /// One step through the core's transaction, the executor simulated: with `fail`, the
     /// moves before `fail % (k + 1)` land, that one half-writes its destination and the rest
     /// never run (at 0, the executor fails before any). It reports how many may have run,
@@ -271,6 +374,16 @@ impl Harness {
             .step_executing(&mut self.cache, 0, &mut self.plan, execute);
         match result {
             Ok(()) => {
+                let mut by_request: Vec<(u64, Vec<(u32, BlockHash)>)> = Vec::new();
+                for load in &self.plan.loads {
+                    match by_request.last_mut() {
+                        Some((seq_id, blocks)) if *seq_id == load.seq_id => {
+                            blocks.push((load.block, load.key))
+                        }
+                        _ => by_request.push((load.seq_id, vec![(load.block, load.key)])),
+                    }
+                }
+                self.loads.extend(by_request);
                 for planned in &self.plan.moves {
                     match planned.kind {
                         MoveKind::Copy => self.counts.copies += 1,
@@ -481,6 +594,7 @@ impl Harness {
                 }
             }
         }
+        self.store_computed();
     }
 
     fn check_position(&self, tier: &HashMap<usize, u64>, seq_id: u64, block: u32, position: usize) {
@@ -653,11 +767,13 @@ fn host_prefix_hits_happen_under_failures() {
             .current();
         let counts = run(config, &kinds, ops, true);
         total.promotions += counts.promotions;
+        total.loads += counts.loads;
+        total.failed_loads += counts.failed_loads;
         total.failures += counts.failures;
         total.hit_steps += counts.hit_steps;
     }
     println!("{total:?}");
-    assert!(total.promotions > 100 && total.failures > 20, "{total:?}");
+    assert!(total.promotions > 50 && total.failures > 20, "{total:?}");
 }
 
 /// Memory pressure never deadlocks admission with a host prefix tier: after random traffic
@@ -668,7 +784,7 @@ fn host_prefix_hits_happen_under_failures() {
 #[test]
 fn host_prefix_tier_never_deadlocks_admission() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let (mut drained, mut promotions) = (0, 0);
+    let (mut drained, mut promotions, mut loads, mut failed_loads) = (0, 0, 0, 0);
     for case in 0..100 {
         let config = config().new_tree(&mut runner).unwrap().current();
         let kinds = match case % 2 {
@@ -686,10 +802,18 @@ fn host_prefix_tier_never_deadlocks_admission() {
             if let Op::Step { .. } = op {
                 harness.apply(&Op::Sample { token: 2 });
             }
+            harness.check();
         }
         let mut rounds = 0;
         drained += harness.live_requests().len();
-        while !harness.live_requests().is_empty() {
+        while !harness.live_requests().is_empty() || !harness.loads.is_empty() {
+            // Every load is reported in bounded time (a backing that cannot tell times out).
+            while !harness.loads.is_empty() {
+                harness.apply(&Op::FinishLoad {
+                    pick: rounds,
+                    ok: rounds % 5 != 0,
+                });
+            }
             harness.apply(&Op::Step { fail: None });
             harness.apply(&Op::Sample { token: 1 });
             harness.check();
@@ -701,7 +825,13 @@ fn host_prefix_tier_never_deadlocks_admission() {
             );
         }
         promotions += harness.cache.stats().host_prefix.promoted;
+        loads += harness.counts.loads;
+        failed_loads += harness.counts.failed_loads;
     }
+    assert!(
+        loads > 50 && failed_loads > 5,
+        "{loads} loads, {failed_loads} failed"
+    );
     assert!(
         drained > 200 && promotions > 50,
         "{drained} drained, {promotions} promotions"

@@ -9,7 +9,7 @@ mod continuous;
 mod request_batcher;
 
 pub use continuous::{
-    BlockTableWriter, ContinuousScheduler, Preemption, SchedulerConfig, StepPlan,
-    MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
+    BlockLoad, BlockTableWriter, ContinuousScheduler, LoadCounters, Preemption, SchedulerConfig,
+    StepPlan, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
 };
 pub use request_batcher::{BatcherConfig, Poll, RequestBatcher, TimeoutAction};

@@ -50,6 +50,11 @@ pub enum Op {
         pick: usize,
         how: usize,
     },
+    /// Report a lower-tier load in flight: its bytes arrived (`ok`), or it failed part-way.
+    FinishLoad {
+        pick: usize,
+        ok: bool,
+    },
 }
 
 pub fn op() -> impl Strategy<Value = Op> {
@@ -76,6 +81,7 @@ pub fn tier_op() -> impl Strategy<Value = Op> {
         6 => (0u32..4).prop_map(|token| Op::Sample { token }),
         1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
         1 => (0usize..16).prop_map(|pick| Op::ForkRequest { pick }),
+        3 => (0usize..16, prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Op::FinishLoad { pick, ok }),
     ]
 }
 

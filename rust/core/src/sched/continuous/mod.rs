@@ -31,6 +31,7 @@
 
 mod block_tables;
 mod config;
+mod loads;
 mod recovery;
 mod requests;
 mod step;
@@ -43,6 +44,7 @@ use hashbrown::HashMap;
 
 pub use block_tables::BlockTableWriter;
 pub use config::{Preemption, SchedulerConfig, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS};
+pub use loads::{BlockLoad, LoadCounters};
 use requests::{check_request, Request};
 use step::ScheduledRow;
 pub use step_plan::StepPlan;
@@ -61,6 +63,11 @@ pub struct ContinuousScheduler {
     waiting: BTreeSet<QueueKey>,
     swapped: BTreeSet<QueueKey>,
     running: Vec<u64>,
+    /// Admitted requests waiting for their lower-tier loads (see `loads`).
+    loading: Vec<u64>,
+    /// Requests aborted while loading: freed once their loads are reported.
+    abandoned_loads: Vec<u64>,
+    load_counters: LoadCounters,
     next_arrival: i64,
     next_front: i64,
     next_admission: u64,
@@ -98,6 +105,9 @@ impl ContinuousScheduler {
             waiting: BTreeSet::new(),
             swapped: BTreeSet::new(),
             running: Vec::new(),
+            loading: Vec::new(),
+            abandoned_loads: Vec::new(),
+            load_counters: LoadCounters::default(),
             next_arrival: 0,
             next_front: -1,
             next_admission: 0,

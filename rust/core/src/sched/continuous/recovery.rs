@@ -29,6 +29,13 @@ impl ContinuousScheduler {
                 }
             );
         }
+        for &seq_id in &self.loading {
+            ensure!(
+                !cache.seq_state(seq_id)?.1,
+                "sequence {seq_id} is loading but the cache holds it swapped out (changed \
+                 behind the scheduler's back)"
+            );
+        }
         for &(_, _, seq_id) in &self.swapped {
             ensure!(
                 cache.seq_state(seq_id)?.1,
@@ -63,22 +70,26 @@ impl ContinuousScheduler {
         }
         for (&seq_id, request) in &self.requests {
             let key = request.queue_key(seq_id);
-            let (in_waiting, in_swapped, in_running) = (
+            let queued = (
                 self.waiting.contains(&key),
                 self.swapped.contains(&key),
                 self.running.contains(&seq_id),
+                self.loading.contains(&seq_id),
             );
             let expected = match request.state {
-                State::Waiting => (true, false, false),
-                State::Swapped => (false, true, false),
-                State::Running => (false, false, true),
+                State::Waiting => (true, false, false, false),
+                State::Swapped => (false, true, false, false),
+                State::Running => (false, false, true, false),
+                State::Loading => (false, false, false, true),
             };
-            if (in_waiting, in_swapped, in_running) != expected {
+            if queued != expected {
                 return Err(format!(
-                    "request {seq_id} is {:?} but queued as {:?}",
+                    "request {seq_id} is {:?} but queued as {queued:?}",
                     request.state,
-                    (in_waiting, in_swapped, in_running)
                 ));
+            }
+            if (request.state == State::Loading) != (request.loading_blocks > 0) {
+                return Err(format!("request {seq_id}: {request:?} loading"));
             }
             let on_cache = cache.contains(seq_id);
             if on_cache != (request.state != State::Waiting) {
@@ -103,16 +114,23 @@ impl ContinuousScheduler {
                 return Err(format!("request {seq_id} overran: {request:?}"));
             }
         }
-        if self.running.len() > self.config.max_num_seqs + self.forked_since_step {
+        let seated = self.running.len() + self.loading.len();
+        if seated > self.config.max_num_seqs + self.forked_since_step {
             return Err(format!(
-                "{} running > max_num_seqs {} (+ {} forked since the step)",
-                self.running.len(),
-                self.config.max_num_seqs,
-                self.forked_since_step
+                "{seated} running or loading > max_num_seqs {} (+ {} forked since the step)",
+                self.config.max_num_seqs, self.forked_since_step
             ));
         }
-        if self.waiting.len() + self.swapped.len() + self.running.len() != self.requests.len() {
+        let queued = self.waiting.len() + self.swapped.len() + self.running.len();
+        if queued + self.loading.len() != self.requests.len() {
             return Err("queues and requests disagree".into());
+        }
+        for &seq_id in &self.abandoned_loads {
+            if self.requests.contains_key(&seq_id) || !cache.contains(seq_id) {
+                return Err(format!(
+                    "abandoned load {seq_id} is a request, or off the cache"
+                ));
+            }
         }
         cache.check_invariants()
     }

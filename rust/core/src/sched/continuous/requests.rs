@@ -46,6 +46,8 @@ pub(super) enum State {
     Waiting,
     Running,
     Swapped,
+    /// Admitted, its prefix being loaded from a lower tier (see `loads`).
+    Loading,
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +77,10 @@ pub(super) struct Request {
     /// Samples still to be forked from it (`n - 1` until its first token): they hold seats
     /// under `max_num_seqs` from its admission on, so the forks never overrun the limit.
     pub samples_to_fork: usize,
+    /// Leading full blocks the lower tiers hold (`offer_external_prefix`).
+    pub external_blocks: usize,
+    /// While loading: how many blocks past `num_computed` the load brings.
+    pub loading_blocks: usize,
 }
 
 impl Request {
@@ -164,6 +170,8 @@ impl ContinuousScheduler {
             arrival_ns,
             block_hashes: Vec::new(),
             samples_to_fork: num_samples - 1,
+            external_blocks: 0,
+            loading_blocks: 0,
         };
         self.unforked_samples += request.samples_to_fork;
         self.waiting.insert(request.queue_key(seq_id));
@@ -174,9 +182,13 @@ impl ContinuousScheduler {
     /// Ends a request wherever it is, freeing its blocks — at once, or, if the last plan has
     /// a row of it, once that plan ran (the next `step` or `on_tokens`).
     pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
-        self.forget(seq_id)
+        let request = self
+            .forget(seq_id)
             .ok_or(CoreError::UnknownSequence(seq_id))?;
-        if self.in_flight.contains(&seq_id) {
+        if request.state == State::Loading {
+            // A load is writing its blocks: they are freed once it is reported.
+            self.abandoned_loads.push(seq_id);
+        } else if self.in_flight.contains(&seq_id) {
             self.deferred_frees.push(seq_id);
         } else if cache.contains(seq_id) {
             cache.free_sequence(seq_id)?;
@@ -225,6 +237,10 @@ impl ContinuousScheduler {
             State::Swapped => self.swapped.remove(&key),
             State::Running => {
                 self.running.retain(|&id| id != seq_id);
+                true
+            }
+            State::Loading => {
+                self.loading.retain(|&id| id != seq_id);
                 true
             }
         };

@@ -25,8 +25,11 @@ impl ContinuousScheduler {
     ) -> CoreResult<()> {
         self.plan_executed(cache)?;
         plan.clear();
-        // A lowered max_num_seqs takes effect now: the newest extra sequences make room.
-        while self.running.len() > self.config.max_num_seqs {
+        // A lowered max_num_seqs (or forks past it) takes effect now: the newest extra
+        // sequences make room. Loading requests hold seats too, but are never preempted.
+        while !self.running.is_empty()
+            && self.running.len() + self.loading.len() > self.config.max_num_seqs
+        {
             let victim = self.pick_victim(0);
             self.preempt(cache, victim, plan)?;
         }
@@ -54,7 +57,7 @@ impl ContinuousScheduler {
         if plan.preempted_seq_ids.is_empty() {
             self.swap_in_swapped(cache)?;
             if self.swapped.is_empty() {
-                self.admit_waiting(cache, now_ns, budget, rows)?;
+                self.admit_waiting(cache, now_ns, budget, rows, plan)?;
             }
         }
         Ok(())
@@ -164,16 +167,18 @@ impl ContinuousScheduler {
 
     /// Seats under `max_num_seqs`: the running sequences and the samples they will fork.
     pub(super) fn seats_taken(&self) -> usize {
+        let seated = self.running.len() + self.loading.len();
         if self.unforked_samples == 0 {
-            return self.running.len();
+            return seated;
         }
         let forks: usize = self
             .running
             .iter()
+            .chain(&self.loading)
             .filter_map(|id| self.requests.get(id))
             .map(|request| request.samples_to_fork)
             .sum();
-        self.running.len() + forks
+        seated + forks
     }
 
     /// Phase 3: waiting requests that have arrived, by priority then arrival, while their
@@ -184,6 +189,7 @@ impl ContinuousScheduler {
         now_ns: u64,
         budget: &mut usize,
         rows: &mut Vec<ScheduledRow>,
+        plan: &mut StepPlan,
     ) -> CoreResult<()> {
         let mut seats = self.seats_taken();
         while *budget > 0 && seats < self.config.max_num_seqs {
@@ -216,9 +222,12 @@ impl ContinuousScheduler {
             }
             let cached = cache.admit_sequence_hashed(seq_id, tokens, hashes)?;
             self.waiting.remove(&key);
-            self.resume(seq_id, State::Running);
             seats += wanted;
             self.request_mut(seq_id)?.num_computed = cached;
+            if self.start_load(cache, seq_id, cached, &mut plan.loads)? {
+                continue; // it runs once its loads are reported
+            }
+            self.resume(seq_id, State::Running);
             // Without chunking, a prompt larger than what is left of the budget waits, with
             // its blocks, for a later step.
             self.schedule_prefill(cache, seq_id, total - cached, budget, rows, None)?;
@@ -276,7 +285,7 @@ impl ContinuousScheduler {
         Ok(())
     }
 
-    fn resume(&mut self, seq_id: u64, state: State) {
+    pub(super) fn resume(&mut self, seq_id: u64, state: State) {
         let admitted = self.next_admission;
         self.next_admission += 1;
         if let Some(request) = self.requests.get_mut(&seq_id) {

@@ -1,5 +1,6 @@
 //! The decisions of one step and the inputs a paged-attention runner feeds its kernels.
 
+use super::BlockLoad;
 use crate::kv_cache::BlockMove;
 
 /// kernels (named as vLLM's model runner names them). Batch rows are the scheduled sequences,
@@ -16,6 +17,9 @@ pub struct StepPlan {
     pub finished_seq_ids: Vec<u64>,
     /// Block moves, in the order they must be executed (before the model runs).
     pub moves: Vec<BlockMove>,
+    /// Blocks to load from lower tiers for the requests this step admitted to the loading
+    /// state (see `ContinuousScheduler::finish_loads`), request by request.
+    pub loads: Vec<BlockLoad>,
     /// Per batch row: tokens computed this step, and K/V length after it (`seq_lens`).
     pub query_lens: Vec<i32>,
     pub context_lens: Vec<i32>,
@@ -66,6 +70,7 @@ impl StepPlan {
             preempted_seq_ids,
             finished_seq_ids,
             moves,
+            loads,
             query_lens,
             context_lens,
             query_start_loc,
@@ -99,6 +104,7 @@ impl StepPlan {
             cells.clear();
         }
         moves.clear();
+        loads.clear();
         *block_table_width = 0;
         *num_batched_tokens = 0;
         *num_groups = 0;

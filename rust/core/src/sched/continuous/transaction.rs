@@ -93,7 +93,7 @@ impl ContinuousScheduler {
             // to free at the step's start.
             let admits = !self.waiting.is_empty()
                 || !self.swapped.is_empty()
-                || self.running.len() > self.config.max_num_seqs;
+                || self.running.len() + self.loading.len() > self.config.max_num_seqs;
             let chunk_need = match windowed {
                 true => {
                     self.config
