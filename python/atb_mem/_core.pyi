@@ -133,6 +133,10 @@ class KVCachePool:
     ) -> tuple[int, str, int | None, list[tuple[int, str]], list[tuple[str, int]]]:
         """(hit tokens, reason, limiting group, [(cached tokens, reason)] per group,
         [(tier, tokens)] in order)."""
+    def block_hashes(
+        self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """The chain hashes of the full blocks, ``[n, 2]``: a block's name in every tier."""
     def seq_len(self, seq_id: int) -> int: ...
     def __contains__(self, seq_id: int) -> bool: ...
     def __len__(self) -> int: ...
@@ -440,6 +444,15 @@ class StepPlan:
     @property
     def num_batched_tokens(self) -> int: ...
     @property
+    def load_seq_ids(self) -> npt.NDArray[np.uint64]:
+        """Per block to load from a lower tier: its request (see ``finish_loads``)."""
+    @property
+    def load_blocks(self) -> Int32Array:
+        """Per block to load: the device block the bytes go to."""
+    @property
+    def load_keys(self) -> npt.NDArray[np.uint64]:
+        """Per block to load: the chain hash of its contents, ``[k, 2]``."""
+    @property
     def seq_ids(self) -> npt.NDArray[np.uint64]:
         """Sequence ids by row."""
     def __len__(self) -> int: ...
@@ -471,6 +484,11 @@ class ContinuousScheduler:
         self, seq_ids: SeqIdsLike, token_ids: TokenIdsLike, eos_token_id: int | None = None
     ) -> npt.NDArray[np.uint64]:
         """Returns the ids of the sequences that finished."""
+    def offer_external_prefix(self, seq_id: int, num_blocks: int) -> None:
+        """Lower tiers hold the request's first ``num_blocks`` full blocks: its admission
+        loads what the device and the host do not hold, and it waits for ``finish_loads``."""
+    def finish_loads(self, seq_ids: SeqIdsLike, done: Sequence[bool]) -> None:
+        """Reports loads: done ones count as computed, failed ones are recomputed."""
     def abort(self, seq_id: int) -> None: ...
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Parallel sampling: the child shares a sampled parent's blocks, copy-on-write."""

@@ -142,12 +142,17 @@ class ContinuousSchedulerConfig(TypedDict):
 
 
 class SchedulerCounts(TypedDict):
-    """``_core.ContinuousScheduler.counts()``: requests by state, and preemptions so far."""
+    """``_core.ContinuousScheduler.counts()``: requests by state, preemptions so far, and
+    what lower-tier loads did (requests whose loads started, blocks served, failed loads)."""
 
     waiting: int
     running: int
     swapped: int
     preemptions: int
+    loading: int
+    loads_started: int
+    loaded_blocks: int
+    load_failures: int
 
 
 # ---- what the Python classes add ------------------------------------------------------------

@@ -130,6 +130,21 @@ class ContinuousBatchScheduler:
         """Cancels a request wherever it is and frees its blocks."""
         self._core.abort(seq_id)
 
+    # ---- lower tiers (a disk tier, a store shared across engines) --------------------------
+
+    def offer_external_prefix(self, seq_id: int, num_blocks: int) -> None:
+        """Lower tiers hold the first ``num_blocks`` full blocks of waiting request
+        ``seq_id`` (looked up by ``kv_cache.block_hashes``). Its admission loads the part the
+        device and the host do not hold (``plan.load_seq_ids`` / ``load_blocks`` /
+        ``load_keys``), and the request waits, holding its blocks, until ``finish_loads``."""
+        self._core.offer_external_prefix(seq_id, num_blocks)
+
+    def finish_loads(self, seq_ids: Any, done: Any) -> None:
+        """Reports loads: where ``done[i]``, request ``seq_ids[i]``'s blocks count as
+        computed; elsewhere they are recomputed. Every load a plan gave must be reported,
+        failed or not (time it out if it never ends): its blocks come back only then."""
+        self._core.finish_loads(seq_ids, [bool(flag) for flag in done])
+
     def progress(self, seq_id: int) -> tuple[int, int, int]:
         """(prompt length, tokens sampled so far, max_new_tokens)."""
         return self._core.progress(seq_id)

@@ -144,8 +144,9 @@ def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False
     prompts, _ = decode_lengths(running)
     # Room for every prompt and a few thousand decode steps, whatever `running` is.
     needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
-    tier = {"num_host_blocks": 4096, "host_prefix_cache": True} if host_prefix else {}
-    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None, **tier)
+    kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None,
+                             num_host_blocks=4096 if host_prefix else None,
+                             host_prefix_cache=host_prefix)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
                                                  max_num_batched_tokens=8192)
     for seq_id, prompt in enumerate(prompts):

@@ -367,6 +367,22 @@ impl KvCache {
         fits * block_size
     }
 
+    /// The prefix cache's chain hashes of `token_ids`' full blocks (what names them in every
+    /// tier, and in KV events), into `out`, which is cleared first.
+    pub fn block_hashes(
+        &self,
+        token_ids: &[u32],
+        cache_salt: Option<&[u8]>,
+        out: &mut Vec<BlockHash>,
+    ) {
+        out.clear();
+        let mut parent = BlockHash::root(cache_salt);
+        for chunk in token_ids.chunks_exact(self.block_size()) {
+            parent = parent.chain(chunk);
+            out.push(parent);
+        }
+    }
+
     pub fn block_pool(&self) -> &BlockPool {
         &self.block_pool
     }

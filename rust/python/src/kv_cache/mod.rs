@@ -257,6 +257,26 @@ impl PyKvCachePool {
         Ok((hit, reason, why.limited_by, groups, tiers))
     }
 
+    /// The chain hashes of `token_ids`' full blocks, uint64 `[n, 2]`: what names a block in
+    /// every tier (a lower tier's key), as `StepPlan.load_keys` does.
+    #[pyo3(signature = (token_ids, *, cache_salt=None))]
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: TokenIds<'_>,
+        cache_salt: Option<CacheSalt>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
+        let mut hashes = Vec::new();
+        self.lock()?
+            .block_hashes(token_ids.as_slice(), salt, &mut hashes);
+        let words: Vec<u64> = hashes.iter().flat_map(|hash| hash.0).collect();
+        Ok(words
+            .into_pyarray(py)
+            .reshape([hashes.len(), 2])?
+            .into_any())
+    }
+
     fn seq_len(&self, seq_id: SeqId) -> PyResult<usize> {
         let seq_id = seq_id.0;
         self.lock()?.seq_len(seq_id).into_py_result()

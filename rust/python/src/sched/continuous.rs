@@ -287,6 +287,25 @@ impl PyContinuousScheduler {
         Ok(finished.into_pyarray(py))
     }
 
+    /// Says that lower tiers (a disk tier, a shared store) hold the first `num_blocks` full
+    /// blocks of waiting request `seq_id`: its admission loads what the device and the host
+    /// do not hold (the plan's `load_*` arrays), and it waits until `finish_loads`.
+    fn offer_external_prefix(&self, seq_id: SeqId, num_blocks: Count<0>) -> PyResult<()> {
+        let cache = self.pool.get().lock()?;
+        self.lock()?
+            .offer_external_prefix(&cache, seq_id.0, num_blocks.get())
+            .into_py_result()
+    }
+
+    /// Reports loads: `done[i]` whether every block of request `seq_ids[i]` arrived intact
+    /// (then they count as computed), or not (they are recomputed). All-or-nothing.
+    fn finish_loads(&self, seq_ids: SeqIds<'_>, done: Vec<bool>) -> PyResult<()> {
+        let mut cache = self.pool.get().lock()?;
+        self.lock()?
+            .finish_loads(&mut cache, seq_ids.as_slice(), &done)
+            .into_py_result()
+    }
+
     /// Ends a request wherever it is and frees its blocks.
     fn abort(&self, seq_id: SeqId) -> PyResult<()> {
         let seq_id = seq_id.0;
@@ -316,6 +335,11 @@ impl PyContinuousScheduler {
         dict.set_item("running", scheduler.num_running())?;
         dict.set_item("swapped", scheduler.num_swapped())?;
         dict.set_item("preemptions", scheduler.num_preemptions())?;
+        dict.set_item("loading", scheduler.num_loading())?;
+        let loads = scheduler.load_counters();
+        dict.set_item("loads_started", loads.started)?;
+        dict.set_item("loaded_blocks", loads.loaded_blocks)?;
+        dict.set_item("load_failures", loads.failed)?;
         Ok(dict)
     }
 

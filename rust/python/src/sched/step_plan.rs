@@ -49,6 +49,15 @@ pub struct PyStepPlan {
     logits_indices: Py<PyAny>,
     #[pyo3(get)]
     num_batched_tokens: usize,
+    /// Blocks to load from lower tiers, one entry per block, request by request: the
+    /// request (uint64), the device block (int32), and the chain hash of its contents
+    /// (uint64 `[k, 2]`). See `ContinuousBatchScheduler.finish_loads`.
+    #[pyo3(get)]
+    load_seq_ids: Py<PyAny>,
+    #[pyo3(get)]
+    load_blocks: Py<PyAny>,
+    #[pyo3(get)]
+    load_keys: Py<PyAny>,
     block_moves: Vec<BlockMove>,
     rows: usize,
 }
@@ -59,6 +68,13 @@ impl PyStepPlan {
         let cells = |values: Vec<i32>| values.into_pyarray(py).into_any().unbind();
         let moves =
             moves_to_array(py, &plan.moves).map_or_else(|_| py.None(), |a| a.into_any().unbind());
+        let load_seq_ids: Vec<u64> = plan.loads.iter().map(|load| load.seq_id).collect();
+        let load_blocks: Vec<i32> = plan.loads.iter().map(|load| load.block as i32).collect();
+        let keys: Vec<u64> = plan.loads.iter().flat_map(|load| load.key.0).collect();
+        let load_keys = keys
+            .into_pyarray(py)
+            .reshape([plan.loads.len(), 2])
+            .map_or_else(|_| py.None(), |a| a.into_any().unbind());
         PyStepPlan {
             rows: plan.query_lens.len(),
             prefill_seq_ids: ids(plan.prefill_seq_ids),
@@ -86,6 +102,9 @@ impl PyStepPlan {
             },
             logits_indices: cells(plan.logits_indices),
             num_batched_tokens: plan.num_batched_tokens,
+            load_seq_ids: ids(load_seq_ids),
+            load_blocks: cells(load_blocks),
+            load_keys,
             block_moves: plan.moves,
         }
     }
