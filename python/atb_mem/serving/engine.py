@@ -24,9 +24,9 @@ from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner
 from atb_mem.kv.cache_pool import KVCachePool
 from atb_mem.scheduling.continuous import ContinuousBatchScheduler
-from atb_mem.serving.kv_sizing import host_tier, kv_cache_shape, num_kv_blocks
+from atb_mem.serving.kv_sizing import host_tier, kv_cache_shape, num_kv_blocks, tier_connector
 from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
-from atb_mem.serving.prompts import Prompt, eos_token_ids, prompt_list
+from atb_mem.serving.prompts import Prompt, eos_token_ids, prompt_list, prompt_token_ids
 from atb_mem.serving.sampler import sample, sample_generator
 
 if TYPE_CHECKING:
@@ -68,15 +68,17 @@ class Engine:
     ``plan_kv_cache`` (``gpu_memory_utilization``); on the host from ``kv_cache_memory_bytes``
     (default: what ``max_num_seqs`` sequences of the model's full length need, at most 4 GiB).
     The model is switched to atb-mem's attention (``model.set_attn_implementation``).
-    ``kv_offload={"host": "8GiB"}``: a host tier that keeps the prefix blocks the device evicts
-    (and takes swapped sequences). With ``kv_events`` (``atb_mem.events.zmq_publisher``'s
-    ``ZmqEventPublisher``, say), every step publishes the KV-cache events it caused."""
+    ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
+    prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
+    store shared across engines (see ``atb_mem.kv.tiers``). With ``kv_events``
+    (``ZmqEventPublisher``, say), every step publishes the KV-cache events it caused."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
-                 kv_offload: Mapping[str, Any] | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
+                 gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
@@ -106,6 +108,8 @@ class Engine:
         self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
                                     enable_prefix_caching=enable_prefix_caching,
                                     enable_kv_events=kv_events is not None, **tier, **shape)
+        self.tiers = tier_connector(self.kv_cache, model, kv_offload, kv_store, shape,
+                                    tensor_parallel_size)
         self.kv_events = kv_events
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
@@ -143,6 +147,8 @@ class Engine:
         returns). Nothing to do otherwise."""
         if self.plan_broadcast is not None and self.is_driver:
             self.plan_broadcast.stop()
+        if self.tiers is not None:
+            self.tiers.close()
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: Any = None, dtype: Any = None,
@@ -179,7 +185,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self._prompt_ids(prompt)
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt's {len(token_ids)} tokens plus max_tokens="
                              f"{params.max_tokens} exceed the model's {self.max_model_len}")
@@ -191,6 +197,8 @@ class Engine:
                                        num_samples=params.n)
         except _core.RequestRefusedError as error:  # named by its sequence: name the request
             raise ValueError(f"request {request_id!r} {error.reason}") from None
+        if self.tiers is not None:  # what the lower tiers hold is loaded at admission
+            self.tiers.offer(self.scheduler, seq_id, token_ids)
         first = _Sample(seq_id, 0, generator)
         request = _Request(request_id, token_ids, params, [first], forked=params.n == 1)
         self._requests[request_id] = request
@@ -239,7 +247,12 @@ class Engine:
         a row that cannot be sampled or whose output cannot be processed fails its request;
         a forward that raises fails the requests of its batch."""
         began = time.perf_counter()
+        if self.tiers is not None:  # loads that arrived run from this step (waits if idle)
+            self.tiers.poll(self.scheduler, 0.01 if not self.last_step_tokens else 0.0)
         plan = self.scheduler.step()
+        if self.tiers is not None:
+            self.tiers.forget(plan.finished_seq_ids)
+            self.tiers.start_loads(plan)
         if self.plan_broadcast is not None and (plan.num_batched_tokens or len(plan.moves)):
             self.plan_broadcast.send(plan)  # the workers run the same step on their shards
         progressed: dict[str, _Request] = {}
@@ -259,6 +272,8 @@ class Engine:
                     raise
             else:
                 model_seconds = time.perf_counter() - forward
+                if self.tiers is not None:  # computed blocks, written through below
+                    self.tiers.save(plan)
                 self._sample_and_record(plan.sample_seq_ids, logits, progressed)
         outputs = [self._delta(request) for request in self._ended]
         self._ended.clear()
@@ -382,18 +397,3 @@ class Engine:
                                                 one.finish_reason) for one in request.samples],
                               finished=True, error=request.error)
                 for request in results.values()]
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: give Engine one, or token ids")
-            token_ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            token_ids = np.asarray(prompt).reshape(-1).tolist()
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or \
-                    not 0 <= token < self.vocab_size:
-                raise ValueError(f"prompt token {token!r} is not an id in [0, {self.vocab_size})")
-        return [int(token) for token in token_ids]

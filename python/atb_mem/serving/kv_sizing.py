@@ -13,10 +13,11 @@ from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_l
 from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
 from atb_mem.kv.planning import block_bytes, plan_kv_cache
 
-__all__ = ["OFFLOAD_TIERS", "host_tier", "kv_cache_shape", "num_kv_blocks"]
+__all__ = ["OFFLOAD_TIERS", "host_tier", "kv_cache_shape", "lower_tiers", "num_kv_blocks",
+           "tier_connector"]
 
-# The tiers ``kv_offload`` names (the disk tier comes with its own issue).
-OFFLOAD_TIERS = ("host",)
+# The tiers ``kv_offload`` names.
+OFFLOAD_TIERS = ("host", "disk")
 
 # Without num_blocks on the host, the cache takes at most this much (vLLM's CPU default).
 HOST_KV_BUDGET = 4 << 30
@@ -68,6 +69,8 @@ def host_tier(kv_offload: Mapping[str, Any] | None, num_host_blocks: int | None,
         raise ValueError(f"kv_offload names unknown tiers {unknown}; known: "
                          f"{list(OFFLOAD_TIERS)}")
     if "host" not in kv_offload:
+        if not enable_prefix_caching:
+            raise ValueError("kv_offload keeps prefix blocks: it needs prefix caching")
         return {"num_host_blocks": num_host_blocks}
     if num_host_blocks is not None:
         raise ValueError("give the host tier once: num_host_blocks or kv_offload['host']")
@@ -80,3 +83,48 @@ def host_tier(kv_offload: Mapping[str, Any] | None, num_host_blocks: int | None,
         raise ValueError(f"kv_offload host={kv_offload['host']!r} holds no block of "
                          f"{bytes_per_block} bytes")
     return {"num_host_blocks": blocks, "host_prefix_cache": True}
+
+
+def lower_tiers(kv_offload: Mapping[str, Any] | None, kv_store: str | None) -> list[Any]:
+    """The stores below the host: the disk tier of ``kv_offload["disk"]`` (``(PATH, SIZE)``
+    or ``"PATH:SIZE"``), then the shared store of the ``kv_store`` URL."""
+    from atb_mem.kv.tiers import DiskStore, open_store
+
+    stores: list[Any] = []
+    disk = (kv_offload or {}).get("disk")
+    if disk is not None:
+        if isinstance(disk, str):
+            path, colon, size = disk.rpartition(":")
+            if not colon or not path:
+                raise ValueError(f"kv_offload disk={disk!r} is not PATH:SIZE")
+            disk = (path, size)
+        if not isinstance(disk, (tuple, list)) or len(disk) != 2:
+            raise ValueError(f"kv_offload disk must be (PATH, SIZE), got {disk!r}")
+        stores.append(DiskStore(disk[0], parse_size(disk[1])))
+    if kv_store is not None:
+        stores.append(open_store(kv_store))
+    return stores
+
+
+def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | None,
+                   kv_store: str | None, shape: dict[str, Any],
+                   tensor_parallel_size: int) -> Any:
+    """The connector to the tiers below the host (None without any). Their blocks are keyed
+    by the model (its checkpoint and config), the cache's layout and the rank's share of the
+    heads, so engines share a block only when its bytes would be the same."""
+    import os
+
+    from atb_mem.kv.tiers import TierConnector, layout_identity
+
+    below = (kv_offload or {}).get("disk") is not None or kv_store is not None
+    if below and any(group.kind != "full_attention" for group in kv_cache.groups):
+        raise ValueError("the disk tier and kv_store serve models of full-attention layers")
+    stores = lower_tiers(kv_offload, kv_store)
+    if not stores:
+        return None
+    config = model.config
+    identity = layout_identity(
+        checkpoint=str(getattr(config, "name_or_path", "")), config=config.to_json_string(),
+        block_size=kv_cache.block_size, shape=repr(sorted(shape.items())),
+        tensor_parallel=(tensor_parallel_size, os.environ.get("RANK", "0")))
+    return TierConnector(kv_cache, stores, identity)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Prompt", "eos_token_ids", "prompt_list"]
+__all__ = ["Prompt", "eos_token_ids", "prompt_list", "prompt_token_ids"]
 
 Prompt = str | Sequence[int]
 """Text (the engine needs a tokenizer) or token ids."""
@@ -22,6 +22,24 @@ def prompt_list(prompts: Any) -> list[Prompt]:
     if items and not isinstance(items[0], str | Sequence | np.ndarray):
         return one  # token ids
     return items
+
+
+def prompt_token_ids(prompt: Prompt, tokenizer: Any, vocab_size: int) -> list[int]:
+    """A prompt's token ids, checked: text is tokenized (it needs a tokenizer); ids must be
+    ints in ``[0, vocab_size)``; none is empty."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: give Engine one, or token ids")
+        token_ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        token_ids = np.asarray(prompt).reshape(-1).tolist()
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    for token in token_ids:
+        if isinstance(token, bool) or not isinstance(token, int) or \
+                not 0 <= token < vocab_size:
+            raise ValueError(f"prompt token {token!r} is not an id in [0, {vocab_size})")
+    return [int(token) for token in token_ids]
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -1,0 +1,220 @@
+"""The engine's side of the tiers below the host: what they hold of a new prompt, the loads a
+step asks for, and the blocks each step computed, written through to them.
+
+- ``offer``: a new request's full blocks are looked up in every store (one batched call
+  each); the leading run some store holds is offered to the scheduler, which loads what the
+  device and the host do not hold when it admits the request.
+- ``start_loads`` / ``poll``: each request's blocks are fetched on worker threads (the I/O
+  overlaps the forward) and checked against their frames. At the start of the next step,
+  ``poll`` copies what arrived into the request's device blocks, on the engine's thread, and
+  reports the loads. A load with a block that is missing, truncated or corrupted, or that
+  takes longer than ``load_timeout_s``, fails: the scheduler recomputes those blocks.
+- ``save``: after each forward, the full blocks the step completed are copied to host memory
+  at once (nothing may overwrite them before the next step), then put to every store by
+  the workers.
+
+Stores are keyed by the chain hash plus the model's and the layout's identity
+(``store.block_key``), so engines of different models never share a block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from atb_mem.kv.tiers.store import KVStore, block_key, frame, unframe
+
+__all__ = ["TierConnector", "TierCounters"]
+
+log = logging.getLogger("atb_mem.tiers")
+
+
+@dataclass
+class TierCounters:
+    """What the tiers below the host did since the engine started."""
+
+    offered_blocks: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failures: int = 0
+    corrupt_blocks: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    """Each finished load's latency (request admitted to blocks in place); the last 4096."""
+
+
+@dataclass
+class _Load:
+    seq_id: int
+    blocks: list[int]
+    future: Future[list[bytes | None]]
+    started: float
+
+
+class TierConnector:
+    """Lower tiers ``stores`` (first found, first served) under ``kv_cache``'s blocks."""
+
+    def __init__(self, kv_cache: Any, stores: list[KVStore], identity: str, *,
+                 checksum: bool = True, load_timeout_s: float = 30.0, workers: int = 2) -> None:
+        tensors = kv_cache.tensors
+        if tensors is None:
+            raise ValueError("tiers below the host need a KV cache with bytes (a device)")
+        self.kv_cache, self.stores, self.identity = kv_cache, stores, identity
+        self.checksum, self.load_timeout_s = checksum, load_timeout_s
+        self.counters = TierCounters()
+        self._tensors = tensors
+        self._block_bytes = kv_cache.bytes_per_block
+        self._block_shape = (tensors.kv.shape[0], tensors.kv.shape[1], 1, *tensors.kv.shape[3:])
+        self._staging = tensors.backend.host_tensor(self._block_shape, tensors.kv.dtype)
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="atb-mem-tiers")
+        self._hashes: dict[int, tuple[np.ndarray, int]] = {}  # seq -> (block hashes, saved)
+        self._loads: list[_Load] = []
+        self._counting = threading.Lock()  # saves are counted on the workers
+
+    # ---- a new request ---------------------------------------------------------------------
+
+    def offer(self, scheduler: Any, seq_id: int, token_ids: list[int]) -> int:
+        """Looks ``token_ids``' full blocks up and offers the scheduler the leading run some
+        store holds; returns how many blocks that is."""
+        hashes = self.kv_cache.block_hashes(token_ids)
+        self._hashes[seq_id] = (hashes, 0)
+        most = (len(token_ids) - 1) // self.kv_cache.block_size
+        keys = [block_key(self.identity, words) for words in hashes[:most]]
+        held = np.zeros(len(keys), dtype=bool)
+        for store in self.stores:
+            if not held.all():
+                held |= np.asarray(store.exists(keys), dtype=bool)
+        leading = int(np.argmin(held)) if not held.all() else len(keys)
+        if leading:
+            scheduler.offer_external_prefix(seq_id, leading)
+            self.counters.offered_blocks += leading
+        return leading
+
+    def forget(self, seq_ids: Any) -> None:
+        for seq_id in np.asarray(seq_ids).tolist():
+            self._hashes.pop(int(seq_id), None)
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def start_loads(self, plan: Any) -> None:
+        """Starts fetching the blocks ``plan`` asks for, request by request."""
+        if not len(plan.load_seq_ids):
+            return
+        seq_ids = plan.load_seq_ids.tolist()
+        blocks = plan.load_blocks.tolist()
+        keys = [block_key(self.identity, words) for words in plan.load_keys]
+        start = 0
+        while start < len(seq_ids):
+            end = start
+            while end < len(seq_ids) and seq_ids[end] == seq_ids[start]:
+                end += 1
+            future = self._workers.submit(self._fetch, keys[start:end])
+            self._loads.append(_Load(seq_ids[start], blocks[start:end], future,
+                                     time.perf_counter()))
+            start = end
+
+    def _fetch(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's payload, checked (None where no store has an intact one)."""
+        payloads: list[bytes | None] = []
+        for key in keys:
+            payload = None
+            for store in self.stores:
+                payload = unframe(store.get(key), self._block_bytes, self.checksum)
+                if payload is not None:
+                    break
+            payloads.append(payload)
+            if payload is None:
+                break  # the load fails: the rest is not needed
+        return payloads
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def poll(self, scheduler: Any, wait_s: float = 0.0) -> None:
+        """Copies the loads that arrived into their blocks and reports them, with the loads
+        that failed or timed out; with ``wait_s``, first waits that long for the oldest."""
+        if not self._loads:
+            return
+        if wait_s > 0 and not any(load.future.done() for load in self._loads):
+            try:
+                self._loads[0].future.exception(timeout=wait_s)
+            except TimeoutError:
+                pass
+        now = time.perf_counter()
+        finished, done = [], []
+        for load in list(self._loads):
+            timed_out = now - load.started > self.load_timeout_s
+            if not load.future.done() and not timed_out:
+                continue
+            self._loads.remove(load)
+            finished.append(load.seq_id)
+            done.append(self._land(load) if load.future.done() else False)
+        if finished:
+            scheduler.finish_loads(np.asarray(finished, dtype=np.uint64), done)
+
+    def _land(self, load: _Load) -> bool:
+        try:
+            payloads = load.future.result()
+        except Exception as error:  # a store that raised: the load failed
+            log.warning("atb-mem: a load failed: %s", error)
+            payloads = [None]
+        if len(payloads) != len(load.blocks) or any(p is None for p in payloads):
+            self.counters.load_failures += 1
+            self.counters.corrupt_blocks += sum(p is None for p in payloads)
+            return False
+        backend, staging = self._tensors.backend, self._staging
+        view = backend.bytes_of(staging)
+        for block, payload in zip(load.blocks, payloads, strict=True):
+            view[:] = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[arg-type]
+            backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
+        self.counters.loaded_blocks += len(load.blocks)
+        self.counters.loaded_bytes += len(load.blocks) * self._block_bytes
+        self.counters.load_seconds = [*self.counters.load_seconds[-4095:],
+                                      time.perf_counter() - load.started]
+        return True
+
+    # ---- saves -----------------------------------------------------------------------------
+
+    def save(self, plan: Any) -> None:
+        """Writes the full blocks this step's rows completed through to every store."""
+        block_size = self.kv_cache.block_size
+        for row, seq_id in enumerate(plan.seq_ids.tolist()):
+            known = self._hashes.get(seq_id)
+            if known is None:
+                continue
+            hashes, saved = known
+            full = min(int(plan.context_lens[row]) // block_size, len(hashes))
+            if full <= saved:
+                continue
+            table = self.kv_cache.block_table(seq_id)
+            for index in range(saved, full):
+                self._save_block(int(table[index]), block_key(self.identity, hashes[index]))
+            self._hashes[seq_id] = (hashes, full)
+
+    def _save_block(self, block: int, key: str) -> None:
+        backend, staging = self._tensors.backend, self._staging
+        backend.copy_blocks(staging, np.array([0]), self._tensors.kv, np.array([block]))
+        value = frame(bytes(backend.bytes_of(staging)), self.checksum)
+        self._workers.submit(self._put, key, value)
+
+    def _put(self, key: str, value: bytes) -> None:
+        stored = False
+        for store in self.stores:
+            stored |= store.put(key, value)
+        if stored:
+            with self._counting:
+                self.counters.saved_blocks += 1
+                self.counters.saved_bytes += len(value)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=False)
+        for store in self.stores:
+            store.close()

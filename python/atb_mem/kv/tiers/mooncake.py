@@ -1,0 +1,115 @@
+"""A store shared across engines: Mooncake Store (``mooncake-transfer-engine``, or
+``mooncake-transfer-engine-non-cuda`` whose TCP transport runs on a CPU-only machine), reached
+by URL::
+
+    mooncake://HOST:PORT[?metadata=http://HOST:8080/metadata&segment=256MiB&buffer=64MiB]
+
+``HOST:PORT`` is ``mooncake_master``'s RPC address; ``metadata`` its HTTP metadata server
+(default: port 8080 on the same host); ``segment`` the memory this engine lends the store
+(every client lends some: a block lives in the segment of the client that put it);
+``buffer`` the client's transfer buffer, at least one block.
+
+Mooncake answers failures with codes and empty values rather than exceptions, so every call
+here returns None or False on any failure, and the caller recomputes. A master that is gone
+makes calls slow (seconds), never blocking: loads run off the engine's thread. Setting up
+against a master that never answers would hang, so it runs under a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from atb_mem._sizes import parse_size
+
+__all__ = ["MooncakeStore", "parse_mooncake_url"]
+
+log = logging.getLogger("atb_mem.tiers")
+
+SETUP_TIMEOUT_S = 30.0
+
+
+def parse_mooncake_url(url: str) -> dict[str, Any]:
+    """``mooncake://HOST:PORT?...`` as the client's settings; ValueError when malformed."""
+    parsed = urlparse(url)
+    if parsed.scheme != "mooncake" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"kv_store {url!r} is not mooncake://HOST:PORT[?options]")
+    options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+    unknown = sorted(set(options) - {"metadata", "segment", "buffer"})
+    if unknown:
+        raise ValueError(f"kv_store {url!r}: unknown options {unknown}")
+    return {
+        "master": f"{parsed.hostname}:{parsed.port}",
+        "metadata": options.get("metadata", f"http://{parsed.hostname}:8080/metadata"),
+        "segment": parse_size(options.get("segment", "256MiB")),
+        "buffer": parse_size(options.get("buffer", "64MiB")),
+        "host": parsed.hostname,
+    }
+
+
+class MooncakeStore:
+    """``KVStore`` over a Mooncake Store client."""
+
+    name = "MOONCAKE"
+
+    def __init__(self, url: str) -> None:
+        settings = parse_mooncake_url(url)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as error:
+            raise ValueError(f"kv_store {url!r} needs Mooncake: pip install "
+                             f"mooncake-transfer-engine-non-cuda (and Debian's libibverbs1, "
+                             f"librdmacm1, libnuma1): {error}") from None
+        store = MooncakeDistributedStore()
+        result: list[int] = []
+        setup = threading.Thread(target=lambda: result.append(store.setup(
+            settings["host"], settings["metadata"], settings["segment"], settings["buffer"],
+            "tcp", "", settings["master"])), daemon=True)
+        setup.start()
+        setup.join(SETUP_TIMEOUT_S)
+        if not result:
+            raise ValueError(f"kv_store {url!r}: mooncake_master did not answer within "
+                             f"{SETUP_TIMEOUT_S:.0f} s")
+        if result[0] != 0:
+            raise ValueError(f"kv_store {url!r}: Mooncake's setup failed with code {result[0]}")
+        self.url = url
+        self._store = store
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            codes = self._store.batch_is_exist(list(keys))
+        except Exception as error:  # any failure is a miss
+            log.warning("atb-mem: the shared store's lookup failed: %s", error)
+            return [False] * len(keys)
+        return [code == 1 for code in codes]
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            value = self._store.get(key)
+        except Exception:  # any failure is a miss
+            return None
+        return bytes(value) or None  # Mooncake answers b'' for a miss and on errors
+
+    def put(self, key: str, value: bytes) -> bool:
+        try:
+            return bool(self._store.put(key, value) == 0)
+        except Exception:
+            return False
+
+    def healthy(self) -> bool:
+        """Whether the master answers (0 from Mooncake's health check)."""
+        try:
+            return bool(self._store.health_check() == 0)
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        try:
+            self._store.close()
+        except Exception:  # closing a client whose master died
+            pass

@@ -1,0 +1,74 @@
+"""What a tier below the host keeps, and how a block's bytes travel to it and back.
+
+A ``KVStore`` maps a key to the bytes of one KV block (every layer's K and V, as
+``KVTensors`` lays one block out). Keys name a block by the prefix cache's chain hash plus an
+identity of the model and the layout (``block_key``), so engines that share a store share
+blocks only when their K/V bytes would be the same. Every value is framed with its length and
+a CRC-32 (``frame``/``unframe``): a truncated or corrupted chunk is detected on load, the load
+fails, and the block is recomputed — never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["KVStore", "block_key", "frame", "layout_identity", "unframe"]
+
+_MAGIC = b"ATBK"
+_HEADER = struct.Struct("<4sIQ")  # magic, crc32, payload length
+
+
+class KVStore(Protocol):
+    """A tier below the host: a disk directory, or a store shared across engines."""
+
+    name: str
+    """The tier's medium in KV events and metrics (``"DISK"``, ``"MOONCAKE"``)."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held (one batched call)."""
+
+    def get(self, key: str) -> bytes | None:
+        """The framed value, or None when it is not held or cannot be read."""
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Stores a framed value; False when the tier could not take it."""
+
+    def close(self) -> None: ...
+
+
+def frame(payload: bytes | memoryview, checksum: bool = True) -> bytes:
+    """``payload`` with its header: length and CRC-32 (0 when ``checksum`` is off)."""
+    crc = zlib.crc32(payload) if checksum else 0
+    return _HEADER.pack(_MAGIC, crc, len(payload)) + bytes(payload)
+
+
+def unframe(value: bytes | None, expected_len: int, checksum: bool = True) -> bytes | None:
+    """The payload of a framed value, or None if it is missing, truncated, of the wrong
+    length or (with ``checksum``) corrupted."""
+    if value is None or len(value) < _HEADER.size:
+        return None
+    magic, crc, length = _HEADER.unpack_from(value)
+    payload = value[_HEADER.size:]
+    if magic != _MAGIC or length != expected_len or len(payload) != length:
+        return None
+    if checksum and zlib.crc32(payload) != crc:
+        return None
+    return payload
+
+
+def layout_identity(**parts: Any) -> str:
+    """A short digest of what makes two engines' blocks byte-identical: the model, the dtype,
+    the block size and layout, the tensor-parallel rank."""
+    text = repr(sorted(parts.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def block_key(identity: str, hash_words: np.ndarray) -> str:
+    """The store key of the block whose chain hash is ``hash_words`` (two uint64)."""
+    return f"atb/{identity}/{int(hash_words[0]):016x}{int(hash_words[1]):016x}"
