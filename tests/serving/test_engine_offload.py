@@ -88,7 +88,9 @@ def test_negative_control_poisoned_host_copies_change_the_tokens(
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"disk": "1GiB"}, "unknown tiers"),
+    ({"tape": "1GiB"}, "unknown tiers"),
+    ({"disk": "1GiB"}, "not PATH:SIZE"),
+    ({"disk": ("/tmp", "1 parsec")}, "is not a size"),
     ({"host": "1 parsec"}, "is not a size"),
     ({"host": 10}, "holds no block"),
 ])

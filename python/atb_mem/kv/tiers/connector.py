@@ -46,6 +46,8 @@ class TierCounters:
     corrupt_blocks: int = 0
     saved_blocks: int = 0
     saved_bytes: int = 0
+    store_errors: int = 0
+    """Calls to the stores that failed (unreachable, refusing, a failed write)."""
     load_seconds: list[float] = field(default_factory=list)
     """Each finished load's latency (request admitted to blocks in place); the last 4096."""
 
@@ -68,7 +70,7 @@ class TierConnector:
             raise ValueError("tiers below the host need a KV cache with bytes (a device)")
         self.kv_cache, self.stores, self.identity = kv_cache, stores, identity
         self.checksum, self.load_timeout_s = checksum, load_timeout_s
-        self.counters = TierCounters()
+        self._counters = TierCounters()
         self._tensors = tensors
         self._block_bytes = kv_cache.bytes_per_block
         self._block_shape = (tensors.kv.shape[0], tensors.kv.shape[1], 1, *tensors.kv.shape[3:])
@@ -77,6 +79,12 @@ class TierConnector:
         self._hashes: dict[int, tuple[np.ndarray, int]] = {}  # seq -> (block hashes, saved)
         self._loads: list[_Load] = []
         self._counting = threading.Lock()  # saves are counted on the workers
+
+    @property
+    def counters(self) -> TierCounters:
+        """What the tiers did so far (a live object; ``store_errors`` is read now)."""
+        self._counters.store_errors = sum(getattr(store, "errors", 0) for store in self.stores)
+        return self._counters
 
     # ---- a new request ---------------------------------------------------------------------
 
@@ -94,7 +102,7 @@ class TierConnector:
         leading = int(np.argmin(held)) if not held.all() else len(keys)
         if leading:
             scheduler.offer_external_prefix(seq_id, leading)
-            self.counters.offered_blocks += leading
+            self._counters.offered_blocks += leading
         return leading
 
     def forget(self, seq_ids: Any) -> None:
@@ -167,17 +175,17 @@ class TierConnector:
             log.warning("atb-mem: a load failed: %s", error)
             payloads = [None]
         if len(payloads) != len(load.blocks) or any(p is None for p in payloads):
-            self.counters.load_failures += 1
-            self.counters.corrupt_blocks += sum(p is None for p in payloads)
+            self._counters.load_failures += 1
+            self._counters.corrupt_blocks += sum(p is None for p in payloads)
             return False
         backend, staging = self._tensors.backend, self._staging
         view = backend.bytes_of(staging)
         for block, payload in zip(load.blocks, payloads, strict=True):
             view[:] = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[arg-type]
             backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
-        self.counters.loaded_blocks += len(load.blocks)
-        self.counters.loaded_bytes += len(load.blocks) * self._block_bytes
-        self.counters.load_seconds = [*self.counters.load_seconds[-4095:],
+        self._counters.loaded_blocks += len(load.blocks)
+        self._counters.loaded_bytes += len(load.blocks) * self._block_bytes
+        self._counters.load_seconds = [*self._counters.load_seconds[-4095:],
                                       time.perf_counter() - load.started]
         return True
 
@@ -211,8 +219,8 @@ class TierConnector:
             stored |= store.put(key, value)
         if stored:
             with self._counting:
-                self.counters.saved_blocks += 1
-                self.counters.saved_bytes += len(value)
+                self._counters.saved_blocks += 1
+                self._counters.saved_bytes += len(value)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)

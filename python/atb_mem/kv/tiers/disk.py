@@ -49,6 +49,7 @@ class DiskStore:
         self.capacity_bytes = capacity_bytes
         self.min_seen = min_seen
         self.writable = True
+        self.errors = 0
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
         self._seen: dict[str, int] = {}
@@ -95,6 +96,7 @@ class DiskStore:
             partial.replace(self._file(key))  # readers never see half a file
         except OSError as error:
             self.writable = False
+            self.errors += 1
             log.warning("atb-mem: the disk tier stops taking blocks: writing %s failed: %s",
                         self.path, error.strerror or error)
             return False

@@ -11,14 +11,17 @@ by URL::
 
 Mooncake answers failures with codes and empty values rather than exceptions, so every call
 here returns None or False on any failure, and the caller recomputes. A master that is gone
-makes calls slow (seconds), never blocking: loads run off the engine's thread. Setting up
-against a master that never answers would hang, so it runs under a deadline.
+makes each call take seconds, so after a failure the store counts as down for
+``RETRY_AFTER_S``: calls answer "not held" at once, lookups on the engine's thread stall
+nothing, and one log line says so. Setting up against a master that never answers would
+hang, so it runs under a deadline.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -30,6 +33,7 @@ __all__ = ["MooncakeStore", "parse_mooncake_url"]
 log = logging.getLogger("atb_mem.tiers")
 
 SETUP_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 5.0
 
 
 def parse_mooncake_url(url: str) -> dict[str, Any]:
@@ -76,30 +80,54 @@ class MooncakeStore:
         if result[0] != 0:
             raise ValueError(f"kv_store {url!r}: Mooncake's setup failed with code {result[0]}")
         self.url = url
+        self.errors = 0
+        """Calls that failed (the store unreachable, or refusing)."""
         self._store = store
+        self._down_until = 0.0
+
+    def _up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, detail: object) -> None:
+        self.errors += 1
+        if self._up():
+            log.warning("atb-mem: the shared store %s failed (%s): requests recompute; "
+                        "retrying in %.0f s", what, detail, RETRY_AFTER_S)
+        self._down_until = time.monotonic() + RETRY_AFTER_S
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
-            return []
+        if not keys or not self._up():
+            return [False] * len(keys)
         try:
             codes = self._store.batch_is_exist(list(keys))
         except Exception as error:  # any failure is a miss
-            log.warning("atb-mem: the shared store's lookup failed: %s", error)
+            self._failed("lookup", error)
             return [False] * len(keys)
+        if any(code < 0 for code in codes):
+            self._failed("lookup", f"code {min(codes)}")
         return [code == 1 for code in codes]
 
     def get(self, key: str) -> bytes | None:
+        if not self._up():
+            return None
         try:
             value = self._store.get(key)
-        except Exception:  # any failure is a miss
+        except Exception as error:  # any failure is a miss
+            self._failed("get", error)
             return None
         return bytes(value) or None  # Mooncake answers b'' for a miss and on errors
 
     def put(self, key: str, value: bytes) -> bool:
-        try:
-            return bool(self._store.put(key, value) == 0)
-        except Exception:
+        if not self._up():
             return False
+        try:
+            code = self._store.put(key, value)
+        except Exception as error:
+            self._failed("put", error)
+            return False
+        if code != 0:
+            self._failed("put", f"code {code}")
+        return bool(code == 0)
 
     def healthy(self) -> bool:
         """Whether the master answers (0 from Mooncake's health check)."""

@@ -1,0 +1,129 @@
+"""The disk tier under a model. The device pool is too small to keep any earlier prompt, and
+there is no host tier. Each prompt runs three times round:
+
+- the first time, its blocks are seen once and not written (one-off prompts do not wear the
+  disk);
+- the second time, they are computed again and written;
+- the third time, they are loaded from disk while the engine serves on.
+
+The greedy tokens equal HF's own ``generate`` every time, with the device's unused blocks
+poisoned (NaN) before every step.
+
+Faults:
+
+- a corrupted or truncated file is detected by its checksum, and that prefix is recomputed;
+- with the checksum check off, the corrupted chunk changes the tokens (the negative control);
+- a directory that cannot be written is refused at start-up;
+- one that fails at run time stops the writes, and the engine serves on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atb_mem.kv.tiers import block_key
+from atb_mem.serving import Engine, SamplingParams
+from tests.support.models import hf_greedy, model_pair, run_poisoned
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+PROMPTS = [np.random.default_rng(seed).integers(3, 256, size=17).tolist() for seed in range(4)]
+
+
+def disk_engine(model: object, path: Path) -> Engine:
+    return Engine(model, num_blocks=8, block_size=BLOCK_SIZE, max_num_seqs=1,
+                  kv_offload={"disk": (str(path), "16MiB")})
+
+
+def run_round(engine: Engine, label: str) -> list[list[int]]:
+    produced = []
+    for index, tokens in enumerate(PROMPTS):
+        request_id = f"{label}-{index}"
+        produced.append(run_poisoned(engine, {0: [(request_id, tokens, GREEDY)]})
+                        [request_id][0][0])
+    return produced
+
+
+def chunk_of(engine: Engine, path: Path, prompt: list[int], index: int) -> Path:
+    assert engine.tiers is not None
+    key = block_key(engine.tiers.identity, engine.kv_cache.block_hashes(prompt)[index])
+    return path / (key.replace("/", "-") + ".kv")
+
+
+def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> None:
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, tmp_path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    assert run_round(engine, "first") == expected
+    assert not list(tmp_path.glob("*.kv")), "blocks seen once are not written"
+    assert run_round(engine, "second") == expected
+    assert len(list(tmp_path.glob("*.kv"))) >= 16  # 4 full blocks of each prompt
+    assert engine.tiers is not None
+    before = engine.tiers.counters.loaded_blocks
+    assert run_round(engine, "third") == expected
+    # Each third-round prompt loaded its 4 full blocks: the device held none of them.
+    assert engine.tiers.counters.loaded_blocks - before == 16
+    stats = engine.scheduler.stats()
+    assert stats["loads_started"] == 4 and stats["load_failures"] == 0
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, damage: str) -> None:
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, tmp_path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    run_round(engine, "first")
+    run_round(engine, "second")
+    chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
+    value = chunk.read_bytes()
+    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16) if damage == "corrupt"
+                      else value[:len(value) // 2])
+    assert run_round(engine, "third") == expected
+    assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
+    assert engine.scheduler.stats()["load_failures"] == 1
+
+
+def test_negative_control_a_corrupt_chunk_served_unchecked_changes_the_tokens(
+        tmp_path: Path) -> None:
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, tmp_path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    run_round(engine, "first")
+    run_round(engine, "second")
+    chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
+    value = chunk.read_bytes()
+    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16))
+    assert engine.tiers is not None
+    engine.tiers.checksum = False
+    produced = run_round(engine, "third")
+    assert produced[0] != expected[0], "the corrupted chunk was not what the model read"
+    assert produced[1:] == expected[1:]
+
+
+def test_an_unwritable_directory_is_refused_at_start_up(tmp_path: Path) -> None:
+    model, _ = model_pair("llama")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="is not writable"):
+        disk_engine(model, blocker / "tier")
+
+
+def test_a_directory_that_fails_at_run_time_stops_the_writes(tmp_path: Path) -> None:
+    """The tier's directory is replaced by a file mid-run (a real OSError on every write,
+    even for root, unlike a read-only mode): writes stop with a warning, serving goes on."""
+    model, reference = model_pair("llama")
+    path = tmp_path / "tier"
+    engine = disk_engine(model, path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    run_round(engine, "first")
+    path.rmdir()
+    path.write_text("no longer a directory")
+    assert run_round(engine, "second") == expected
+    assert engine.tiers is not None
+    store = engine.tiers.stores[0]
+    assert store.writable is False  # type: ignore[attr-defined]
+    assert run_round(engine, "third") == expected
