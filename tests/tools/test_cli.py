@@ -58,6 +58,14 @@ def test_plan_with_a_host_tier_says_what_each_tier_holds(tmp_path: Path) -> None
         assert row["device_tokens"] == (row["num_blocks"] - 1) * row["block_size"]
     refused = atb_mem_command(*PLAN, "--kv-offload", "host=64GiB", "--kv-offload", "host=1GiB")
     assert refused.returncode == 2 and "host is given twice" in refused.stderr
+    with_disk = atb_mem_command(*PLAN, "--block-sizes", "16", "--utilization", "0.9",
+                                "--kv-offload", f"disk={tmp_path}:1TiB", "--json", str(out))
+    assert with_disk.returncode == 0 and "disk tokens" in with_disk.stdout, with_disk.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["num_disk_blocks"] == (1 << 40) // (row["bytes_per_block"] + 16)
+    assert row["disk_tokens"] == row["num_disk_blocks"] * 16
+    bad = atb_mem_command(*PLAN, "--kv-offload", "disk=1TiB")
+    assert bad.returncode == 2 and "is not PATH:SIZE" in bad.stderr
 
 
 def model_config(tmp_path: Path) -> Path:

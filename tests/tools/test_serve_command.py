@@ -41,7 +41,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
          "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
-         "--kv-offload", "host=1MiB",
+         "--kv-offload", "host=1MiB", "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
          "--config", str(config), "--kv-events-endpoint", "tcp://127.0.0.1:*",
          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -64,6 +64,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert "Traceback" not in err
     assert f"serving 'tiny' on http://127.0.0.1:{port}" in out
     assert "KV blocks of 16 tokens, " in out and " on the host)" in out, out
+    assert (tmp_path / "disk").is_dir(), "the disk tier's directory is made at start-up"
     assert out.rstrip().endswith("atb-mem: stopped")
 
 

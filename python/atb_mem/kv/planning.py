@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from atb_mem._core import KV_DTYPES, kv_cache_groups, kv_layout_bytes
 
+FRAME_BYTES = 16  # a stored block's header: atb_mem.kv.tiers.store.frame
+
 __all__ = ["KV_DTYPES", "KVCachePlan", "block_bytes", "plan_kv_cache"]
 
 
@@ -26,6 +28,9 @@ class KVCachePlan:
     block_size: int = 0
     num_host_blocks: int = 0
     """Blocks of the host offload tier (``host_offload_bytes``), 0 without one."""
+    num_disk_blocks: int = 0
+    """Blocks the disk tier holds (``disk_offload_bytes``; each file is a block and a
+    16-byte header), 0 without one."""
 
     @property
     def device_tokens(self) -> int:
@@ -36,6 +41,11 @@ class KVCachePlan:
     def host_tokens(self) -> int:
         """Tokens of evicted prefix the host tier holds on top (see ``device_tokens``)."""
         return self.num_host_blocks * self.block_size // self.num_groups
+
+    @property
+    def disk_tokens(self) -> int:
+        """Tokens of prefix the disk tier holds."""
+        return self.num_disk_blocks * self.block_size // self.num_groups
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -60,7 +70,7 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
                   dtype: str, max_model_len: int, safety: float = 0.9,
                   layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                   attention_chunk_size: int | None = None,
-                  host_offload_bytes: int = 0) -> KVCachePlan:
+                  host_offload_bytes: int = 0, disk_offload_bytes: int = 0) -> KVCachePlan:
     """Sizes a KV cache, and the host offload tier of ``host_offload_bytes`` below it.
 
     The arithmetic:
@@ -75,7 +85,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     - ``max_num_seqs = ⌊usable / bytes_per_seq × safety⌋``: how many such sequences fit, with a
       margin for activations and fragmentation;
     - ``num_host_blocks = ⌊host_offload_bytes / bytes_per_block⌋``: host blocks that keep the
-      prefix blocks the device evicts (``Engine(kv_offload={"host": ...})``);
+      prefix blocks the device evicts (``Engine(kv_offload={"host": ...})``), and
+      ``num_disk_blocks`` the disk tier's files (a block and its 16-byte frame each);
       ``device_tokens`` and ``host_tokens`` say how many tokens of prefix each tier holds.
 
     With ``layer_types`` (and ``sliding_window`` / ``attention_chunk_size``), layers form
@@ -89,7 +100,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     the null block.
     """
     for name, value in (("total_bytes", total_bytes), ("model_bytes", model_bytes),
-                        ("host_offload_bytes", host_offload_bytes)):
+                        ("host_offload_bytes", host_offload_bytes),
+                        ("disk_offload_bytes", disk_offload_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0 bytes, got {value!r}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -128,4 +140,5 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
                        max_num_seqs=max_num_seqs, usable_bytes=usable,
                        bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq,
                        num_groups=len(groups), block_size=dims["block_size"],
-                       num_host_blocks=host_offload_bytes // bytes_per_block)
+                       num_host_blocks=host_offload_bytes // bytes_per_block,
+                       num_disk_blocks=disk_offload_bytes // (bytes_per_block + FRAME_BYTES))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import click
 from rich.table import Table
@@ -60,23 +61,24 @@ def cli() -> None:
 @click.option("--safety", type=click.FloatRange(0, 1, min_open=True), default=0.9,
               show_default=True)
 @click.option("--kv-offload", type=OFFLOAD, multiple=True,
-              help="A host tier for evicted prefix blocks, host=SIZE: the tokens each tier "
-                   "holds are tabulated.")
+              help="Tiers below the device, host=SIZE and disk=PATH:SIZE: the tokens of "
+                   "prefix each tier holds are tabulated.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def plan(total_memory: int, model_memory: int, model_config: str | None, layers: int | None,
          kv_heads: int | None, head_dim: int | None, dtype: str | None, max_model_len: int,
          utilizations: list[float], block_sizes: list[int], safety: float,
-         kv_offload: tuple[tuple[str, int], ...], json_path: str | None) -> None:
+         kv_offload: tuple[tuple[str, Any], ...], json_path: str | None) -> None:
     """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size;
-    with --kv-offload, the tokens of prefix the device and the host tier hold."""
+    with --kv-offload, the tokens of prefix the device, the host and the disk tier hold."""
     layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
                                                                 head_dim, dtype, {})
     groups = model.group_arguments() if model is not None else {}
     offload = offload_tiers(kv_offload) or {}
-    if set(offload) - {"host"}:
-        raise click.BadParameter("plan sizes the host tier: host=SIZE",
+    if set(offload) - {"host", "disk"}:
+        raise click.BadParameter("plan sizes host=SIZE and disk=PATH:SIZE",
                                  param_hint="--kv-offload")
     host = offload.get("host", 0)
+    disk = offload["disk"][1] if "disk" in offload else 0
     rows, errors = [], []
     for utilization in utilizations:
         for block_size in block_sizes:
@@ -85,7 +87,7 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                                  gpu_memory_utilization=utilization, block_size=block_size,
                                  num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                  dtype=dtype, max_model_len=max_model_len, safety=safety,
-                                 host_offload_bytes=host)
+                                 host_offload_bytes=host, disk_offload_bytes=disk)
                 result, every_block = sizing(**groups), sizing()
             except ValueError as error:
                 errors.append(f"utilization {utilization}, block size {block_size}: {error}")
@@ -100,13 +102,16 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                          "device_tokens": result.device_tokens,
                          "num_host_blocks": result.num_host_blocks,
                          "host_tokens": result.host_tokens,
+                         "num_disk_blocks": result.num_disk_blocks,
+                         "disk_tokens": result.disk_tokens,
                          "max_num_seqs_keeping_every_block": every_block.max_num_seqs})
     if not rows:
         raise click.ClickException(errors[0])
     table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
     columns = ["utilization", "block size", "blocks", "bytes/block", "usable GiB",
                "max_num_seqs"] + (["keeping every block"] if groups else []) \
-        + (["device tokens", "host tokens"] if host else [])
+        + (["device tokens"] if host or disk else []) + (["host tokens"] if host else []) \
+        + (["disk tokens"] if disk else [])
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -115,8 +120,12 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                  f"{row['usable_bytes'] / 2**30:.2f}", f"{row['max_num_seqs']:,}"]
         if groups:
             cells.append(f"{row['max_num_seqs_keeping_every_block']:,}")
+        if host or disk:
+            cells.append(f"{row['device_tokens']:,}")
         if host:
-            cells += [f"{row['device_tokens']:,}", f"{row['host_tokens']:,}"]
+            cells.append(f"{row['host_tokens']:,}")
+        if disk:
+            cells.append(f"{row['disk_tokens']:,}")
         table.add_row(*cells)
     console.print(table)
     if groups:

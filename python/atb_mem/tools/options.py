@@ -28,18 +28,24 @@ class _Size(click.ParamType):
 
 
 class _Offload(click.ParamType):
-    """``TIER=SIZE`` (``host=8GiB``) → ``(tier, bytes)``."""
+    """``host=SIZE`` → ``("host", bytes)``; ``disk=PATH:SIZE`` → ``("disk", (PATH, bytes))``."""
 
     name = "TIER=SIZE"
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, int]:
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, Any]:
         if isinstance(value, tuple):
             return value
         tier, equals, size = str(value).partition("=")
-        if not equals or not tier.strip():
-            self.fail(f"{value!r} is not TIER=SIZE (e.g. host=8GiB)", param, ctx)
+        tier = tier.strip()
+        if not equals or not tier:
+            self.fail(f"{value!r} is not TIER=SIZE (host=8GiB, disk=PATH:100GiB)", param, ctx)
         try:
-            return tier.strip(), parse_size(size)
+            if tier != "disk":
+                return tier, parse_size(size)
+            path, colon, disk_size = size.rpartition(":")
+            if not colon or not path:
+                raise ValueError(f"disk={size!r} is not PATH:SIZE")
+            return tier, (path, parse_size(disk_size))
         except ValueError as error:
             self.fail(str(error), param, ctx)
 
@@ -60,11 +66,11 @@ class CommaList(click.ParamType):
         return items
 
 
-def offload_tiers(tiers: tuple[tuple[str, int], ...]) -> dict[str, int] | None:
+def offload_tiers(tiers: tuple[tuple[str, Any], ...]) -> dict[str, Any] | None:
     """``--kv-offload`` values as ``Engine``'s ``kv_offload``: each tier once."""
     if not tiers:
         return None
-    offload: dict[str, int] = {}
+    offload: dict[str, Any] = {}
     for tier, size in tiers:
         if tier in offload:
             raise click.BadParameter(f"{tier} is given twice", param_hint="--kv-offload")

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -32,8 +33,11 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 @click.option("--num-host-blocks", type=click.IntRange(min=1), default=None,
               help="Host-tier blocks for swap preemption.")
 @click.option("--kv-offload", type=OFFLOAD, multiple=True,
-              help="A tier below the device for the prefix blocks it evicts: host=8GiB "
-                   "(repeatable, one per tier).")
+              help="A tier below the device: host=8GiB (the prefix blocks it evicts), "
+                   "disk=PATH:100GiB (written through, loaded while others run); "
+                   "repeatable, one per tier.")
+@click.option("--kv-store", default=None, metavar="URL",
+              help="A KV store shared across engines: mooncake://HOST:PORT[?metadata=URL].")
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
@@ -72,8 +76,8 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
-          num_host_blocks: int | None, kv_offload: tuple[tuple[str, int], ...],
-          no_prefix_caching: bool,
+          num_host_blocks: int | None, kv_offload: tuple[tuple[str, Any], ...],
+          kv_store: str | None, no_prefix_caching: bool,
           gpu_memory_utilization: float, attention_backend: str,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
@@ -107,7 +111,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
-        "kv_offload": offload_tiers(kv_offload),
+        "kv_offload": offload_tiers(kv_offload), "kv_store": kv_store,
         "gpu_memory_utilization": gpu_memory_utilization,
         "attention_backend": attention_backend}
     workers: list[subprocess.Popen[bytes]] = []
