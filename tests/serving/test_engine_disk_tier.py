@@ -69,6 +69,20 @@ def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> N
     stats = engine.scheduler.stats()
     assert stats["loads_started"] == 4 and stats["load_failures"] == 0
     assert engine.kv_cache.stats()["blocks_used"] == 0
+    # The metrics say where the hits came from and what moved.
+    from atb_mem.observability.metrics import AtbMemCollector
+    from tests.observability.test_metrics import scrape
+
+    samples = scrape(AtbMemCollector(kv_cache=engine.kv_cache, tiers=engine.tiers))
+    per_block = engine.kv_cache.bytes_per_block
+    assert samples["atb_mem_kv_cache_prefix_cache_hit_tokens_total"][
+        (("tier", "DISK"),)] == 16 * BLOCK_SIZE
+    assert samples["atb_mem_kv_tier_bytes_total"][
+        (("direction", "loaded"), ("tier", "DISK"))] == 16 * per_block
+    assert samples["atb_mem_kv_tier_bytes_total"][
+        (("direction", "saved"), ("tier", "DISK"))] >= 16 * per_block
+    assert samples["atb_mem_kv_tier_load_seconds_count"][()] == 4
+    assert samples["atb_mem_kv_tier_load_failures_total"][()] == 0
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])

@@ -15,7 +15,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 try:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
     from prometheus_client.registry import Collector
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
         KVCachePoolStats,
         MemPoolStats,
     )
+    from atb_mem.kv.tiers import TierConnector
 
 __all__ = ["AtbMemCollector"]
 
@@ -50,16 +56,18 @@ def _counter(name: str, documentation: str, value: float, labels: dict[str, str]
 
 class AtbMemCollector(Collector):
     """Collects from any of: a ``KVCachePool``, a ``MemPool``, a ``ContinuousBatchScheduler``
-    and a ``DynamicBatchScheduler``. ``labels`` are added to every sample (e.g. a model name)."""
+    and a ``DynamicBatchScheduler``; with ``tiers`` (an engine's ``TierConnector``), the tiers
+    below the host too. ``labels`` are added to every sample (e.g. a model name)."""
 
     def __init__(self, *, kv_cache: KVCachePool | None = None, mem_pool: MemPool | None = None,
                  scheduler: ContinuousBatchScheduler | None = None,
-                 batcher: DynamicBatchScheduler | None = None, namespace: str = "atb_mem",
+                 batcher: DynamicBatchScheduler | None = None,
+                 tiers: TierConnector | None = None, namespace: str = "atb_mem",
                  labels: dict[str, str] | None = None) -> None:
         if all(source is None for source in (kv_cache, mem_pool, scheduler, batcher)):
             raise ValueError("give at least one of kv_cache, mem_pool, scheduler, batcher")
         self.kv_cache, self.mem_pool = kv_cache, mem_pool
-        self.scheduler, self.batcher = scheduler, batcher
+        self.scheduler, self.batcher, self.tiers = scheduler, batcher, tiers
         self.namespace = namespace
         self.labels = dict(labels or {})
 
@@ -125,7 +133,12 @@ class AtbMemCollector(Collector):
                                    labels=[*labels, "tier"])
         hits.add_metric([*labels.values(), "device"], stats["prefix_cache_hit_tokens"] - host_hits)
         hits.add_metric([*labels.values(), "host"], host_hits)
+        if self.tiers is not None:
+            for tier, blocks in self.tiers.counters.loaded_by_tier.items():
+                hits.add_metric([*labels.values(), tier], blocks * stats["block_size"])
         yield hits
+        if self.tiers is not None:
+            yield from self._lower_tiers(self.tiers, stats["bytes_per_block"])
         moved = CounterMetricFamily(f"{prefix}_kv_cache_tier_moved_bytes",
                                     "Bytes the host prefix tier moved: demoted (device to "
                                     "host) and promoted (host to device).",
@@ -141,6 +154,39 @@ class AtbMemCollector(Collector):
         yield _gauge(f"{prefix}_kv_cache_host_cached_blocks",
                      "Evicted prefix blocks the host tier keeps.",
                      stats["host_blocks_cached"], labels)
+
+    def _lower_tiers(self, tiers: TierConnector, bytes_per_block: int) -> Iterator[Metric]:
+        """The disk tier and the shared store: bytes each way per tier, failed loads and
+        their damaged blocks, failed store calls, and the load latency histogram."""
+        from atb_mem.kv.tiers.connector import LOAD_SECONDS_BUCKETS
+
+        prefix, labels = self.namespace, self.labels
+        counters = tiers.counters
+        moved = CounterMetricFamily(f"{prefix}_kv_tier_bytes",
+                                    "Bytes loaded from and written to the tiers below the host.",
+                                    labels=[*labels, "tier", "direction"])
+        for direction, by_tier in (("loaded", counters.loaded_by_tier),
+                                   ("saved", counters.saved_by_tier)):
+            for tier, blocks in by_tier.items():
+                moved.add_metric([*labels.values(), tier, direction], blocks * bytes_per_block)
+        yield moved
+        yield _counter(f"{prefix}_kv_tier_load_failures",
+                       "Loads that failed (a block missing, damaged or late): recomputed.",
+                       counters.load_failures, labels)
+        yield _counter(f"{prefix}_kv_tier_damaged_blocks",
+                       "Blocks a load found missing, truncated or corrupted.",
+                       counters.corrupt_blocks, labels)
+        yield _counter(f"{prefix}_kv_tier_store_errors",
+                       "Calls to a tier that failed (unreachable, refusing, a failed write).",
+                       counters.store_errors, labels)
+        latency = HistogramMetricFamily(f"{prefix}_kv_tier_load_seconds",
+                                        "Time from admission to a load's blocks in place.",
+                                        labels=list(labels))
+        buckets = [("+Inf" if bound == float("inf") else str(bound), count)
+                   for bound, count in zip(LOAD_SECONDS_BUCKETS,
+                                           counters.load_seconds_buckets, strict=True)]
+        latency.add_metric(list(labels.values()), buckets, counters.load_seconds_sum)
+        yield latency
 
     def _mem_pool(self, stats: MemPoolStats) -> Iterator[Metric]:
         prefix, labels = self.namespace, self.labels

@@ -69,7 +69,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self.registry.register(AtbMemCollector(kv_cache=engine.kv_cache,
-                                               scheduler=engine.scheduler, labels=labels))
+                                               scheduler=engine.scheduler, tiers=engine.tiers,
+                                               labels=labels))
         read = device_utilization or device_utilization_reader(str(engine.runner.device))
         if read is not None:
             self.registry.register(DeviceUtilization(read, labels))

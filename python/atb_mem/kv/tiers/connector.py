@@ -30,14 +30,19 @@ import numpy as np
 
 from atb_mem.kv.tiers.store import KVStore, block_key, frame, unframe
 
-__all__ = ["TierConnector", "TierCounters"]
+__all__ = ["LOAD_SECONDS_BUCKETS", "TierConnector", "TierCounters"]
 
 log = logging.getLogger("atb_mem.tiers")
 
 
+# Upper bounds (seconds) of the load-latency histogram's buckets, Prometheus-style.
+LOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, float("inf"))
+
+
 @dataclass
 class TierCounters:
-    """What the tiers below the host did since the engine started."""
+    """What the tiers below the host did since the engine started. Per tier (a store's
+    ``name``): blocks loaded from it and blocks written to it."""
 
     offered_blocks: int = 0
     loaded_blocks: int = 0
@@ -48,15 +53,20 @@ class TierCounters:
     saved_bytes: int = 0
     store_errors: int = 0
     """Calls to the stores that failed (unreachable, refusing, a failed write)."""
-    load_seconds: list[float] = field(default_factory=list)
-    """Each finished load's latency (request admitted to blocks in place); the last 4096."""
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)
+    saved_by_tier: dict[str, int] = field(default_factory=dict)
+    load_seconds_buckets: list[int] = field(
+        default_factory=lambda: [0] * len(LOAD_SECONDS_BUCKETS))
+    """Loads (request admitted to blocks in place) by latency: cumulative, per bucket of
+    ``LOAD_SECONDS_BUCKETS``."""
+    load_seconds_sum: float = 0.0
 
 
 @dataclass
 class _Load:
     seq_id: int
     blocks: list[int]
-    future: Future[list[bytes | None]]
+    future: Future[list[tuple[bytes, str] | None]]
     started: float
 
 
@@ -128,18 +138,20 @@ class TierConnector:
                                      time.perf_counter()))
             start = end
 
-    def _fetch(self, keys: list[str]) -> list[bytes | None]:
-        """Each key's payload, checked (None where no store has an intact one)."""
-        payloads: list[bytes | None] = []
+    def _fetch(self, keys: list[str]) -> list[tuple[bytes, str] | None]:
+        """Each key's checked payload and the tier it came from (None where no store has an
+        intact one; the fetch stops there, as the load has failed)."""
+        payloads: list[tuple[bytes, str] | None] = []
         for key in keys:
-            payload = None
+            found = None
             for store in self.stores:
                 payload = unframe(store.get(key), self._block_bytes, self.checksum)
                 if payload is not None:
+                    found = (payload, store.name)
                     break
-            payloads.append(payload)
-            if payload is None:
-                break  # the load fails: the rest is not needed
+            payloads.append(found)
+            if found is None:
+                break
         return payloads
 
     @property
@@ -180,13 +192,19 @@ class TierConnector:
             return False
         backend, staging = self._tensors.backend, self._staging
         view = backend.bytes_of(staging)
-        for block, payload in zip(load.blocks, payloads, strict=True):
-            view[:] = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[arg-type]
+        counters = self._counters
+        for block, found in zip(load.blocks, payloads, strict=True):
+            assert found is not None  # checked above
+            payload, tier = found
+            view[:] = np.frombuffer(payload, dtype=np.uint8)
             backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
-        self._counters.loaded_blocks += len(load.blocks)
-        self._counters.loaded_bytes += len(load.blocks) * self._block_bytes
-        self._counters.load_seconds = [*self._counters.load_seconds[-4095:],
-                                      time.perf_counter() - load.started]
+            counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + 1
+        counters.loaded_blocks += len(load.blocks)
+        counters.loaded_bytes += len(load.blocks) * self._block_bytes
+        seconds = time.perf_counter() - load.started
+        counters.load_seconds_sum += seconds
+        for bucket, bound in enumerate(LOAD_SECONDS_BUCKETS):
+            counters.load_seconds_buckets[bucket] += int(seconds <= bound)
         return True
 
     # ---- saves -----------------------------------------------------------------------------
@@ -214,13 +232,14 @@ class TierConnector:
         self._workers.submit(self._put, key, value)
 
     def _put(self, key: str, value: bytes) -> None:
-        stored = False
-        for store in self.stores:
-            stored |= store.put(key, value)
-        if stored:
+        taken = [store.name for store in self.stores if store.put(key, value)]
+        if taken:
             with self._counting:
-                self._counters.saved_blocks += 1
-                self._counters.saved_bytes += len(value)
+                counters = self._counters
+                counters.saved_blocks += 1
+                counters.saved_bytes += len(value)
+                for tier in taken:
+                    counters.saved_by_tier[tier] = counters.saved_by_tier.get(tier, 0) + 1
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)
