@@ -133,6 +133,10 @@ class KVCachePool:
     ) -> tuple[int, str, int | None, list[tuple[int, str]], list[tuple[str, int]]]:
         """(hit tokens, reason, limiting group, [(cached tokens, reason)] per group,
         [(tier, tokens)] in order)."""
+    def _record_tier_event(self, medium: Literal["disk", "store"], stored: bool,
+                           hashes: Sequence[Sequence[int]], parent: Sequence[int] | None,
+                           token_ids: TokenIdsLike) -> None:
+        """A tier below the host stored (or removed) the chain ``hashes`` (uint64 pairs)."""
     def block_hashes(
         self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
     ) -> npt.NDArray[np.uint64]:

@@ -141,3 +141,39 @@ def test_a_directory_that_fails_at_run_time_stops_the_writes(tmp_path: Path) -> 
     store = engine.tiers.stores[0]
     assert store.writable is False  # type: ignore[attr-defined]
     assert run_round(engine, "third") == expected
+
+
+class Captured:
+    """A KV-event publisher that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def publish(self, events: object) -> None:
+        self.events.extend(events)  # type: ignore[call-overload]
+
+
+def test_kv_events_say_which_blocks_the_disk_holds(tmp_path: Path) -> None:
+    from atb_mem.events import BlockRemoved, BlockStored
+    from atb_mem.events.vllm import encode_batch
+
+    model, _ = model_pair("llama")
+    captured = Captured()
+    engine = Engine(model, num_blocks=8, block_size=BLOCK_SIZE, max_num_seqs=1,
+                    kv_offload={"disk": (str(tmp_path), "16MiB")}, kv_events=captured)
+    run_round(engine, "first")
+    run_round(engine, "second")
+    assert engine.tiers is not None
+    engine.tiers.close()  # the writes (and their events) are done
+    engine.step()  # publishes what the writers recorded
+    on_disk = [event for event in captured.events
+               if isinstance(event, BlockStored) and event.medium == "disk"]
+    stored = {int(h) for event in on_disk for h in event.block_hashes}
+    expected = {int(words[0]) for prompt in PROMPTS
+                for words in engine.kv_cache.block_hashes(prompt)[:4]}
+    assert stored == expected
+    for event in on_disk:  # each carries its block's tokens, as a router expects
+        assert len(event.token_ids) == BLOCK_SIZE * len(event.block_hashes)
+    assert not any(isinstance(event, BlockRemoved) and event.medium == "disk"
+                   for event in captured.events), "16 MiB evicts nothing here"
+    assert b"DISK" in encode_batch(on_disk)

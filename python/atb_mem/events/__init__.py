@@ -5,7 +5,9 @@ A ``KVCachePool(..., enable_kv_events=True)`` records, in its core, every change
 membership: ``BlockStored`` when computed blocks join the cache (a chain of block hashes with
 the hash of the block before them, and their token ids), ``BlockRemoved`` when blocks are
 evicted or forgotten, ``AllBlocksCleared`` when a reset leaves nothing cached. ``medium`` says
-where: ``"device"``, or ``"host"`` for the copies a swap-out makes. ``pool.take_events()``
+where: ``"device"``; ``"host"`` for the copies a swap-out makes and the host prefix tier
+keeps; ``"disk"`` and ``"store"`` for the tiers below the host, whose connector records
+what it writes there (a shared store's own evictions are not seen). ``pool.take_events()``
 drains them in order; ``event_id`` increases by one per event over the pool's life, so a gap
 means a lost event.
 
@@ -36,7 +38,7 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "K
 
 Sequence.register(KVEventList)  # a list in all but storage: publishers may check for one
 
-Medium: TypeAlias = Literal["device", "host"]
+Medium: TypeAlias = Literal["device", "host", "disk", "store"]
 
 
 class BlockStored(NamedTuple):
@@ -82,7 +84,7 @@ class KVEventPublisher(Protocol):
     def publish(self, events: Sequence[KVCacheEvent]) -> None: ...
 
 
-_MEDIA: tuple[Medium, Medium] = ("device", "host")
+_MEDIA: tuple[Medium, ...] = ("device", "host", "disk", "store")
 
 
 def events_from_buffer(buffer: np.ndarray | None, block_size: int,

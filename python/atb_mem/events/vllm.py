@@ -8,7 +8,8 @@ kv_cache_spec_sliding_window]``, ``["BlockRemoved", block_hashes, medium, group_
 ``lora_id``, ``lora_name`` and ``extra_keys`` always nil). ``schema_version`` is ours, appended
 where vLLM's decoder ignores extra trailing fields: a change to this format bumps it, and the
 golden-bytes tests make that change deliberate. Media are vLLM's names: the device tier is
-``"GPU"``, the host tier ``"CPU"``; group kinds are vLLM's ``KVCacheSpecKind`` values.
+``"GPU"``, the host tier ``"CPU"``, the disk tier ``"DISK"`` and a shared store ``"STORE"``;
+group kinds are vLLM's ``KVCacheSpecKind`` values.
 
 Versions: 1 ended stores at ``medium``; 2 adds ``lora_name`` (which vLLM's decoder now
 requires) and the group fields.
@@ -29,7 +30,7 @@ __all__ = ["SCHEMA_VERSION", "encode_batch"]
 
 SCHEMA_VERSION = 2
 
-_MEDIUM = {"device": "GPU", "host": "CPU"}
+_MEDIUM = {"device": "GPU", "host": "CPU", "disk": "DISK", "store": "STORE"}
 _SPEC_KIND = {"full_attention": "full_attention", "sliding_attention": "sliding_window",
               "chunked_attention": "chunked_local_attention"}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.kv.tiers.store import KVStore, block_key, frame, unframe
+from atb_mem.kv.tiers.store import KVStore, block_key, frame, key_hash, unframe
 
 __all__ = ["LOAD_SECONDS_BUCKETS", "TierConnector", "TierCounters"]
 
@@ -86,7 +86,9 @@ class TierConnector:
         self._block_shape = (tensors.kv.shape[0], tensors.kv.shape[1], 1, *tensors.kv.shape[3:])
         self._staging = tensors.backend.host_tensor(self._block_shape, tensors.kv.dtype)
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="atb-mem-tiers")
-        self._hashes: dict[int, tuple[np.ndarray, int]] = {}  # seq -> (block hashes, saved)
+        # seq -> (its prompt's block hashes, how many were saved, the prompt's token ids)
+        self._hashes: dict[int, tuple[np.ndarray, int, list[int]]] = {}
+        self._events = bool(kv_cache.enable_kv_events)
         self._loads: list[_Load] = []
         self._counting = threading.Lock()  # saves are counted on the workers
 
@@ -102,7 +104,7 @@ class TierConnector:
         """Looks ``token_ids``' full blocks up and offers the scheduler the leading run some
         store holds; returns how many blocks that is."""
         hashes = self.kv_cache.block_hashes(token_ids)
-        self._hashes[seq_id] = (hashes, 0)
+        self._hashes[seq_id] = (hashes, 0, token_ids)
         most = (len(token_ids) - 1) // self.kv_cache.block_size
         keys = [block_key(self.identity, words) for words in hashes[:most]]
         held = np.zeros(len(keys), dtype=bool)
@@ -216,30 +218,46 @@ class TierConnector:
             known = self._hashes.get(seq_id)
             if known is None:
                 continue
-            hashes, saved = known
+            hashes, saved, token_ids = known
             full = min(int(plan.context_lens[row]) // block_size, len(hashes))
             if full <= saved:
                 continue
             table = self.kv_cache.block_table(seq_id)
             for index in range(saved, full):
-                self._save_block(int(table[index]), block_key(self.identity, hashes[index]))
-            self._hashes[seq_id] = (hashes, full)
+                name = (hashes[index].tolist(),
+                        hashes[index - 1].tolist() if index else None,
+                        token_ids[index * block_size:(index + 1) * block_size])
+                self._save_block(int(table[index]), block_key(self.identity, hashes[index]), name)
+            self._hashes[seq_id] = (hashes, full, token_ids)
 
-    def _save_block(self, block: int, key: str) -> None:
+    def _save_block(self, block: int, key: str, name: tuple[Any, ...]) -> None:
         backend, staging = self._tensors.backend, self._staging
         backend.copy_blocks(staging, np.array([0]), self._tensors.kv, np.array([block]))
         value = frame(bytes(backend.bytes_of(staging)), self.checksum)
-        self._workers.submit(self._put, key, value)
+        self._workers.submit(self._put, key, value, name)
 
-    def _put(self, key: str, value: bytes) -> None:
-        taken = [store.name for store in self.stores if store.put(key, value)]
-        if taken:
-            with self._counting:
-                counters = self._counters
-                counters.saved_blocks += 1
-                counters.saved_bytes += len(value)
-                for tier in taken:
-                    counters.saved_by_tier[tier] = counters.saved_by_tier.get(tier, 0) + 1
+    def _put(self, key: str, value: bytes, name: tuple[Any, ...]) -> None:
+        """Writes one block through to every store; with KV events, says where it went (and
+        what the disk evicted for it), so routers can score the tiers."""
+        taken = [store for store in self.stores if store.put(key, value)]
+        if not taken:
+            return
+        with self._counting:
+            counters = self._counters
+            counters.saved_blocks += 1
+            counters.saved_bytes += len(value)
+            for store in taken:
+                counters.saved_by_tier[store.name] = counters.saved_by_tier.get(store.name, 0) + 1
+        if not self._events:
+            return
+        hash_words, parent, token_ids = name
+        for store in taken:
+            evicted: list[str] = getattr(store, "take_evicted", list)()
+            if evicted:
+                self.kv_cache._record_tier_event(
+                    store.medium, False, [key_hash(old) for old in evicted], None, [])
+            self.kv_cache._record_tier_event(store.medium, True, [hash_words], parent,
+                                             token_ids)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)

@@ -28,6 +28,7 @@ class DiskStore:
     ``capacity_bytes`` of them. Files left by an earlier run are kept, oldest first."""
 
     name = "DISK"
+    medium = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  min_seen: int = 2) -> None:
@@ -53,6 +54,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
         self._seen: dict[str, int] = {}
+        self._evicted: list[str] = []  # keys evicted since take_evicted
         self._bytes = 0
         for file in sorted(self.path.glob("*.kv"), key=lambda file: file.stat().st_mtime):
             self._files[file.stem] = file.stat().st_size
@@ -90,6 +92,7 @@ class DiskStore:
                 old, size = self._files.popitem(last=False)
                 self._bytes -= size
                 self._file(old).unlink(missing_ok=True)
+                self._evicted.append(old)
         try:
             partial = self._file(key).with_suffix(".part")
             partial.write_bytes(value)
@@ -105,6 +108,12 @@ class DiskStore:
             self._bytes += len(value)
             self._seen.pop(name, None)
         return True
+
+    def take_evicted(self) -> list[str]:
+        """The keys (as file names) evicted since the last call."""
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     @property
     def used_bytes(self) -> int:

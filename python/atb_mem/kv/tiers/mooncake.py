@@ -58,6 +58,7 @@ class MooncakeStore:
     """``KVStore`` over a Mooncake Store client."""
 
     name = "MOONCAKE"
+    medium = "store"
 
     def __init__(self, url: str) -> None:
         settings = parse_mooncake_url(url)

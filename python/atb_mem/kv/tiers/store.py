@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["KVStore", "block_key", "frame", "layout_identity", "unframe"]
+__all__ = ["KVStore", "block_key", "frame", "key_hash", "layout_identity", "unframe"]
 
 _MAGIC = b"ATBK"
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32, payload length
@@ -28,7 +28,9 @@ class KVStore(Protocol):
     """A tier below the host: a disk directory, or a store shared across engines."""
 
     name: str
-    """The tier's medium in KV events and metrics (``"DISK"``, ``"MOONCAKE"``)."""
+    """The tier in metrics (``"DISK"``, ``"MOONCAKE"``)."""
+    medium: str
+    """The tier's medium in KV events: ``"disk"`` or ``"store"``."""
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held (one batched call)."""
@@ -72,3 +74,9 @@ def layout_identity(**parts: Any) -> str:
 def block_key(identity: str, hash_words: np.ndarray) -> str:
     """The store key of the block whose chain hash is ``hash_words`` (two uint64)."""
     return f"atb/{identity}/{int(hash_words[0]):016x}{int(hash_words[1]):016x}"
+
+
+def key_hash(key: str) -> tuple[int, int]:
+    """The chain hash (two uint64) a ``block_key`` names."""
+    digits = key.rsplit("/", 1)[-1].rsplit("-", 1)[-1]
+    return int(digits[:16], 16), int(digits[16:32], 16)

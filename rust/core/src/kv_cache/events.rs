@@ -34,11 +34,15 @@ pub enum KvEventKind {
     AllBlocksCleared,
 }
 
-/// Where the blocks of an event (or of a prefix hit) live.
+/// Where the blocks of an event (or of a prefix hit) live: the cache's own tiers, or the
+/// tiers below the host whose events their connector records (`record_tier_event`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Medium {
     Device,
     Host,
+    Disk,
+    /// A store shared across engines.
+    Store,
 }
 
 impl Medium {
@@ -46,7 +50,16 @@ impl Medium {
         match self {
             Medium::Device => "device",
             Medium::Host => "host",
+            Medium::Disk => "disk",
+            Medium::Store => "store",
         }
+    }
+
+    /// The medium named `name` (see [`Medium::name`]).
+    pub fn from_name(name: &str) -> Option<Medium> {
+        [Medium::Device, Medium::Host, Medium::Disk, Medium::Store]
+            .into_iter()
+            .find(|medium| medium.name() == name)
     }
 }
 
@@ -274,7 +287,7 @@ impl KvEventLog {
     }
 
     /// The block of `group` named `hash` left the cache on `medium`.
-    fn removed(&mut self, medium: Medium, group: u32, hash: BlockHash) {
+    pub(super) fn removed(&mut self, medium: Medium, group: u32, hash: BlockHash) {
         let continues = self.events.last().is_some_and(|last| {
             last.kind == KvEventKind::BlockRemoved && last.medium == medium && last.group == group
         });

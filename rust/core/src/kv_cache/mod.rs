@@ -258,6 +258,51 @@ impl KvCache {
         self.events.enabled()
     }
 
+    /// Records what a tier below the host did, for the routers that read the events: the
+    /// blocks `hashes` (a chain after `parent`, over `token_ids`) stored there, or removed
+    /// (`token_ids` empty). Its connector calls this; the cache itself never sees those
+    /// tiers. Nothing happens without events.
+    pub fn record_tier_event(
+        &mut self,
+        medium: Medium,
+        stored: bool,
+        hashes: &[BlockHash],
+        parent: Option<BlockHash>,
+        token_ids: &[u32],
+    ) -> CoreResult<()> {
+        ensure!(
+            matches!(medium, Medium::Disk | Medium::Store),
+            "the cache records its own device and host events; a tier below names disk or store"
+        );
+        let expected = if stored {
+            hashes.len() * self.block_size()
+        } else {
+            0
+        };
+        ensure!(
+            token_ids.len() == expected,
+            "{} blocks {} carry {expected} token ids, got {}",
+            hashes.len(),
+            if stored { "stored" } else { "removed" },
+            token_ids.len()
+        );
+        if !self.events.enabled() || hashes.is_empty() {
+            return Ok(());
+        }
+        self.sync_removed();
+        match stored {
+            true => {
+                let root = BlockHash::root(None);
+                self.events
+                    .stored_run(medium, 0, parent, root, hashes, token_ids);
+            }
+            false => hashes
+                .iter()
+                .for_each(|&hash| self.events.removed(medium, 0, hash)),
+        }
+        Ok(())
+    }
+
     /// Hands the events recorded since the last call to `read`, then drops them.
     pub fn take_kv_events<R>(&mut self, read: impl FnOnce(&KvEventLog) -> R) -> R {
         let result = read(self.kv_events());

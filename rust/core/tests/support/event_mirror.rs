@@ -38,6 +38,7 @@ impl EventMirror {
                 let set = match event.medium {
                     Medium::Device => &mut self.device,
                     Medium::Host => &mut self.host,
+                    Medium::Disk | Medium::Store => panic!("the cache alone records no lower tier"),
                 };
                 let hashes = log.hashes(event);
                 match event.kind {

@@ -99,7 +99,7 @@ fn external(hash: BlockHash) -> u64 {
 const EVENT_COLUMNS: usize = 9;
 
 /// One uint64 array: `[E]`, then the `[E, 9]` table — per event (event_id, kind: 0 stored |
-/// 1 removed | 2 cleared, medium: 0 device | 1 host, has_parent, parent hash, root hash, end
+/// 1 removed | 2 cleared, medium: 0 device | 1 host | 2 disk | 3 store, has_parent, parent hash, root hash, end
 /// of its hashes, end of its token ids, KV-cache group) —, then the block hashes, then the
 /// token ids as uint32 pairs (little-endian: a uint32 view reads them in order). An event's
 /// hashes and token ids run from the previous event's ends to its own.
@@ -126,6 +126,8 @@ pub(crate) fn events_to_buffer(log: &KvEventLog) -> PyResult<Vec<u64>> {
             match event.medium {
                 Medium::Device => 0,
                 Medium::Host => 1,
+                Medium::Disk => 2,
+                Medium::Store => 3,
             },
             u64::from(event.parent_hash.is_some()),
             event.parent_hash.map_or(0, external),
@@ -141,4 +143,63 @@ pub(crate) fn events_to_buffer(log: &KvEventLog) -> PyResult<Vec<u64>> {
     buffer.extend(pairs.map(|pair| u64::from(pair[0]) | u64::from(pair[1]) << 32));
     buffer.extend(odd.map(u64::from));
     Ok(buffer)
+}
+
+/// Drains a pool's events into one `KVEventList` (`KVCachePool.take_events`).
+pub(super) fn drain(pool: &Bound<'_, super::PyKvCachePool>) -> PyResult<PyKvEventList> {
+    let mut cache = pool.get().lock()?;
+    if cache.kv_events().is_empty() {
+        return Ok(PyKvEventList::new(Vec::new(), None));
+    }
+    // Dropped only once converted: a failed conversion loses no event.
+    let buffer = events_to_buffer(cache.kv_events())?;
+    cache.clear_kv_events();
+    Ok(PyKvEventList::new(
+        buffer,
+        Some(pool.clone().into_any().unbind()),
+    ))
+}
+
+/// What a tier below the host did, converted (`KVCachePool._record_tier_event`).
+pub(super) struct TierEvent {
+    medium: Medium,
+    stored: bool,
+    hashes: Vec<BlockHash>,
+    parent: Option<BlockHash>,
+}
+
+impl TierEvent {
+    pub(super) fn new(
+        medium: &str,
+        stored: bool,
+        hashes: &[[u64; 2]],
+        parent: Option<[u64; 2]>,
+    ) -> PyResult<Self> {
+        let medium = Medium::from_name(medium).ok_or_else(|| {
+            crate::errors::value_error(format!("unknown medium {medium:?}: disk or store"))
+        })?;
+        Ok(TierEvent {
+            medium,
+            stored,
+            hashes: hashes.iter().map(|&words| BlockHash(words)).collect(),
+            parent: parent.map(BlockHash),
+        })
+    }
+
+    pub(super) fn record(
+        &self,
+        cache: &mut atb_mem_core::KvCache,
+        token_ids: &[u32],
+    ) -> PyResult<()> {
+        use crate::errors::IntoPyResult;
+        cache
+            .record_tier_event(
+                self.medium,
+                self.stored,
+                &self.hashes,
+                self.parent,
+                token_ids,
+            )
+            .into_py_result()
+    }
 }

@@ -1,16 +1,19 @@
 //! `KVCachePool`: convert, lock, call the core, map errors. Its batch table, the byte
 //! movers for host backings and the plan → execute → commit transactions are submodules.
 
+mod access;
 mod batch_table;
+mod construct;
 mod events;
 pub mod host_copy;
 pub mod transfer;
 
-use atb_mem_core::{layer_kinds, pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
+use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+pub(crate) use access::DETACH_ABOVE;
 pub use batch_table::PyBatchTable;
 pub use events::PyKvEventList;
 
@@ -19,7 +22,7 @@ use crate::convert::{
     Prompt, SeqId, SeqIds, TokenIds,
 };
 use crate::errors::IntoPyResult;
-use crate::lock::{Guard, PyLock};
+use crate::lock::PyLock;
 
 /// A KV-cache group as Python sees it: (kind, layers, window or chunk).
 pub(crate) type GroupRow = (&'static str, Vec<usize>, Option<usize>);
@@ -33,41 +36,11 @@ type PrefixRow = (
     Vec<(&'static str, usize)>,
 );
 
-/// Work (sequences, tokens or table cells) above which a call releases the GIL while it runs.
-pub(crate) const DETACH_ABOVE: usize = 4096;
-
 /// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
 /// copy-on-write forks.
 #[pyclass(frozen, subclass, name = "KVCachePool", module = "atb_mem._core")]
 pub struct PyKvCachePool {
     cache: PyLock<KvCache>,
-}
-
-impl PyKvCachePool {
-    pub(crate) fn lock(&self) -> PyResult<Guard<'_, KvCache>> {
-        self.cache.lock()
-    }
-
-    /// The lock for a transaction that runs Python (the byte executor) while holding it.
-    pub(crate) fn lock_running_python(&self) -> PyResult<Guard<'_, KvCache>> {
-        self.cache.lock_running_python()
-    }
-
-    /// Runs `work` on the locked cache, releasing the GIL (not the lock) when `size` is large.
-    fn run<R: Send>(
-        &self,
-        py: Python<'_>,
-        size: usize,
-        work: impl FnOnce(&mut KvCache) -> R + Send,
-    ) -> PyResult<R> {
-        let mut guard = self.lock()?;
-        let cache: &mut KvCache = &mut guard;
-        Ok(if size > DETACH_ABOVE {
-            py.detach(|| work(cache))
-        } else {
-            work(cache)
-        })
-    }
 }
 
 #[pymethods]
@@ -93,39 +66,23 @@ impl PyKvCachePool {
         sliding_window: Option<Count<1>>,
         attention_chunk_size: Option<Count<1>>,
     ) -> PyResult<Self> {
-        let num_blocks = num_blocks.0;
-        let block_size = block_size.0;
-        let dtype = dtype.map_or(KvDtype::Float16, |dtype| dtype.0);
-        let layout = KvLayout {
-            num_layers: num_layers.map_or(1, Count::get),
-            num_kv_heads: num_kv_heads.map_or(1, Count::get),
-            head_dim: head_dim.map_or(1, Count::get),
-            dtype,
-        };
-        let kinds = layer_kinds(
-            layout.num_layers,
-            layer_types.as_ref().map(|names| names.0.as_slice()),
-            sliding_window.map(Count::get),
-            attention_chunk_size.map(Count::get),
-        )
-        .into_py_result()?;
-        let mut cache = KvCache::with_layer_kinds(
-            num_blocks,
-            block_size,
-            layout,
+        let cache = construct::build(construct::CacheArgs {
+            num_blocks: num_blocks.0,
+            block_size: block_size.0,
+            layout: KvLayout {
+                num_layers: num_layers.map_or(1, Count::get),
+                num_kv_heads: num_kv_heads.map_or(1, Count::get),
+                head_dim: head_dim.map_or(1, Count::get),
+                dtype: dtype.map_or(KvDtype::Float16, |dtype| dtype.0),
+            },
             enable_prefix_caching,
-            &kinds,
-        )
-        .into_py_result()?;
-        if let Some(Count(num_host_blocks)) = num_host_blocks {
-            cache.enable_host_tier(num_host_blocks).into_py_result()?;
-        }
-        if host_prefix_cache {
-            cache.enable_host_prefix_cache().into_py_result()?;
-        }
-        if enable_kv_events {
-            cache.enable_kv_events().into_py_result()?;
-        }
+            num_host_blocks: num_host_blocks.map(Count::get),
+            host_prefix_cache,
+            enable_kv_events,
+            layer_types: layer_types.map(|names| names.0),
+            sliding_window: sliding_window.map(Count::get),
+            attention_chunk_size: attention_chunk_size.map(Count::get),
+        })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
         })
@@ -590,17 +547,24 @@ impl PyKvCachePool {
     /// Drains the KV-cache events recorded since the last call, oldest first, as a
     /// `KVEventList` (typed when first read; see `atb_mem.events`).
     fn take_events(slf: &Bound<'_, Self>) -> PyResult<events::PyKvEventList> {
-        let mut cache = slf.get().lock()?;
-        if cache.kv_events().is_empty() {
-            return Ok(events::PyKvEventList::new(Vec::new(), None));
-        }
-        // Dropped only once converted: a failed conversion loses no event.
-        let buffer = events::events_to_buffer(cache.kv_events())?;
-        cache.clear_kv_events();
-        Ok(events::PyKvEventList::new(
-            buffer,
-            Some(slf.clone().into_any().unbind()),
-        ))
+        events::drain(slf)
+    }
+
+    /// Records what a tier below the host did (its connector calls this): the blocks
+    /// `hashes` (uint64 pairs, a chain after `parent`, over `token_ids`) stored on `medium`
+    /// (`"disk"` or `"store"`), or removed from it (`token_ids` empty).
+    #[pyo3(signature = (medium, stored, hashes, parent, token_ids))]
+    fn _record_tier_event(
+        &self,
+        medium: &str,
+        stored: bool,
+        hashes: Vec<[u64; 2]>,
+        parent: Option<[u64; 2]>,
+        token_ids: TokenIds<'_>,
+    ) -> PyResult<()> {
+        let event = events::TierEvent::new(medium, stored, &hashes, parent)?;
+        let mut cache = self.lock()?;
+        event.record(&mut cache, token_ids.as_slice())
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,0 +1,48 @@
+//! Building a `KVCachePool`'s core from its converted arguments.
+
+use atb_mem_core::{layer_kinds, KvCache, KvLayout};
+use pyo3::prelude::*;
+
+use crate::errors::IntoPyResult;
+
+/// `KVCachePool(...)`'s arguments, converted and checked one by one.
+pub(super) struct CacheArgs {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub layout: KvLayout,
+    pub enable_prefix_caching: bool,
+    pub num_host_blocks: Option<usize>,
+    pub host_prefix_cache: bool,
+    pub enable_kv_events: bool,
+    pub layer_types: Option<Vec<String>>,
+    pub sliding_window: Option<usize>,
+    pub attention_chunk_size: Option<usize>,
+}
+
+pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
+    let kinds = layer_kinds(
+        args.layout.num_layers,
+        args.layer_types.as_deref(),
+        args.sliding_window,
+        args.attention_chunk_size,
+    )
+    .into_py_result()?;
+    let mut cache = KvCache::with_layer_kinds(
+        args.num_blocks,
+        args.block_size,
+        args.layout,
+        args.enable_prefix_caching,
+        &kinds,
+    )
+    .into_py_result()?;
+    if let Some(num_host_blocks) = args.num_host_blocks {
+        cache.enable_host_tier(num_host_blocks).into_py_result()?;
+    }
+    if args.host_prefix_cache {
+        cache.enable_host_prefix_cache().into_py_result()?;
+    }
+    if args.enable_kv_events {
+        cache.enable_kv_events().into_py_result()?;
+    }
+    Ok(cache)
+}

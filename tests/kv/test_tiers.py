@@ -1,0 +1,97 @@
+"""The tiers below the host, piece by piece: a block's frame, the disk tier's capacity, its
+LRU and its write rule, keys, and the shared store's URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atb_mem.kv.tiers import DiskStore, block_key, frame, open_store, parse_mooncake_url, unframe
+from atb_mem.kv.tiers.store import key_hash
+
+
+def test_a_frame_detects_truncation_corruption_and_the_wrong_length() -> None:
+    payload = bytes(range(256)) * 4
+    value = frame(payload)
+    assert unframe(value, len(payload)) == payload
+    assert unframe(value[:-1], len(payload)) is None
+    assert unframe(value, len(payload) + 1) is None
+    corrupt = value[:100] + bytes([value[100] ^ 1]) + value[101:]
+    assert unframe(corrupt, len(payload)) is None
+    assert unframe(corrupt, len(payload), checksum=False) is not None  # what the check buys
+    assert unframe(None, 4) is None and unframe(b"short", 4) is None
+
+
+def test_keys_name_the_chain_hash_and_give_it_back() -> None:
+    words = np.array([0xDEADBEEF, 2**64 - 1], dtype=np.uint64)
+    key = block_key("model", words)
+    assert key.startswith("atb/model/") and key_hash(key) == (0xDEADBEEF, 2**64 - 1)
+    assert key_hash(key.replace("/", "-")) == (0xDEADBEEF, 2**64 - 1)  # as a file name
+    assert block_key("other", words) != key
+
+
+def test_the_disk_tier_writes_on_the_second_sighting_and_evicts_the_oldest(
+        tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, capacity_bytes=3 * 100)
+    values = {f"atb/m/{index:032x}": bytes([index]) * 100 for index in range(4)}
+    keys = list(values)
+    assert not store.put(keys[0], values[keys[0]]), "seen once: not written"
+    assert store.exists(keys[:1]) == [False]
+    for key in keys[:3]:
+        store.put(key, values[key])
+        store.put(key, values[key])
+    assert store.exists(keys) == [True, True, True, False]
+    assert store.get(keys[0]) == values[keys[0]]  # now the most recently used
+    store.put(keys[3], values[keys[3]])
+    store.put(keys[3], values[keys[3]])
+    assert store.exists(keys) == [True, False, True, True]
+    assert [key_hash(old) for old in store.take_evicted()] == [key_hash(keys[1])]
+    assert store.used_bytes == 300
+    # A later run finds what this one left.
+    assert DiskStore(tmp_path, capacity_bytes=300).exists(keys) == [True, False, True, True]
+
+
+def test_bad_disk_tier_settings_are_clear_errors(tmp_path: Path) -> None:
+    for capacity in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="capacity"):
+            DiskStore(tmp_path, capacity)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_seen"):
+        DiskStore(tmp_path, 100, min_seen=0)
+
+
+def test_store_urls() -> None:
+    settings = parse_mooncake_url("mooncake://10.0.0.5:50051?segment=1GiB")
+    assert settings["master"] == "10.0.0.5:50051"
+    assert settings["metadata"] == "http://10.0.0.5:8080/metadata"
+    assert settings["segment"] == 1 << 30
+    for bad in ("mooncake://host", "redis://host:1", "mooncake://:1",
+                "mooncake://h:1?colour=blue"):
+        with pytest.raises(ValueError):
+            parse_mooncake_url(bad)
+    with pytest.raises(ValueError, match="scheme"):
+        open_store("lmcache://host:1")
+    with pytest.raises(TypeError):
+        open_store(None)  # type: ignore[arg-type]
+
+
+def test_tier_events_are_recorded_in_order_and_checked() -> None:
+    import atb_mem
+
+    kv = atb_mem.KVCachePool(8, 2, device=None, enable_kv_events=True)
+    hashes = kv.block_hashes([1, 2, 3, 4]).tolist()
+    for bad in (("device", True, hashes, None, [1, 2, 3, 4]),
+                ("tape", True, hashes, None, [1, 2, 3, 4]),
+                ("disk", True, hashes, None, [1, 2, 3]),
+                ("disk", False, hashes, None, [1])):
+        with pytest.raises(ValueError):
+            kv._record_tier_event(*bad)  # type: ignore[arg-type]
+    assert len(kv.take_events()) == 0, "a refused call records nothing"
+    kv._record_tier_event("disk", True, hashes, None, [1, 2, 3, 4])
+    kv._record_tier_event("store", False, hashes[:1], None, [])
+    stored, removed = kv.take_events()
+    assert (stored.medium, removed.medium) == ("disk", "store")
+    assert stored.block_hashes.tolist() == [words[0] for words in hashes]
+    assert stored.token_ids.tolist() == [1, 2, 3, 4] and stored.parent_block_hash is None
+    assert removed.event_id == stored.event_id + 1
