@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from atb_mem.serving import Engine, SamplingParams
-from tests.support.models import hf_greedy, model_pair, save_tiny_checkpoint
+from tests.support.models import hf_greedy, model_pair, run_poisoned, save_tiny_checkpoint
 from tests.support.mooncake import mooncake_master, require_mooncake
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -62,6 +62,25 @@ def test_a_prompt_prefilled_by_engine_a_is_a_hit_on_engine_b(tmp_path: Path) -> 
                 if process is not None:
                     process.communicate(timeout=120)  # closes stdin: it stops
         assert first.returncode == 0 and second is not None and second.returncode == 0
+
+
+def test_repeated_prompts_come_back_from_the_store_and_match_hf() -> None:
+    """One engine whose device keeps no earlier prompt: the second round's prefixes are
+    loaded from the store, with the device's unused blocks poisoned before every step."""
+    model, reference = model_pair("llama")
+    expected = [hf_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    with mooncake_master() as master:
+        engine = Engine(model, num_blocks=8, block_size=4, max_num_seqs=1, kv_store=master.url)
+        try:
+            for round_ in range(2):
+                for index, prompt in enumerate(PROMPTS):
+                    request_id = f"{round_}-{index}"
+                    results = run_poisoned(engine, {0: [(request_id, prompt, GREEDY)]})
+                    assert results[request_id][0][0] == expected[index], request_id
+            assert engine.tiers is not None
+            assert engine.tiers.counters.loaded_by_tier == {"MOONCAKE": 4 * len(PROMPTS)}
+        finally:
+            engine.shutdown()
 
 
 def test_engines_of_different_models_share_nothing() -> None:
