@@ -1,6 +1,7 @@
 """A multi-turn replay through the ``Engine``: conversations whose every turn re-sends its
-history, with the host prefix tier and without it, on the same device memory and the same
-requests, alternating in one run:
+history, with the host prefix tier, with the disk tier (written once a block is seen twice,
+loaded while others run) and with neither, on the same device memory and the same requests,
+alternating in one run:
 
     python benches/multi_turn_offload.py [--conversations 24] [--turns 4] [--num-blocks 96]
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +105,8 @@ def replay(engine: Engine, talks: list[list[tuple[list[int], int]]], concurrent:
                 waiting.append(c)  # its next turn goes to the back of the queue
     seconds = time.perf_counter() - start
     hit = engine.kv_cache.stats()["prefix_cache_hit_tokens"] - hits_before
+    if engine.tiers is not None:  # tokens loaded from the disk are not computed either
+        hit += engine.tiers.counters.loaded_blocks * engine.kv_cache.block_size
     ttft.sort()
     return {"prefill_tokens": prompt_tokens - hit, "saved_tokens": hit,
             "ttft_p50_ms": 1e3 * statistics.median(ttft),
@@ -124,14 +129,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     talks = conversations(args.conversations, args.turns, args.scale, 512)
-    configurations = {"device only": None, "host tier": {"host": args.host}}
+    disk = tempfile.mkdtemp(prefix="atb-mem-disk-tier-")
+    configurations: dict[str, Any] = {"device only": None, "host tier": {"host": args.host},
+                                      "disk tier": {"disk": (disk, "4GiB")}}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in configurations}
     for _ in range(args.rounds):
         for name, offload in configurations.items():
+            shutil.rmtree(disk, ignore_errors=True)  # each round starts with an empty disk
             engine = Engine(model(args.layers, args.hidden), num_blocks=args.num_blocks,
                             block_size=args.block_size, max_num_seqs=args.concurrent,
                             kv_offload=offload)
             results[name].append(replay(engine, talks, args.concurrent))
+            engine.shutdown()
+    shutil.rmtree(disk, ignore_errors=True)
     print(f"{args.conversations} conversations × {args.turns} turns, {args.concurrent} at once, "
           f"{args.num_blocks} device blocks of {args.block_size}; medians of {args.rounds}")
     for name, runs in results.items():
