@@ -95,3 +95,38 @@ def test_tier_events_are_recorded_in_order_and_checked() -> None:
     assert stored.block_hashes.tolist() == [words[0] for words in hashes]
     assert stored.token_ids.tolist() == [1, 2, 3, 4] and stored.parent_block_hash is None
     assert removed.event_id == stored.event_id + 1
+
+
+def test_concurrent_saves_of_one_key_write_it_once(tmp_path: Path) -> None:
+    """Requests that share a prompt save its blocks at once: one file per key, its bytes
+    counted once, and the tier still writable."""
+    import threading
+
+    store = DiskStore(tmp_path, capacity_bytes=1 << 20, min_seen=1)
+    key, value = "atb/m/" + "ab" * 16, b"x" * 4096
+    start = threading.Barrier(8)
+
+    def save() -> None:
+        start.wait()
+        for _ in range(20):
+            store.put(key, value)
+
+    threads = [threading.Thread(target=save) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert store.writable and store.exists([key]) == [True]
+    assert store.used_bytes == len(value) == sum(f.stat().st_size for f in tmp_path.iterdir())
+
+
+def test_a_damaged_file_is_dropped_and_written_anew(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, capacity_bytes=1 << 20, min_seen=1)
+    key, value = "atb/m/" + "cd" * 16, frame(b"y" * 64)
+    assert store.put(key, value)
+    path = next(tmp_path.glob("*.kv"))
+    path.write_bytes(value[:10])
+    assert unframe(store.get(key), 64) is None
+    store.discard(key)
+    assert store.exists([key]) == [False] and store.used_bytes == 0
+    assert store.put(key, value) and unframe(store.get(key), 64) == b"y" * 64

@@ -99,6 +99,36 @@ def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, damage: str)
     assert run_round(engine, "third") == expected
     assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
     assert engine.scheduler.stats()["load_failures"] == 1
+    # The damaged file was dropped: seen twice more, the block is written anew and loads.
+    assert not chunk.exists()
+    assert run_round(engine, "fourth") == expected and chunk.exists()
+    before = engine.tiers.counters.loaded_blocks
+    assert run_round(engine, "fifth") == expected
+    assert engine.tiers.counters.loaded_blocks - before == 16
+    assert engine.tiers.counters.load_failures == 1
+
+
+def test_a_load_that_cannot_land_is_reported_failed_and_recomputed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, tmp_path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    run_round(engine, "first")
+    run_round(engine, "second")
+    assert engine.tiers is not None
+    land = engine.tiers._land
+    calls = []
+
+    def land_once_failing(load: object) -> bool:
+        calls.append(load)
+        if len(calls) == 1:
+            raise RuntimeError("the device copy failed")
+        return land(load)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.tiers, "_land", land_once_failing)
+    assert run_round(engine, "third") == expected
+    assert engine.scheduler.stats()["loading"] == 0 and engine.tiers.num_loading == 0
+    assert engine.scheduler.stats()["load_failures"] == 1
 
 
 def test_negative_control_a_corrupt_chunk_served_unchecked_changes_the_tokens(
@@ -116,6 +146,21 @@ def test_negative_control_a_corrupt_chunk_served_unchecked_changes_the_tokens(
     produced = run_round(engine, "third")
     assert produced[0] != expected[0], "the corrupted chunk was not what the model read"
     assert produced[1:] == expected[1:]
+
+
+def test_lower_tiers_refuse_what_they_cannot_serve(tmp_path: Path) -> None:
+    from atb_mem.serving.kv_sizing import kv_cache_shape, tier_connector
+
+    model, _ = model_pair("llama")
+    engine = Engine(model, num_blocks=8, block_size=BLOCK_SIZE)
+    shape = kv_cache_shape(model)
+    with pytest.raises(ValueError, match="without tensor parallelism"):
+        tier_connector(engine.kv_cache, model, {"disk": (str(tmp_path), "1MiB")}, None, shape,
+                       2)
+    hybrid, _ = model_pair("gemma3")
+    with pytest.raises(ValueError, match="full-attention"):
+        Engine(hybrid, num_blocks=32, block_size=BLOCK_SIZE,
+               kv_offload={"disk": (str(tmp_path), "1MiB")})
 
 
 def test_an_unwritable_directory_is_refused_at_start_up(tmp_path: Path) -> None:

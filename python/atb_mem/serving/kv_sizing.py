@@ -117,14 +117,32 @@ def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | No
     from atb_mem.kv.tiers import TierConnector, layout_identity
 
     below = (kv_offload or {}).get("disk") is not None or kv_store is not None
-    if below and any(group.kind != "full_attention" for group in kv_cache.groups):
-        raise ValueError("the disk tier and kv_store serve models of full-attention layers")
-    stores = lower_tiers(kv_offload, kv_store)
-    if not stores:
+    if not below:
         return None
+    if any(group.kind != "full_attention" for group in kv_cache.groups):
+        raise ValueError("the disk tier and kv_store serve models of full-attention layers")
+    if tensor_parallel_size != 1:  # the workers would not load their shards
+        raise ValueError("the disk tier and kv_store serve engines without tensor parallelism")
+    stores = lower_tiers(kv_offload, kv_store)
     config = model.config
     identity = layout_identity(
         checkpoint=str(getattr(config, "name_or_path", "")), config=config.to_json_string(),
-        block_size=kv_cache.block_size, shape=repr(sorted(shape.items())),
-        tensor_parallel=(tensor_parallel_size, os.environ.get("RANK", "0")))
+        weights=weights_fingerprint(model), block_size=kv_cache.block_size,
+        shape=repr(sorted(shape.items())), rank=os.environ.get("RANK", "0"))
     return TierConnector(kv_cache, stores, identity)
+
+
+def weights_fingerprint(model: Any) -> str:
+    """A digest of a sample of every parameter (its first 1,024 values): two fine-tunes
+    behind one path and one config differ here, so they share no block."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            sample = parameter.detach().reshape(-1)[:1024].float().cpu().numpy()
+            digest.update(name.encode())
+            digest.update(sample.tobytes())
+    return digest.hexdigest()[:16]

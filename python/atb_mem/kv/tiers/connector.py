@@ -19,6 +19,7 @@ Stores are keyed by the chain hash plus the model's and the layout's identity
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,6 +35,10 @@ __all__ = ["LOAD_SECONDS_BUCKETS", "TierConnector", "TierCounters"]
 
 log = logging.getLogger("atb_mem.tiers")
 
+
+# Saves queued for the writer beyond which new ones are dropped (counted): a tier slower than
+# prefill must not grow host memory without bound.
+MAX_PENDING_SAVES = 256
 
 # Upper bounds (seconds) of the load-latency histogram's buckets, Prometheus-style.
 LOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, float("inf"))
@@ -51,6 +56,8 @@ class TierCounters:
     corrupt_blocks: int = 0
     saved_blocks: int = 0
     saved_bytes: int = 0
+    dropped_saves: int = 0
+    """Saves dropped because the writer was ``MAX_PENDING_SAVES`` behind."""
     store_errors: int = 0
     """Calls to the stores that failed (unreachable, refusing, a failed write)."""
     loaded_by_tier: dict[str, int] = field(default_factory=dict)
@@ -85,7 +92,10 @@ class TierConnector:
         self._block_bytes = kv_cache.bytes_per_block
         self._block_shape = (tensors.kv.shape[0], tensors.kv.shape[1], 1, *tensors.kv.shape[3:])
         self._staging = tensors.backend.host_tensor(self._block_shape, tensors.kv.dtype)
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="atb-mem-tiers")
+        # Loads never wait behind saves: one pool fetches, one thread writes.
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="atb-mem-tier-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="atb-mem-tier-save")
+        self._pending_saves = 0
         # seq -> (its prompt's block hashes, how many were saved, the prompt's token ids)
         self._hashes: dict[int, tuple[np.ndarray, int, list[int]]] = {}
         self._events = bool(kv_cache.enable_kv_events)
@@ -94,9 +104,14 @@ class TierConnector:
 
     @property
     def counters(self) -> TierCounters:
-        """What the tiers did so far (a live object; ``store_errors`` is read now)."""
-        self._counters.store_errors = sum(getattr(store, "errors", 0) for store in self.stores)
-        return self._counters
+        """What the tiers did so far: a copy, taken now (the writer counts on its thread)."""
+        with self._counting:
+            counters = dataclasses.replace(
+                self._counters, loaded_by_tier=dict(self._counters.loaded_by_tier),
+                saved_by_tier=dict(self._counters.saved_by_tier),
+                load_seconds_buckets=list(self._counters.load_seconds_buckets))
+        counters.store_errors = sum(getattr(store, "errors", 0) for store in self.stores)
+        return counters
 
     # ---- a new request ---------------------------------------------------------------------
 
@@ -147,10 +162,13 @@ class TierConnector:
         for key in keys:
             found = None
             for store in self.stores:
-                payload = unframe(store.get(key), self._block_bytes, self.checksum)
+                value = store.get(key)
+                payload = unframe(value, self._block_bytes, self.checksum)
                 if payload is not None:
                     found = (payload, store.name)
                     break
+                if value is not None and hasattr(store, "discard"):
+                    store.discard(key)  # damaged: a later save writes it anew
             payloads.append(found)
             if found is None:
                 break
@@ -171,16 +189,21 @@ class TierConnector:
             except TimeoutError:
                 pass
         now = time.perf_counter()
-        finished, done = [], []
-        for load in list(self._loads):
-            timed_out = now - load.started > self.load_timeout_s
-            if not load.future.done() and not timed_out:
-                continue
-            self._loads.remove(load)
-            finished.append(load.seq_id)
-            done.append(self._land(load) if load.future.done() else False)
-        if finished:
-            scheduler.finish_loads(np.asarray(finished, dtype=np.uint64), done)
+        ended = [load for load in self._loads
+                 if load.future.done() or now - load.started > self.load_timeout_s]
+        if not ended:
+            return
+        done = []
+        for load in ended:
+            try:
+                done.append(load.future.done() and self._land(load))
+            except Exception as error:  # a copy that failed: the blocks are recomputed
+                log.warning("atb-mem: landing a load failed: %s", error)
+                done.append(False)
+        # Reported before they leave the list: every load the scheduler gave is reported.
+        scheduler.finish_loads(np.asarray([load.seq_id for load in ended], dtype=np.uint64),
+                               done)
+        self._loads = [load for load in self._loads if load not in ended]
 
     def _land(self, load: _Load) -> bool:
         try:
@@ -189,8 +212,9 @@ class TierConnector:
             log.warning("atb-mem: a load failed: %s", error)
             payloads = [None]
         if len(payloads) != len(load.blocks) or any(p is None for p in payloads):
-            self._counters.load_failures += 1
-            self._counters.corrupt_blocks += sum(p is None for p in payloads)
+            with self._counting:
+                self._counters.load_failures += 1
+                self._counters.corrupt_blocks += sum(p is None for p in payloads)
             return False
         backend, staging = self._tensors.backend, self._staging
         view = backend.bytes_of(staging)
@@ -200,13 +224,15 @@ class TierConnector:
             payload, tier = found
             view[:] = np.frombuffer(payload, dtype=np.uint8)
             backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
-            counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + 1
-        counters.loaded_blocks += len(load.blocks)
-        counters.loaded_bytes += len(load.blocks) * self._block_bytes
         seconds = time.perf_counter() - load.started
-        counters.load_seconds_sum += seconds
-        for bucket, bound in enumerate(LOAD_SECONDS_BUCKETS):
-            counters.load_seconds_buckets[bucket] += int(seconds <= bound)
+        with self._counting:
+            for _, tier in payloads:  # type: ignore[misc]
+                counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + 1
+            counters.loaded_blocks += len(load.blocks)
+            counters.loaded_bytes += len(load.blocks) * self._block_bytes
+            counters.load_seconds_sum += seconds
+            for bucket, bound in enumerate(LOAD_SECONDS_BUCKETS):
+                counters.load_seconds_buckets[bucket] += int(seconds <= bound)
         return True
 
     # ---- saves -----------------------------------------------------------------------------
@@ -233,13 +259,22 @@ class TierConnector:
     def _save_block(self, block: int, key: str, name: tuple[Any, ...]) -> None:
         backend, staging = self._tensors.backend, self._staging
         backend.copy_blocks(staging, np.array([0]), self._tensors.kv, np.array([block]))
+        with self._counting:
+            if self._pending_saves >= MAX_PENDING_SAVES:
+                self._counters.dropped_saves += 1
+                return
+            self._pending_saves += 1
         value = frame(bytes(backend.bytes_of(staging)), self.checksum)
-        self._workers.submit(self._put, key, value, name)
+        self._writer.submit(self._put, key, value, name)
 
     def _put(self, key: str, value: bytes, name: tuple[Any, ...]) -> None:
         """Writes one block through to every store; with KV events, says where it went (and
         what the disk evicted for it), so routers can score the tiers."""
-        taken = [store for store in self.stores if store.put(key, value)]
+        try:
+            taken = [store for store in self.stores if store.put(key, value)]
+        finally:
+            with self._counting:
+                self._pending_saves -= 1
         if not taken:
             return
         with self._counting:
@@ -261,5 +296,6 @@ class TierConnector:
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)
+        self._writer.shutdown(wait=True, cancel_futures=False)
         for store in self.stores:
             store.close()

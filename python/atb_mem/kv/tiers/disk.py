@@ -55,7 +55,10 @@ class DiskStore:
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
         self._seen: dict[str, int] = {}
         self._evicted: list[str] = []  # keys evicted since take_evicted
+        self._writing: set[str] = set()  # keys whose file is being written
         self._bytes = 0
+        for partial in self.path.glob("*.part"):  # a write an earlier run did not finish
+            partial.unlink(missing_ok=True)
         for file in sorted(self.path.glob("*.kv"), key=lambda file: file.stat().st_mtime):
             self._files[file.stem] = file.stat().st_size
             self._bytes += file.stat().st_size
@@ -85,29 +88,47 @@ class DiskStore:
                 self._seen.clear()  # forget counts rather than grow without bound
             seen = self._seen.get(name, 0) + 1
             self._seen[name] = seen
-            if not self.writable or name in self._files or seen < self.min_seen \
-                    or len(value) > self.capacity_bytes:
+            if not self.writable or name in self._files or name in self._writing \
+                    or seen < self.min_seen or len(value) > self.capacity_bytes:
                 return False
             while self._files and self._bytes + len(value) > self.capacity_bytes:
                 old, size = self._files.popitem(last=False)
                 self._bytes -= size
                 self._file(old).unlink(missing_ok=True)
                 self._evicted.append(old)
+            # Reserved before the write, which runs unlocked: one writer per key, and the
+            # bytes counted once.
+            self._writing.add(name)
+            self._bytes += len(value)
         try:
-            partial = self._file(key).with_suffix(".part")
+            partial = self._file(key).with_name(f"{name}.{threading.get_ident()}.part")
             partial.write_bytes(value)
             partial.replace(self._file(key))  # readers never see half a file
         except OSError as error:
-            self.writable = False
-            self.errors += 1
+            with self._lock:
+                self._writing.discard(name)
+                self._bytes -= len(value)
+                self.writable = False
+                self.errors += 1
             log.warning("atb-mem: the disk tier stops taking blocks: writing %s failed: %s",
                         self.path, error.strerror or error)
             return False
         with self._lock:
+            self._writing.discard(name)
             self._files[name] = len(value)
-            self._bytes += len(value)
             self._seen.pop(name, None)
         return True
+
+    def discard(self, key: str) -> None:
+        """Drops a block whose file turned out damaged, so a later save writes it anew."""
+        name = key.replace("/", "-")
+        with self._lock:
+            size = self._files.pop(name, None)
+            if size is None:
+                return
+            self._bytes -= size
+            self._evicted.append(name)
+        self._file(key).unlink(missing_ok=True)
 
     def take_evicted(self) -> list[str]:
         """The keys (as file names) evicted since the last call."""

@@ -34,6 +34,9 @@ log = logging.getLogger("atb_mem.tiers")
 
 SETUP_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 5.0
+# Mooncake's codes for a store it cannot reach (RPC failed, transfer failed): only these,
+# and exceptions, count the store down; a refusal (no space, say) does not.
+UNREACHABLE = frozenset({-900, -800})
 
 
 def parse_mooncake_url(url: str) -> dict[str, Any]:
@@ -89,8 +92,10 @@ class MooncakeStore:
     def _up(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _failed(self, what: str, detail: object) -> None:
+    def _failed(self, what: str, detail: object, unreachable: bool = True) -> None:
         self.errors += 1
+        if not unreachable:
+            return
         if self._up():
             log.warning("atb-mem: the shared store %s failed (%s): requests recompute; "
                         "retrying in %.0f s", what, detail, RETRY_AFTER_S)
@@ -105,7 +110,8 @@ class MooncakeStore:
             self._failed("lookup", error)
             return [False] * len(keys)
         if any(code < 0 for code in codes):
-            self._failed("lookup", f"code {min(codes)}")
+            self._failed("lookup", f"code {min(codes)}",
+                         any(code in UNREACHABLE for code in codes))
         return [code == 1 for code in codes]
 
     def get(self, key: str) -> bytes | None:
@@ -127,8 +133,16 @@ class MooncakeStore:
             self._failed("put", error)
             return False
         if code != 0:
-            self._failed("put", f"code {code}")
+            self._failed("put", f"code {code}", code in UNREACHABLE)
         return bool(code == 0)
+
+    def discard(self, key: str) -> None:
+        """Drops a block whose value turned out damaged, so a later save puts it anew."""
+        if self._up():
+            try:
+                self._store.remove(key, True)
+            except Exception as error:
+                self._failed("remove", error)
 
     def healthy(self) -> bool:
         """Whether the master answers (0 from Mooncake's health check)."""

@@ -11,8 +11,9 @@
 //! Ordering is what makes this correct, and it is the move list's order: a demotion is
 //! planned at the moment its device block is evicted (inside the allocation that evicts it),
 //! so its device→host move precedes every move and every kernel that writes the block for
-//! its new owner; a promotion's host block is held for the length of the admission, so no
-//! demotion in the same admission can reuse it before its host→device move has read it.
+//! its new owner; a promotion's host block is held from the lookup until its host→device
+//! move is planned, so no demotion before that can reuse it, and one after is ordered after
+//! the move that reads it.
 
 use super::swap::HostTier;
 use super::{KvCache, KvEventLog, NO_BLOCK};

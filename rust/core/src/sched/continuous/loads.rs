@@ -155,6 +155,8 @@ impl ContinuousScheduler {
                 // Full-attention groups take no block here: marking cannot fail for room.
                 cache.mark_computed(seq_id, Some(request.num_computed))?;
             } else {
+                // Not offered again: a preempted request recomputes rather than retry it.
+                request.external_blocks = 0;
                 self.load_counters.failed += 1;
             }
             self.resume(seq_id, State::Running);
