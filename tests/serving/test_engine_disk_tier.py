@@ -69,6 +69,9 @@ def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> N
     stats = engine.scheduler.stats()
     assert stats["loads_started"] == 4 and stats["load_failures"] == 0
     assert engine.kv_cache.stats()["blocks_used"] == 0
+    # explain_prefix names the disk for what only it holds.
+    why = engine.tiers.explain_prefix(PROMPTS[0])
+    assert why.hit_tokens == 4 * BLOCK_SIZE and why.tiers[-1][0] == "disk", why
     # The metrics say where the hits came from and what moved.
     from atb_mem.observability.metrics import AtbMemCollector
     from tests.observability.test_metrics import scrape

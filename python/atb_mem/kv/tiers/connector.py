@@ -132,6 +132,29 @@ class TierConnector:
             self._counters.offered_blocks += leading
         return leading
 
+    def explain_prefix(self, token_ids: list[int]) -> Any:
+        """``kv_cache.explain_prefix`` with the tiers below the host too: past the device's
+        and the host's hit, the blocks some store holds (as ``("disk" | "store", tokens)``
+        runs in ``tiers``), which an admission now would load. ``hit_tokens`` is what the
+        request would not compute; the reason stays the cache's own."""
+        why = self.kv_cache.explain_prefix(token_ids)
+        block_size = self.kv_cache.block_size
+        hashes = self.kv_cache.block_hashes(token_ids)
+        most = (len(token_ids) - 1) // block_size
+        first = why.hit_tokens // block_size
+        tiers = list(why.tiers)
+        for words in hashes[first:most]:
+            key = block_key(self.identity, words)
+            holder = next((store for store in self.stores if store.exists([key])[0]), None)
+            if holder is None:
+                break
+            if tiers and tiers[-1][0] == holder.medium:
+                tiers[-1] = (holder.medium, tiers[-1][1] + block_size)
+            else:
+                tiers.append((holder.medium, block_size))
+        hit = sum(tokens for _, tokens in tiers)
+        return why._replace(hit_tokens=hit, tiers=tiers)
+
     def forget(self, seq_ids: Any) -> None:
         for seq_id in np.asarray(seq_ids).tolist():
             self._hashes.pop(int(seq_id), None)
