@@ -225,3 +225,18 @@ def test_kv_events_say_which_blocks_the_disk_holds(tmp_path: Path) -> None:
     assert not any(isinstance(event, BlockRemoved) and event.medium == "disk"
                    for event in captured.events), "16 MiB evicts nothing here"
     assert b"DISK" in encode_batch(on_disk)
+
+
+def test_a_save_that_fails_costs_the_tier_not_the_requests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, tmp_path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    assert engine.tiers is not None
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the device copy failed")
+
+    monkeypatch.setattr(engine.tiers, "_save_block", broken)
+    assert run_round(engine, "first") == expected
+    assert engine.tiers.counters.dropped_saves > 0

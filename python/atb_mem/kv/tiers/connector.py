@@ -57,7 +57,7 @@ class TierCounters:
     saved_blocks: int = 0
     saved_bytes: int = 0
     dropped_saves: int = 0
-    """Saves dropped because the writer was ``MAX_PENDING_SAVES`` behind."""
+    """Saves dropped: the writer was ``MAX_PENDING_SAVES`` behind, or copying out failed."""
     store_errors: int = 0
     """Calls to the stores that failed (unreachable, refusing, a failed write)."""
     loaded_by_tier: dict[str, int] = field(default_factory=dict)
@@ -261,7 +261,16 @@ class TierConnector:
     # ---- saves -----------------------------------------------------------------------------
 
     def save(self, plan: Any) -> None:
-        """Writes the full blocks this step's rows completed through to every store."""
+        """Writes the full blocks this step's rows completed through to every store. A save
+        that fails is dropped (counted, logged): serving never stops for a tier."""
+        try:
+            self._save_rows(plan)
+        except Exception as error:
+            with self._counting:
+                self._counters.dropped_saves += 1
+            log.warning("atb-mem: saving blocks to the tiers below the host failed: %s", error)
+
+    def _save_rows(self, plan: Any) -> None:
         block_size = self.kv_cache.block_size
         for row, seq_id in enumerate(plan.seq_ids.tolist()):
             known = self._hashes.get(seq_id)
