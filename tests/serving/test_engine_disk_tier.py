@@ -47,6 +47,22 @@ def run_round(engine: Engine, label: str) -> list[list[int]]:
     return produced
 
 
+def written(path: Path) -> tuple[Engine, list[list[int]]]:
+    """An engine whose disk tier holds every prompt (two rounds run), and HF's tokens."""
+    model, reference = model_pair("llama")
+    engine = disk_engine(model, path)
+    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
+    run_round(engine, "first")
+    run_round(engine, "second")
+    return engine, expected
+
+
+def damage(chunk: Path, how: str = "corrupt") -> None:
+    value = chunk.read_bytes()
+    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16) if how == "corrupt"
+                      else value[:len(value) // 2])
+
+
 def chunk_of(engine: Engine, path: Path, prompt: list[int], index: int) -> Path:
     assert engine.tiers is not None
     key = block_key(engine.tiers.identity, engine.kv_cache.block_hashes(prompt)[index])
@@ -88,17 +104,11 @@ def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> N
     assert samples["atb_mem_kv_tier_load_failures_total"][()] == 0
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
-def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, damage: str) -> None:
-    model, reference = model_pair("llama")
-    engine = disk_engine(model, tmp_path)
-    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
-    run_round(engine, "first")
-    run_round(engine, "second")
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, how: str) -> None:
+    engine, expected = written(tmp_path)
     chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
-    value = chunk.read_bytes()
-    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16) if damage == "corrupt"
-                      else value[:len(value) // 2])
+    damage(chunk, how)
     assert run_round(engine, "third") == expected
     assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
     assert engine.scheduler.stats()["load_failures"] == 1
@@ -113,11 +123,7 @@ def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, damage: str)
 
 def test_a_load_that_cannot_land_is_reported_failed_and_recomputed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model, reference = model_pair("llama")
-    engine = disk_engine(model, tmp_path)
-    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
-    run_round(engine, "first")
-    run_round(engine, "second")
+    engine, expected = written(tmp_path)
     assert engine.tiers is not None
     land = engine.tiers._land
     calls = []
@@ -136,14 +142,8 @@ def test_a_load_that_cannot_land_is_reported_failed_and_recomputed(
 
 def test_negative_control_a_corrupt_chunk_served_unchecked_changes_the_tokens(
         tmp_path: Path) -> None:
-    model, reference = model_pair("llama")
-    engine = disk_engine(model, tmp_path)
-    expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
-    run_round(engine, "first")
-    run_round(engine, "second")
-    chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
-    value = chunk.read_bytes()
-    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16))
+    engine, expected = written(tmp_path)
+    damage(chunk_of(engine, tmp_path, PROMPTS[0], 1))
     assert engine.tiers is not None
     engine.tiers.checksum = False
     produced = run_round(engine, "third")

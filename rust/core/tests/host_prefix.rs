@@ -5,6 +5,9 @@ use atb_mem_core::{
     BlockHash, BlockMove, KvCache, KvEventKind, KvLayout, Medium, MoveKind, Tokens,
 };
 
+#[path = "support/chain.rs"]
+mod chain;
+
 const BLOCK_SIZE: usize = 4;
 
 fn cache(num_blocks: usize, host_blocks: usize) -> KvCache {
@@ -79,14 +82,7 @@ fn events(cache: &mut KvCache) -> Vec<(KvEventKind, Medium, Vec<BlockHash>)> {
 }
 
 fn chain(tokens: &[u32]) -> Vec<BlockHash> {
-    let mut parent = BlockHash::root(None);
-    tokens
-        .chunks_exact(BLOCK_SIZE)
-        .map(|block| {
-            parent = parent.chain(block);
-            parent
-        })
-        .collect()
+    chain::chain(tokens, BLOCK_SIZE)
 }
 
 #[test]

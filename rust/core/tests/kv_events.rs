@@ -4,6 +4,9 @@
 
 use atb_mem_core::{BlockHash, KvCache, KvEventKind, KvLayout, Medium, Tokens};
 
+#[path = "support/chain.rs"]
+mod chain;
+
 type Seen = Vec<(
     KvEventKind,
     Medium,
@@ -37,14 +40,7 @@ fn cache_with_events(num_blocks: usize) -> KvCache {
 }
 
 fn chain(tokens: &[u32]) -> Vec<BlockHash> {
-    let mut parent = BlockHash::root(None);
-    tokens
-        .chunks_exact(2)
-        .map(|block| {
-            parent = parent.chain(block);
-            parent
-        })
-        .collect()
+    chain::chain(tokens, 2)
 }
 
 #[test]

@@ -7,6 +7,9 @@ use atb_mem_core::{
     StepPlan, Tokens,
 };
 
+#[path = "support/chain.rs"]
+mod chain;
+
 #[path = "support/state.rs"]
 mod state;
 use state::state;
@@ -42,14 +45,7 @@ fn step(scheduler: &mut ContinuousScheduler, cache: &mut KvCache) -> StepPlan {
 }
 
 fn chain(tokens: &[u32]) -> Vec<BlockHash> {
-    let mut parent = BlockHash::root(None);
-    tokens
-        .chunks_exact(BLOCK_SIZE)
-        .map(|block| {
-            parent = parent.chain(block);
-            parent
-        })
-        .collect()
+    chain::chain(tokens, BLOCK_SIZE)
 }
 
 #[test]

@@ -18,21 +18,11 @@ use atb_mem_core::{
     MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
 };
 
-/// The chain hashes of `tokens`' full blocks.
-fn chain(tokens: &[u32], block_size: usize) -> impl Iterator<Item = BlockHash> + '_ {
-    let mut parent = BlockHash::root(None);
-    tokens.chunks_exact(block_size).map(move |block| {
-        parent = parent.chain(block);
-        parent
-    })
-}
-
-fn all_full(kinds: &[AttentionKind]) -> bool {
-    kinds.iter().all(|kind| *kind == AttentionKind::Full)
-}
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
+#[path = "support/chain.rs"]
+mod chain;
 #[path = "support/event_mirror.rs"]
 mod event_mirror;
 #[path = "support/state.rs"]
@@ -42,6 +32,10 @@ mod workload;
 use event_mirror::EventMirror;
 use state::state;
 use workload::*;
+
+fn all_full(kinds: &[AttentionKind]) -> bool {
+    kinds.iter().all(|kind| *kind == AttentionKind::Full)
+}
 
 struct Harness {
     cache: KvCache,
@@ -281,7 +275,8 @@ impl Harness {
         };
         let block_size = self.cache.block_size();
         let most = (prompt.len() - 1) / block_size;
-        let held = chain(prompt, block_size)
+        let held = chain::chain(prompt, block_size)
+            .into_iter()
             .take(most)
             .take_while(|hash| store.contains_key(hash))
             .count();
@@ -305,7 +300,7 @@ impl Harness {
             let Some(known) = ids.iter().copied().collect::<Option<Vec<u32>>>() else {
                 continue;
             };
-            for (index, hash) in chain(&known, block_size).enumerate() {
+            for (index, hash) in chain::chain(&known, block_size).into_iter().enumerate() {
                 if (index + 1) * block_size > computed {
                     break;
                 }
