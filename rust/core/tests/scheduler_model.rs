@@ -744,6 +744,24 @@ fn hybrid_models_release_windows_and_still_hit() {
     assert!(total.hit_steps > 100 && total.swaps > 100, "{total:?}");
 }
 
+/// A tier workload's case: a configuration, a one-group model on even cases and a random
+/// hybrid one on odd cases, and the operations.
+fn tier_case(
+    runner: &mut proptest::test_runner::TestRunner,
+    case: usize,
+) -> (SchedulerConfig, LayerKinds, Vec<Op>) {
+    let config = config().new_tree(runner).unwrap().current();
+    let kinds = match case % 2 {
+        0 => (vec![AttentionKind::Full], BLOCK_SIZE),
+        _ => layer_kinds().new_tree(runner).unwrap().current(),
+    };
+    let ops = prop::collection::vec(tier_op(), STEPS)
+        .new_tree(runner)
+        .unwrap()
+        .current();
+    (config, kinds, ops)
+}
+
 /// With a host prefix cache, evicted prefix blocks come back as hits (promotions) while
 /// steps fail part-way, in one-group and hybrid models alike.
 #[test]
@@ -751,15 +769,7 @@ fn host_prefix_hits_happen_under_failures() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut total = Counts::default();
     for case in 0..200 {
-        let config = config().new_tree(&mut runner).unwrap().current();
-        let kinds = match case % 2 {
-            0 => (vec![AttentionKind::Full], BLOCK_SIZE),
-            _ => layer_kinds().new_tree(&mut runner).unwrap().current(),
-        };
-        let ops = prop::collection::vec(tier_op(), STEPS)
-            .new_tree(&mut runner)
-            .unwrap()
-            .current();
+        let (config, kinds, ops) = tier_case(&mut runner, case);
         let counts = run(config, &kinds, ops, true);
         total.promotions += counts.promotions;
         total.loads += counts.loads;
@@ -773,23 +783,16 @@ fn host_prefix_hits_happen_under_failures() {
 
 /// Memory pressure never deadlocks admission with a host prefix tier: after random traffic
 /// over a device too small for its prompts (failed moves included), stepping and sampling
-/// with nothing new arriving finishes every request. (Every step's samples are reported, as
-/// an engine reports them: a request whose token never comes waits for it by contract.) The tier takes no device block a
-/// request would not take without it, so the scheduler's argument holds unchanged.
+/// with nothing new arriving finishes every request, and every load is reported. (Every
+/// step's samples are reported, as an engine reports them: a request whose token never comes
+/// waits for it by contract.) The tiers take no device block a request would not take without
+/// them, and loads end in bounded time, so the scheduler's argument holds unchanged.
 #[test]
 fn host_prefix_tier_never_deadlocks_admission() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let (mut drained, mut promotions, mut loads, mut failed_loads) = (0, 0, 0, 0);
     for case in 0..100 {
-        let config = config().new_tree(&mut runner).unwrap().current();
-        let kinds = match case % 2 {
-            0 => (vec![AttentionKind::Full], BLOCK_SIZE),
-            _ => layer_kinds().new_tree(&mut runner).unwrap().current(),
-        };
-        let ops = prop::collection::vec(tier_op(), STEPS)
-            .new_tree(&mut runner)
-            .unwrap()
-            .current();
+        let (config, kinds, ops) = tier_case(&mut runner, case);
         let mut harness = Harness::new(config, &kinds, true);
         for op in &ops {
             harness.apply(op);
