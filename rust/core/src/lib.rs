@@ -25,8 +25,8 @@ mod layout;
 mod sched;
 
 pub use alloc::{
-    AlignmentPolicy, BlockHash, BlockPool, MemPool, MemPoolStats, PoolAllocation,
-    PrefixCacheCounters, MAX_BOOKKEEPING_BYTES, MAX_SLOTS, NULL_BLOCK,
+    AlignmentPolicy, BlockHash, BlockPool, EvictionPolicy, MemPool, MemPoolStats, PoolAllocation,
+    PrefixCacheCounters, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
 };
 pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};

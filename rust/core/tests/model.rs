@@ -16,7 +16,8 @@
 use std::collections::{HashMap, HashSet};
 
 use atb_mem_core::{
-    BatchTable, BlockHash, BlockMove, CoreError, KvCache, KvLayout, MoveKind, Tokens,
+    BatchTable, BlockHash, BlockMove, CoreError, EvictionPolicy, KvCache, KvLayout, MoveKind,
+    Tokens,
 };
 use proptest::prelude::*;
 
@@ -29,108 +30,9 @@ const NUM_BLOCKS: usize = 24;
 const VOCAB: u32 = 3;
 const HOST_BLOCKS: usize = 10;
 
-#[derive(Debug, Clone)]
-enum Op {
-    AllocCount {
-        id: u64,
-        count: usize,
-    },
-    AllocIds {
-        id: u64,
-        ids: Vec<u32>,
-        salted: bool,
-    },
-    Append {
-        ids: Vec<u64>,
-        n: usize,
-        with_token_ids: bool,
-    },
-    Fork {
-        parent: u64,
-        child: u64,
-    },
-    Free {
-        id: u64,
-    },
-    BatchAdd {
-        id: u64,
-    },
-    BatchRemove {
-        id: u64,
-    },
-    BatchAppend {
-        with_token_ids: bool,
-    },
-    SwapOut {
-        ids: Vec<u64>,
-    },
-    SwapIn {
-        ids: Vec<u64>,
-    },
-    Compute {
-        id: u64,
-    },
-    Reset,
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    let id = 0u64..8;
-    prop_oneof![
-        (id.clone(), 0usize..12).prop_map(|(id, count)| Op::AllocCount { id, count }),
-        (
-            id.clone(),
-            prop::collection::vec(0..VOCAB, 0..12),
-            any::<bool>()
-        )
-            .prop_map(|(id, ids, salted)| Op::AllocIds { id, ids, salted }),
-        (
-            prop::collection::vec(id.clone(), 0..4),
-            0usize..5,
-            any::<bool>()
-        )
-            .prop_map(|(ids, n, with_token_ids)| Op::Append {
-                ids,
-                n,
-                with_token_ids
-            }),
-        (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
-        id.clone().prop_map(|id| Op::Free { id }),
-        id.clone().prop_map(|id| Op::BatchAdd { id }),
-        id.prop_map(|id| Op::BatchRemove { id }),
-        any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
-        prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapOut { ids }),
-        prop::collection::vec(0u64..8, 0..3).prop_map(|ids| Op::SwapIn { ids }),
-        (0u64..8).prop_map(|id| Op::Compute { id }),
-        (0u64..8).prop_map(|id| Op::Compute { id }),
-        Just(Op::Reset),
-    ]
-}
-
-/// Ops that keep a small device busy with prompts that share prefixes, admitted, computed
-/// and freed over and over: cached blocks are evicted (demoted) and found again (promoted).
-fn tier_op() -> impl Strategy<Value = Op> {
-    let id = 0u64..6;
-    // Prompts of a few families: a family's prompts share their leading tokens.
-    let prompt = (0u32..3, 1usize..13).prop_map(|(family, len)| {
-        (0..len as u32)
-            .map(|t| (family * 5 + t * (family + 1)) % VOCAB)
-            .collect::<Vec<u32>>()
-    });
-    prop_oneof![
-        5 => (id.clone(), prompt, any::<bool>())
-            .prop_map(|(id, ids, salted)| Op::AllocIds { id, ids, salted }),
-        5 => id.clone().prop_map(|id| Op::Compute { id }),
-        4 => id.clone().prop_map(|id| Op::Free { id }),
-        1 => (prop::collection::vec(id.clone(), 0..3), 1usize..4, any::<bool>())
-            .prop_map(|(ids, n, with_token_ids)| Op::Append { ids, n, with_token_ids }),
-        1 => (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
-        1 => prop::collection::vec(id.clone(), 0..2).prop_map(|ids| Op::SwapOut { ids }),
-        1 => prop::collection::vec(id.clone(), 0..2).prop_map(|ids| Op::SwapIn { ids }),
-        1 => id.clone().prop_map(|id| Op::BatchAdd { id }),
-        1 => any::<bool>().prop_map(|with_token_ids| Op::BatchAppend { with_token_ids }),
-        1 => id.prop_map(|id| Op::BatchRemove { id }),
-    ]
-}
+#[path = "model/ops.rs"]
+mod ops;
+use ops::{op, tier_op, Op};
 
 #[derive(Default)]
 struct Model {
@@ -267,9 +169,25 @@ fn run(ops: Vec<Op>, enable_prefix_caching: bool) {
     run_with(ops, enable_prefix_caching, false, false);
 }
 
+fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_prefix: bool) {
+    run_policy(
+        ops,
+        enable_prefix_caching,
+        kv_events,
+        host_prefix,
+        EvictionPolicy::Lru,
+    );
+}
+
 /// With a host prefix cache the device and the host tier are small, so that cached blocks
 /// are evicted (and demoted, and evicted from the host) often.
-fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_prefix: bool) {
+fn run_policy(
+    ops: Vec<Op>,
+    enable_prefix_caching: bool,
+    kv_events: bool,
+    host_prefix: bool,
+    policy: EvictionPolicy,
+) {
     let num_blocks = if host_prefix { 9 } else { NUM_BLOCKS };
     let mut cache = KvCache::new(
         num_blocks,
@@ -278,6 +196,7 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_pre
         enable_prefix_caching,
     )
     .unwrap();
+    cache.set_eviction_policy(policy).unwrap();
     // A small host tier with a host prefix cache: its copies are evicted too.
     let host_blocks = if host_prefix { 4 } else { HOST_BLOCKS };
     cache.enable_host_tier(host_blocks).unwrap();
@@ -553,6 +472,17 @@ proptest! {
     #[test]
     fn matches_model_with_a_host_prefix_cache(ops in prop::collection::vec(tier_op(), 1..80)) {
         run_with(ops, true, false, true);
+    }
+
+    /// Every eviction policy keeps every computed byte and serves exact hits, with and
+    /// without a host tier below, and its evictions are events a router can replay.
+    #[test]
+    fn matches_model_with_each_eviction_policy(
+        ops in prop::collection::vec(tier_op(), 1..80),
+        policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
+        host_prefix in any::<bool>(),
+    ) {
+        run_policy(ops, true, true, host_prefix, policy);
     }
 
     #[test]

@@ -19,14 +19,19 @@ use atb_mem_core::{
 };
 
 use proptest::prelude::*;
-use proptest::strategy::ValueTree;
 
 #[path = "support/chain.rs"]
 mod chain;
+#[path = "scheduler_model/coverage.rs"]
+mod coverage;
 #[path = "support/event_mirror.rs"]
 mod event_mirror;
+#[path = "scheduler_model/faults.rs"]
+mod faults;
 #[path = "support/state.rs"]
 mod state;
+#[path = "scheduler_model/tiers.rs"]
+mod tiers;
 #[path = "scheduler_model/workload.rs"]
 mod workload;
 use event_mirror::EventMirror;
@@ -268,76 +273,6 @@ impl Harness {
         self.ids.remove(&seq_id);
     }
 
-    /// Offers the scheduler the leading blocks of `prompt` the store holds.
-    fn offer_stored_prefix(&mut self, seq_id: u64, prompt: &[u32]) {
-        let Some(store) = &self.store else {
-            return;
-        };
-        let block_size = self.cache.block_size();
-        let most = (prompt.len() - 1) / block_size;
-        let held = chain::chain(prompt, block_size)
-            .into_iter()
-            .take(most)
-            .take_while(|hash| store.contains_key(hash))
-            .count();
-        if held > 0 {
-            self.scheduler
-                .offer_external_prefix(&self.cache, seq_id, held)
-                .unwrap();
-        }
-    }
-
-    /// Puts every computed full block of every request into the store (write-through).
-    fn store_computed(&mut self) {
-        let Some(store) = self.store.as_mut() else {
-            return;
-        };
-        let block_size = self.cache.block_size();
-        for (&seq_id, ids) in &self.ids {
-            let Ok(computed) = self.cache.num_computed(seq_id) else {
-                continue;
-            };
-            let Some(known) = ids.iter().copied().collect::<Option<Vec<u32>>>() else {
-                continue;
-            };
-            for (index, hash) in chain::chain(&known, block_size).into_iter().enumerate() {
-                if (index + 1) * block_size > computed {
-                    break;
-                }
-                let values = (index * block_size..(index + 1) * block_size)
-                    .map(|position| value(seq_id, Some(known[position]), position))
-                    .collect();
-                store.entry(hash).or_insert(values);
-            }
-        }
-    }
-
-    /// Reports one load in flight: on `ok` its blocks get the stored bytes first; otherwise
-    /// it half-writes them with garbage, as a load that fails part-way does.
-    fn finish_load(&mut self, pick: usize, ok: bool) {
-        if self.loads.is_empty() {
-            return;
-        }
-        let (seq_id, blocks) = self.loads.remove(pick % self.loads.len());
-        let block_size = self.cache.block_size();
-        let store = self.store.as_ref().unwrap();
-        for (index, &(block, hash)) in blocks.iter().enumerate() {
-            if !ok && index > 0 {
-                break; // it failed after half-writing its first block
-            }
-            for (offset, &stored) in store[&hash].iter().enumerate() {
-                let slot = block as usize * block_size + offset;
-                let written = if ok { stored } else { GARBAGE };
-                self.memory.device.insert(slot, written);
-            }
-        }
-        self.scheduler
-            .finish_loads(&mut self.cache, &[seq_id], &[ok])
-            .unwrap();
-        self.counts.loads += 1;
-        self.counts.failed_loads += usize::from(!ok);
-    }
-
     /// One step through the core's transaction, the executor simulated: with `fail`, the
     /// moves before `fail % (k + 1)` land, that one half-writes its destination and the rest
     /// never run (at 0, the executor fails before any). It reports how many may have run,
@@ -409,67 +344,6 @@ impl Harness {
             }
             Err(error) => panic!("a consistent step failed: {error}"),
         }
-    }
-
-    /// After a failed step, every request that was not ended is where it was before it:
-    /// same progress, same tier, same blocks.
-    fn check_survivors(&self, before: &(ContinuousScheduler, KvCache), aborted: &[u64]) {
-        let (scheduler, cache) = before;
-        for seq_id in cache.seq_ids().filter(|id| !aborted.contains(id)) {
-            assert_eq!(
-                self.cache.seq_state(seq_id).ok(),
-                cache.seq_state(seq_id).ok()
-            );
-            for group in 0..cache.num_groups() {
-                assert_eq!(
-                    self.cache.group_block_table(seq_id, group).ok(),
-                    cache.group_block_table(seq_id, group).ok(),
-                    "sequence {seq_id}, group {group}"
-                );
-            }
-            assert_eq!(
-                self.scheduler.progress(seq_id).ok(),
-                scheduler.progress(seq_id).ok()
-            );
-        }
-    }
-
-    /// Changes the cache behind the scheduler's back, on copies: the step must then fail
-    /// and change nothing. `how`: free a request's sequence, swap it to the other tier, or
-    /// allocate a waiting request's id.
-    fn tamper(&mut self, pick: usize, how: usize) {
-        let live = self.live_requests();
-        let Some(&seq_id) = live.get(pick % live.len().max(1)) else {
-            return;
-        };
-        let (mut scheduler, mut cache) = (self.scheduler.clone(), self.cache.clone());
-        let on_cache = cache.contains(seq_id);
-        let tampered = match (how % 3, on_cache) {
-            (0, true) => cache.free_sequence(seq_id).is_ok(),
-            (1, true) => match cache.is_swapped(seq_id).unwrap() {
-                true => cache.swap_in(&[seq_id]).is_ok(),
-                false => cache.swap_out(&[seq_id]).is_ok(),
-            },
-            (2, false) => cache.alloc_sequence(seq_id, Tokens::Count(1), None).is_ok(),
-            _ => false,
-        };
-        if !tampered {
-            return;
-        }
-        let before = state(&scheduler, &cache);
-        let mut plan = StepPlan::default();
-        let result = scheduler.step(&mut cache, 0, &mut plan);
-        // A waiting request only counts once a step may admit it.
-        match (result, on_cache) {
-            (Err(_), _) => self.counts.tampered_steps += 1,
-            (Ok(()), true) => panic!("a step over a tampered cache ({how}, {seq_id}) passed"),
-            (Ok(()), false) => return,
-        }
-        assert_eq!(
-            state(&scheduler, &cache),
-            before,
-            "tampered {how}, {seq_id}"
-        );
     }
 
     /// Writes each planned token's K/V into its slot, as the model's forward does.
@@ -689,149 +563,4 @@ proptest! {
     ) {
         run(config, &kinds, ops, true);
     }
-}
-
-/// The harness is not vacuous: copies, swaps, prefix hits and injected failures happen.
-#[test]
-fn injected_failures_happen_and_sometimes_cost_requests() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let mut total = Counts::default();
-    for _ in 0..200 {
-        let config = config().new_tree(&mut runner).unwrap().current();
-        let ops = prop::collection::vec(op(), STEPS)
-            .new_tree(&mut runner)
-            .unwrap()
-            .current();
-        let counts = run(config, &(vec![AttentionKind::Full], BLOCK_SIZE), ops, false);
-        total.copies += counts.copies;
-        total.swaps += counts.swaps;
-        total.hit_steps += counts.hit_steps;
-        total.failures += counts.failures;
-        total.aborted_by_recovery += counts.aborted_by_recovery;
-        total.forked_requests += counts.forked_requests;
-        total.tampered_steps += counts.tampered_steps;
-    }
-    println!("{total:?}");
-    assert!(total.copies > 20 && total.swaps > 100, "{total:?}");
-    assert!(total.hit_steps > 100 && total.failures > 20, "{total:?}");
-    assert!(total.forked_requests > 50, "{total:?}");
-    assert!(total.tampered_steps > 200, "{total:?}");
-    // Recoveries that must end a request (a swap-out's freed block rewritten by a later
-    // move of the same step) are rare here; tests/test_correct_under_load.py pins one down.
-}
-
-/// Over random hybrid models, windows release blocks and prefix hits still happen.
-#[test]
-fn hybrid_models_release_windows_and_still_hit() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let mut total = Counts::default();
-    for _ in 0..200 {
-        let config = config().new_tree(&mut runner).unwrap().current();
-        let kinds = layer_kinds().new_tree(&mut runner).unwrap().current();
-        let ops = prop::collection::vec(op(), STEPS)
-            .new_tree(&mut runner)
-            .unwrap()
-            .current();
-        let counts = run(config, &kinds, ops, false);
-        total.windowed_releases += counts.windowed_releases;
-        total.hit_steps += counts.hit_steps;
-        total.swaps += counts.swaps;
-        total.grouped_events += counts.grouped_events;
-    }
-    println!("{total:?}");
-    assert!(total.windowed_releases > 300, "{total:?}");
-    assert!(total.grouped_events > 1000, "{total:?}");
-    assert!(total.hit_steps > 100 && total.swaps > 100, "{total:?}");
-}
-
-/// A tier workload's case: a configuration, a one-group model on even cases and a random
-/// hybrid one on odd cases, and the operations.
-fn tier_case(
-    runner: &mut proptest::test_runner::TestRunner,
-    case: usize,
-) -> (SchedulerConfig, LayerKinds, Vec<Op>) {
-    let config = config().new_tree(runner).unwrap().current();
-    let kinds = match case % 2 {
-        0 => (vec![AttentionKind::Full], BLOCK_SIZE),
-        _ => layer_kinds().new_tree(runner).unwrap().current(),
-    };
-    let ops = prop::collection::vec(tier_op(), STEPS)
-        .new_tree(runner)
-        .unwrap()
-        .current();
-    (config, kinds, ops)
-}
-
-/// With a host prefix cache, evicted prefix blocks come back as hits (promotions) while
-/// steps fail part-way, in one-group and hybrid models alike.
-#[test]
-fn host_prefix_hits_happen_under_failures() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let mut total = Counts::default();
-    for case in 0..200 {
-        let (config, kinds, ops) = tier_case(&mut runner, case);
-        let counts = run(config, &kinds, ops, true);
-        total.promotions += counts.promotions;
-        total.loads += counts.loads;
-        total.failed_loads += counts.failed_loads;
-        total.failures += counts.failures;
-        total.hit_steps += counts.hit_steps;
-    }
-    println!("{total:?}");
-    assert!(total.promotions > 50 && total.failures > 20, "{total:?}");
-}
-
-/// Memory pressure never deadlocks admission with a host prefix tier: after random traffic
-/// over a device too small for its prompts (failed moves included), stepping and sampling
-/// with nothing new arriving finishes every request, and every load is reported. (Every
-/// step's samples are reported, as an engine reports them: a request whose token never comes
-/// waits for it by contract.) The tiers take no device block a request would not take without
-/// them, and loads end in bounded time, so the scheduler's argument holds unchanged.
-#[test]
-fn host_prefix_tier_never_deadlocks_admission() {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let (mut drained, mut promotions, mut loads, mut failed_loads) = (0, 0, 0, 0);
-    for case in 0..100 {
-        let (config, kinds, ops) = tier_case(&mut runner, case);
-        let mut harness = Harness::new(config, &kinds, true);
-        for op in &ops {
-            harness.apply(op);
-            // As an engine does: every planned sample is reported before the next step.
-            if let Op::Step { .. } = op {
-                harness.apply(&Op::Sample { token: 2 });
-            }
-            harness.check();
-        }
-        let mut rounds = 0;
-        drained += harness.live_requests().len();
-        while !harness.live_requests().is_empty() || !harness.loads.is_empty() {
-            // Every load is reported in bounded time (a backing that cannot tell times out).
-            while !harness.loads.is_empty() {
-                harness.apply(&Op::FinishLoad {
-                    pick: rounds,
-                    ok: rounds % 5 != 0,
-                });
-            }
-            harness.apply(&Op::Step { fail: None });
-            harness.apply(&Op::Sample { token: 1 });
-            harness.check();
-            rounds += 1;
-            assert!(
-                rounds < 2_000,
-                "case {case}: {:?} never finish",
-                harness.live_requests()
-            );
-        }
-        promotions += harness.cache.stats().host_prefix.promoted;
-        loads += harness.counts.loads;
-        failed_loads += harness.counts.failed_loads;
-    }
-    assert!(
-        loads > 50 && failed_loads > 5,
-        "{loads} loads, {failed_loads} failed"
-    );
-    assert!(
-        drained > 200 && promotions > 50,
-        "{drained} drained, {promotions} promotions"
-    );
 }

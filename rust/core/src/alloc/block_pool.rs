@@ -7,11 +7,12 @@
 //!   first);
 //! - *free*: reference count 0, in the free queue, no contents worth keeping.
 //!
-//! Free blocks sit at the head of the queue and cached ones behind them in LRU order, so an
-//! allocation takes a worthless block before it evicts a cached one. Allocation, release and a
-//! cache hit are O(1) and allocate no memory.
+//! Free blocks sit in a queue of their own and cached ones in the queues of the eviction
+//! policy (see `eviction`), so an allocation takes a worthless block before it evicts a
+//! cached one. Allocation, release and a cache hit are O(1) and allocate no memory.
 
 use crate::alloc::block_hash::BlockHash;
+use crate::alloc::eviction::EvictionPolicy;
 use crate::alloc::eviction_history::EvictionHistory;
 use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
 use crate::alloc::free_queue::FreeQueue;
@@ -24,6 +25,9 @@ pub const NULL_BLOCK: u32 = 0;
 
 /// Largest token count (blocks × block size) for which every slot id fits an int32.
 pub const MAX_SLOTS: usize = i32::MAX as usize + 1;
+
+/// The free queue set's queue of free (uncached) blocks.
+const FREE: usize = 0;
 
 /// Most blocks one pool manages (about 5 GiB of bookkeeping; real caches hold far fewer).
 pub const MAX_BLOCKS: usize = 1 << 27;
@@ -61,6 +65,9 @@ pub struct BlockPool {
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
+    policy: EvictionPolicy,
+    /// Per block, how often the prefix cache served it since it was cached (saturating).
+    hits: Vec<u8>,
     /// The (key, block) of the blocks that left the prefix cache since the last
     /// `drain_removed`, kept only while `record_removed` (KV-cache events).
     record_removed: bool,
@@ -76,6 +83,21 @@ impl BlockPool {
         block_size: usize,
         enable_prefix_caching: bool,
     ) -> CoreResult<Self> {
+        Self::with_policy(
+            num_blocks,
+            block_size,
+            enable_prefix_caching,
+            EvictionPolicy::Lru,
+        )
+    }
+
+    /// A pool whose prefix cache evicts by `policy`.
+    pub fn with_policy(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        policy: EvictionPolicy,
+    ) -> CoreResult<Self> {
         ensure!(
             num_blocks >= 2,
             "num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}"
@@ -83,7 +105,7 @@ impl BlockPool {
         ensure!(block_size != 0, "block_size must be at least 1, got 0");
         let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
         let what = || format!("num_blocks = {num_blocks}");
-        let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks);
+        let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks, policy.queues());
         ensure!(
             num_blocks <= MAX_BLOCKS,
             "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
@@ -101,9 +123,9 @@ impl BlockPool {
         }
         let bytes = check_bookkeeping(bytes, what)?;
         let what = format!("the bookkeeping of num_blocks = {num_blocks} ({bytes} bytes in all)");
-        let mut free_queue = FreeQueue::new(num_blocks, &what)?;
+        let mut free_queue = FreeQueue::new(num_blocks, policy.queues(), &what)?;
         for block in 1..num_blocks as u32 {
-            free_queue.push_back(block);
+            free_queue.push_back(FREE, block);
         }
         Ok(BlockPool {
             block_size,
@@ -115,6 +137,8 @@ impl BlockPool {
             num_evictable: 0,
             enable_prefix_caching,
             counters: PrefixCacheCounters::default(),
+            policy,
+            hits: try_filled_vec(table_blocks, 0, &what)?,
             record_removed: false,
             removed: Vec::new(),
             evicted: EvictionHistory::new(table_blocks, &what)?,
@@ -123,10 +147,11 @@ impl BlockPool {
 
     /// Host bytes `new` takes for `num_blocks` blocks, `table_blocks` of them (all or none)
     /// with prefix-cache entries; `None` on overflow.
-    fn bookkeeping_bytes(num_blocks: usize, table_blocks: usize) -> Option<u64> {
+    fn bookkeeping_bytes(num_blocks: usize, table_blocks: usize, queues: usize) -> Option<u64> {
         total_bytes(&[
             array_bytes::<u32>(num_blocks),
-            FreeQueue::bytes_for(num_blocks),
+            FreeQueue::bytes_for(num_blocks, queues),
+            array_bytes::<u8>(table_blocks),
             array_bytes::<BlockHash>(table_blocks),
             array_bytes::<bool>(table_blocks),
             IndexTable::bytes_for(table_blocks),
@@ -168,6 +193,19 @@ impl BlockPool {
 
     pub fn enable_prefix_caching(&self) -> bool {
         self.enable_prefix_caching
+    }
+
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// Puts an unused cached block where its policy keeps it, as the most recently used.
+    #[inline]
+    fn enqueue_cached(&mut self, block: u32) {
+        let queue = self.policy.queue_for(self.hits[block as usize]);
+        self.free_queue.push_back(queue, block);
+        self.policy
+            .rebalance(&mut self.free_queue, self.ref_counts.len());
     }
 
     /// Blocks an allocation can take now: free plus cached-but-unused (evictable).
@@ -238,7 +276,14 @@ impl BlockPool {
     /// lower tier may keep a copy under (the bytes are intact until the block is written).
     #[inline]
     pub fn allocate_evicting(&mut self) -> Option<(u32, Option<BlockHash>)> {
-        let block = self.free_queue.pop_front()?;
+        let block = match self.free_queue.pop_front(FREE) {
+            Some(block) => block,
+            None => {
+                let victim = self.policy.victim(&self.free_queue)?;
+                self.free_queue.remove(victim);
+                victim
+            }
+        };
         let mut evicted = None;
         if self.is_cached(block) {
             let hash = self.block_hashes[block as usize];
@@ -270,10 +315,10 @@ impl BlockPool {
         *count -= 1;
         if *count == 0 {
             if self.is_cached(block) {
-                self.free_queue.push_back(block);
+                self.enqueue_cached(block);
                 self.num_evictable += 1;
             } else {
-                self.free_queue.push_front(block);
+                self.free_queue.push_front(FREE, block);
             }
         }
     }
@@ -289,7 +334,7 @@ impl BlockPool {
     pub fn touch(&mut self, block: u32) {
         if self.ref_counts[block as usize] == 0 && self.is_cached(block) {
             self.free_queue.remove(block);
-            self.free_queue.push_back(block);
+            self.enqueue_cached(block);
         }
     }
 
@@ -310,6 +355,9 @@ impl BlockPool {
             self.num_evictable -= 1;
         }
         self.ref_counts[block as usize] += 1;
+        if let Some(hits) = self.hits.get_mut(block as usize) {
+            *hits = hits.saturating_add(1);
+        }
     }
 
     pub(crate) fn record_lookups(&mut self, queries: usize, hits: usize) {
@@ -335,6 +383,7 @@ impl BlockPool {
         self.cached[block as usize] = Cached::Yes {
             remember: remember_eviction,
         };
+        self.hits[block as usize] = 0; // new contents, no history
         self.prefix_table.insert(block, hash.0[0]);
         true
     }
@@ -348,7 +397,7 @@ impl BlockPool {
         self.unregister(block);
         if self.ref_counts[block as usize] == 0 {
             self.free_queue.remove(block);
-            self.free_queue.push_front(block);
+            self.free_queue.push_front(FREE, block);
             self.num_evictable -= 1;
         }
     }
@@ -363,9 +412,9 @@ impl BlockPool {
         for block in 1..self.num_blocks() as u32 {
             if self.cached[block as usize] != Cached::No && self.ref_counts[block as usize] == 0 {
                 self.unregister(block);
-                // Move it ahead of the cached blocks, where free blocks live.
+                // Among the free blocks now.
                 self.free_queue.remove(block);
-                self.free_queue.push_front(block);
+                self.free_queue.push_front(FREE, block);
                 dropped += 1;
             }
         }
@@ -377,6 +426,7 @@ impl BlockPool {
     pub fn heap_bytes(&self) -> usize {
         self.ref_counts.capacity() * 4
             + self.free_queue.heap_bytes()
+            + self.hits.capacity()
             + self.block_hashes.capacity() * std::mem::size_of::<BlockHash>()
             + self.cached.capacity() * std::mem::size_of::<Cached>()
             + self.prefix_table.heap_bytes()
@@ -443,15 +493,18 @@ impl BlockPool {
                 self.prefix_table.len()
             ));
         }
-        // Free blocks come before cached ones in the queue.
-        let mut in_cached_part = false;
+        // Free blocks in the free queue, cached ones where their policy keeps them.
         for block in self.free_queue.iter() {
-            match (self.is_cached(block), in_cached_part) {
-                (true, _) => in_cached_part = true,
-                (false, true) => {
-                    return Err(format!("free block {block} queued behind a cached block"))
-                }
-                (false, false) => {}
+            let queue = self.free_queue.queue_of(block);
+            let expected = match self.is_cached(block) {
+                true => self.policy.queue_for(self.hits[block as usize]),
+                false => FREE,
+            };
+            let demoted = self.policy == EvictionPolicy::Slru && queue == Some(1);
+            if queue != Some(expected) && !demoted {
+                return Err(format!(
+                    "block {block} in queue {queue:?}, its policy keeps it in {expected}"
+                ));
             }
         }
         Ok(())
@@ -459,57 +512,5 @@ impl BlockPool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocation_prefers_free_blocks_then_lru_cached() {
-        let mut pool = BlockPool::new(5, 4, true).unwrap();
-        let blocks: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
-        assert_eq!(blocks, [1, 2, 3, 4]);
-        assert_eq!(pool.allocate(), None);
-        let (h1, h2) = (BlockHash([11, 0]), BlockHash([22, 0]));
-        pool.register(1, h1, true);
-        pool.register(2, h2, true);
-        pool.release(2); // cached, older
-        pool.release(1); // cached, newer
-        pool.release(3); // free
-        assert_eq!(pool.num_free(), 3);
-        assert_eq!(pool.num_evictable(), 2);
-        assert_eq!(pool.allocate(), Some(3));
-        assert_eq!(pool.lookup(h1), Some(1));
-        assert_eq!(pool.allocate(), Some(2)); // evicts the least recently used
-        assert_eq!(pool.lookup(h2), None);
-        assert_eq!(pool.counters().evictions, 1);
-        pool.take_hit(1);
-        assert_eq!(pool.ref_count(1), 1);
-        assert_eq!(pool.num_free(), 0);
-        let mut holders = vec![0; 5];
-        for block in [1, 2, 3, 4] {
-            holders[block] = 1;
-        }
-        pool.check_invariants(&holders).unwrap();
-    }
-
-    #[test]
-    fn rejects_impossible_sizes() {
-        assert!(BlockPool::new(1, 16, true).is_err());
-        assert!(BlockPool::new(16, 0, true).is_err());
-        assert!(BlockPool::new(1 << 28, 16, true).is_err());
-    }
-
-    #[test]
-    fn huge_sizes_are_errors_naming_num_blocks_and_bytes() {
-        for num_blocks in [MAX_BLOCKS + 1, 1 << 62, usize::MAX] {
-            let message = BlockPool::new(num_blocks, 1, true).unwrap_err().to_string();
-            assert!(
-                message.contains(&format!("num_blocks = {num_blocks}"))
-                    && message.contains("bytes"),
-                "{message}"
-            );
-        }
-        let largest = BlockPool::bookkeeping_bytes(MAX_BLOCKS, MAX_BLOCKS).unwrap();
-        assert!(largest <= crate::alloc::fallible::MAX_BOOKKEEPING_BYTES);
-        assert_eq!(BlockPool::bookkeeping_bytes(usize::MAX, usize::MAX), None);
-    }
-}
+#[path = "block_pool_tests.rs"]
+mod tests;

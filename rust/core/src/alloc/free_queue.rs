@@ -1,4 +1,4 @@
-//! Intrusive doubly linked queue of block ids kept in one vector of links.
+//! Intrusive doubly linked queues of block ids kept in one vector of links.
 //!
 //! This is the shape of vLLM v1's `FreeKVCacheBlockQueue`: removing a block from the middle
 //! (a prefix-cache hit on an evictable block) is O(1), and no operation allocates. A sentinel
@@ -22,42 +22,63 @@ const UNLINKED: Link = Link {
     next: DETACHED,
 };
 
+/// Several queues over one link array: an id is in at most one of them. Queue `q`'s sentinel
+/// is node `capacity + q`. The block pool keeps its free blocks in queue 0 and its evictable
+/// cached blocks in the queues its eviction policy orders.
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
     links: Vec<Link>,
-    len: usize,
+    /// The queue each id is in (meaningless for ids in none).
+    queue_of: Vec<u8>,
+    lens: Vec<usize>,
+    capacity: usize,
 }
 
 impl FreeQueue {
-    /// Bytes of the link arrays of a queue for ids `0..capacity`; `None` on overflow.
-    pub fn bytes_for(capacity: usize) -> Option<u64> {
-        array_bytes::<Link>(capacity.checked_add(1)?)
+    /// Bytes of a queue set for ids `0..capacity` in `queues` queues; `None` on overflow.
+    pub fn bytes_for(capacity: usize, queues: usize) -> Option<u64> {
+        let links = array_bytes::<Link>(capacity.checked_add(queues)?)?;
+        links.checked_add(array_bytes::<u8>(capacity)?)
     }
 
-    /// An empty queue able to hold ids `0..capacity`. `what` says whose queue it is, for the
-    /// error if the host cannot provide its memory.
-    pub fn new(capacity: usize, what: &str) -> CoreResult<Self> {
+    /// `queues` empty queues (at most 256) able to hold ids `0..capacity`. `what` says whose
+    /// queues they are, for the error if the host cannot provide their memory.
+    pub fn new(capacity: usize, queues: usize, what: &str) -> CoreResult<Self> {
         ensure!(
-            capacity < DETACHED as usize,
-            "a free queue holds ids below {DETACHED}, not 0..{capacity} ({what})"
+            capacity < (DETACHED as usize).saturating_sub(queues) && (1..=256).contains(&queues),
+            "a free queue holds ids below {DETACHED} in 1 to 256 queues, not 0..{capacity} in \
+             {queues} ({what})"
         );
-        let mut links = try_filled_vec(capacity + 1, UNLINKED, what)?;
-        let sentinel = capacity as u32;
-        links[capacity] = Link {
-            prev: sentinel,
-            next: sentinel,
-        };
-        Ok(FreeQueue { links, len: 0 })
+        let mut links = try_filled_vec(capacity + queues, UNLINKED, what)?;
+        for queue in 0..queues {
+            let sentinel = (capacity + queue) as u32;
+            links[capacity + queue] = Link {
+                prev: sentinel,
+                next: sentinel,
+            };
+        }
+        Ok(FreeQueue {
+            links,
+            queue_of: try_filled_vec(capacity, 0, what)?,
+            lens: vec![0; queues],
+            capacity,
+        })
     }
 
     #[inline]
-    fn sentinel(&self) -> u32 {
-        (self.links.len() - 1) as u32
+    fn sentinel(&self, queue: usize) -> u32 {
+        (self.capacity + queue) as u32
     }
 
+    /// Ids in all the queues.
     #[inline]
     pub fn len(&self) -> usize {
-        self.len
+        self.lens.iter().sum()
+    }
+
+    #[inline]
+    pub fn len_of(&self, queue: usize) -> usize {
+        self.lens[queue]
     }
 
     #[inline]
@@ -65,8 +86,15 @@ impl FreeQueue {
         self.links[id as usize].next != DETACHED
     }
 
+    /// The queue `id` is in, if any.
     #[inline]
-    fn link_after(&mut self, anchor: u32, id: u32) {
+    pub fn queue_of(&self, id: u32) -> Option<usize> {
+        self.contains(id)
+            .then(|| usize::from(self.queue_of[id as usize]))
+    }
+
+    #[inline]
+    fn link_after(&mut self, queue: usize, anchor: u32, id: u32) {
         debug_assert!(!self.contains(id));
         let after = self.links[anchor as usize].next;
         self.links[id as usize] = Link {
@@ -75,36 +103,38 @@ impl FreeQueue {
         };
         self.links[anchor as usize].next = id;
         self.links[after as usize].prev = id;
-        self.len += 1;
+        self.queue_of[id as usize] = queue as u8;
+        self.lens[queue] += 1;
     }
 
-    /// Appends at the tail: the block is reused last.
+    /// Appends at the tail of `queue`: the block is reused last.
     #[inline]
-    pub fn push_back(&mut self, id: u32) {
-        let last = self.links[self.sentinel() as usize].prev;
-        self.link_after(last, id);
+    pub fn push_back(&mut self, queue: usize, id: u32) {
+        let last = self.links[self.sentinel(queue) as usize].prev;
+        self.link_after(queue, last, id);
     }
 
-    /// Inserts at the head: the block is reused first.
+    /// Inserts at the head of `queue`: the block is reused first.
     #[inline]
-    pub fn push_front(&mut self, id: u32) {
-        self.link_after(self.sentinel(), id);
-    }
-
-    #[inline]
-    pub fn front(&self) -> Option<u32> {
-        let first = self.links[self.sentinel() as usize].next;
-        (first != self.sentinel()).then_some(first)
+    pub fn push_front(&mut self, queue: usize, id: u32) {
+        self.link_after(queue, self.sentinel(queue), id);
     }
 
     #[inline]
-    pub fn pop_front(&mut self) -> Option<u32> {
-        let first = self.front()?;
+    pub fn front(&self, queue: usize) -> Option<u32> {
+        let sentinel = self.sentinel(queue);
+        let first = self.links[sentinel as usize].next;
+        (first != sentinel).then_some(first)
+    }
+
+    #[inline]
+    pub fn pop_front(&mut self, queue: usize) -> Option<u32> {
+        let first = self.front(queue)?;
         self.remove(first);
         Some(first)
     }
 
-    /// Unlinks `id`, which must be in the queue.
+    /// Unlinks `id`, which must be in a queue.
     #[inline]
     pub fn remove(&mut self, id: u32) {
         debug_assert!(self.contains(id));
@@ -112,12 +142,12 @@ impl FreeQueue {
         self.links[prev as usize].next = next;
         self.links[next as usize].prev = prev;
         self.links[id as usize] = UNLINKED;
-        self.len -= 1;
+        self.lens[usize::from(self.queue_of[id as usize])] -= 1;
     }
 
-    /// Ids from head to tail (for checks and tests; allocates nothing).
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let sentinel = self.sentinel();
+    /// Ids of `queue` from head to tail (for checks and tests; allocates nothing).
+    pub fn iter_queue(&self, queue: usize) -> impl Iterator<Item = u32> + '_ {
+        let sentinel = self.sentinel(queue);
         let mut cursor = self.links[sentinel as usize].next;
         std::iter::from_fn(move || {
             if cursor == sentinel {
@@ -129,8 +159,15 @@ impl FreeQueue {
         })
     }
 
+    /// Ids of every queue, queue after queue.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.lens.len()).flat_map(move |queue| self.iter_queue(queue))
+    }
+
     pub fn heap_bytes(&self) -> usize {
         self.links.capacity() * std::mem::size_of::<Link>()
+            + self.queue_of.capacity()
+            + self.lens.capacity() * std::mem::size_of::<usize>()
     }
 }
 
@@ -141,34 +178,49 @@ mod tests {
 
     #[test]
     fn fifo_order_and_middle_removal() {
-        let mut queue = FreeQueue::new(5, "test").unwrap();
+        let mut queue = FreeQueue::new(5, 1, "test").unwrap();
         for id in 0..5 {
-            queue.push_back(id);
+            queue.push_back(0, id);
         }
         queue.remove(2);
-        queue.push_front(2);
+        queue.push_front(0, 2);
         assert_eq!(queue.iter().collect::<Vec<_>>(), [2, 0, 1, 3, 4]);
-        assert_eq!(queue.pop_front(), Some(2));
+        assert_eq!(queue.pop_front(0), Some(2));
         queue.remove(4);
         assert!(!queue.contains(4));
         assert_eq!(queue.iter().collect::<Vec<_>>(), [0, 1, 3]);
         assert_eq!(queue.len(), 3);
-        while queue.pop_front().is_some() {}
+        while queue.pop_front(0).is_some() {}
         assert_eq!(queue.len(), 0);
-        assert_eq!(queue.front(), None);
+        assert_eq!(queue.front(0), None);
+    }
+
+    #[test]
+    fn queues_share_the_links_and_keep_their_own_order() {
+        let mut queue = FreeQueue::new(6, 3, "test").unwrap();
+        for id in 0..6 {
+            queue.push_back((id % 3) as usize, id);
+        }
+        assert_eq!(queue.iter_queue(1).collect::<Vec<_>>(), [1, 4]);
+        assert_eq!((queue.len(), queue.len_of(2)), (6, 2));
+        queue.remove(4);
+        queue.push_front(2, 4);
+        assert_eq!(queue.queue_of(4), Some(2));
+        assert_eq!(queue.iter().collect::<Vec<_>>(), [0, 3, 1, 4, 2, 5]);
+        assert_eq!(queue.pop_front(1), Some(1));
+        assert_eq!((queue.len_of(1), queue.front(1)), (0, None));
+        assert_eq!(queue.queue_of(1), None);
     }
 
     #[test]
     fn huge_capacity_is_an_error_not_an_abort() {
-        assert_eq!(FreeQueue::bytes_for(3), Some(32));
-        assert_eq!(FreeQueue::bytes_for(usize::MAX), None);
-        assert!(matches!(
-            FreeQueue::new(u32::MAX as usize, "test"),
-            Err(CoreError::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            FreeQueue::new(usize::MAX, "test"),
-            Err(CoreError::InvalidArgument(_))
-        ));
+        assert_eq!(FreeQueue::bytes_for(3, 1), Some(35));
+        assert_eq!(FreeQueue::bytes_for(usize::MAX, 1), None);
+        for (capacity, queues) in [(u32::MAX as usize, 1), (usize::MAX, 1), (4, 0), (4, 257)] {
+            assert!(matches!(
+                FreeQueue::new(capacity, queues, "test"),
+                Err(CoreError::InvalidArgument(_))
+            ));
+        }
     }
 }

@@ -9,6 +9,7 @@
 
 mod block_hash;
 mod block_pool;
+mod eviction;
 mod eviction_history;
 pub(crate) mod fallible;
 mod free_queue;
@@ -18,5 +19,6 @@ mod range_allocator;
 
 pub use block_hash::BlockHash;
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
+pub use eviction::{EvictionPolicy, LFU_LEVELS, PROTECTED_SHARE};
 pub use fallible::MAX_BOOKKEEPING_BYTES;
 pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};

@@ -22,6 +22,7 @@ mod host_prefix;
 mod invariants;
 mod lifecycle;
 mod prefix_explain;
+mod prefix_match;
 mod sequence;
 mod sequence_table;
 mod stats;
@@ -45,7 +46,7 @@ use swap::HostTier;
 pub use tables::RowMemo;
 pub use transaction::MoveFailure;
 
-use crate::alloc::{BlockHash, BlockPool};
+use crate::alloc::{BlockHash, BlockPool, EvictionPolicy};
 use crate::error::{CoreError, CoreResult};
 use crate::layout::KvLayout;
 
@@ -230,6 +231,29 @@ impl KvCache {
 
     pub fn enable_prefix_caching(&self) -> bool {
         self.block_pool.enable_prefix_caching()
+    }
+
+    /// Evicts the device's cached blocks by `policy` (see [`EvictionPolicy`]); set before
+    /// any sequence exists.
+    pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) -> CoreResult<()> {
+        ensure!(
+            self.sequences.is_empty() && self.block_pool.num_cached() == 0,
+            "the eviction policy is set once, before any sequence exists"
+        );
+        let pool = &self.block_pool;
+        let mut rebuilt = BlockPool::with_policy(
+            pool.num_blocks(),
+            pool.block_size(),
+            pool.enable_prefix_caching(),
+            policy,
+        )?;
+        rebuilt.set_record_removed(self.events.enabled());
+        self.block_pool = rebuilt;
+        Ok(())
+    }
+
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.block_pool.eviction_policy()
     }
 
     /// Records prefix-cache membership changes from now on (see [`KvCache::take_kv_events`]);

@@ -1,0 +1,91 @@
+//! Which cached block the prefix cache gives up first, when a block is needed and none is
+//! free: SGLang's policy names, each O(1) per operation.
+//!
+//! The block pool keeps its free blocks in queue 0 of its [`FreeQueue`] and its evictable
+//! cached blocks in the queues after it; a policy says which queue a cached block joins when
+//! its last holder lets it go (always at the tail: least recently used first within a
+//! queue), and eviction takes the head of the first non-empty queue.
+//!
+//! - `lru`: one queue, least recently used first (vLLM's, and the default).
+//! - `lfu`: a queue per hit count (saturating at [`LFU_LEVELS`]), the fewest hits first,
+//!   least recently used first among equals.
+//! - `slru`: segmented LRU. A block hit while cached is *protected*; the others are on
+//!   *probation* and go first. At most [`PROTECTED_SHARE`] of the blocks are protected: past
+//!   that, the protected LRU block falls back to probation. A scan of one-off prompts then
+//!   flushes probation, never a prefix that is reused.
+
+use crate::alloc::free_queue::FreeQueue;
+
+/// LFU's queues: hit counts `0..LFU_LEVELS - 1`, and every count from `LFU_LEVELS - 1` on.
+pub const LFU_LEVELS: usize = 8;
+
+/// The share of a pool's blocks SLRU keeps protected at most.
+pub const PROTECTED_SHARE: f64 = 0.8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EvictionPolicy {
+    #[default]
+    Lru,
+    Lfu,
+    Slru,
+}
+
+impl EvictionPolicy {
+    pub const ALL: [EvictionPolicy; 3] = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Slru,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Slru => "slru",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|policy| policy.name() == name)
+    }
+
+    /// Queues of the free queue set: the free blocks' and the evictable ones'.
+    pub(crate) fn queues(self) -> usize {
+        1 + match self {
+            EvictionPolicy::Lru => 1,
+            EvictionPolicy::Lfu => LFU_LEVELS,
+            EvictionPolicy::Slru => 2,
+        }
+    }
+
+    /// The queue an unused cached block hit `hits` times since it was cached joins.
+    #[inline]
+    pub(crate) fn queue_for(self, hits: u8) -> usize {
+        match self {
+            EvictionPolicy::Lru => 1,
+            EvictionPolicy::Lfu => 1 + usize::from(hits).min(LFU_LEVELS - 1),
+            EvictionPolicy::Slru => 1 + usize::from(hits > 0),
+        }
+    }
+
+    /// Keeps the protected segment within its share (SLRU): its least recently used blocks
+    /// fall back to probation, as the most recently used there.
+    #[inline]
+    pub(crate) fn rebalance(self, queue: &mut FreeQueue, num_blocks: usize) {
+        if self != EvictionPolicy::Slru {
+            return;
+        }
+        let most = (num_blocks as f64 * PROTECTED_SHARE) as usize;
+        while queue.len_of(2) > most {
+            if let Some(block) = queue.pop_front(2) {
+                queue.push_back(1, block);
+            }
+        }
+    }
+
+    /// The cached block to give up now: the head of the first non-empty evictable queue.
+    #[inline]
+    pub(crate) fn victim(self, queue: &FreeQueue) -> Option<u32> {
+        (1..self.queues()).find_map(|index| queue.front(index))
+    }
+}
