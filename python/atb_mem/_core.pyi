@@ -86,7 +86,8 @@ class KVCachePool:
                 num_host_blocks: int | None = None, host_prefix_cache: bool = False,
                 enable_kv_events: bool = False,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
-                attention_chunk_size: int | None = None) -> Self: ...
+                attention_chunk_size: int | None = None,
+                eviction_policy: Literal["lru", "lfu", "slru"] | None = None) -> Self: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -196,6 +197,9 @@ class KVCachePool:
     @property
     def host_prefix_cache(self) -> bool:
         """Whether cached blocks the device evicts are kept in the host tier."""
+    @property
+    def eviction_policy(self) -> Literal["lru", "lfu", "slru"]:
+        """Which cached block goes first (SGLang's names)."""
     @property
     def num_free_host_blocks(self) -> int: ...
     def is_swapped(self, seq_id: int) -> bool: ...

@@ -45,6 +45,7 @@ _CONFIG_KEYS = {
     "device": "device",
     "num_host_blocks": "num_host_blocks",
     "host_prefix_cache": "host_prefix_cache",
+    "eviction_policy": "eviction_policy",
     "enable_kv_events": "enable_kv_events",
     "layer_types": "layer_types",
     "sliding_window": "sliding_window",
@@ -69,7 +70,8 @@ class KVCachePool(_CoreInterface):
     ``swap_out`` moves sequences to (pinned memory when the device is CUDA); with
     ``host_prefix_cache=True`` it also keeps the cached blocks the device evicts, and a prefix
     lookup that misses on the device promotes them back (``explain_prefix`` says which tier
-    each part of a hit comes from).
+    each part of a hit comes from). ``eviction_policy``: which cached block goes first when a
+    block is needed, ``"lru"`` (the default), ``"lfu"`` or ``"slru"`` (see ``docs/``).
     ``layer_types`` (transformers' per-layer names), ``sliding_window``,
     ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
     without ``layer_types`` makes every layer slide (Mistral).

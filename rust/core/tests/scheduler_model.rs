@@ -14,8 +14,8 @@
 use std::collections::HashMap;
 
 use atb_mem_core::{
-    AttentionKind, BlockHash, BlockMove, ContinuousScheduler, CoreError, KvCache, KvLayout,
-    MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
+    AttentionKind, BlockHash, BlockMove, ContinuousScheduler, CoreError, EvictionPolicy, KvCache,
+    KvLayout, MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
 };
 
 use proptest::prelude::*;
@@ -487,7 +487,18 @@ impl Harness {
 }
 
 fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>, host_prefix: bool) -> Counts {
+    run_policy(config, kinds, ops, host_prefix, EvictionPolicy::Lru)
+}
+
+fn run_policy(
+    config: SchedulerConfig,
+    kinds: &LayerKinds,
+    ops: Vec<Op>,
+    host_prefix: bool,
+    policy: EvictionPolicy,
+) -> Counts {
     let mut harness = Harness::new(config, kinds, host_prefix);
+    harness.cache.set_eviction_policy(policy).unwrap();
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
         if trace {
@@ -560,7 +571,8 @@ proptest! {
         config in config(),
         kinds in layer_kinds(),
         ops in prop::collection::vec(tier_op(), STEPS),
+        policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
     ) {
-        run(config, &kinds, ops, true);
+        run_policy(config, &kinds, ops, true, policy);
     }
 }

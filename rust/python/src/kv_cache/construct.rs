@@ -1,6 +1,6 @@
 //! Building a `KVCachePool`'s core from its converted arguments.
 
-use atb_mem_core::{layer_kinds, KvCache, KvLayout};
+use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvLayout};
 use pyo3::prelude::*;
 
 use crate::errors::IntoPyResult;
@@ -17,9 +17,19 @@ pub(super) struct CacheArgs {
     pub layer_types: Option<Vec<String>>,
     pub sliding_window: Option<usize>,
     pub attention_chunk_size: Option<usize>,
+    pub eviction_policy: Option<String>,
 }
 
 pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
+    let policy = match args.eviction_policy.as_deref() {
+        None => EvictionPolicy::default(),
+        Some(name) => EvictionPolicy::from_name(name).ok_or_else(|| {
+            crate::errors::value_error(format!(
+                "unknown eviction_policy '{name}': one of {}",
+                EvictionPolicy::ALL.map(EvictionPolicy::name).join(", ")
+            ))
+        })?,
+    };
     let kinds = layer_kinds(
         args.layout.num_layers,
         args.layer_types.as_deref(),
@@ -35,6 +45,7 @@ pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
         &kinds,
     )
     .into_py_result()?;
+    cache.set_eviction_policy(policy).into_py_result()?;
     if let Some(num_host_blocks) = args.num_host_blocks {
         cache.enable_host_tier(num_host_blocks).into_py_result()?;
     }

@@ -6,6 +6,7 @@ mod batch_table;
 mod construct;
 mod events;
 pub mod host_copy;
+mod rows;
 pub mod transfer;
 
 use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
@@ -16,6 +17,8 @@ use pyo3::types::PyDict;
 pub(crate) use access::DETACH_ABOVE;
 pub use batch_table::PyBatchTable;
 pub use events::PyKvEventList;
+pub(crate) use rows::GroupRow;
+use rows::PrefixRow;
 
 use crate::convert::{
     self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, LayerTypes, Positions,
@@ -23,18 +26,6 @@ use crate::convert::{
 };
 use crate::errors::IntoPyResult;
 use crate::lock::PyLock;
-
-/// A KV-cache group as Python sees it: (kind, layers, window or chunk).
-pub(crate) type GroupRow = (&'static str, Vec<usize>, Option<usize>);
-
-/// An explained prefix lookup: (hit tokens, reason, limiting group, per group, per tier).
-type PrefixRow = (
-    usize,
-    &'static str,
-    Option<usize>,
-    Vec<(usize, &'static str)>,
-    Vec<(&'static str, usize)>,
-);
 
 /// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
 /// copy-on-write forks.
@@ -49,7 +40,7 @@ impl PyKvCachePool {
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
                         host_prefix_cache=false, enable_kv_events=false, layer_types=None,
-                        sliding_window=None, attention_chunk_size=None))]
+                        sliding_window=None, attention_chunk_size=None, eviction_policy=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -65,6 +56,7 @@ impl PyKvCachePool {
         layer_types: Option<LayerTypes>,
         sliding_window: Option<Count<1>>,
         attention_chunk_size: Option<Count<1>>,
+        eviction_policy: Option<String>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
             num_blocks: num_blocks.0,
@@ -82,6 +74,7 @@ impl PyKvCachePool {
             layer_types: layer_types.map(|names| names.0),
             sliding_window: sliding_window.map(Count::get),
             attention_chunk_size: attention_chunk_size.map(Count::get),
+            eviction_policy,
         })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
@@ -92,6 +85,12 @@ impl PyKvCachePool {
     #[getter]
     fn host_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.host_prefix_cache())
+    }
+
+    /// Which cached block goes first: `"lru"`, `"lfu"` or `"slru"`.
+    #[getter]
+    fn eviction_policy(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.eviction_policy().name())
     }
 
     #[getter]
