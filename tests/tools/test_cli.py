@@ -283,3 +283,39 @@ def test_tune_refuses_impossible_bounds_in_one_line() -> None:
         result = atb_mem_command("tune", *args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode != 0 and len(lines) == 1 and fragment in lines[0]
+
+
+def test_bench_prefix_compares_policies_on_the_same_replay(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    result = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--requests", "300",
+                             "--cache-blocks", "256,1024,4096", "--block-sizes", "16",
+                             "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "hit rate" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["policy"] for row in rows} == {"lru", "lfu", "slru"}
+    for row in rows:
+        assert 0 <= row["hit_rate"] <= 1
+        assert row["prefill_tokens_saved"] == pytest.approx(row["hit_rate"] *
+                                                            row["prompt_tokens"])
+    # LRU is a stack algorithm: a larger cache never hits less on the same replay.
+    lru = [row["prefill_tokens_saved"] for row in rows if row["policy"] == "lru"]
+    assert lru == sorted(lru) and lru[0] < lru[-1]
+    # The same requests for every policy at a size: prompts replayed agree.
+    for size in {row["cache_tokens"] for row in rows}:
+        assert len({row["prompt_tokens"] for row in rows if row["cache_tokens"] == size}) == 1
+    bad = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--policies", "mru")
+    assert bad.returncode == 1 and "unknown eviction_policy 'mru'" in bad.stderr
+
+
+def test_bench_prefix_plot(tmp_path: Path) -> None:
+    png = tmp_path / "prefix.png"
+    result = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--requests", "50",
+                             "--block-sizes", "16", "--cache-blocks", "64,256",
+                             "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result.returncode == 1 and "pip install 'atb-mem[plot]'" in result.stderr
+    else:
+        assert result.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,78 @@
+"""Prefix-cache replays for ``atb-mem bench prefix``: prompts with shared prefixes generated
+deterministically from a trace's lengths, replayed through a ``KVCachePool`` (bookkeeping
+only) per eviction policy, block size and cache size.
+
+A request's prompt is one of a few system prompts (of 256 to 2,048 tokens, the popular ones
+more often), then either a new user message as long as the trace's prompt says, or — for
+about a third of the requests — the next turn of an earlier conversation: its whole history
+(prompts and replies) and a short new message. Requests run one at a time: what is measured
+is which cached prefixes each policy keeps, not how requests overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import atb_mem
+from atb_mem.tools.simulate import load_trace
+
+__all__ = ["PrefixRequest", "prefix_requests", "replay_prefixes"]
+
+SEED = 0
+SYSTEM_PROMPTS = (256, 512, 1024, 2048)
+SYSTEM_WEIGHTS = (0.5, 0.25, 0.15, 0.1)
+FOLLOW_UP_SHARE = 0.3
+VOCAB = 32_000
+
+
+@dataclass(frozen=True)
+class PrefixRequest:
+    prompt: list[int]
+    output: list[int]
+
+
+def prefix_requests(trace: str, limit: int | None = None) -> list[PrefixRequest]:
+    """The trace's requests as prompts with shared prefixes (deterministic)."""
+    rng = np.random.default_rng(SEED)
+    systems = [rng.integers(0, VOCAB, size).tolist() for size in SYSTEM_PROMPTS]
+    histories: list[list[int]] = []
+    requests = []
+    for traced in load_trace(trace, limit):
+        output = rng.integers(0, VOCAB, min(traced.output, 512)).tolist()
+        if histories and rng.random() < FOLLOW_UP_SHARE:
+            turn = int(rng.integers(len(histories)))
+            prompt = histories[turn] + rng.integers(0, VOCAB, 32).tolist()
+            histories[turn] = prompt + output
+        else:
+            system = systems[int(rng.choice(len(systems), p=SYSTEM_WEIGHTS))]
+            message = max(16, traced.prompt - len(system))
+            prompt = system + rng.integers(0, VOCAB, message).tolist()
+            histories.append(prompt + output)
+        requests.append(PrefixRequest(prompt, output))
+    return requests
+
+
+def replay_prefixes(requests: list[PrefixRequest], num_blocks: int, block_size: int,
+                    policy: str) -> dict[str, float]:
+    """Replays ``requests`` one at a time; returns the hit rate (prompt tokens served from the
+    cache), the prefill tokens saved, the evictions and the requests too long to run."""
+    kv = atb_mem.KVCachePool(num_blocks, block_size, device=None, eviction_policy=policy)
+    room = (num_blocks - 1) * block_size
+    prompt_tokens = saved = skipped = 0
+    for seq_id, request in enumerate(requests):
+        if len(request.prompt) + len(request.output) > room:
+            skipped += 1
+            continue
+        saved += kv.alloc_sequence(seq_id, request.prompt)
+        prompt_tokens += len(request.prompt)
+        kv.mark_computed(seq_id)
+        if request.output:
+            kv.append_tokens([seq_id], len(request.output), token_ids=request.output)
+            kv.mark_computed(seq_id)
+        kv.free_sequence(seq_id)
+    stats = kv.stats()
+    return {"hit_rate": saved / max(1, prompt_tokens), "prefill_tokens_saved": saved,
+            "prompt_tokens": prompt_tokens, "evictions": stats["evictions"],
+            "skipped": skipped}
