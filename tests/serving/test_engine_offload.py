@@ -100,6 +100,13 @@ def test_a_bad_kv_offload_is_a_clear_error(bad: dict[str, Any], message: str) ->
         Engine(model, num_blocks=8, block_size=BLOCK_SIZE, kv_offload=bad)
 
 
+def test_the_engine_takes_an_eviction_policy() -> None:
+    model, _ = model_pair("llama")
+    assert Engine(model, num_blocks=8, eviction_policy="slru").kv_cache.eviction_policy == "slru"
+    with pytest.raises(ValueError, match="unknown eviction_policy"):
+        Engine(model, num_blocks=8, eviction_policy="mru")
+
+
 def test_kv_offload_needs_prefix_caching_and_one_host_tier() -> None:
     model, _ = model_pair("llama")
     with pytest.raises(ValueError, match="needs prefix caching"):

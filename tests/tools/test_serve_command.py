@@ -42,6 +42,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
          "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
          "--kv-offload", "host=1MiB", "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
+         "--eviction-policy", "slru",
          "--config", str(config), "--kv-events-endpoint", "tcp://127.0.0.1:*",
          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

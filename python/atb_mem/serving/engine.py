@@ -70,7 +70,8 @@ class Engine:
     The model is switched to atb-mem's attention (``model.set_attn_implementation``).
     ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
-    store shared across engines (see ``atb_mem.kv.tiers``). With ``kv_events``
+    store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: which cached
+    block goes first, ``"lru"``, ``"lfu"`` or ``"slru"``. With ``kv_events``
     (``ZmqEventPublisher``, say), every step publishes the KV-cache events it caused."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
@@ -78,7 +79,7 @@ class Engine:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
-                 gpu_memory_utilization: float = 0.9,
+                 gpu_memory_utilization: float = 0.9, eviction_policy: str = "lru",
                  kv_cache_memory_bytes: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
@@ -107,6 +108,7 @@ class Engine:
         tier = host_tier(kv_offload, num_host_blocks, block_size, shape, enable_prefix_caching)
         self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
                                     enable_prefix_caching=enable_prefix_caching,
+                                    eviction_policy=eviction_policy,
                                     enable_kv_events=kv_events is not None, **tier, **shape)
         self.tiers = tier_connector(self.kv_cache, model, kv_offload, kv_store, shape,
                                     tensor_parallel_size)
@@ -133,8 +135,7 @@ class Engine:
         return self.plan_broadcast is None or self.plan_broadcast.group.is_driver
 
     def run_worker(self) -> int:
-        """On a tensor-parallel worker rank: runs the steps rank 0 sends until it calls
-        ``shutdown()``; returns how many ran."""
+        """On a tensor-parallel worker rank: runs rank 0's steps until its ``shutdown()``."""
         from atb_mem.distributed.tensor_parallel import run_worker
 
         if self.is_driver:
@@ -143,8 +144,7 @@ class Engine:
         return run_worker(self.plan_broadcast, self.kv_cache, self.runner.execute)
 
     def shutdown(self) -> None:
-        """On rank 0 of a tensor-parallel engine: releases the workers (their ``run_worker``
-        returns). Nothing to do otherwise."""
+        """Releases the tensor-parallel workers (on rank 0) and the lower tiers' threads."""
         if self.plan_broadcast is not None and self.is_driver:
             self.plan_broadcast.stop()
         if self.tiers is not None:
