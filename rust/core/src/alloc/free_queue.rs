@@ -11,9 +11,19 @@ use crate::error::CoreResult;
 
 const DETACHED: u32 = u32::MAX;
 
+/// A node's `next` holds the id after it in its low bits and its own queue in the top
+/// `QUEUE_BITS`: finding a node's queue costs no memory access beyond its links.
+const QUEUE_BITS: u32 = 4;
+const ID_BITS: u32 = 32 - QUEUE_BITS;
+const ID_MASK: u32 = (1 << ID_BITS) - 1;
+
+/// Most queues one set holds.
+pub const MAX_QUEUES: usize = 1 << QUEUE_BITS;
+
 #[derive(Debug, Clone, Copy)]
 struct Link {
     prev: u32,
+    /// `queue << ID_BITS | next id`; `DETACHED` when in no queue.
     next: u32,
 }
 
@@ -28,39 +38,39 @@ const UNLINKED: Link = Link {
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
     links: Vec<Link>,
-    /// The queue each id is in (meaningless for ids in none).
-    queue_of: Vec<u8>,
-    lens: Vec<usize>,
+    /// Ids per queue, and in all.
+    lens: [u32; MAX_QUEUES],
+    len: usize,
     capacity: usize,
 }
 
 impl FreeQueue {
     /// Bytes of a queue set for ids `0..capacity` in `queues` queues; `None` on overflow.
     pub fn bytes_for(capacity: usize, queues: usize) -> Option<u64> {
-        let links = array_bytes::<Link>(capacity.checked_add(queues)?)?;
-        links.checked_add(array_bytes::<u8>(capacity)?)
+        array_bytes::<Link>(capacity.checked_add(queues)?)
     }
 
-    /// `queues` empty queues (at most 256) able to hold ids `0..capacity`. `what` says whose
-    /// queues they are, for the error if the host cannot provide their memory.
+    /// `queues` empty queues (at most `MAX_QUEUES`) able to hold ids `0..capacity`. `what`
+    /// says whose queues they are, for the error if the host cannot provide their memory.
     pub fn new(capacity: usize, queues: usize, what: &str) -> CoreResult<Self> {
         ensure!(
-            capacity < (DETACHED as usize).saturating_sub(queues) && (1..=256).contains(&queues),
-            "a free queue holds ids below {DETACHED} in 1 to 256 queues, not 0..{capacity} in \
-             {queues} ({what})"
+            capacity < (ID_MASK as usize).saturating_sub(queues)
+                && (1..=MAX_QUEUES).contains(&queues),
+            "a free queue holds ids below {ID_MASK} in 1 to {MAX_QUEUES} queues, not \
+             0..{capacity} in {queues} ({what})"
         );
         let mut links = try_filled_vec(capacity + queues, UNLINKED, what)?;
         for queue in 0..queues {
             let sentinel = (capacity + queue) as u32;
             links[capacity + queue] = Link {
                 prev: sentinel,
-                next: sentinel,
+                next: tagged(queue, sentinel),
             };
         }
         Ok(FreeQueue {
             links,
-            queue_of: try_filled_vec(capacity, 0, what)?,
-            lens: vec![0; queues],
+            lens: [0; MAX_QUEUES],
+            len: 0,
             capacity,
         })
     }
@@ -70,15 +80,20 @@ impl FreeQueue {
         (self.capacity + queue) as u32
     }
 
+    #[inline]
+    fn next_of(&self, id: u32) -> u32 {
+        self.links[id as usize].next & ID_MASK
+    }
+
     /// Ids in all the queues.
     #[inline]
     pub fn len(&self) -> usize {
-        self.lens.iter().sum()
+        self.len
     }
 
     #[inline]
     pub fn len_of(&self, queue: usize) -> usize {
-        self.lens[queue]
+        self.lens[queue % MAX_QUEUES] as usize
     }
 
     #[inline]
@@ -89,22 +104,29 @@ impl FreeQueue {
     /// The queue `id` is in, if any.
     #[inline]
     pub fn queue_of(&self, id: u32) -> Option<usize> {
-        self.contains(id)
-            .then(|| usize::from(self.queue_of[id as usize]))
+        let next = self.links[id as usize].next;
+        (next != DETACHED).then_some((next >> ID_BITS) as usize)
+    }
+
+    /// Points `node`'s next at `id`, keeping `node`'s queue.
+    #[inline]
+    fn set_next(&mut self, node: u32, id: u32) {
+        let link = &mut self.links[node as usize];
+        link.next = (link.next & !ID_MASK) | id;
     }
 
     #[inline]
     fn link_after(&mut self, queue: usize, anchor: u32, id: u32) {
         debug_assert!(!self.contains(id));
-        let after = self.links[anchor as usize].next;
+        let after = self.next_of(anchor);
         self.links[id as usize] = Link {
             prev: anchor,
-            next: after,
+            next: tagged(queue, after),
         };
-        self.links[anchor as usize].next = id;
+        self.set_next(anchor, id);
         self.links[after as usize].prev = id;
-        self.queue_of[id as usize] = queue as u8;
-        self.lens[queue] += 1;
+        self.lens[queue % MAX_QUEUES] += 1;
+        self.len += 1;
     }
 
     /// Appends at the tail of `queue`: the block is reused last.
@@ -123,7 +145,7 @@ impl FreeQueue {
     #[inline]
     pub fn front(&self, queue: usize) -> Option<u32> {
         let sentinel = self.sentinel(queue);
-        let first = self.links[sentinel as usize].next;
+        let first = self.next_of(sentinel);
         (first != sentinel).then_some(first)
     }
 
@@ -139,36 +161,42 @@ impl FreeQueue {
     pub fn remove(&mut self, id: u32) {
         debug_assert!(self.contains(id));
         let Link { prev, next } = self.links[id as usize];
-        self.links[prev as usize].next = next;
+        let (queue, next) = ((next >> ID_BITS) as usize, next & ID_MASK);
+        self.set_next(prev, next);
         self.links[next as usize].prev = prev;
         self.links[id as usize] = UNLINKED;
-        self.lens[usize::from(self.queue_of[id as usize])] -= 1;
+        self.lens[queue % MAX_QUEUES] -= 1;
+        self.len -= 1;
     }
 
     /// Ids of `queue` from head to tail (for checks and tests; allocates nothing).
     pub fn iter_queue(&self, queue: usize) -> impl Iterator<Item = u32> + '_ {
         let sentinel = self.sentinel(queue);
-        let mut cursor = self.links[sentinel as usize].next;
+        let mut cursor = self.next_of(sentinel);
         std::iter::from_fn(move || {
             if cursor == sentinel {
                 return None;
             }
             let id = cursor;
-            cursor = self.links[id as usize].next;
+            cursor = self.next_of(id);
             Some(id)
         })
     }
 
     /// Ids of every queue, queue after queue.
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.lens.len()).flat_map(move |queue| self.iter_queue(queue))
+        let queues = self.links.len() - self.capacity;
+        (0..queues).flat_map(move |queue| self.iter_queue(queue))
     }
 
     pub fn heap_bytes(&self) -> usize {
         self.links.capacity() * std::mem::size_of::<Link>()
-            + self.queue_of.capacity()
-            + self.lens.capacity() * std::mem::size_of::<usize>()
     }
+}
+
+#[inline]
+fn tagged(queue: usize, id: u32) -> u32 {
+    ((queue as u32) << ID_BITS) | id
 }
 
 #[cfg(test)]
@@ -214,9 +242,9 @@ mod tests {
 
     #[test]
     fn huge_capacity_is_an_error_not_an_abort() {
-        assert_eq!(FreeQueue::bytes_for(3, 1), Some(35));
+        assert_eq!(FreeQueue::bytes_for(3, 1), Some(32));
         assert_eq!(FreeQueue::bytes_for(usize::MAX, 1), None);
-        for (capacity, queues) in [(u32::MAX as usize, 1), (usize::MAX, 1), (4, 0), (4, 257)] {
+        for (capacity, queues) in [(u32::MAX as usize, 1), (usize::MAX, 1), (4, 0), (4, 17)] {
             assert!(matches!(
                 FreeQueue::new(capacity, queues, "test"),
                 Err(CoreError::InvalidArgument(_))

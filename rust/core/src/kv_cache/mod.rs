@@ -142,6 +142,26 @@ impl KvCache {
         enable_prefix_caching: bool,
         kinds: &[AttentionKind],
     ) -> CoreResult<Self> {
+        let policy = EvictionPolicy::default();
+        Self::with_policy(
+            num_blocks,
+            block_size,
+            layout,
+            enable_prefix_caching,
+            kinds,
+            policy,
+        )
+    }
+
+    /// `with_layer_kinds`, its prefix cache evicting by `policy` (see [`EvictionPolicy`]).
+    pub fn with_policy(
+        num_blocks: usize,
+        block_size: usize,
+        layout: KvLayout,
+        enable_prefix_caching: bool,
+        kinds: &[AttentionKind],
+        policy: EvictionPolicy,
+    ) -> CoreResult<Self> {
         layout.validate()?;
         ensure!(
             kinds.len() == layout.num_layers,
@@ -150,7 +170,8 @@ impl KvCache {
             layout.num_layers
         );
         let (groups, layers_per_block) = group_layers(kinds)?;
-        let block_pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching)?;
+        let block_pool =
+            BlockPool::with_policy(num_blocks, block_size, enable_prefix_caching, policy)?;
         let block_layout = KvLayout {
             num_layers: layers_per_block,
             ..layout
@@ -234,7 +255,8 @@ impl KvCache {
     }
 
     /// Evicts the device's cached blocks by `policy` (see [`EvictionPolicy`]); set before
-    /// any sequence exists.
+    /// any sequence exists. (It rebuilds the block pool: constructing with
+    /// [`KvCache::with_policy`] keeps the pool where the cache first put it.)
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) -> CoreResult<()> {
         ensure!(
             self.sequences.is_empty() && self.block_pool.num_cached() == 0,

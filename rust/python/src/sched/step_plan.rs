@@ -1,7 +1,7 @@
 //! `StepPlan`: one step's decisions and a model runner's inputs, as numpy arrays, built in one
 //! pass from the core's plan (the field list lives here and in the core, nowhere else).
 
-use atb_mem_core::{pairs_of, BlockMove, MoveKind, StepPlan};
+use atb_mem_core::{pairs_of, BlockLoad, BlockMove, MoveKind, StepPlan};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 
@@ -49,15 +49,9 @@ pub struct PyStepPlan {
     logits_indices: Py<PyAny>,
     #[pyo3(get)]
     num_batched_tokens: usize,
-    /// Blocks to load from lower tiers, one entry per block, request by request: the
-    /// request (uint64), the device block (int32), and the chain hash of its contents
-    /// (uint64 `[k, 2]`). See `ContinuousBatchScheduler.finish_loads`.
-    #[pyo3(get)]
-    load_seq_ids: Py<PyAny>,
-    #[pyo3(get)]
-    load_blocks: Py<PyAny>,
-    #[pyo3(get)]
-    load_keys: Py<PyAny>,
+    /// Blocks to load from lower tiers (made into arrays only when asked for: most steps
+    /// have none, and most runners never look).
+    loads: Vec<BlockLoad>,
     block_moves: Vec<BlockMove>,
     rows: usize,
 }
@@ -68,13 +62,6 @@ impl PyStepPlan {
         let cells = |values: Vec<i32>| values.into_pyarray(py).into_any().unbind();
         let moves =
             moves_to_array(py, &plan.moves).map_or_else(|_| py.None(), |a| a.into_any().unbind());
-        let load_seq_ids: Vec<u64> = plan.loads.iter().map(|load| load.seq_id).collect();
-        let load_blocks: Vec<i32> = plan.loads.iter().map(|load| load.block as i32).collect();
-        let keys: Vec<u64> = plan.loads.iter().flat_map(|load| load.key.0).collect();
-        let load_keys = keys
-            .into_pyarray(py)
-            .reshape([plan.loads.len(), 2])
-            .map_or_else(|_| py.None(), |a| a.into_any().unbind());
         PyStepPlan {
             rows: plan.query_lens.len(),
             prefill_seq_ids: ids(plan.prefill_seq_ids),
@@ -102,9 +89,7 @@ impl PyStepPlan {
             },
             logits_indices: cells(plan.logits_indices),
             num_batched_tokens: plan.num_batched_tokens,
-            load_seq_ids: ids(load_seq_ids),
-            load_blocks: cells(load_blocks),
-            load_keys,
+            loads: plan.loads,
             block_moves: plan.moves,
         }
     }
@@ -133,6 +118,31 @@ impl PyStepPlan {
     #[getter]
     fn swap_in<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.pairs(py, MoveKind::ToDevice)
+    }
+
+    /// Blocks to load from lower tiers, one entry per block, request by request: the
+    /// request (uint64). See `ContinuousBatchScheduler.finish_loads`.
+    #[getter]
+    fn load_seq_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        let ids: Vec<u64> = self.loads.iter().map(|load| load.seq_id).collect();
+        ids.into_pyarray(py)
+    }
+
+    /// Per block to load: the device block (int32).
+    #[getter]
+    fn load_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let blocks: Vec<i32> = self.loads.iter().map(|load| load.block as i32).collect();
+        blocks.into_pyarray(py)
+    }
+
+    /// Per block to load: the chain hash of its contents (uint64 `[k, 2]`).
+    #[getter]
+    fn load_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let words: Vec<u64> = self.loads.iter().flat_map(|load| load.key.0).collect();
+        Ok(words
+            .into_pyarray(py)
+            .reshape([self.loads.len(), 2])?
+            .into_any())
     }
 
     /// vLLM's name for `context_lens`.
