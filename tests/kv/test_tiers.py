@@ -130,3 +130,15 @@ def test_a_damaged_file_is_dropped_and_written_anew(tmp_path: Path) -> None:
     store.discard(key)
     assert store.exists([key]) == [False] and store.used_bytes == 0
     assert store.put(key, value) and unframe(store.get(key), 64) == b"y" * 64
+
+
+def test_a_host_prefix_cache_needs_a_host_tier_and_prefix_caching() -> None:
+    import atb_mem
+
+    with pytest.raises(ValueError, match="needs a host tier"):
+        atb_mem.KVCachePool(8, 4, device=None, host_prefix_cache=True)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        atb_mem.KVCachePool(8, 4, device=None, num_host_blocks=4, host_prefix_cache=True,
+                            enable_prefix_caching=False)
+    kv = atb_mem.KVCachePool(8, 4, device=None, num_host_blocks=4, host_prefix_cache=True)
+    assert kv.host_prefix_cache and kv.stats()["host_blocks_cached"] == 0

@@ -115,18 +115,30 @@ class TierConnector:
 
     # ---- a new request ---------------------------------------------------------------------
 
+    def _leading_holders(self, hashes: np.ndarray) -> list[KVStore]:
+        """For the leading run of ``hashes`` some store holds, the first store holding each:
+        one batched lookup per store."""
+        keys = [block_key(self.identity, words) for words in hashes]
+        holders: list[KVStore | None] = [None] * len(keys)
+        for store in self.stores:
+            missing = [index for index, holder in enumerate(holders) if holder is None]
+            if not missing:
+                break
+            for index, held in zip(missing, store.exists([keys[i] for i in missing]),
+                                   strict=True):
+                if held:
+                    holders[index] = store
+        leading = next((index for index, holder in enumerate(holders) if holder is None),
+                       len(holders))
+        return [holder for holder in holders[:leading] if holder is not None]
+
     def offer(self, scheduler: Any, seq_id: int, token_ids: list[int]) -> int:
         """Looks ``token_ids``' full blocks up and offers the scheduler the leading run some
         store holds; returns how many blocks that is."""
         hashes = self.kv_cache.block_hashes(token_ids)
         self._hashes[seq_id] = (hashes, 0, token_ids)
         most = (len(token_ids) - 1) // self.kv_cache.block_size
-        keys = [block_key(self.identity, words) for words in hashes[:most]]
-        held = np.zeros(len(keys), dtype=bool)
-        for store in self.stores:
-            if not held.all():
-                held |= np.asarray(store.exists(keys), dtype=bool)
-        leading = int(np.argmin(held)) if not held.all() else len(keys)
+        leading = len(self._leading_holders(hashes[:most]))
         if leading:
             scheduler.offer_external_prefix(seq_id, leading)
             self._counters.offered_blocks += leading
@@ -141,13 +153,8 @@ class TierConnector:
         block_size = self.kv_cache.block_size
         hashes = self.kv_cache.block_hashes(token_ids)
         most = (len(token_ids) - 1) // block_size
-        first = why.hit_tokens // block_size
         tiers = list(why.tiers)
-        for words in hashes[first:most]:
-            key = block_key(self.identity, words)
-            holder = next((store for store in self.stores if store.exists([key])[0]), None)
-            if holder is None:
-                break
+        for holder in self._leading_holders(hashes[why.hit_tokens // block_size:most]):
             if tiers and tiers[-1][0] == holder.medium:
                 tiers[-1] = (holder.medium, tiers[-1][1] + block_size)
             else:
@@ -272,7 +279,13 @@ class TierConnector:
 
     def _save_rows(self, plan: Any) -> None:
         block_size = self.kv_cache.block_size
-        for row, seq_id in enumerate(plan.seq_ids.tolist()):
+        # Only rows whose step filled a block: a decode mostly does not (one array op, no
+        # Python loop over the batch).
+        after = np.asarray(plan.context_lens) // block_size
+        before = (np.asarray(plan.context_lens) - np.asarray(plan.query_lens)) // block_size
+        seq_ids = plan.seq_ids
+        for row in np.flatnonzero(after > before).tolist():
+            seq_id = int(seq_ids[row])
             known = self._hashes.get(seq_id)
             if known is None:
                 continue

@@ -57,11 +57,9 @@ impl KvCache {
                 self.scratch_hashes.extend_from_slice(hashes);
             }
             None => {
-                let mut parent = BlockHash::root(cache_salt);
-                for chunk in ids.chunks_exact(block_size) {
-                    parent = parent.chain(chunk);
-                    self.scratch_hashes.push(parent);
-                }
+                let mut hashes = std::mem::take(&mut self.scratch_hashes);
+                self.block_hashes(ids, cache_salt, &mut hashes);
+                self.scratch_hashes = hashes;
             }
         }
         // One row of `queries` blocks per group: full groups' rows are filled while the hit
