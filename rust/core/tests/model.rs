@@ -175,18 +175,19 @@ fn run_with(ops: Vec<Op>, enable_prefix_caching: bool, kv_events: bool, host_pre
         enable_prefix_caching,
         kv_events,
         host_prefix,
-        EvictionPolicy::Lru,
+        (EvictionPolicy::Lru, BLOCK_SIZE),
     );
 }
 
 /// With a host prefix cache the device and the host tier are small, so that cached blocks
-/// are evicted (and demoted, and evicted from the host) often.
+/// are evicted (and demoted, and evicted from the host) often. Prefix keys chain every
+/// `hash_block_size` tokens.
 fn run_policy(
     ops: Vec<Op>,
     enable_prefix_caching: bool,
     kv_events: bool,
     host_prefix: bool,
-    policy: EvictionPolicy,
+    (policy, hash_block_size): (EvictionPolicy, usize),
 ) {
     let num_blocks = if host_prefix { 9 } else { NUM_BLOCKS };
     let mut cache = KvCache::new(
@@ -197,6 +198,9 @@ fn run_policy(
     )
     .unwrap();
     cache.set_eviction_policy(policy).unwrap();
+    if enable_prefix_caching {
+        cache.set_hash_block_size(hash_block_size).unwrap();
+    }
     // A small host tier with a host prefix cache: its copies are evicted too.
     let host_blocks = if host_prefix { 4 } else { HOST_BLOCKS };
     cache.enable_host_tier(host_blocks).unwrap();
@@ -238,7 +242,7 @@ fn run_policy(
                     );
                 }
                 result.map(|cached| {
-                    assert!(cached < ids.len() && cached % BLOCK_SIZE == 0);
+                    assert!(cached < ids.len() && cached % hash_block_size == 0);
                     assert!(enable_prefix_caching || cached == 0);
                     model
                         .tokens
@@ -482,7 +486,19 @@ proptest! {
         policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
         host_prefix in any::<bool>(),
     ) {
-        run_policy(ops, true, true, host_prefix, policy);
+        run_policy(ops, true, true, host_prefix, (policy, BLOCK_SIZE));
+    }
+
+    /// Prefix keys at every token of 3-token blocks: a hit ending inside a block is a copy
+    /// of its first tokens, read only after the moves ran, so every hit still serves exactly
+    /// the tokens asked for; the events still name whole blocks a router can chain.
+    #[test]
+    fn matches_model_with_sub_block_hits(
+        ops in prop::collection::vec(tier_op(), 1..80),
+        policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
+        host_prefix in any::<bool>(),
+    ) {
+        run_policy(ops, true, true, host_prefix, (policy, 1));
     }
 
     #[test]

@@ -78,6 +78,8 @@ struct Counts {
     tampered_steps: usize,
     /// Host-tier blocks promoted back to the device by prefix hits.
     promotions: u64,
+    /// Prompt tokens copied from partly shared blocks (`hash_block_size`).
+    partial_hit_tokens: u64,
     /// Lower-tier loads reported, and of those failed.
     loads: usize,
     failed_loads: usize,
@@ -487,7 +489,13 @@ impl Harness {
 }
 
 fn run(config: SchedulerConfig, kinds: &LayerKinds, ops: Vec<Op>, host_prefix: bool) -> Counts {
-    run_policy(config, kinds, ops, host_prefix, EvictionPolicy::Lru)
+    run_policy(
+        config,
+        kinds,
+        ops,
+        host_prefix,
+        (EvictionPolicy::Lru, kinds.1),
+    )
 }
 
 fn run_policy(
@@ -495,10 +503,11 @@ fn run_policy(
     kinds: &LayerKinds,
     ops: Vec<Op>,
     host_prefix: bool,
-    policy: EvictionPolicy,
+    (policy, hash_block_size): (EvictionPolicy, usize),
 ) -> Counts {
     let mut harness = Harness::new(config, kinds, host_prefix);
     harness.cache.set_eviction_policy(policy).unwrap();
+    harness.cache.set_hash_block_size(hash_block_size).unwrap();
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
         if trace {
@@ -534,7 +543,9 @@ fn run_policy(
         }
         harness.check();
     }
-    harness.counts.promotions = harness.cache.stats().host_prefix.promoted;
+    let stats = harness.cache.stats();
+    harness.counts.promotions = stats.host_prefix.promoted;
+    harness.counts.partial_hit_tokens = stats.prefix_cache_partial_hit_tokens;
     harness.counts
 }
 
@@ -573,6 +584,6 @@ proptest! {
         ops in prop::collection::vec(tier_op(), STEPS),
         policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
     ) {
-        run_policy(config, &kinds, ops, true, policy);
+        run_policy(config, &kinds, ops, true, (policy, kinds.1));
     }
 }

@@ -17,6 +17,7 @@ use crate::alloc::eviction_history::EvictionHistory;
 use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
 use crate::alloc::free_queue::FreeQueue;
 use crate::alloc::index_table::IndexTable;
+use crate::alloc::sub_block_index::SubBlockIndex;
 use crate::error::CoreResult;
 
 /// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
@@ -75,6 +76,8 @@ pub struct BlockPool {
     /// Hashes of the last `num_blocks` evicted blocks registered to be remembered: a lookup
     /// miss can say "evicted".
     evicted: EvictionHistory,
+    /// Keys of cached blocks' leading sub-blocks, once `enable_sub_blocks` made them.
+    sub_blocks: Option<SubBlockIndex>,
 }
 
 impl BlockPool {
@@ -142,6 +145,7 @@ impl BlockPool {
             record_removed: false,
             removed: Vec::new(),
             evicted: EvictionHistory::new(table_blocks, &what)?,
+            sub_blocks: None,
         })
     }
 
@@ -179,6 +183,50 @@ impl BlockPool {
                 hashes[other as usize].0[0]
             });
         self.cached[block as usize] = Cached::No;
+        if let Some(sub_blocks) = self.sub_blocks.as_mut() {
+            sub_blocks.remove(block);
+        }
+    }
+
+    /// Indexes cached blocks by `per_block` leading sub-blocks too (see `sub_block_index`).
+    /// Needs prefix caching.
+    pub fn enable_sub_blocks(&mut self, per_block: usize) -> CoreResult<()> {
+        ensure!(
+            self.enable_prefix_caching,
+            "sub-block prefix keys need prefix caching"
+        );
+        let num_blocks = self.num_blocks();
+        let bytes = SubBlockIndex::bytes_for(num_blocks, per_block);
+        check_bookkeeping(bytes, || format!("{per_block} sub-block keys per block"))?;
+        let what = format!("the sub-block keys of {num_blocks} blocks");
+        self.sub_blocks = Some(SubBlockIndex::new(num_blocks, per_block, &what)?);
+        Ok(())
+    }
+
+    /// Sub-keys per block (0 without sub-block keys).
+    pub fn sub_blocks_per_block(&self) -> usize {
+        self.sub_blocks.as_ref().map_or(0, SubBlockIndex::per_block)
+    }
+
+    /// Indexes a block that just joined the prefix cache under its sub-block keys.
+    pub fn register_sub_blocks(&mut self, block: u32, keys: &[BlockHash]) {
+        if let Some(sub_blocks) = self.sub_blocks.as_mut() {
+            debug_assert!(self.cached[block as usize] != Cached::No);
+            sub_blocks.insert(block, keys);
+        }
+    }
+
+    /// Whether `block` is indexed by its sub-block keys.
+    pub fn has_sub_blocks(&self, block: u32) -> bool {
+        self.sub_blocks
+            .as_ref()
+            .is_some_and(|sub_blocks| sub_blocks.is_indexed(block))
+    }
+
+    /// A cached block whose first `j` sub-blocks `key` names, and `j`.
+    #[inline]
+    pub fn lookup_sub_block(&self, key: BlockHash) -> Option<(u32, usize)> {
+        self.sub_blocks.as_ref()?.find(key)
     }
 
     #[inline]
@@ -432,6 +480,10 @@ impl BlockPool {
             + self.prefix_table.heap_bytes()
             + self.removed.capacity() * std::mem::size_of::<(BlockHash, u32)>()
             + self.evicted.heap_bytes()
+            + self
+                .sub_blocks
+                .as_ref()
+                .map_or(0, SubBlockIndex::heap_bytes)
     }
 
     /// Checks every structural invariant; `holders[b]` is how many sequences hold block `b`.
@@ -492,6 +544,9 @@ impl BlockPool {
                 "{registered} cached blocks, prefix table holds {}",
                 self.prefix_table.len()
             ));
+        }
+        if let Some(sub_blocks) = &self.sub_blocks {
+            sub_blocks.check(|block| self.is_cached(block))?;
         }
         // Free blocks in the free queue, cached ones where their policy keeps them.
         for block in self.free_queue.iter() {

@@ -16,6 +16,7 @@ mod free_queue;
 mod index_table;
 mod mem_pool;
 mod range_allocator;
+mod sub_block_index;
 
 pub use block_hash::BlockHash;
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};

@@ -165,7 +165,8 @@ impl KvCache {
             seq.hashes.clear();
             seq.token_ids.clear();
         }
-        let keep_token_ids = seq.hashable && events.enabled();
+        let keep_token_ids =
+            seq.hashable && (events.enabled() || block_pool.sub_blocks_per_block() > 0);
         for t in 0..n {
             let position = seq.num_tokens + t;
             let (index, offset) = (position / block_size, position % block_size);

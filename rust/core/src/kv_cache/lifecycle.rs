@@ -2,6 +2,7 @@
 
 use super::groups::group_key;
 use super::host_prefix::{allocate_device, host_block};
+use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
 use super::sequence::Sequence;
 use super::swap::HostTier;
@@ -59,6 +60,7 @@ impl KvCache {
     ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count", lazy)?;
         let found = self.match_known_prefix(tokens, cache_salt, known);
+        // A partial hit's block is a fresh block (filled by a copy).
         let fresh = tokens.len().div_ceil(self.block_size()) - found.hits;
         Ok(fresh * self.eager_groups(lazy) + found.hits_queued)
     }
@@ -125,6 +127,8 @@ impl KvCache {
             hits,
             hits_queued,
             limited_by,
+            partial,
+            queryable,
         } = self.match_known_prefix(tokens, cache_salt, known);
         let needed = (num_blocks - hits) * self.eager_groups(lazy) + hits_queued;
         if needed > self.block_pool.num_free() {
@@ -141,7 +145,9 @@ impl KvCache {
             let from_host = self.host_hit_blocks(queries, hits);
             self.prefix_stats
                 .count_host_hit(from_host, self.block_size());
+            self.prefix_stats.count_partial(queryable, partial);
         }
+        let keep_token_ids = self.events.enabled() || self.has_sub_blocks();
         let version = self.sequences.new_version();
         let slab = self.sequences.vacant_slab(version, self.groups.len());
         let KvCache {
@@ -151,10 +157,15 @@ impl KvCache {
             pending_moves,
             scratch_hashes,
             scratch_blocks,
+            scratch_partial,
             events,
             groups,
             ..
         } = self;
+        // Held until their copies are planned, so that no allocation below can take them.
+        for &source in scratch_partial.iter() {
+            block_pool.take_hit(source);
+        }
         let seq = &mut sequences[slab];
         seq.seq_id = seq_id;
         seq.live = true;
@@ -169,13 +180,14 @@ impl KvCache {
             events,
         };
         let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
+        copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
         seq.partial_tokens.clear();
         seq.hashes.clear();
         seq.token_ids.clear();
         // Hits are computed already (promoted ones once their moves ran, before any kernel
         // reads them); the rest joins the prefix cache once `mark_computed` says its K/V is
         // written, promoted blocks with it.
-        seq.num_computed = hits * block_size;
+        seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
@@ -184,14 +196,14 @@ impl KvCache {
                 seq.hashes.extend_from_slice(scratch_hashes);
                 seq.partial_tokens
                     .extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
-                if events.enabled() {
+                if keep_token_ids {
                     seq.token_ids.extend_from_slice(ids);
                 }
             }
             _ => seq.hashable = false,
         }
         self.sequences.insert(seq_id, slab);
-        Ok(hits * block_size)
+        Ok(hits * block_size + partial)
     }
 
     /// Makes `child_id` share every block of `parent_id`; the first append into a shared,
@@ -274,6 +286,8 @@ impl KvCache {
             block_pool,
             events,
             groups,
+            scratch_sub_keys,
+            deferred_sub_blocks,
             ..
         } = self;
         let seq = &mut sequences[slab];
@@ -294,6 +308,10 @@ impl KvCache {
                 let stored =
                     block != NULL_BLOCK && block_pool.register(block, key, remember_eviction);
                 joined += usize::from(stored);
+                if stored {
+                    let scratch = (&mut *scratch_sub_keys, &mut *deferred_sub_blocks);
+                    index_sub_blocks(block_pool, seq, scratch, (index, group, block, key));
+                }
                 if !events.enabled() {
                     continue;
                 }

@@ -63,6 +63,9 @@ pub struct PrefixExplanation {
     /// Where the hit comes from, in order: runs of (medium, tokens) that sum to
     /// `hit_tokens`; a block some group would promote from the host tier counts as `Host`.
     pub tiers: Vec<(Medium, usize)>,
+    /// Of `hit_tokens`, those past the last whole block, copied from a cached block that
+    /// starts with them (`hash_block_size`); a lookup at whole blocks would recompute them.
+    pub partial_tokens: usize,
 }
 
 impl KvCache {
@@ -84,6 +87,7 @@ impl KvCache {
                 limited_by: None,
                 groups: vec![off; self.groups.len()],
                 tiers: Vec::new(),
+                partial_tokens: 0,
             });
         }
         let found = self.match_prefix(Tokens::Ids(token_ids), cache_salt);
@@ -101,19 +105,24 @@ impl KvCache {
             })
             .collect();
         let mut tiers: Vec<(Medium, usize)> = Vec::new();
-        for index in 0..found.hits {
-            let medium = match self.host_hit_blocks_at(found.queries, index) {
-                true => Medium::Host,
-                false => Medium::Device,
-            };
+        let runs =
+            (0..found.hits).map(
+                |index| match self.host_hit_blocks_at(found.queries, index) {
+                    true => (Medium::Host, block_size),
+                    false => (Medium::Device, block_size),
+                },
+            );
+        let partial = (found.partial > 0).then_some((Medium::Device, found.partial));
+        for (medium, length) in runs.chain(partial) {
             match tiers.last_mut() {
-                Some((last, tokens)) if *last == medium => *tokens += block_size,
-                _ => tiers.push((medium, block_size)),
+                Some((last, tokens)) if *last == medium => *tokens += length,
+                _ => tiers.push((medium, length)),
             }
         }
         Ok(PrefixExplanation {
             tiers,
-            hit_tokens: found.hits * block_size,
+            partial_tokens: found.partial,
+            hit_tokens: found.hits * block_size + found.partial,
             reason: self.miss_reason(found.limited_by),
             limited_by: found.limited_by.map(|(group, _)| group),
             groups,

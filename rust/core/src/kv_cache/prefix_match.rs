@@ -7,15 +7,19 @@ use super::{KvCache, Tokens};
 use crate::alloc::{BlockHash, NULL_BLOCK};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
-/// serves (`hits`), how many of those take a block from the free queue (unused device hits,
-/// and host hits, each promoted into a fresh block), and the (group, block) that stopped it
-/// short of `queries`.
+/// serves (`hits`), how many blocks those take from the free queue (unused device hits,
+/// host hits, each promoted into a fresh block, and unused partial-hit sources, held while
+/// the admission allocates), and the (group, block) that stopped it short of `queries`.
+/// With sub-block keys, `partial` tokens of the next block are served by copies from the
+/// sources in `scratch_partial`, and `queryable` more tokens could have been.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct PrefixMatch {
     pub(super) queries: usize,
     pub(super) hits: usize,
     pub(super) hits_queued: usize,
     pub(super) limited_by: Option<(usize, usize)>,
+    pub(super) partial: usize,
+    pub(super) queryable: usize,
 }
 
 impl KvCache {
@@ -41,6 +45,7 @@ impl KvCache {
     ) -> PrefixMatch {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
+        self.scratch_partial.clear();
         let Tokens::Ids(ids) = tokens else {
             return PrefixMatch::default();
         };
@@ -86,11 +91,19 @@ impl KvCache {
             }
         }
         self.scratch_blocks = blocks;
+        let (partial, queryable) = self.find_partial_hit(ids, hits, queries, cache_salt);
+        hits_queued += self
+            .scratch_partial
+            .iter()
+            .filter(|&&source| self.block_pool.ref_count(source) == 0)
+            .count();
         PrefixMatch {
             queries,
             hits,
             hits_queued,
             limited_by,
+            partial,
+            queryable,
         }
     }
 

@@ -32,6 +32,9 @@ pub struct KvCacheStats {
     pub host_blocks_cached: usize,
     /// Of `prefix_cache_hit_tokens`, those promoted from the host tier.
     pub prefix_cache_host_hit_tokens: u64,
+    /// Of `prefix_cache_hit_tokens`, those copied from a block a prompt shares only the
+    /// first pieces of (`hash_block_size`).
+    pub prefix_cache_partial_hit_tokens: u64,
     /// What the host prefix tier did, in blocks.
     pub host_prefix: HostPrefixCounters,
     /// Admissions whose prefix hit fell short, by reason (`MissReason::COUNTED` order).
@@ -85,6 +88,7 @@ impl Figures for KvCacheStats {
             "num_swapped" => self.num_swapped,
             "host_blocks_cached" => self.host_blocks_cached,
             "prefix_cache_host_hit_tokens" => self.prefix_cache_host_hit_tokens,
+            "prefix_cache_partial_hit_tokens" => self.prefix_cache_partial_hit_tokens,
             "host_prefix_demoted" => self.host_prefix.demoted,
             "host_prefix_demotions_skipped" => self.host_prefix.demotions_skipped,
             "host_prefix_demotions_dropped" => self.host_prefix.demotions_dropped,
@@ -106,6 +110,8 @@ pub(super) struct PrefixStats {
     hit_tokens: u64,
     /// Of `hit_tokens`, those whose blocks came from the host tier in some group.
     host_hit_tokens: u64,
+    /// Of `hit_tokens`, those copied from a partly shared block.
+    partial_hit_tokens: u64,
     /// Admissions whose prefix hit fell short, by [`MissReason`].
     misses: [u64; 4],
 }
@@ -114,6 +120,14 @@ impl PrefixStats {
     pub(super) fn count_lookup(&mut self, queries: usize, hits: usize, block_size: usize) {
         self.query_tokens += (queries * block_size) as u64;
         self.hit_tokens += (hits * block_size) as u64;
+    }
+
+    /// A lookup at sub-block granularity: `queryable` tokens past its whole blocks, `hit` of
+    /// them served.
+    pub(super) fn count_partial(&mut self, queryable: usize, hit: usize) {
+        self.query_tokens += queryable as u64;
+        self.hit_tokens += hit as u64;
+        self.partial_hit_tokens += hit as u64;
     }
 
     pub(super) fn count_host_hit(&mut self, blocks: usize, block_size: usize) {
@@ -181,6 +195,7 @@ impl KvCache {
             num_swapped: self.sequences.live().filter(|(_, seq)| seq.swapped).count(),
             host_blocks_cached: self.num_host_cached_blocks(),
             prefix_cache_host_hit_tokens: self.prefix_stats.host_hit_tokens,
+            prefix_cache_partial_hit_tokens: self.prefix_stats.partial_hit_tokens,
             host_prefix: self.host_prefix_counters(),
             prefix_cache_misses: self.prefix_stats.misses,
             num_groups: self.groups.len(),

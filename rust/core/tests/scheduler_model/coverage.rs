@@ -6,7 +6,8 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::workload::*;
-use super::{run, Counts};
+use super::{run, run_policy, Counts};
+use atb_mem_core::EvictionPolicy;
 
 /// The harness is not vacuous: copies, swaps, prefix hits and injected failures happen.
 #[test]
@@ -59,4 +60,30 @@ fn hybrid_models_release_windows_and_still_hit() {
     assert!(total.windowed_releases > 300, "{total:?}");
     assert!(total.grouped_events > 1000, "{total:?}");
     assert!(total.hit_steps > 100 && total.swaps > 100, "{total:?}");
+}
+
+/// Prefix keys at every token (`hash_block_size = 1`) on blocks of 2 to 4 tokens, with and
+/// without a host prefix tier, under every policy: every computed byte survives the partial
+/// hits' copies, injected failures and preemptions, and partial hits happen often.
+#[test]
+fn sub_block_hits_keep_every_computed_byte() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let mut total = Counts::default();
+    for case in 0..300 {
+        let config = config().new_tree(&mut runner).unwrap().current();
+        let block_size = 2 + case % 3;
+        let ops = prop::collection::vec(tier_op(), STEPS)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current();
+        let policy = EvictionPolicy::ALL[case % EvictionPolicy::ALL.len()];
+        let kinds = (vec![AttentionKind::Full], block_size);
+        let counts = run_policy(config, &kinds, ops, case % 2 == 0, (policy, 1));
+        total.partial_hit_tokens += counts.partial_hit_tokens;
+        total.failures += counts.failures;
+        total.hit_steps += counts.hit_steps;
+    }
+    println!("{total:?}");
+    assert!(total.partial_hit_tokens > 300, "{total:?}");
+    assert!(total.failures > 20 && total.hit_steps > 100, "{total:?}");
 }

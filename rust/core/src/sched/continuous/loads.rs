@@ -107,6 +107,8 @@ impl ContinuousScheduler {
         let request = self.request_mut(seq_id)?;
         request.state = State::Loading;
         request.loading_blocks = to - from;
+        // A partial hit's pieces of block `from` come again with the whole block.
+        request.num_computed = from * block_size;
         self.loading.push(seq_id);
         self.load_counters.started += 1;
         Ok(true)

@@ -45,7 +45,13 @@ impl ContinuousScheduler {
         let before = self
             .step_may_move(cache)
             .then(|| (self.clone(), cache.clone()));
-        if let Err(error) = self.plan_step(cache, now_ns, plan) {
+        // The last step's kernels have run: its blocks may be copied from now. (After the
+        // snapshot: a step that fails and goes back leaves them deferred, as it found them.)
+        cache.publish_sub_blocks();
+        cache.defer_sub_blocks(true);
+        let planned = self.plan_step(cache, now_ns, plan);
+        cache.defer_sub_blocks(false);
+        if let Err(error) = planned {
             debug_assert!(
                 before.is_some(),
                 "a step failed part-way with no snapshot to go back to: {error}"
@@ -121,6 +127,13 @@ impl ContinuousScheduler {
             {
                 return true;
             }
+        }
+        // An admission whose prompt shares the first pieces of a cached block copies them.
+        let sub_block_hits = cache.hash_block_size() < cache.block_size()
+            && !self.waiting.is_empty()
+            && cache.block_pool().num_cached() > 0;
+        if sub_block_hits {
+            return true;
         }
         let prefilling = || {
             self.running.iter().any(|&id| {

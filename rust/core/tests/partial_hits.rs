@@ -1,0 +1,182 @@
+//! Prefix hits finer than a block (`hash_block_size`): a prompt sharing only the first
+//! pieces of a cached block gets them by a copy into its own block, the cached block is
+//! never written, and without `hash_block_size` nothing changes.
+
+use atb_mem_core::{
+    AttentionKind, BlockMove, CoreError, KvCache, KvLayout, Medium, MoveKind, Tokens,
+};
+
+const BLOCK_SIZE: usize = 8;
+const PIECE: usize = 2;
+
+fn cache(num_blocks: usize, hash_block_size: usize) -> KvCache {
+    let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    cache.set_hash_block_size(hash_block_size).unwrap();
+    cache
+}
+
+/// Admits, marks computed and frees a prompt: its full blocks stay cached. Returns the hit
+/// and the moves the admission planned.
+fn run_once(cache: &mut KvCache, seq_id: u64, ids: &[u32]) -> (usize, Vec<BlockMove>) {
+    let hit = cache
+        .alloc_sequence(seq_id, Tokens::Ids(ids), None)
+        .unwrap();
+    let mut moves = Vec::new();
+    cache.take_moves(&mut moves);
+    cache.mark_computed(seq_id, Some(ids.len())).unwrap();
+    cache.free_sequence(seq_id).unwrap();
+    cache.check_invariants().unwrap();
+    (hit, moves)
+}
+
+fn cached_prompt() -> Vec<u32> {
+    (0..20).collect() // blocks [0..8) and [8..16) full, 4 tokens in the third
+}
+
+/// `shared` leading tokens of the cached prompt, then tokens it never had.
+fn sharing(shared: usize, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|t| if (t as usize) < shared { t } else { 1000 + t })
+        .collect()
+}
+
+#[test]
+fn a_prompt_sharing_part_of_a_block_copies_those_pieces() {
+    let mut cache = cache(16, PIECE);
+    run_once(&mut cache, 1, &cached_prompt());
+    let source = 2; // the cached prompt's second block (blocks go out in order)
+    for shared in [9, 10, 11, 13, 15] {
+        let ids = sharing(shared, 24);
+        let explained = cache.explain_prefix(&ids, None).unwrap();
+        let expected = BLOCK_SIZE + (shared - BLOCK_SIZE) / PIECE * PIECE;
+        assert_eq!(explained.hit_tokens, expected, "sharing {shared}");
+        assert_eq!(explained.partial_tokens, expected - BLOCK_SIZE);
+        assert_eq!(explained.tiers, [(Medium::Device, expected)]);
+        let hit = cache.alloc_sequence(2, Tokens::Ids(&ids), None).unwrap();
+        assert_eq!(hit, expected);
+        assert_eq!(cache.num_computed(2).unwrap(), expected);
+        let table = cache.block_table(2).unwrap().to_vec();
+        assert_eq!(table[0], 1, "the whole block is shared");
+        assert_ne!(table[1], source, "the partly shared block is not");
+        let mut moves = Vec::new();
+        cache.take_moves(&mut moves);
+        let copy = BlockMove::new(MoveKind::Copy, source, table[1]);
+        assert_eq!(moves, [copy][..usize::from(expected > BLOCK_SIZE)]);
+        cache.check_invariants().unwrap();
+        cache.free_sequence(2).unwrap();
+    }
+    let stats = cache.stats();
+    assert_eq!(
+        stats.prefix_cache_partial_hit_tokens,
+        (2 + 2 + 4 + 6) as u64
+    );
+}
+
+#[test]
+fn the_last_prompt_token_is_always_computed() {
+    let mut cache = cache(16, PIECE);
+    run_once(&mut cache, 1, &cached_prompt());
+    // 12 tokens all cached: 8 + 2 pieces would reach the last token; one piece less.
+    let hit = run_once(&mut cache, 2, &cached_prompt()[..12]).0;
+    assert_eq!(hit, 10);
+    // A first block partly shared (no whole block): copied from the first block.
+    let (hit, moves) = run_once(&mut cache, 3, &sharing(5, 12));
+    assert_eq!(hit, 4);
+    assert_eq!(moves.len(), 1);
+    assert_eq!(moves[0].src, 1);
+}
+
+#[test]
+fn without_hash_block_size_hits_stay_whole_blocks() {
+    let mut plain = cache(16, BLOCK_SIZE);
+    assert_eq!(plain.hash_block_size(), BLOCK_SIZE);
+    run_once(&mut plain, 1, &cached_prompt());
+    let (hit, moves) = run_once(&mut plain, 2, &sharing(15, 24));
+    assert_eq!((hit, moves.len()), (BLOCK_SIZE, 0));
+    assert_eq!(plain.stats().prefix_cache_partial_hit_tokens, 0);
+}
+
+#[test]
+fn an_evicted_source_is_no_longer_found() {
+    // 4 usable blocks: the cached prompt's 3, then an unrelated prompt evicts them.
+    let mut cache = cache(5, PIECE);
+    run_once(&mut cache, 1, &cached_prompt());
+    run_once(&mut cache, 2, &(500..532).collect::<Vec<u32>>());
+    let explained = cache.explain_prefix(&sharing(13, 24), None).unwrap();
+    assert_eq!((explained.hit_tokens, explained.partial_tokens), (0, 0));
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn a_held_source_counts_in_the_budget_and_nothing_is_taken_from_under_it() {
+    // The cached prompt's blocks are unused; a 24-token prompt needs 3 fresh blocks and
+    // holds its unused source while allocating: 4 of the free queue, then 3 once done.
+    let mut cache = cache(8, PIECE); // 7 usable: 3 cached, 4 free
+    run_once(&mut cache, 1, &cached_prompt());
+    let ids = sharing(13, 24);
+    assert_eq!(
+        cache.blocks_to_allocate(Tokens::Ids(&ids), None).unwrap(),
+        3 + 1
+    );
+    // Hold 3 of the 7 blocks elsewhere: the cached blocks are then the only room left.
+    cache
+        .alloc_sequence(9, Tokens::Count(3 * BLOCK_SIZE), None)
+        .unwrap();
+    assert_eq!(cache.num_free_blocks(), 4);
+    assert!(cache.can_allocate(Tokens::Ids(&ids), None).unwrap());
+    let hit = cache.alloc_sequence(2, Tokens::Ids(&ids), None).unwrap();
+    assert_eq!(hit, 12);
+    let mut moves = Vec::new();
+    cache.take_moves(&mut moves);
+    let table = cache.block_table(2).unwrap().to_vec();
+    // The copy reads the source before anything else writes it: the source is not among
+    // the blocks the admission took.
+    assert_eq!(moves, [BlockMove::new(MoveKind::Copy, 2, table[1])]);
+    assert!(!table.contains(&2));
+    cache.check_invariants().unwrap();
+    // One block short: refused, and nothing changed.
+    cache.free_sequence(2).unwrap();
+    cache.alloc_sequence(8, Tokens::Count(1), None).unwrap();
+    let state = |cache: &KvCache| {
+        let tables: Vec<Vec<u32>> = [8, 9]
+            .map(|id| cache.block_table(id).unwrap().to_vec())
+            .into();
+        (
+            format!("{:?}", cache.stats()),
+            tables,
+            cache.num_pending_moves(),
+        )
+    };
+    let before = state(&cache);
+    assert!(matches!(
+        cache.alloc_sequence(2, Tokens::Ids(&ids), None),
+        Err(CoreError::OutOfBlocks { .. })
+    ));
+    assert_eq!(before, state(&cache));
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_hash_block_sizes_are_refused() {
+    let fresh = || KvCache::new(16, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    for bad in [0, 3, 5, 16] {
+        assert!(fresh().set_hash_block_size(bad).is_err(), "{bad}");
+    }
+    let mut off = KvCache::new(16, BLOCK_SIZE, KvLayout::default(), false).unwrap();
+    assert!(off.set_hash_block_size(PIECE).is_err());
+    let mut busy = fresh();
+    busy.alloc_sequence(1, Tokens::Count(3), None).unwrap();
+    assert!(busy.set_hash_block_size(PIECE).is_err());
+    let layout = KvLayout {
+        num_layers: 2,
+        ..KvLayout::default()
+    };
+    let kinds = [
+        AttentionKind::Full,
+        AttentionKind::SlidingWindow { window: 4 },
+    ];
+    let mut hybrid = KvCache::with_layer_kinds(16, BLOCK_SIZE, layout, true, &kinds).unwrap();
+    let error = hybrid.set_hash_block_size(PIECE).unwrap_err().to_string();
+    assert!(error.contains("full-attention"), "{error}");
+    assert_eq!(hybrid.hash_block_size(), BLOCK_SIZE);
+}
