@@ -87,7 +87,11 @@ class KVCachePool:
                 enable_kv_events: bool = False,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None,
-                eviction_policy: Literal["lru", "lfu", "slru"] | None = None) -> Self: ...
+                eviction_policy: Literal["lru", "lfu", "slru"] | None = None,
+                hash_block_size: int | None = None) -> Self: ...
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per prefix key: ``block_size`` unless hits finer than a block were asked for."""
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -131,9 +135,9 @@ class KVCachePool:
     ) -> bool: ...
     def _explain_prefix(
         self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
-    ) -> tuple[int, str, int | None, list[tuple[int, str]], list[tuple[str, int]]]:
+    ) -> tuple[int, str, int | None, list[tuple[int, str]], list[tuple[str, int]], int]:
         """(hit tokens, reason, limiting group, [(cached tokens, reason)] per group,
-        [(tier, tokens)] in order)."""
+        [(tier, tokens)] in order, partial tokens)."""
     def _record_tier_event(self, medium: Literal["disk", "store"], stored: bool,
                            hashes: Sequence[Sequence[int]], parent: Sequence[int] | None,
                            token_ids: TokenIdsLike) -> None:

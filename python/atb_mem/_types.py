@@ -78,6 +78,9 @@ class KVCacheStats(TypedDict):
     host_prefix_demotions_skipped: int
     host_prefix_demotions_dropped: int
     host_prefix_promoted: int
+    # Of prefix_cache_hit_tokens, those copied from a block a prompt shares only the first
+    # pieces of (hash_block_size).
+    prefix_cache_partial_hit_tokens: int
     # Admissions whose prefix hit fell short, by reason (see KVCachePool.explain_prefix).
     prefix_cache_misses_block_alignment: int
     prefix_cache_misses_not_cached: int
@@ -234,3 +237,6 @@ class PrefixExplanation(NamedTuple):
     #: Where the hit comes from, in order: ``("device" | "host", tokens)`` runs summing to
     #: ``hit_tokens`` (host: promoted from the host prefix cache).
     tiers: list[tuple[str, int]]
+    #: Of ``hit_tokens``, those past the last whole block: copied from a cached block that
+    #: starts with them (``hash_block_size``); whole-block keys would recompute them.
+    partial_tokens: int = 0

@@ -46,6 +46,7 @@ _CONFIG_KEYS = {
     "num_host_blocks": "num_host_blocks",
     "host_prefix_cache": "host_prefix_cache",
     "eviction_policy": "eviction_policy",
+    "hash_block_size": "hash_block_size",
     "enable_kv_events": "enable_kv_events",
     "layer_types": "layer_types",
     "sliding_window": "sliding_window",
@@ -72,6 +73,9 @@ class KVCachePool(_CoreInterface):
     lookup that misses on the device promotes them back (``explain_prefix`` says which tier
     each part of a hit comes from). ``eviction_policy``: which cached block goes first when a
     block is needed, ``"lru"`` (the default), ``"lfu"`` or ``"slru"`` (see ``docs/``).
+    ``hash_block_size``: prefix keys every that many tokens (dividing ``block_size``), so a
+    prompt that shares only the first part of a cached block copies that part instead of
+    recomputing it (``explain_prefix(...).partial_tokens``).
     ``layer_types`` (transformers' per-layer names), ``sliding_window``,
     ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
     without ``layer_types`` makes every layer slide (Mistral).
@@ -141,12 +145,12 @@ class KVCachePool(_CoreInterface):
                        ) -> PrefixExplanation:
         """Why a prompt of ``token_ids`` would hit what it hits now, per group and in all,
         without changing anything (reasons: ``MISS_REASONS`` and ``"prefix_caching_off"``)."""
-        hit, reason, limited_by, per_group, tiers = self._explain_prefix(
+        hit, reason, limited_by, per_group, tiers, partial = self._explain_prefix(
             token_ids, cache_salt=cache_salt)
         groups = [GroupPrefix(index, group.kind, cached, why)
                   for index, (group, (cached, why)) in enumerate(zip(self.groups, per_group,
                                                                       strict=True))]
-        return PrefixExplanation(hit, reason, limited_by, groups, tiers)
+        return PrefixExplanation(hit, reason, limited_by, groups, tiers, partial)
 
     @property
     def device(self) -> str | None:

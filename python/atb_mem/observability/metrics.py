@@ -137,6 +137,12 @@ class AtbMemCollector(Collector):
             for tier, blocks in self.tiers.counters.loaded_by_tier.items():
                 hits.add_metric([*labels.values(), tier], blocks * stats["block_size"])
         yield hits
+        partial = CounterMetricFamily(
+            f"{prefix}_kv_cache_prefix_cache_partial_hit_tokens",
+            "Of the hit tokens, those copied from a partly shared block (hash_block_size).",
+            labels=list(labels))
+        partial.add_metric(list(labels.values()), stats["prefix_cache_partial_hit_tokens"])
+        yield partial
         if self.tiers is not None:
             yield from self._lower_tiers(self.tiers, stats["bytes_per_block"])
         moved = CounterMetricFamily(f"{prefix}_kv_cache_tier_moved_bytes",

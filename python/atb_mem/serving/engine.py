@@ -71,8 +71,8 @@ class Engine:
     ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
     store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: which cached
-    block goes first, ``"lru"``, ``"lfu"`` or ``"slru"``. With ``kv_events``
-    (``ZmqEventPublisher``, say), every step publishes the KV-cache events it caused."""
+    block goes first, ``"lru"``, ``"lfu"`` or ``"slru"``; ``hash_block_size``: hits every that
+    many tokens (``KVCachePool``); ``kv_events`` (``ZmqEventPublisher``) gets each step's events."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
@@ -80,7 +80,7 @@ class Engine:
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
                  gpu_memory_utilization: float = 0.9, eviction_policy: str = "lru",
-                 kv_cache_memory_bytes: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, hash_block_size: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
                  attention_backend: AttentionBackend = "auto") -> None:
@@ -109,6 +109,7 @@ class Engine:
         self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
                                     enable_prefix_caching=enable_prefix_caching,
                                     eviction_policy=eviction_policy,
+                                    hash_block_size=hash_block_size,
                                     enable_kv_events=kv_events is not None, **tier, **shape)
         self.tiers = tier_connector(self.kv_cache, model, kv_offload, kv_store, shape,
                                     tensor_parallel_size)

@@ -197,6 +197,9 @@ def plot_fragmentation(results: list[Any], path: str) -> None:
 @click.option("--policies", type=CommaList(str, "eviction policies"), default="lru,lfu,slru",
               show_default=True)
 @click.option("--block-sizes", type=CommaList(int, "ints"), default="16,128", show_default=True)
+@click.option("--hash-block-sizes", type=CommaList(int, "ints"), default="16", show_default=True,
+              help="Prefix keys finer than a block: each also replays every block size it "
+                   "divides with hits every that many tokens (shown as block/hash).")
 @click.option("--cache-blocks", type=CommaList(int, "ints"), default="256,1024,4096",
               show_default=True, help="Cache sizes, in blocks of the smallest block size "
                                       "(larger blocks get as many tokens).")
@@ -204,7 +207,8 @@ def plot_fragmentation(results: list[Any], path: str) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG of the hit rate by cache size, per policy and block size.")
 def bench_prefix(trace: str, limit: int | None, policies: list[str], block_sizes: list[int],
-                 cache_blocks: list[int], json_path: str | None, plot_path: str | None) -> None:
+                 hash_block_sizes: list[int], cache_blocks: list[int], json_path: str | None,
+                 plot_path: str | None) -> None:
     """Replays prompts with shared prefixes (system prompts, multi-turn histories), shaped by
     the trace, through the prefix cache per eviction policy, block size and cache size:
     hit rate, prefill tokens saved, evictions. Pick the policy by what it measures."""
@@ -212,24 +216,30 @@ def bench_prefix(trace: str, limit: int | None, policies: list[str], block_sizes
 
     if plot_path:
         require_matplotlib()
-    if any(size < 1 for size in block_sizes) or any(size < 2 for size in cache_blocks):
+    if any(size < 1 for size in [*block_sizes, *hash_block_sizes]) \
+            or any(size < 2 for size in cache_blocks):
         raise click.BadParameter("block sizes must be >= 1 and cache sizes >= 2 blocks")
     requests = prefix_requests(trace, limit)
     smallest = min(block_sizes)
+    keyed = [(block, None) for block in block_sizes] + [
+        (block, piece) for block in block_sizes for piece in hash_block_sizes
+        if piece < block and block % piece == 0]
     rows: list[dict[str, Any]] = []
     for tokens in sorted(size * smallest for size in cache_blocks):
-        for block_size in block_sizes:
+        for block_size, piece in keyed:
             for policy in policies:
                 result = replay_prefixes(requests, max(2, tokens // block_size), block_size,
-                                         policy)
+                                         policy, piece)
+                label = f"{block_size}" if piece is None else f"{block_size}/{piece}"
                 rows.append({"cache_tokens": tokens, "block_size": block_size,
+                             "hash_block_size": piece or block_size, "block": label,
                              "policy": policy, **result})
     table = Table(title=f"{len(requests)} requests: the prefix cache by eviction policy")
     for column in ("cache tokens", "block", "policy", "hit rate", "prefill saved",
                    "evictions", "too long"):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for row in rows:
-        table.add_row(f"{row['cache_tokens']:,}", str(row["block_size"]), row["policy"],
+        table.add_row(f"{row['cache_tokens']:,}", row["block"], row["policy"],
                       f"{row['hit_rate']:.3f}", f"{row['prefill_tokens_saved']:,}",
                       f"{row['evictions']:,}", str(row["skipped"]))
     console.print(table)
@@ -237,13 +247,12 @@ def bench_prefix(trace: str, limit: int | None, policies: list[str], block_sizes
     if plot_path:
         plt = require_matplotlib()
         figure, axes = plt.subplots(figsize=(7, 4.5))
-        for block_size in block_sizes:
+        for label in dict.fromkeys(row["block"] for row in rows):
             for policy in policies:
-                mine = [row for row in rows
-                        if row["block_size"] == block_size and row["policy"] == policy]
+                mine = [row for row in rows if row["block"] == label and row["policy"] == policy]
                 axes.plot([row["cache_tokens"] for row in mine],
                           [row["hit_rate"] for row in mine], marker="o",
-                          label=f"{policy}, block {block_size}")
+                          label=f"{policy}, block {label}")
         axes.set_xscale("log", base=2)
         axes.set(title="prefix-cache hit rate", xlabel="cache tokens", ylabel="hit rate")
         axes.legend(fontsize=7)

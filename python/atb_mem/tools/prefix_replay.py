@@ -55,10 +55,11 @@ def prefix_requests(trace: str, limit: int | None = None) -> list[PrefixRequest]
 
 
 def replay_prefixes(requests: list[PrefixRequest], num_blocks: int, block_size: int,
-                    policy: str) -> dict[str, float]:
+                    policy: str, hash_block_size: int | None = None) -> dict[str, float]:
     """Replays ``requests`` one at a time; returns the hit rate (prompt tokens served from the
     cache), the prefill tokens saved, the evictions and the requests too long to run."""
-    kv = atb_mem.KVCachePool(num_blocks, block_size, device=None, eviction_policy=policy)
+    kv = atb_mem.KVCachePool(num_blocks, block_size, device=None, eviction_policy=policy,
+                             hash_block_size=hash_block_size)
     room = (num_blocks - 1) * block_size
     prompt_tokens = saved = skipped = 0
     for seq_id, request in enumerate(requests):

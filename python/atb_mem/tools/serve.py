@@ -40,6 +40,9 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
               help="A KV store shared across engines: mooncake://HOST:PORT[?metadata=URL].")
 @click.option("--eviction-policy", type=click.Choice(["lru", "lfu", "slru"]), default="lru",
               show_default=True, help="Which cached block the prefix cache gives up first.")
+@click.option("--hash-block-size", type=click.IntRange(min=1), default=None,
+              help="Prefix hits every N tokens (N divides --block-size), not only at whole "
+                   "blocks: the shared part of a block is copied, not recomputed.")
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
@@ -79,7 +82,8 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, kv_offload: tuple[tuple[str, Any], ...],
-          kv_store: str | None, eviction_policy: str, no_prefix_caching: bool,
+          kv_store: str | None, eviction_policy: str, hash_block_size: int | None,
+          no_prefix_caching: bool,
           gpu_memory_utilization: float, attention_backend: str,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
@@ -114,7 +118,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
         "kv_offload": offload_tiers(kv_offload), "kv_store": kv_store,
-        "eviction_policy": eviction_policy,
+        "eviction_policy": eviction_policy, "hash_block_size": hash_block_size,
         "gpu_memory_utilization": gpu_memory_utilization,
         "attention_backend": attention_backend}
     workers: list[subprocess.Popen[bytes]] = []

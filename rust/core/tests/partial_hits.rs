@@ -108,9 +108,9 @@ fn an_evicted_source_is_no_longer_found() {
 }
 
 #[test]
-fn a_held_source_counts_in_the_budget_and_nothing_is_taken_from_under_it() {
-    // The cached prompt's blocks are unused; a 24-token prompt needs 3 fresh blocks and
-    // holds its unused source while allocating: 4 of the free queue, then 3 once done.
+fn a_held_source_counts_in_the_budget_and_a_partial_hit_that_does_not_fit_is_given_up() {
+    // The cached prompt's blocks are unused; a 24-token prompt needs 2 fresh blocks and its
+    // whole-block hit, and holds its unused source while allocating: 4 of the free queue.
     let mut cache = cache(8, PIECE); // 7 usable: 3 cached, 4 free
     run_once(&mut cache, 1, &cached_prompt());
     let ids = sharing(13, 24);
@@ -118,7 +118,7 @@ fn a_held_source_counts_in_the_budget_and_nothing_is_taken_from_under_it() {
         cache.blocks_to_allocate(Tokens::Ids(&ids), None).unwrap(),
         3 + 1
     );
-    // Hold 3 of the 7 blocks elsewhere: the cached blocks are then the only room left.
+    // Hold 3 of the 7 blocks elsewhere: 4 left, 3 of them cached.
     cache
         .alloc_sequence(9, Tokens::Count(3 * BLOCK_SIZE), None)
         .unwrap();
@@ -134,11 +134,22 @@ fn a_held_source_counts_in_the_budget_and_nothing_is_taken_from_under_it() {
     assert_eq!(moves, [BlockMove::new(MoveKind::Copy, 2, table[1])]);
     assert!(!table.contains(&2));
     cache.check_invariants().unwrap();
-    // One block short: refused, and nothing changed.
     cache.free_sequence(2).unwrap();
+    // With 3 left the partial hit does not fit, the whole-block hit does: it is admitted
+    // with that, and nothing is copied.
     cache.alloc_sequence(8, Tokens::Count(1), None).unwrap();
+    assert_eq!(
+        cache.blocks_to_allocate(Tokens::Ids(&ids), None).unwrap(),
+        3
+    );
+    let hit = cache.alloc_sequence(2, Tokens::Ids(&ids), None).unwrap();
+    assert_eq!((hit, cache.num_pending_moves()), (BLOCK_SIZE, 0));
+    cache.check_invariants().unwrap();
+    cache.free_sequence(2).unwrap();
+    // One block short even so: refused, and nothing changed.
+    cache.alloc_sequence(7, Tokens::Count(1), None).unwrap();
     let state = |cache: &KvCache| {
-        let tables: Vec<Vec<u32>> = [8, 9]
+        let tables: Vec<Vec<u32>> = [7, 8, 9]
             .map(|id| cache.block_table(id).unwrap().to_vec())
             .into();
         (
@@ -179,4 +190,31 @@ fn bad_hash_block_sizes_are_refused() {
     let error = hybrid.set_hash_block_size(PIECE).unwrap_err().to_string();
     assert!(error.contains("full-attention"), "{error}");
     assert_eq!(hybrid.hash_block_size(), BLOCK_SIZE);
+}
+
+/// A prompt that needs every block is admitted by the scheduler (without its partial hit):
+/// holding the source would need one block more than the cache has.
+#[test]
+fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
+    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    let mut cache = cache(5, PIECE); // 4 usable
+    run_once(&mut cache, 1, &cached_prompt());
+    let config = SchedulerConfig {
+        max_num_seqs: 2,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: true,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let ids = sharing(13, 4 * BLOCK_SIZE - 1);
+    scheduler
+        .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
+        .unwrap();
+    let mut plan = StepPlan::default();
+    scheduler.step(&mut cache, 0, &mut plan).unwrap();
+    assert_eq!(plan.prefill_seq_ids, [2]);
+    assert_eq!(cache.num_computed(2).unwrap(), ids.len());
+    assert!(plan.moves.is_empty());
+    scheduler.check_invariants(&cache).unwrap();
 }

@@ -154,7 +154,14 @@ class TierConnector:
         hashes = self.kv_cache.block_hashes(token_ids)
         most = (len(token_ids) - 1) // block_size
         tiers = list(why.tiers)
-        for holder in self._leading_holders(hashes[why.hit_tokens // block_size:most]):
+        whole = (why.hit_tokens - why.partial_tokens) // block_size
+        holders = self._leading_holders(hashes[whole:most])
+        if holders and why.partial_tokens:  # a loaded block brings the copied pieces too
+            medium, tokens = tiers.pop()
+            if tokens > why.partial_tokens:
+                tiers.append((medium, tokens - why.partial_tokens))
+            why = why._replace(partial_tokens=0)
+        for holder in holders:
             if tiers and tiers[-1][0] == holder.medium:
                 tiers[-1] = (holder.medium, tiers[-1][1] + block_size)
             else:

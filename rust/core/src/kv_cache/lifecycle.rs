@@ -59,10 +59,11 @@ impl KvCache {
         known: Option<&[BlockHash]>,
     ) -> CoreResult<usize> {
         self.check_token_count(tokens.len(), "token count", lazy)?;
-        let found = self.match_known_prefix(tokens, cache_salt, known);
+        let mut found = self.match_known_prefix(tokens, cache_salt, known);
         // A partial hit's block is a fresh block (filled by a copy).
-        let fresh = tokens.len().div_ceil(self.block_size()) - found.hits;
-        Ok(fresh * self.eager_groups(lazy) + found.hits_queued)
+        let num_blocks = tokens.len().div_ceil(self.block_size());
+        let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
+        Ok(found.need(num_blocks, eager, free, &mut self.scratch_partial))
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -122,15 +123,17 @@ impl KvCache {
         self.check_token_count(num_tokens, "token count", lazy)?;
         let block_size = self.block_size();
         let num_blocks = num_tokens.div_ceil(block_size);
+        let mut found = self.match_known_prefix(tokens, cache_salt, known);
+        let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
+        let needed = found.need(num_blocks, eager, free, &mut self.scratch_partial);
         let PrefixMatch {
             queries,
             hits,
-            hits_queued,
             limited_by,
             partial,
             queryable,
-        } = self.match_known_prefix(tokens, cache_salt, known);
-        let needed = (num_blocks - hits) * self.eager_groups(lazy) + hits_queued;
+            ..
+        } = found;
         if needed > self.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {
                 needed,

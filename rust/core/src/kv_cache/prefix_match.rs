@@ -7,11 +7,12 @@ use super::{KvCache, Tokens};
 use crate::alloc::{BlockHash, NULL_BLOCK};
 
 /// What a prefix lookup found: full blocks it could serve (`queries`), blocks every group
-/// serves (`hits`), how many blocks those take from the free queue (unused device hits,
-/// host hits, each promoted into a fresh block, and unused partial-hit sources, held while
-/// the admission allocates), and the (group, block) that stopped it short of `queries`.
-/// With sub-block keys, `partial` tokens of the next block are served by copies from the
-/// sources in `scratch_partial`, and `queryable` more tokens could have been.
+/// serves (`hits`), how many blocks those take from the free queue (unused device hits, and
+/// host hits, each promoted into a fresh block), and the (group, block) that stopped it
+/// short of `queries`. With sub-block keys, `partial` tokens of the next block are served by
+/// copies from the sources in `scratch_partial`, of which `partial_held` are unused (held
+/// off the free queue while the admission allocates), and `queryable` more tokens could
+/// have been.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct PrefixMatch {
     pub(super) queries: usize,
@@ -19,7 +20,28 @@ pub(super) struct PrefixMatch {
     pub(super) hits_queued: usize,
     pub(super) limited_by: Option<(usize, usize)>,
     pub(super) partial: usize,
+    pub(super) partial_held: usize,
     pub(super) queryable: usize,
+}
+
+impl PrefixMatch {
+    /// Blocks of the free queue an admission of `num_blocks` blocks (`eager_groups` taking
+    /// theirs now) needs; a partial hit that does not fit is given up (`sources` cleared):
+    /// it saves compute, and must never keep a request that fits without it waiting.
+    pub(super) fn need(
+        &mut self,
+        num_blocks: usize,
+        eager_groups: usize,
+        num_free: usize,
+        sources: &mut Vec<u32>,
+    ) -> usize {
+        let need = (num_blocks - self.hits) * eager_groups + self.hits_queued;
+        if need + self.partial_held > num_free && self.partial > 0 {
+            (self.partial, self.partial_held) = (0, 0);
+            sources.clear();
+        }
+        need + self.partial_held
+    }
 }
 
 impl KvCache {
@@ -92,7 +114,7 @@ impl KvCache {
         }
         self.scratch_blocks = blocks;
         let (partial, queryable) = self.find_partial_hit(ids, hits, queries, cache_salt);
-        hits_queued += self
+        let partial_held = self
             .scratch_partial
             .iter()
             .filter(|&&source| self.block_pool.ref_count(source) == 0)
@@ -103,6 +125,7 @@ impl KvCache {
             hits_queued,
             limited_by,
             partial,
+            partial_held,
             queryable,
         }
     }

@@ -18,6 +18,7 @@ pub(super) struct CacheArgs {
     pub sliding_window: Option<usize>,
     pub attention_chunk_size: Option<usize>,
     pub eviction_policy: Option<String>,
+    pub hash_block_size: Option<usize>,
 }
 
 pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
@@ -48,6 +49,11 @@ pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
         policy,
     )
     .into_py_result()?;
+    if let Some(hash_block_size) = args.hash_block_size {
+        cache
+            .set_hash_block_size(hash_block_size)
+            .into_py_result()?;
+    }
     if let Some(num_host_blocks) = args.num_host_blocks {
         cache.enable_host_tier(num_host_blocks).into_py_result()?;
     }

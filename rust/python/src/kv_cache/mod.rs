@@ -40,7 +40,8 @@ impl PyKvCachePool {
     #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
                         host_prefix_cache=false, enable_kv_events=false, layer_types=None,
-                        sliding_window=None, attention_chunk_size=None, eviction_policy=None))]
+                        sliding_window=None, attention_chunk_size=None, eviction_policy=None,
+                        hash_block_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -57,6 +58,7 @@ impl PyKvCachePool {
         sliding_window: Option<Count<1>>,
         attention_chunk_size: Option<Count<1>>,
         eviction_policy: Option<String>,
+        hash_block_size: Option<Count<1>>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
             num_blocks: num_blocks.0,
@@ -75,6 +77,7 @@ impl PyKvCachePool {
             sliding_window: sliding_window.map(Count::get),
             attention_chunk_size: attention_chunk_size.map(Count::get),
             eviction_policy,
+            hash_block_size: hash_block_size.map(Count::get),
         })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
@@ -91,6 +94,12 @@ impl PyKvCachePool {
     #[getter]
     fn eviction_policy(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.eviction_policy().name())
+    }
+
+    /// Tokens per prefix key: `block_size` unless hits finer than a block were asked for.
+    #[getter]
+    fn hash_block_size(&self) -> PyResult<usize> {
+        Ok(self.lock()?.hash_block_size())
     }
 
     #[getter]
@@ -192,7 +201,7 @@ impl PyKvCachePool {
     }
 
     /// Why `token_ids` would hit what it hits now: (hit tokens, reason, limiting group or
-    /// None, [(cached tokens, reason)] per group, [(tier, tokens)] in order).
+    /// None, [(cached tokens, reason)] per group, [(tier, tokens)] in order, partial tokens).
     /// `KVCachePool.explain_prefix` wraps it.
     #[pyo3(signature = (token_ids, *, cache_salt=None))]
     fn _explain_prefix(
@@ -202,15 +211,7 @@ impl PyKvCachePool {
     ) -> PyResult<PrefixRow> {
         let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
         let why = self.lock()?.explain_prefix(token_ids.as_slice(), salt);
-        let why = why.into_py_result()?;
-        let groups = why.groups.iter();
-        let groups = groups.map(|g| (g.cached_tokens, g.reason.name())).collect();
-        let tiers = why
-            .tiers
-            .iter()
-            .map(|&(tier, tokens)| (tier.name(), tokens));
-        let (hit, reason, tiers) = (why.hit_tokens, why.reason.name(), tiers.collect());
-        Ok((hit, reason, why.limited_by, groups, tiers))
+        Ok(rows::prefix_row(&why.into_py_result()?))
     }
 
     /// The chain hashes of `token_ids`' full blocks, uint64 `[n, 2]`: what names a block in
