@@ -308,6 +308,25 @@ def test_bench_prefix_compares_policies_on_the_same_replay(tmp_path: Path) -> No
     assert bad.returncode == 1 and "unknown eviction_policy 'mru'" in bad.stderr
 
 
+def test_bench_prefix_with_hits_finer_than_a_block(tmp_path: Path) -> None:
+    """System prompts and conversation histories end inside 128-token blocks: hits every 16
+    tokens on those blocks save prefill whole-block hits do not, on the same replay."""
+    out = tmp_path / "prefix.json"
+    result = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--requests", "300",
+                             "--cache-blocks", "256,1024", "--block-sizes", "16,128",
+                             "--hash-block-sizes", "16,32", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "128/16" in result.stdout and "128/32" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert not any(row["block"] == "16/16" for row in rows)
+    by = {(row["cache_tokens"], row["policy"], row["block"]): row for row in rows}
+    for (tokens, policy, block), row in by.items():
+        if block == "128/16":
+            plain = by[(tokens, policy, "128")]["prefill_tokens_saved"]
+            assert row["prefill_tokens_saved"] > plain, (tokens, policy)
+            assert row["hash_block_size"] == 16 and row["block_size"] == 128
+
+
 def test_bench_prefix_plot(tmp_path: Path) -> None:
     png = tmp_path / "prefix.png"
     result = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--requests", "50",

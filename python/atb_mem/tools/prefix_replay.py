@@ -2,11 +2,12 @@
 deterministically from a trace's lengths, replayed through a ``KVCachePool`` (bookkeeping
 only) per eviction policy, block size and cache size.
 
-A request's prompt is one of a few system prompts (of 256 to 2,048 tokens, the popular ones
-more often), then either a new user message as long as the trace's prompt says, or — for
-about a third of the requests — the next turn of an earlier conversation: its whole history
-(prompts and replies) and a short new message. Requests run one at a time: what is measured
-is which cached prefixes each policy keeps, not how requests overlap.
+A request's prompt is one of a few system prompts (of 300 to 2,000 tokens, the popular ones
+more often; real ones end anywhere, not at a block boundary), then either a new user message
+as long as the trace's prompt says, or — for about a third of the requests — the next turn
+of one of the last few conversations: its whole history (prompts and replies) and a short
+new message. Requests run one at a time: what is measured is which cached prefixes each
+policy keeps, not how requests overlap.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from atb_mem.tools.simulate import load_trace
 __all__ = ["PrefixRequest", "prefix_requests", "replay_prefixes"]
 
 SEED = 0
-SYSTEM_PROMPTS = (256, 512, 1024, 2048)
+SYSTEM_PROMPTS = (300, 700, 1200, 2000)
 SYSTEM_WEIGHTS = (0.5, 0.25, 0.15, 0.1)
 FOLLOW_UP_SHARE = 0.3
+RECENT_CONVERSATIONS = 16  # a follow-up continues one of these
 VOCAB = 32_000
 
 
@@ -42,7 +44,8 @@ def prefix_requests(trace: str, limit: int | None = None) -> list[PrefixRequest]
     for traced in load_trace(trace, limit):
         output = rng.integers(0, VOCAB, min(traced.output, 512)).tolist()
         if histories and rng.random() < FOLLOW_UP_SHARE:
-            turn = int(rng.integers(len(histories)))
+            turn = len(histories) - 1 - int(rng.integers(min(len(histories),
+                                                              RECENT_CONVERSATIONS)))
             prompt = histories[turn] + rng.integers(0, VOCAB, 32).tolist()
             histories[turn] = prompt + output
         else:
