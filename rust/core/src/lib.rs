@@ -26,15 +26,16 @@ mod sched;
 
 pub use alloc::{
     AlignmentPolicy, BlockHash, BlockPool, EvictionPolicy, MemPool, MemPoolStats, PoolAllocation,
-    PrefixCacheCounters, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
+    PrefixCacheCounters, DEFAULT_PRIORITY, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_PRIORITY,
+    MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
 };
 pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};
 pub use kv_cache::{
     group_key, group_layers, layer_kinds, pairs_of, AttentionKind, BatchTable, BlockMove,
     GroupPrefix, HostPrefixCounters, KvCache, KvCacheGroup, KvCacheStats, KvEvent, KvEventKind,
-    KvEventLog, Medium, MissReason, MoveFailure, MoveKind, PrefixExplanation, Tokens, PAD_SLOT,
-    SEQUENCE_BYTES,
+    KvEventLog, Medium, MissReason, MoveFailure, MoveKind, PrefixExplanation, RetentionConfig,
+    TokenRetention, Tokens, PAD_SLOT, SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

@@ -3,11 +3,15 @@
 //! operation the pool holds exactly the model's cached contents and reference counts, and
 //! an allocation takes exactly the block the model says: a free one first (the most
 //! recently freed), else the head of the first non-empty evictable queue. No block a holder
-//! has is ever evicted.
+//! has is ever evicted. The priority policy's model also gives retention priorities for
+//! durations and advances a clock that ends them.
 
 use std::collections::VecDeque;
 
-use atb_mem_core::{BlockHash, BlockPool, EvictionPolicy, LFU_LEVELS, PROTECTED_SHARE};
+use atb_mem_core::{
+    BlockHash, BlockPool, EvictionPolicy, DEFAULT_PRIORITY, LFU_LEVELS, MAX_PRIORITY,
+    PROTECTED_SHARE,
+};
 use proptest::prelude::*;
 
 const NUM_BLOCKS: usize = 9;
@@ -16,11 +20,31 @@ const HASHES: u64 = 7;
 #[derive(Debug, Clone)]
 enum Op {
     Allocate,
-    Register { pick: usize, hash: u64 },
-    Release { pick: usize },
-    Hit { hash: u64 },
-    Touch { block: u32 },
-    Uncache { block: u32 },
+    Register {
+        pick: usize,
+        hash: u64,
+    },
+    Release {
+        pick: usize,
+    },
+    Hit {
+        hash: u64,
+    },
+    Touch {
+        block: u32,
+    },
+    Uncache {
+        block: u32,
+    },
+    Retain {
+        block: u32,
+        priority: u8,
+        duration: Option<u64>,
+        fresh: bool,
+    },
+    Advance {
+        by: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -31,19 +55,33 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..HASHES).prop_map(|hash| Op::Hit { hash }),
         1 => (1u32..NUM_BLOCKS as u32).prop_map(|block| Op::Touch { block }),
         1 => (1u32..NUM_BLOCKS as u32).prop_map(|block| Op::Uncache { block }),
+        // Few priorities, so that blocks often share one (and the default, and past the top).
+        3 => (1u32..NUM_BLOCKS as u32, prop::sample::select(vec![0u8, 35, 60, 100, 110]),
+              prop::option::of(0u64..20), any::<bool>())
+            .prop_map(|(block, priority, duration, fresh)| Op::Retain {
+                block, priority, duration, fresh,
+            }),
+        1 => (0u64..12).prop_map(|by| Op::Advance { by }),
     ]
 }
 
-/// The reference: each evictable block has a queue and a stamp (the order it entered); the
-/// victim is the smallest (queue, stamp).
+/// The reference: each evictable block has a queue and a stamp (the order it entered, a
+/// block put at a queue's head stamped below all); the victim is the smallest (queue,
+/// stamp).
+#[derive(Clone)]
 struct Model {
     policy: EvictionPolicy,
     refs: Vec<u32>,
     cached: Vec<Option<u64>>,
     hits: Vec<u8>,
     free: VecDeque<u32>,
-    evictable: Vec<Option<(usize, u64)>>,
-    stamp: u64,
+    evictable: Vec<Option<(usize, i64)>>,
+    stamp: i64,
+    front_stamp: i64,
+    priority: Vec<u8>,
+    /// When each block's priority ends (`u64::MAX`: never).
+    expires: Vec<u64>,
+    clock: u64,
 }
 
 impl Model {
@@ -56,14 +94,59 @@ impl Model {
             free: (1..NUM_BLOCKS as u32).collect(),
             evictable: vec![None; NUM_BLOCKS],
             stamp: 0,
+            front_stamp: 0,
+            priority: vec![DEFAULT_PRIORITY; NUM_BLOCKS],
+            expires: vec![u64::MAX; NUM_BLOCKS],
+            clock: 0,
         }
     }
 
-    fn queue_for(&self, hits: u8) -> usize {
+    fn queue_for(&self, block: u32) -> usize {
+        let hits = self.hits[block as usize];
         match self.policy {
             EvictionPolicy::Lru => 1,
             EvictionPolicy::Lfu => 1 + usize::from(hits).min(LFU_LEVELS - 1),
             EvictionPolicy::Slru => 1 + usize::from(hits > 0),
+            EvictionPolicy::Priority => 1 + usize::from(self.priority[block as usize]),
+        }
+    }
+
+    /// The priority policy's retention rules, as `retention` states them.
+    fn retain(&mut self, block: u32, priority: u8, duration: Option<u64>, fresh: bool) {
+        if self.policy != EvictionPolicy::Priority || self.cached[block as usize].is_none() {
+            return;
+        }
+        let priority = priority.min(MAX_PRIORITY);
+        let until = duration.map_or(u64::MAX, |d| self.clock.saturating_add(d));
+        let current = self.priority[block as usize];
+        let takes = fresh
+            || priority > current
+            || (priority == current && until > self.expires[block as usize]);
+        if !takes {
+            return;
+        }
+        self.priority[block as usize] = priority;
+        self.expires[block as usize] = until;
+        if priority != current && self.refs[block as usize] == 0 {
+            self.enqueue_cached(block);
+        }
+    }
+
+    fn advance(&mut self, by: u64) {
+        self.clock += by;
+        let mut ended: Vec<(u64, u32)> = (1..NUM_BLOCKS as u32)
+            .filter(|&b| self.expires[b as usize] <= self.clock)
+            .map(|b| (self.expires[b as usize], b))
+            .collect();
+        ended.sort_unstable();
+        for (_, block) in ended {
+            self.expires[block as usize] = u64::MAX;
+            self.priority[block as usize] = DEFAULT_PRIORITY;
+            if self.evictable[block as usize].is_some() {
+                self.front_stamp -= 1;
+                let queue = self.queue_for(block);
+                self.evictable[block as usize] = Some((queue, self.front_stamp));
+            }
         }
     }
 
@@ -73,11 +156,11 @@ impl Model {
     }
 
     fn enqueue_cached(&mut self, block: u32) {
-        self.enqueue(block, self.queue_for(self.hits[block as usize]));
+        self.enqueue(block, self.queue_for(block));
         if self.policy == EvictionPolicy::Slru {
             let most = (NUM_BLOCKS as f64 * PROTECTED_SHARE) as usize;
             loop {
-                let protected: Vec<(u64, u32)> = (0..NUM_BLOCKS as u32)
+                let protected: Vec<(i64, u32)> = (0..NUM_BLOCKS as u32)
                     .filter_map(|b| match self.evictable[b as usize] {
                         Some((2, stamp)) => Some((stamp, b)),
                         _ => None,
@@ -115,6 +198,8 @@ impl Model {
         }
         self.cached[block as usize] = Some(hash);
         self.hits[block as usize] = 0;
+        self.priority[block as usize] = DEFAULT_PRIORITY;
+        self.expires[block as usize] = u64::MAX;
         true
     }
 
@@ -196,6 +281,37 @@ fn run(policy: EvictionPolicy, ops: Vec<Op>) {
             Op::Uncache { block } => {
                 pool.uncache(block);
                 model.uncache(block);
+            }
+            Op::Retain {
+                block,
+                priority,
+                duration,
+                fresh,
+            } => {
+                pool.retain(block, priority, duration, fresh);
+                model.retain(block, priority, duration, fresh);
+            }
+            Op::Advance { by } => {
+                pool.advance_clock(pool.clock() + by);
+                model.advance(by);
+            }
+        }
+        // The whole eviction order, not just the next victim: drain copies of both.
+        let (mut drained, mut reference) = (pool.clone(), model.clone());
+        loop {
+            let victim = drained.allocate();
+            assert_eq!(victim, reference.allocate(), "{policy:?}'s eviction order");
+            if victim.is_none() {
+                break;
+            }
+        }
+        for block in 1..NUM_BLOCKS as u32 {
+            if model.cached[block as usize].is_some() {
+                let expected = match policy {
+                    EvictionPolicy::Priority => model.priority[block as usize],
+                    _ => DEFAULT_PRIORITY,
+                };
+                assert_eq!(pool.priority(block), expected, "block {block}'s priority");
             }
         }
         let mut holders = vec![0u32; NUM_BLOCKS];

@@ -15,8 +15,9 @@ use crate::alloc::block_hash::BlockHash;
 use crate::alloc::eviction::EvictionPolicy;
 use crate::alloc::eviction_history::EvictionHistory;
 use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
-use crate::alloc::free_queue::FreeQueue;
+use crate::alloc::free_queue::{FreeQueue, MAX_IDS};
 use crate::alloc::index_table::IndexTable;
+use crate::alloc::retention::Retention;
 use crate::alloc::sub_block_index::SubBlockIndex;
 use crate::error::CoreResult;
 
@@ -30,8 +31,9 @@ pub const MAX_SLOTS: usize = i32::MAX as usize + 1;
 /// The free queue set's queue of free (uncached) blocks.
 const FREE: usize = 0;
 
-/// Most blocks one pool manages (about 5 GiB of bookkeeping; real caches hold far fewer).
-pub const MAX_BLOCKS: usize = 1 << 27;
+/// Most blocks one pool manages (about 1.2 GiB of bookkeeping; real caches hold far fewer):
+/// what a free queue's ids reach.
+pub const MAX_BLOCKS: usize = MAX_IDS;
 
 /// Prefix-cache counters since construction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,6 +80,8 @@ pub struct BlockPool {
     evicted: EvictionHistory,
     /// Keys of cached blocks' leading sub-blocks, once `enable_sub_blocks` made them.
     sub_blocks: Option<SubBlockIndex>,
+    /// Cached blocks' retention priorities (kept for the priority policy only).
+    retention: Retention,
 }
 
 impl BlockPool {
@@ -108,7 +112,11 @@ impl BlockPool {
         ensure!(block_size != 0, "block_size must be at least 1, got 0");
         let table_blocks = if enable_prefix_caching { num_blocks } else { 0 };
         let what = || format!("num_blocks = {num_blocks}");
-        let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks, policy.queues());
+        let keeps_priorities = policy == EvictionPolicy::Priority && enable_prefix_caching;
+        let retention_blocks = if keeps_priorities { num_blocks } else { 0 };
+        let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks, policy.queues())
+            .zip(Retention::bytes_for(retention_blocks))
+            .and_then(|(pool, retention)| pool.checked_add(retention));
         ensure!(
             num_blocks <= MAX_BLOCKS,
             "num_blocks = {num_blocks} is more than one pool manages ({MAX_BLOCKS}): its \
@@ -146,6 +154,10 @@ impl BlockPool {
             removed: Vec::new(),
             evicted: EvictionHistory::new(table_blocks, &what)?,
             sub_blocks: None,
+            retention: match keeps_priorities {
+                true => Retention::new(num_blocks, &what)?,
+                false => Retention::default(),
+            },
         })
     }
 
@@ -183,50 +195,11 @@ impl BlockPool {
                 hashes[other as usize].0[0]
             });
         self.cached[block as usize] = Cached::No;
+        // Its priority (and any expiry waiting for it) went with its contents.
+        self.retention.reset(block);
         if let Some(sub_blocks) = self.sub_blocks.as_mut() {
             sub_blocks.remove(block);
         }
-    }
-
-    /// Indexes cached blocks by `per_block` leading sub-blocks too (see `sub_block_index`).
-    /// Needs prefix caching.
-    pub fn enable_sub_blocks(&mut self, per_block: usize) -> CoreResult<()> {
-        ensure!(
-            self.enable_prefix_caching,
-            "sub-block prefix keys need prefix caching"
-        );
-        let num_blocks = self.num_blocks();
-        let bytes = SubBlockIndex::bytes_for(num_blocks, per_block);
-        check_bookkeeping(bytes, || format!("{per_block} sub-block keys per block"))?;
-        let what = format!("the sub-block keys of {num_blocks} blocks");
-        self.sub_blocks = Some(SubBlockIndex::new(num_blocks, per_block, &what)?);
-        Ok(())
-    }
-
-    /// Sub-keys per block (0 without sub-block keys).
-    pub fn sub_blocks_per_block(&self) -> usize {
-        self.sub_blocks.as_ref().map_or(0, SubBlockIndex::per_block)
-    }
-
-    /// Indexes a block that just joined the prefix cache under its sub-block keys.
-    pub fn register_sub_blocks(&mut self, block: u32, keys: &[BlockHash]) {
-        if let Some(sub_blocks) = self.sub_blocks.as_mut() {
-            debug_assert!(self.cached[block as usize] != Cached::No);
-            sub_blocks.insert(block, keys);
-        }
-    }
-
-    /// Whether `block` is indexed by its sub-block keys.
-    pub fn has_sub_blocks(&self, block: u32) -> bool {
-        self.sub_blocks
-            .as_ref()
-            .is_some_and(|sub_blocks| sub_blocks.is_indexed(block))
-    }
-
-    /// A cached block whose first `j` sub-blocks `key` names, and `j`.
-    #[inline]
-    pub fn lookup_sub_block(&self, key: BlockHash) -> Option<(u32, usize)> {
-        self.sub_blocks.as_ref()?.find(key)
     }
 
     #[inline]
@@ -250,7 +223,8 @@ impl BlockPool {
     /// Puts an unused cached block where its policy keeps it, as the most recently used.
     #[inline]
     fn enqueue_cached(&mut self, block: u32) {
-        let queue = self.policy.queue_for(self.hits[block as usize]);
+        let priority = self.retention.priority(block);
+        let queue = self.policy.queue_for(self.hits[block as usize], priority);
         self.free_queue.push_back(queue, block);
         self.policy
             .rebalance(&mut self.free_queue, self.ref_counts.len());
@@ -432,6 +406,7 @@ impl BlockPool {
             remember: remember_eviction,
         };
         self.hits[block as usize] = 0; // new contents, no history
+        self.retention.reset(block);
         self.prefix_table.insert(block, hash.0[0]);
         true
     }
@@ -484,6 +459,7 @@ impl BlockPool {
                 .sub_blocks
                 .as_ref()
                 .map_or(0, SubBlockIndex::heap_bytes)
+            + self.retention.heap_bytes()
     }
 
     /// Checks every structural invariant; `holders[b]` is how many sequences hold block `b`.
@@ -552,7 +528,10 @@ impl BlockPool {
         for block in self.free_queue.iter() {
             let queue = self.free_queue.queue_of(block);
             let expected = match self.is_cached(block) {
-                true => self.policy.queue_for(self.hits[block as usize]),
+                true => {
+                    let priority = self.retention.priority(block);
+                    self.policy.queue_for(self.hits[block as usize], priority)
+                }
                 false => FREE,
             };
             let demoted = self.policy == EvictionPolicy::Slru && queue == Some(1);
@@ -566,6 +545,10 @@ impl BlockPool {
     }
 }
 
+#[path = "block_pool_retention.rs"]
+mod retention_calls;
+#[path = "block_pool_sub_blocks.rs"]
+mod sub_block_calls;
 #[cfg(test)]
 #[path = "block_pool_tests.rs"]
 mod tests;

@@ -13,6 +13,13 @@
 //!   *probation* and go first. At most [`PROTECTED_SHARE`] of the blocks are protected: past
 //!   that, the protected LRU block falls back to probation. A scan of one-off prompts then
 //!   flushes probation, never a prefix that is reused.
+//! - `priority`: a queue per retention priority (0 to [`MAX_PRIORITY`]), the lowest first,
+//!   least recently used first within one (TensorRT-LLM's `KvCacheRetentionConfig`). A block
+//!   carries the highest priority any request gave it until that priority's duration ends,
+//!   then [`DEFAULT_PRIORITY`] (see `retention`). The other policies ignore priorities.
+//!
+//! The victim is the head of the first non-empty evictable queue, found from the free queue
+//! set's bitmap of non-empty queues: O(1) for every policy.
 
 use crate::alloc::free_queue::FreeQueue;
 
@@ -22,19 +29,28 @@ pub const LFU_LEVELS: usize = 8;
 /// The share of a pool's blocks SLRU keeps protected at most.
 pub const PROTECTED_SHARE: f64 = 0.8;
 
+/// Retention priorities run from 0 (evicted first) to this (kept longest).
+pub const MAX_PRIORITY: u8 = 100;
+
+/// A block's priority when no request gave it one, or once its duration ended
+/// (TensorRT-LLM's default).
+pub const DEFAULT_PRIORITY: u8 = 35;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
     #[default]
     Lru,
     Lfu,
     Slru,
+    Priority,
 }
 
 impl EvictionPolicy {
-    pub const ALL: [EvictionPolicy; 3] = [
+    pub const ALL: [EvictionPolicy; 4] = [
         EvictionPolicy::Lru,
         EvictionPolicy::Lfu,
         EvictionPolicy::Slru,
+        EvictionPolicy::Priority,
     ];
 
     pub fn name(self) -> &'static str {
@@ -42,6 +58,7 @@ impl EvictionPolicy {
             EvictionPolicy::Lru => "lru",
             EvictionPolicy::Lfu => "lfu",
             EvictionPolicy::Slru => "slru",
+            EvictionPolicy::Priority => "priority",
         }
     }
 
@@ -55,16 +72,19 @@ impl EvictionPolicy {
             EvictionPolicy::Lru => 1,
             EvictionPolicy::Lfu => LFU_LEVELS,
             EvictionPolicy::Slru => 2,
+            EvictionPolicy::Priority => usize::from(MAX_PRIORITY) + 1,
         }
     }
 
-    /// The queue an unused cached block hit `hits` times since it was cached joins.
+    /// The queue an unused cached block hit `hits` times since it was cached, of retention
+    /// `priority`, joins.
     #[inline]
-    pub(crate) fn queue_for(self, hits: u8) -> usize {
+    pub(crate) fn queue_for(self, hits: u8, priority: u8) -> usize {
         match self {
             EvictionPolicy::Lru => 1,
             EvictionPolicy::Lfu => 1 + usize::from(hits).min(LFU_LEVELS - 1),
             EvictionPolicy::Slru => 1 + usize::from(hits > 0),
+            EvictionPolicy::Priority => 1 + usize::from(priority.min(MAX_PRIORITY)),
         }
     }
 
@@ -86,6 +106,6 @@ impl EvictionPolicy {
     /// The cached block to give up now: the head of the first non-empty evictable queue.
     #[inline]
     pub(crate) fn victim(self, queue: &FreeQueue) -> Option<u32> {
-        (1..self.queues()).find_map(|index| queue.front(index))
+        queue.front(queue.first_nonempty_from(1)?)
     }
 }

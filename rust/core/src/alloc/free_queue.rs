@@ -12,13 +12,17 @@ use crate::error::CoreResult;
 const DETACHED: u32 = u32::MAX;
 
 /// A node's `next` holds the id after it in its low bits and its own queue in the top
-/// `QUEUE_BITS`: finding a node's queue costs no memory access beyond its links.
-const QUEUE_BITS: u32 = 4;
+/// `QUEUE_BITS`: finding a node's queue costs no memory access beyond its links. Seven bits
+/// give the priority policy a queue per retention priority (0 to 100) past the free one.
+const QUEUE_BITS: u32 = 7;
 const ID_BITS: u32 = 32 - QUEUE_BITS;
 const ID_MASK: u32 = (1 << ID_BITS) - 1;
 
 /// Most queues one set holds.
 pub const MAX_QUEUES: usize = 1 << QUEUE_BITS;
+
+/// Most ids one set holds (its sentinels take ids past them).
+pub const MAX_IDS: usize = (ID_MASK as usize) - MAX_QUEUES;
 
 #[derive(Debug, Clone, Copy)]
 struct Link {
@@ -38,9 +42,10 @@ const UNLINKED: Link = Link {
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
     links: Vec<Link>,
-    /// Ids per queue, and in all.
+    /// Ids per queue, and in all; bit `q` set while queue `q` is not empty.
     lens: [u32; MAX_QUEUES],
     len: usize,
+    nonempty: u128,
     capacity: usize,
 }
 
@@ -71,6 +76,7 @@ impl FreeQueue {
             links,
             lens: [0; MAX_QUEUES],
             len: 0,
+            nonempty: 0,
             capacity,
         })
     }
@@ -127,6 +133,7 @@ impl FreeQueue {
         self.links[after as usize].prev = id;
         self.lens[queue % MAX_QUEUES] += 1;
         self.len += 1;
+        self.nonempty |= 1 << (queue % MAX_QUEUES);
     }
 
     /// Appends at the tail of `queue`: the block is reused last.
@@ -167,6 +174,16 @@ impl FreeQueue {
         self.links[id as usize] = UNLINKED;
         self.lens[queue % MAX_QUEUES] -= 1;
         self.len -= 1;
+        if self.lens[queue % MAX_QUEUES] == 0 {
+            self.nonempty &= !(1 << (queue % MAX_QUEUES));
+        }
+    }
+
+    /// The first non-empty queue from `queue` on.
+    #[inline]
+    pub fn first_nonempty_from(&self, queue: usize) -> Option<usize> {
+        let above = self.nonempty.checked_shr(queue as u32).unwrap_or(0);
+        (above != 0).then(|| queue + above.trailing_zeros() as usize)
     }
 
     /// Ids of `queue` from head to tail (for checks and tests; allocates nothing).
@@ -235,16 +252,19 @@ mod tests {
         queue.push_front(2, 4);
         assert_eq!(queue.queue_of(4), Some(2));
         assert_eq!(queue.iter().collect::<Vec<_>>(), [0, 3, 1, 4, 2, 5]);
+        assert_eq!(queue.first_nonempty_from(1), Some(1));
         assert_eq!(queue.pop_front(1), Some(1));
         assert_eq!((queue.len_of(1), queue.front(1)), (0, None));
         assert_eq!(queue.queue_of(1), None);
+        assert_eq!(queue.first_nonempty_from(1), Some(2));
+        assert_eq!(queue.first_nonempty_from(3), None);
     }
 
     #[test]
     fn huge_capacity_is_an_error_not_an_abort() {
         assert_eq!(FreeQueue::bytes_for(3, 1), Some(32));
         assert_eq!(FreeQueue::bytes_for(usize::MAX, 1), None);
-        for (capacity, queues) in [(u32::MAX as usize, 1), (usize::MAX, 1), (4, 0), (4, 17)] {
+        for (capacity, queues) in [(u32::MAX as usize, 1), (usize::MAX, 1), (4, 0), (4, 129)] {
             assert!(matches!(
                 FreeQueue::new(capacity, queues, "test"),
                 Err(CoreError::InvalidArgument(_))

@@ -16,10 +16,11 @@ mod free_queue;
 mod index_table;
 mod mem_pool;
 mod range_allocator;
+mod retention;
 mod sub_block_index;
 
 pub use block_hash::BlockHash;
 pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
-pub use eviction::{EvictionPolicy, LFU_LEVELS, PROTECTED_SHARE};
+pub use eviction::{EvictionPolicy, DEFAULT_PRIORITY, LFU_LEVELS, MAX_PRIORITY, PROTECTED_SHARE};
 pub use fallible::MAX_BOOKKEEPING_BYTES;
 pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};

@@ -22,7 +22,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
 /// Marks a prefix-lookup result that is a host block: `HOST_HIT | host_block`. Block ids stay
-/// below `MAX_BLOCKS` (2**27), so the bit is free.
+/// below `MAX_BLOCKS` (under 2**25), so the bit is free.
 pub(super) const HOST_HIT: u32 = 1 << 31;
 
 /// Counters of the host prefix tier since construction, in blocks.

@@ -4,6 +4,7 @@ use super::groups::group_key;
 use super::host_prefix::{allocate_device, host_block};
 use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
+use super::retention::retain_joined;
 use super::sequence::Sequence;
 use super::swap::HostTier;
 use super::{swapped_out, KvCache, KvCacheGroup, KvEventLog, Tokens};
@@ -242,6 +243,7 @@ impl KvCache {
             .extend_from_slice(&parent.partial_tokens);
         child.token_ids.clear();
         child.token_ids.extend_from_slice(&parent.token_ids);
+        child.retention.clone_from(&parent.retention);
         for block in child.held_blocks() {
             self.block_pool.share(block);
         }
@@ -312,6 +314,7 @@ impl KvCache {
                     block != NULL_BLOCK && block_pool.register(block, key, remember_eviction);
                 joined += usize::from(stored);
                 if stored {
+                    retain_joined(block_pool, seq.retention.as_deref(), index, block);
                     let scratch = (&mut *scratch_sub_keys, &mut *deferred_sub_blocks);
                     index_sub_blocks(block_pool, seq, scratch, (index, group, block, key));
                 }

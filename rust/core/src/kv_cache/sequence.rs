@@ -2,6 +2,7 @@
 
 use std::ops::Range;
 
+use super::retention::{RetentionConfig, NO_RETENTION};
 use super::windows::WindowBounds;
 use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
@@ -40,6 +41,9 @@ pub(super) struct Sequence {
     /// Changes whenever a block list or the length changes (and when a batch names the
     /// sequence); unique across the cache's life.
     pub(super) version: u64,
+    /// What the request asked the prefix cache to keep of its blocks (`None`: nothing; the
+    /// box stays with the slab for the next sequence).
+    pub(super) retention: Option<Box<RetentionConfig>>,
 }
 
 /// A sequence's blocks in one group.
@@ -102,6 +106,9 @@ impl Sequence {
         self.partial_tokens.clear();
         self.hashes.clear();
         self.token_ids.clear();
+        if let Some(retention) = self.retention.as_mut() {
+            RetentionConfig::clone_from(retention, &NO_RETENTION);
+        }
     }
 
     /// The block list of group 0 (the only group of a cache without layer types).

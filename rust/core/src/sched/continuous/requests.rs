@@ -1,9 +1,9 @@
 //! Requests arrive, sample tokens, finish or are aborted.
 
 use super::{ContinuousScheduler, QueueKey, SchedulerConfig};
-use crate::alloc::BlockHash;
+use crate::alloc::{BlockHash, EvictionPolicy};
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache::{KvCache, Tokens};
+use crate::kv_cache::{KvCache, RetentionConfig, Tokens};
 
 /// Whether a request of `longest` tokens (prompt and every new token) and `num_samples`
 /// sequences could ever be scheduled under `config`: refused otherwise, as it would wait
@@ -81,6 +81,9 @@ pub(super) struct Request {
     pub external_blocks: usize,
     /// While loading: how many blocks past `num_computed` the load brings.
     pub loading_blocks: usize,
+    /// What it asks the prefix cache to keep (`set_retention`), given to its sequence at
+    /// every admission.
+    pub retention: Option<RetentionConfig>,
 }
 
 impl Request {
@@ -172,11 +175,48 @@ impl ContinuousScheduler {
             samples_to_fork: num_samples - 1,
             external_blocks: 0,
             loading_blocks: 0,
+            retention: None,
         };
         self.unforked_samples += request.samples_to_fork;
         self.waiting.insert(request.queue_key(seq_id));
         self.requests.insert(seq_id, request);
         Ok(())
+    }
+
+    /// Sets what request `seq_id` asks the prefix cache to keep (see `RetentionConfig`);
+    /// tokens from its prompt's end on are its decode tokens. Its sequence takes it at every
+    /// admission, and at once if admitted already.
+    pub fn set_retention(
+        &mut self,
+        cache: &mut KvCache,
+        seq_id: u64,
+        mut config: RetentionConfig,
+    ) -> CoreResult<()> {
+        config.validate()?;
+        let request = self.request_mut(seq_id)?;
+        config.decode_from = request.prompt_len;
+        if cache.contains(seq_id) && request.state != State::Waiting {
+            cache.set_retention(seq_id, &config)?;
+        }
+        self.request_mut(seq_id)?.retention = Some(config);
+        Ok(())
+    }
+
+    /// Gives the sequence of just-admitted request `seq_id` its retention: its config, and
+    /// its scheduling priority `p` (lower first) lowering its other tokens' priority by `p`.
+    pub(super) fn retain_admitted(&self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
+        if cache.eviction_policy() != EvictionPolicy::Priority {
+            return Ok(());
+        }
+        let request = self.request(seq_id)?;
+        let priority = u8::try_from(request.priority).unwrap_or(u8::MAX);
+        if request.retention.is_none() && priority == 0 {
+            return Ok(());
+        }
+        let mut config = request.retention.clone().unwrap_or_default();
+        config.decode_from = request.prompt_len;
+        config.default_priority = config.default_priority.saturating_sub(priority);
+        cache.set_retention(seq_id, &config)
     }
 
     /// Ends a request wherever it is, freeing its blocks — at once, or, if the last plan has

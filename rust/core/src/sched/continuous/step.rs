@@ -221,6 +221,7 @@ impl ContinuousScheduler {
                 break;
             }
             let cached = cache.admit_sequence_hashed(seq_id, tokens, hashes)?;
+            self.retain_admitted(cache, seq_id)?;
             self.waiting.remove(&key);
             seats += wanted;
             self.request_mut(seq_id)?.num_computed = cached;

@@ -46,8 +46,10 @@ impl ContinuousScheduler {
             .step_may_move(cache)
             .then(|| (self.clone(), cache.clone()));
         // The last step's kernels have run: its blocks may be copied from now. (After the
-        // snapshot: a step that fails and goes back leaves them deferred, as it found them.)
+        // snapshot: a step that fails and goes back leaves them deferred, and the clock, as
+        // it found them.)
         cache.publish_sub_blocks();
+        cache.advance_clock(now_ns);
         cache.defer_sub_blocks(true);
         let planned = self.plan_step(cache, now_ns, plan);
         cache.defer_sub_blocks(false);

@@ -1,0 +1,196 @@
+//! Retention priorities of cached blocks (the `priority` eviction policy): what each block
+//! was given and until when, on a clock the caller advances.
+//!
+//! A block that joins the prefix cache takes the priority of the request that computed it;
+//! a later request that holds it (a hit) can only raise it, to the highest any request gave.
+//! A priority given for a duration falls back to [`DEFAULT_PRIORITY`] when the duration
+//! ends: expiries wait in a min-heap, checked when the clock advances, so an expiry costs
+//! O(log n) once and nothing while it waits. A block whose priority changed later leaves a
+//! stale heap entry behind (its time no longer matches), skipped when it comes up; the heap
+//! is compacted when stale entries outnumber the blocks.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::alloc::eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
+use crate::alloc::fallible::{array_bytes, out_of_host_memory, total_bytes, try_filled_vec};
+use crate::error::CoreResult;
+
+/// No expiry: a priority given without a duration.
+const NEVER: u64 = u64::MAX;
+
+#[derive(Debug, Clone, Default)]
+pub struct Retention {
+    /// Per block; empty unless the policy keeps priorities.
+    priority: Vec<u8>,
+    /// Per block, when its priority ends (`NEVER` for none).
+    expires_at: Vec<u64>,
+    expiries: BinaryHeap<Reverse<(u64, u32)>>,
+    clock: u64,
+}
+
+impl Retention {
+    pub fn bytes_for(num_blocks: usize) -> Option<u64> {
+        total_bytes(&[
+            array_bytes::<u8>(num_blocks),
+            array_bytes::<u64>(num_blocks),
+            array_bytes::<Reverse<(u64, u32)>>(Self::most_expiries(num_blocks)),
+        ])
+    }
+
+    /// Priorities for `num_blocks` blocks, all at the default.
+    pub fn new(num_blocks: usize, what: &str) -> CoreResult<Self> {
+        let mut expiries = BinaryHeap::new();
+        // Room for every entry it keeps before compacting: giving never allocates.
+        let most = Self::most_expiries(num_blocks);
+        expiries
+            .try_reserve_exact(most + 1)
+            .map_err(|_| out_of_host_memory(array_bytes::<Reverse<(u64, u32)>>(most), what))?;
+        Ok(Retention {
+            priority: try_filled_vec(num_blocks, DEFAULT_PRIORITY, what)?,
+            expires_at: try_filled_vec(num_blocks, NEVER, what)?,
+            expiries,
+            clock: 0,
+        })
+    }
+
+    fn most_expiries(num_blocks: usize) -> usize {
+        num_blocks.saturating_mul(2).saturating_add(16)
+    }
+
+    #[inline]
+    pub fn priority(&self, block: u32) -> u8 {
+        self.priority
+            .get(block as usize)
+            .copied()
+            .unwrap_or(DEFAULT_PRIORITY)
+    }
+
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// New contents: the priority of the request that computed them.
+    pub fn reset(&mut self, block: u32) {
+        if let Some(priority) = self.priority.get_mut(block as usize) {
+            *priority = DEFAULT_PRIORITY;
+            self.expires_at[block as usize] = NEVER;
+        }
+    }
+
+    /// Gives `block` `priority` for `duration_ns` (`None`: until its contents change):
+    /// `fresh` contents take it, cached ones only if it is higher than theirs (or as high
+    /// and longer). Returns whether the block's priority changed.
+    pub fn give(
+        &mut self,
+        block: u32,
+        priority: u8,
+        duration_ns: Option<u64>,
+        fresh: bool,
+    ) -> bool {
+        let Some(current) = self.priority.get(block as usize).copied() else {
+            return false;
+        };
+        let priority = priority.min(MAX_PRIORITY);
+        let until = match duration_ns {
+            Some(duration) => self.clock.saturating_add(duration),
+            None => NEVER,
+        };
+        let expires_at = self.expires_at[block as usize];
+        let (priority, until) = match () {
+            _ if fresh || priority > current => (priority, until),
+            _ if priority == current && until > expires_at => (priority, until),
+            _ => return false,
+        };
+        self.priority[block as usize] = priority;
+        self.expires_at[block as usize] = until;
+        if until != NEVER {
+            self.expiries.push(Reverse((until, block)));
+            if self.expiries.len() > Self::most_expiries(self.priority.len()) {
+                let expires_at = &self.expires_at;
+                self.expiries
+                    .retain(|&Reverse((at, block))| expires_at[block as usize] == at);
+            }
+        }
+        priority != current
+    }
+
+    /// Moves the clock to `now_ns` (never back) and hands each block whose priority ended
+    /// to `expired`, its priority back at the default.
+    pub fn advance(&mut self, now_ns: u64, mut expired: impl FnMut(u32)) {
+        self.clock = self.clock.max(now_ns);
+        while let Some(&Reverse((at, block))) = self.expiries.peek() {
+            if at > self.clock {
+                break;
+            }
+            self.expiries.pop();
+            if self.expires_at[block as usize] == at {
+                self.expires_at[block as usize] = NEVER;
+                self.priority[block as usize] = DEFAULT_PRIORITY;
+                expired(block);
+            }
+        }
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.priority.capacity()
+            + self.expires_at.capacity() * 8
+            + self.expiries.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priorities_rise_and_end_when_their_duration_does() {
+        let mut retention = Retention::new(4, "test").unwrap();
+        assert_eq!(retention.priority(1), DEFAULT_PRIORITY);
+        assert!(
+            retention.give(1, 10, None, true),
+            "fresh contents take a lower one"
+        );
+        assert!(!retention.give(1, 5, None, false), "a hit only raises it");
+        assert!(retention.give(1, 90, Some(100), false));
+        assert!(
+            !retention.give(1, 90, Some(50), false),
+            "a shorter duration changes nothing"
+        );
+        let mut expired = Vec::new();
+        retention.advance(75, |block| expired.push(block));
+        assert!(expired.is_empty(), "still until 100");
+        retention.give(1, 90, Some(200), false); // until 275
+        retention.advance(150, |block| expired.push(block));
+        assert!(expired.is_empty(), "extended to 275");
+        retention.advance(100, |block| expired.push(block)); // never back
+        assert_eq!(retention.clock(), 150);
+        retention.advance(275, |block| expired.push(block));
+        assert_eq!(
+            (expired, retention.priority(1)),
+            (vec![1], DEFAULT_PRIORITY)
+        );
+        assert!(retention.give(2, 200, None, true));
+        assert_eq!(retention.priority(2), MAX_PRIORITY);
+    }
+
+    #[test]
+    fn stale_expiries_are_compacted() {
+        let mut retention = Retention::new(2, "test").unwrap();
+        for duration in 1..1000 {
+            retention.give(1, 50, Some(duration), false);
+        }
+        assert!(retention.expiries.len() <= 2 * 2 + 16 + 1);
+        let mut expired = Vec::new();
+        retention.advance(10_000, |block| expired.push(block));
+        assert_eq!(expired, [1]);
+    }
+
+    #[test]
+    fn without_priorities_everything_is_default() {
+        let mut retention = Retention::default();
+        assert!(!retention.give(3, 100, None, true));
+        assert_eq!(retention.priority(3), DEFAULT_PRIORITY);
+        retention.advance(5, |_| unreachable!());
+    }
+}

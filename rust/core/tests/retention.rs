@@ -1,0 +1,216 @@
+//! Retention by priority (the `priority` eviction policy): a system prompt a request pinned
+//! at 100 survives a flood of one-off prompts that plain LRU loses it to; a duration ends the
+//! pin; a scheduler counts a request's priority at eviction; bad configs change nothing.
+
+use atb_mem_core::{
+    ContinuousScheduler, EvictionPolicy, KvCache, KvLayout, Preemption, RetentionConfig,
+    SchedulerConfig, StepPlan, TokenRetention, Tokens, MAX_PRIORITY,
+};
+
+const BLOCK_SIZE: usize = 4;
+const SYSTEM: usize = 4 * BLOCK_SIZE;
+const SECOND: u64 = 1_000_000_000;
+
+fn cache(policy: EvictionPolicy) -> KvCache {
+    let mut cache = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    cache.set_eviction_policy(policy).unwrap();
+    cache
+}
+
+fn system_prompt() -> Vec<u32> {
+    (0..SYSTEM as u32).collect()
+}
+
+fn with_message(first: u32) -> Vec<u32> {
+    let mut ids = system_prompt();
+    ids.extend(first..first + 5);
+    ids
+}
+
+fn pin(priority: u8, duration_ns: Option<u64>) -> RetentionConfig {
+    RetentionConfig {
+        ranges: vec![TokenRetention {
+            start: 0,
+            end: Some(SYSTEM),
+            priority,
+            duration_ns,
+        }],
+        ..RetentionConfig::default()
+    }
+}
+
+/// Admits, computes and frees a prompt (with `config`, if any).
+fn run_once(cache: &mut KvCache, seq_id: u64, ids: &[u32], config: Option<&RetentionConfig>) {
+    cache
+        .alloc_sequence(seq_id, Tokens::Ids(ids), None)
+        .unwrap();
+    if let Some(config) = config {
+        cache.set_retention(seq_id, config).unwrap();
+    }
+    cache.mark_computed(seq_id, Some(ids.len())).unwrap();
+    cache.free_sequence(seq_id).unwrap();
+    cache.check_invariants().unwrap();
+}
+
+/// 60 one-off prompts of 5 blocks each: 300 blocks through a cache of 23.
+fn flood(cache: &mut KvCache) {
+    for seq_id in 100..160u64 {
+        let ids: Vec<u32> = (0..20).map(|t| 10_000 + seq_id as u32 * 100 + t).collect();
+        run_once(cache, seq_id, &ids, None);
+    }
+}
+
+fn system_hit(cache: &mut KvCache) -> usize {
+    cache
+        .explain_prefix(&with_message(9_000), None)
+        .unwrap()
+        .hit_tokens
+}
+
+#[test]
+fn a_pinned_system_prompt_survives_a_flood_that_lru_loses_it_to() {
+    let mut pinned = cache(EvictionPolicy::Priority);
+    run_once(
+        &mut pinned,
+        1,
+        &with_message(5_000),
+        Some(&pin(MAX_PRIORITY, None)),
+    );
+    flood(&mut pinned);
+    assert_eq!(system_hit(&mut pinned), SYSTEM);
+    // Negative controls: the same traffic under LRU, and unpinned under the priority policy.
+    for (policy, config) in [
+        (EvictionPolicy::Lru, Some(pin(MAX_PRIORITY, None))),
+        (EvictionPolicy::Priority, None),
+    ] {
+        let mut plain = cache(policy);
+        run_once(&mut plain, 1, &with_message(5_000), config.as_ref());
+        flood(&mut plain);
+        assert_eq!(system_hit(&mut plain), 0, "{policy:?}");
+    }
+}
+
+#[test]
+fn a_pin_ends_with_its_duration() {
+    let mut cache = cache(EvictionPolicy::Priority);
+    run_once(
+        &mut cache,
+        1,
+        &with_message(5_000),
+        Some(&pin(90, Some(SECOND))),
+    );
+    cache.advance_clock(SECOND / 2);
+    flood(&mut cache);
+    assert_eq!(
+        system_hit(&mut cache),
+        SYSTEM,
+        "still pinned half a second on"
+    );
+    cache.advance_clock(2 * SECOND);
+    flood(&mut cache);
+    assert_eq!(
+        system_hit(&mut cache),
+        0,
+        "back to the default, then flooded out"
+    );
+}
+
+#[test]
+fn a_hit_raises_a_cached_block_and_a_lower_priority_goes_first() {
+    let mut cache = cache(EvictionPolicy::Priority);
+    // Cached unpinned, then a request that hits it pins it.
+    run_once(&mut cache, 1, &with_message(5_000), None);
+    let ids = with_message(6_000);
+    cache.alloc_sequence(2, Tokens::Ids(&ids), None).unwrap();
+    cache.set_retention(2, &pin(MAX_PRIORITY, None)).unwrap();
+    cache.free_sequence(2).unwrap();
+    flood(&mut cache);
+    assert_eq!(system_hit(&mut cache), SYSTEM);
+    // Blocks given 10 go before default ones: of two cached prompts, the low one is lost.
+    let mut cache = self::cache(EvictionPolicy::Priority);
+    let low: Vec<u32> = (500..520).collect();
+    let default: Vec<u32> = (700..720).collect();
+    let below = RetentionConfig {
+        default_priority: 10,
+        ..RetentionConfig::default()
+    };
+    run_once(&mut cache, 1, &low, Some(&below));
+    run_once(&mut cache, 2, &default, None);
+    // 23 blocks, 10 cached (5 per prompt): 18 fresh ones evict 5, the low prompt's.
+    let fresh: Vec<u32> = (900..972).collect();
+    run_once(&mut cache, 3, &fresh, None);
+    assert_eq!(cache.explain_prefix(&low, None).unwrap().hit_tokens, 0);
+    assert_eq!(cache.explain_prefix(&default, None).unwrap().hit_tokens, 16);
+}
+
+#[test]
+fn a_schedulers_request_priority_counts_at_eviction() {
+    let mut cache = cache(EvictionPolicy::Priority);
+    let config = SchedulerConfig {
+        max_num_seqs: 1,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: true,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let (urgent, background): (Vec<u32>, Vec<u32>) = ((500..520).collect(), (700..720).collect());
+    // Request 1 runs at priority 0, request 2 at 30 (lower numbers go first); LRU alone would
+    // evict request 1's blocks first, as the older.
+    for (seq_id, ids, priority) in [(1u64, &urgent, 0u32), (2, &background, 30)] {
+        scheduler
+            .add_request(&cache, seq_id, Tokens::Ids(ids), 1, 1, priority, 0)
+            .unwrap();
+    }
+    assert!(scheduler
+        .set_retention(&mut cache, 9, pin(80, None))
+        .is_err());
+    assert!(scheduler
+        .set_retention(&mut cache, 2, pin(MAX_PRIORITY + 1, None))
+        .is_err());
+    let mut plan = StepPlan::default();
+    let mut finished = Vec::new();
+    for _ in 0..8 {
+        scheduler.step(&mut cache, 0, &mut plan).unwrap();
+        let sampled = plan.sample_seq_ids.clone();
+        let tokens = vec![1u32; sampled.len()];
+        scheduler
+            .on_tokens(&mut cache, &sampled, &tokens, None, &mut finished)
+            .unwrap();
+    }
+    assert!(!cache.contains(1) && !cache.contains(2), "both finished");
+    let hits = |cache: &mut KvCache| {
+        let mut hit = |ids: &[u32]| cache.explain_prefix(ids, None).unwrap().hit_tokens;
+        (hit(&urgent), hit(&background))
+    };
+    assert_eq!(hits(&mut cache), (16, 16));
+    // 18 fresh blocks evict 5: the background request's (at 35 - 30 = 5), not the others.
+    run_once(&mut cache, 3, &(900..972).collect::<Vec<u32>>(), None);
+    assert_eq!(hits(&mut cache), (16, 0));
+}
+
+#[test]
+fn bad_retention_is_refused_and_changes_nothing() {
+    let mut cache = cache(EvictionPolicy::Priority);
+    cache
+        .alloc_sequence(1, Tokens::Ids(&with_message(5_000)), None)
+        .unwrap();
+    let before = format!("{:?}", cache.stats());
+    let too_high = pin(MAX_PRIORITY + 1, None);
+    let mut backwards = pin(50, None);
+    backwards.ranges[0] = TokenRetention {
+        start: 8,
+        end: Some(8),
+        priority: 50,
+        duration_ns: None,
+    };
+    for config in [too_high, backwards] {
+        assert!(cache.set_retention(1, &config).is_err(), "{config:?}");
+    }
+    assert!(
+        cache.set_retention(7, &pin(50, None)).is_err(),
+        "unknown sequence"
+    );
+    assert_eq!(before, format!("{:?}", cache.stats()));
+    cache.check_invariants().unwrap();
+}
