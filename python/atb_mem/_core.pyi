@@ -87,7 +87,7 @@ class KVCachePool:
                 enable_kv_events: bool = False,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None,
-                eviction_policy: Literal["lru", "lfu", "slru"] | None = None,
+                eviction_policy: Literal["lru", "lfu", "slru", "priority"] | None = None,
                 hash_block_size: int | None = None) -> Self: ...
     @property
     def hash_block_size(self) -> int:
@@ -202,7 +202,7 @@ class KVCachePool:
     def host_prefix_cache(self) -> bool:
         """Whether cached blocks the device evicts are kept in the host tier."""
     @property
-    def eviction_policy(self) -> Literal["lru", "lfu", "slru"]:
+    def eviction_policy(self) -> Literal["lru", "lfu", "slru", "priority"]:
         """Which cached block goes first (SGLang's names)."""
     @property
     def num_free_host_blocks(self) -> int: ...
@@ -219,6 +219,14 @@ class KVCachePool:
         """Blocks no sequence holds and the prefix cache does not keep (nothing may read them)."""
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""
+    def set_retention(
+        self, seq_id: int, ranges: Sequence[tuple[int, int | None, int, int | None]], *,
+        decode: tuple[int, int | None] | None = None, default_priority: int | None = None
+    ) -> None:
+        """What ``seq_id`` asks the prefix cache to keep: (start, end, priority 0-100,
+        duration_ns) ranges, the decode tokens' (priority, duration_ns), the rest's priority."""
+    def advance_clock(self, now_ns: int) -> None:
+        """Moves the retention clock on; priorities whose duration ended fall back to 35."""
     @property
     def enable_kv_events(self) -> bool: ...
     def take_events(self) -> KVEventList:
@@ -490,6 +498,11 @@ class ContinuousScheduler:
         """Validated first; returns the previous configuration."""
     def add_request(self, seq_id: int, prompt: int | TokenIdsLike, max_new_tokens: int,
                     priority: int, arrival_ns: int, num_samples: int = 1) -> None: ...
+    def set_retention(
+        self, seq_id: int, ranges: Sequence[tuple[int, int | None, int, int | None]], *,
+        decode: tuple[int, int | None] | None = None, default_priority: int | None = None
+    ) -> None:
+        """A request's retention (as ``KVCachePool.set_retention``), given at every admission."""
     def step(self, now_ns: int, execute: MoveExecutor | None = None) -> StepPlan:
         """The step plan as numpy arrays (see ``atb_mem.StepPlan``)."""
     def on_tokens(

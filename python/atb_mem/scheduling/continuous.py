@@ -14,6 +14,7 @@ import numpy as np
 from atb_mem import _core
 from atb_mem._types import ContinuousBatchSchedulerStats, ContinuousSchedulerConfig, Preemption
 from atb_mem.kv.cache_pool import KVCachePool
+from atb_mem.kv.retention import Retention
 from atb_mem.scheduling._settings import merged_settings
 from atb_mem.scheduling._times import SECOND_NS, to_ns
 
@@ -71,12 +72,15 @@ class ContinuousBatchScheduler:
     # ---- requests --------------------------------------------------------------------------
 
     def add_request(self, seq_id: int, prompt: Any, max_new_tokens: int, *, priority: int = 0,
-                    arrival_time: float | None = None, num_samples: int = 1) -> None:
+                    arrival_time: float | None = None, num_samples: int = 1,
+                    retention: Retention | None = None) -> None:
         """Queues a request. ``prompt`` is a token count or the token ids (prefix-cache hits
-        then count as computed). Lower ``priority`` numbers go first. ``arrival_time`` is in
-        the clock ``step(now=...)`` uses; the request is not admitted before it (default: at
-        once). ``num_samples`` sequences will be forked from it at its first token (``fork``):
-        it is admitted when there are seats for all of them under ``max_num_seqs``.
+        then count as computed). Lower ``priority`` numbers go first (and, with the priority
+        eviction policy, a priority ``p`` lowers the retention of its blocks by ``p``).
+        ``arrival_time`` is in the clock ``step(now=...)`` uses; the request is not admitted
+        before it (default: at once). ``num_samples`` sequences will be forked from it at its
+        first token (``fork``): it is admitted when there are seats for all of them under
+        ``max_num_seqs``. ``retention``: what it asks the prefix cache to keep.
 
         Refused (``ValueError``, nothing changed) if it could never be scheduled, under the
         settings in force or under a change ``reconfigure`` has not applied yet."""
@@ -85,8 +89,17 @@ class ContinuousBatchScheduler:
         if self._new_settings is not None:
             self._core.check_request(self._new_settings, seq_id, prompt, max_new_tokens,
                                      num_samples)
+        if retention is not None and not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a Retention, got {type(retention).__name__}")
         self._core.add_request(seq_id, prompt, max_new_tokens, priority, arrival_ns,
                                num_samples)
+        if retention is not None:
+            ranges, decode, default = retention.core_args()
+            try:
+                self._core.set_retention(seq_id, ranges, decode=decode, default_priority=default)
+            except BaseException:
+                self._core.abort(seq_id)  # all or nothing
+                raise
 
     def step(self, now: float | None = None) -> StepPlan:
         """Plans the next step and, if the cache holds bytes, executes its block moves — one

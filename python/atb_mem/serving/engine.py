@@ -70,9 +70,9 @@ class Engine:
     The model is switched to atb-mem's attention (``model.set_attn_implementation``).
     ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
-    store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: which cached
-    block goes first, ``"lru"``, ``"lfu"`` or ``"slru"``; ``hash_block_size``: hits every that
-    many tokens (``KVCachePool``); ``kv_events`` (``ZmqEventPublisher``) gets each step's events."""
+    store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: ``"lru"``,
+    ``"lfu"``, ``"slru"`` or ``"priority"`` (``SamplingParams.retention``); ``hash_block_size``:
+    hits every that many tokens; ``kv_events`` (``ZmqEventPublisher``) gets each step's events."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
@@ -194,8 +194,8 @@ class Engine:
         generator = sample_generator(params, 0, self.runner.device)
         seq_id = next(self._next_seq_id)
         try:
-            self.scheduler.add_request(seq_id, token_ids, params.max_tokens,
-                                       num_samples=params.n)
+            self.scheduler.add_request(seq_id, token_ids, params.max_tokens, num_samples=params.n,
+                                       priority=params.priority, retention=params.retention_config)
         except _core.RequestRefusedError as error:  # named by its sequence: name the request
             raise ValueError(f"request {request_id!r} {error.reason}") from None
         if self.tiers is not None:  # what the lower tiers hold is loaded at admission

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from atb_mem.kv.retention import Range, Retention
+
 __all__ = ["GREEDY_BELOW", "SEED_LIMIT", "CompletionOutput", "FinishReason", "RequestOutput",
            "SamplingParams"]
 
@@ -47,6 +49,10 @@ class SamplingParams:
     the same run after run, whatever else is in the batch. ``n`` samples share
     one prefill of the prompt. A request stops at ``max_tokens`` new tokens, at one of
     ``stop_token_ids``, or at the tokenizer's end-of-sequence token unless ``ignore_eos``.
+    ``priority``: lower numbers are scheduled first. With ``eviction_policy="priority"``,
+    ``retention`` = [(start, end or None, priority 0-100, duration_s or None), ...] and
+    ``decode_retention`` = (priority, duration_s or None) say what the prefix cache keeps
+    longest (see ``atb_mem.kv.retention``).
     """
 
     max_tokens: int = 16
@@ -57,6 +63,10 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    priority: int = 0
+    retention: tuple[Range, ...] | list[Range] | None = None
+    decode_retention: tuple[int, float | None] | None = None
+    _retention: Retention | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1)
@@ -75,10 +85,21 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if _int("priority", self.priority, 0) >= 2**32:
+            raise ValueError(f"priority must be below 2**32, got {self.priority}")
+        retention = Retention.of(self.retention, self.decode_retention)  # checks them
+        object.__setattr__(self, "_retention", retention)
+        if retention is not None:
+            object.__setattr__(self, "retention", retention.ranges)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def retention_config(self) -> Retention | None:
+        """``retention`` and ``decode_retention`` as the scheduler takes them."""
+        return self._retention
 
 
 @dataclass

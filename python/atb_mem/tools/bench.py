@@ -194,8 +194,9 @@ def plot_fragmentation(results: list[Any], path: str) -> None:
               help="TIMESTAMP,ContextTokens,GeneratedTokens CSV: its lengths shape the prompts.")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Replay only the first N requests.")
-@click.option("--policies", type=CommaList(str, "eviction policies"), default="lru,lfu,slru",
-              show_default=True)
+@click.option("--policies", type=CommaList(str, "eviction policies"),
+              default="lru,lfu,slru,priority", show_default=True,
+              help="priority: each request pins its system prompt at 100.")
 @click.option("--block-sizes", type=CommaList(int, "ints"), default="16,128", show_default=True)
 @click.option("--hash-block-sizes", type=CommaList(int, "ints"), default="16", show_default=True,
               help="Prefix keys finer than a block: each also replays every block size it "

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import atb_mem
-from atb_mem.tools.simulate import load_trace
+from atb_mem.tools.simulate import Request, load_trace
 
-__all__ = ["PrefixRequest", "prefix_requests", "replay_prefixes"]
+__all__ = ["PrefixRequest", "best_policy", "prefix_requests", "replay_prefixes"]
 
 SEED = 0
 SYSTEM_PROMPTS = (300, 700, 1200, 2000)
@@ -33,27 +33,33 @@ VOCAB = 32_000
 class PrefixRequest:
     prompt: list[int]
     output: list[int]
+    system: int  # the system prompt's tokens, at the prompt's start
 
 
-def prefix_requests(trace: str, limit: int | None = None) -> list[PrefixRequest]:
-    """The trace's requests as prompts with shared prefixes (deterministic)."""
+def prefix_requests(trace: str | list[Request], limit: int | None = None
+                    ) -> list[PrefixRequest]:
+    """The trace's requests (a file, or its loaded requests) as prompts with shared
+    prefixes (deterministic)."""
     rng = np.random.default_rng(SEED)
     systems = [rng.integers(0, VOCAB, size).tolist() for size in SYSTEM_PROMPTS]
-    histories: list[list[int]] = []
+    histories: list[tuple[int, list[int]]] = []
     requests = []
-    for traced in load_trace(trace, limit):
+    traced_requests = load_trace(trace, limit) if isinstance(trace, str) else trace[:limit]
+    for traced in traced_requests:
         output = rng.integers(0, VOCAB, min(traced.output, 512)).tolist()
         if histories and rng.random() < FOLLOW_UP_SHARE:
             turn = len(histories) - 1 - int(rng.integers(min(len(histories),
                                                               RECENT_CONVERSATIONS)))
-            prompt = histories[turn] + rng.integers(0, VOCAB, 32).tolist()
-            histories[turn] = prompt + output
+            system_tokens, history = histories[turn]
+            prompt = history + rng.integers(0, VOCAB, 32).tolist()
+            histories[turn] = (system_tokens, prompt + output)
         else:
             system = systems[int(rng.choice(len(systems), p=SYSTEM_WEIGHTS))]
+            system_tokens = len(system)
             message = max(16, traced.prompt - len(system))
             prompt = system + rng.integers(0, VOCAB, message).tolist()
-            histories.append(prompt + output)
-        requests.append(PrefixRequest(prompt, output))
+            histories.append((system_tokens, prompt + output))
+        requests.append(PrefixRequest(prompt, output, system_tokens))
     return requests
 
 
@@ -70,6 +76,8 @@ def replay_prefixes(requests: list[PrefixRequest], num_blocks: int, block_size: 
             skipped += 1
             continue
         saved += kv.alloc_sequence(seq_id, request.prompt)
+        if policy == "priority":  # the application pins its system prompts
+            kv.set_retention(seq_id, [(0, request.system, 100, None)])
         prompt_tokens += len(request.prompt)
         kv.mark_computed(seq_id)
         if request.output:
@@ -80,3 +88,21 @@ def replay_prefixes(requests: list[PrefixRequest], num_blocks: int, block_size: 
     return {"hit_rate": saved / max(1, prompt_tokens), "prefill_tokens_saved": saved,
             "prompt_tokens": prompt_tokens, "evictions": stats["evictions"],
             "skipped": skipped}
+
+
+def best_policy(requests: list[PrefixRequest], cache_tokens: int, block_size: int,
+                policies: list[str]) -> list[dict[str, float | str | int]]:
+    """Every policy (and, on blocks a 16-token hash divides, ``hash_block_size=16``) replayed
+    at one cache size, the most prefill saved first: what ``atb-mem tune`` picks from."""
+    pieces: list[int | None] = [None]
+    if block_size > 16 and block_size % 16 == 0:
+        pieces.append(16)
+    rows: list[dict[str, float | str | int]] = []
+    num_blocks = max(2, cache_tokens // block_size)
+    for policy in policies:
+        for piece in pieces:
+            result = replay_prefixes(requests, num_blocks, block_size, policy, piece)
+            rows.append({"eviction_policy": policy, "hash_block_size": piece or block_size,
+                         **result})
+    rows.sort(key=lambda row: -float(row["prefill_tokens_saved"]))
+    return rows

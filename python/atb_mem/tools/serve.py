@@ -38,7 +38,8 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
                    "repeatable, one per tier.")
 @click.option("--kv-store", default=None, metavar="URL",
               help="A KV store shared across engines: mooncake://HOST:PORT[?metadata=URL].")
-@click.option("--eviction-policy", type=click.Choice(["lru", "lfu", "slru"]), default="lru",
+@click.option("--eviction-policy", type=click.Choice(["lru", "lfu", "slru", "priority"]),
+              default="lru",
               show_default=True, help="Which cached block the prefix cache gives up first.")
 @click.option("--hash-block-size", type=click.IntRange(min=1), default=None,
               help="Prefix hits every N tokens (N divides --block-size), not only at whole "

@@ -10,7 +10,14 @@ import click
 from rich.progress import Progress
 from rich.table import Table
 
-from atb_mem.tools.options import DTYPES, SIZE, console, require_matplotlib, write_json
+from atb_mem.tools.options import (
+    DTYPES,
+    SIZE,
+    CommaList,
+    console,
+    require_matplotlib,
+    write_json,
+)
 
 
 @click.command()
@@ -45,15 +52,22 @@ from atb_mem.tools.options import DTYPES, SIZE, console, require_matplotlib, wri
               help="With --apply-to: how long the server watches each step.")
 @click.option("--token", envvar="ATB_MEM_ADMIN_TOKEN", default=None,
               help="With --apply-to: the server's --admin-token.")
+@click.option("--policies", type=CommaList(str, "eviction policies"),
+              default="lru,lfu,slru,priority", show_default=True,
+              help="Eviction policies to replay the best configuration's cache with "
+                   "(prompts with shared prefixes shaped by the trace; see bench prefix).")
 def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
          activation_bytes_per_token: int, layers: int, kv_heads: int, head_dim: int,
          dtype: str, latency_p99: float, speedup: float, trials: int, seed: int,
          json_path: str | None, plot_path: str | None, apply_to: str | None, watch: str,
-         token: str | None) -> None:
+         token: str | None, policies: list[str]) -> None:
     """Searches block_size, max_num_seqs, max_num_batched_tokens and gpu_memory_utilization
     (Optuna's TPE) for the most throughput with p99 latency under the bound, replaying the
     trace as the objective. Throughput is output tokens per second of step time (serving
-    capacity), so an arrival-bound trace still tells configurations apart."""
+    capacity), so an arrival-bound trace still tells configurations apart. Then replays
+    prompts with shared prefixes through the best configuration's cache under every
+    eviction policy (and hash_block_size=16 where it divides the block) and names the one
+    that saves the most prefill."""
     from atb_mem.tools import simulate
     from atb_mem.tools.ctl import AdminClient, apply_steps, seconds
 
@@ -91,8 +105,14 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
                                    f"{trials} trials")
     best = max(feasible, key=lambda row: row["value"])
     _print_best(best, feasible, trials, latency_p99)
+    cache_tokens = (int(total_memory * best["gpu_memory_utilization"]) - model_memory) \
+        // simulate.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    policy_rows = _best_policy(requests, cache_tokens, best["block_size"], policies)
     result: dict[str, Any] = {"latency_p99_bound": latency_p99, "speedup": speedup,
-                              "best": best, "trials": rows}
+                              "best": {**best, "eviction_policy": policy_rows[0][
+                                  "eviction_policy"], "hash_block_size": policy_rows[0][
+                                  "hash_block_size"]},
+                              "trials": rows, "eviction_policies": policy_rows}
     try:
         if server is not None:
             # The batch budget first: a larger max_num_seqs is only worth its memory once the
@@ -143,6 +163,26 @@ def _objective(requests: list[Any], token_bytes: int, total_memory: int, model_m
         return result.capacity
 
     return objective
+
+
+def _best_policy(requests: list[Any], cache_tokens: int, block_size: int,
+                 policies: list[str]) -> list[dict[str, Any]]:
+    """The policies replayed at the best configuration's cache, best first, as a table."""
+    from atb_mem.tools.prefix_replay import best_policy, prefix_requests
+
+    rows = best_policy(prefix_requests(requests), cache_tokens, block_size, policies)
+    table = Table(title=f"eviction policy at {cache_tokens:,} cache tokens, block {block_size}")
+    for column in ("policy", "hash block", "hit rate", "prefill saved", "evictions"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for row in rows:
+        table.add_row(str(row["eviction_policy"]), str(row["hash_block_size"]),
+                      f"{row['hit_rate']:.3f}", f"{row['prefill_tokens_saved']:,}",
+                      f"{row['evictions']:,}")
+    console.print(table)
+    if len({row["prefill_tokens_saved"] for row in rows}) == 1:
+        console.print("[yellow]every policy saved the same: the cache holds every prefix of "
+                      "this trace; policies differ only when it must evict[/yellow]")
+    return rows
 
 
 def _print_best(best: dict[str, Any], feasible: list[dict[str, Any]], trials: int,

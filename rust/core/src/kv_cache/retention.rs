@@ -1,9 +1,9 @@
 //! What a request asks the prefix cache to keep: token ranges with a retention priority and
 //! a duration, and one for the tokens it generates (TensorRT-LLM's `KvCacheRetentionConfig`).
 //!
-//! A sequence's full blocks take the highest priority of the ranges that touch them (the
-//! config's default where none does) when they join the cache, and raise cached blocks the
-//! sequence hits. The `priority` eviction policy evicts the lowest priority first; the other
+//! A token asks for the highest priority of the ranges that hold it (the config's default
+//! where none does); a full block takes its least wanted token's when it joins the cache,
+//! and raises cached blocks the sequence hits to it. The `priority` eviction policy evicts the lowest priority first; the other
 //! policies keep no priorities, and a config changes nothing there.
 
 use super::KvCache;
@@ -65,27 +65,50 @@ impl RetentionConfig {
         Ok(())
     }
 
-    /// The priority and duration for the block of tokens `start..end`: the highest of what
-    /// touches it.
-    fn for_tokens(&self, start: usize, end: usize) -> (u8, Option<u64>) {
-        let mut best = (self.default_priority, None);
+    /// What token `t` asks for: the highest of the ranges (and the decode retention) that
+    /// hold it, the default where none does.
+    fn for_token(&self, t: usize) -> (u8, Option<u64>) {
+        let mut best: Option<(u8, Option<u64>)> = None;
         let mut consider = |priority: u8, duration: Option<u64>| {
-            if priority > best.0 {
-                best = (priority, duration);
+            if best.is_none_or(|(top, _)| priority > top) {
+                best = Some((priority, duration));
             }
         };
         for range in &self.ranges {
-            let range_end = range.end.unwrap_or(self.decode_from);
-            if range.start < end && start < range_end {
+            if range.start <= t && range.end.map_or(t < self.decode_from, |end| t < end) {
                 consider(range.priority, range.duration_ns);
             }
         }
         if let Some((priority, duration)) = self.decode {
-            if end > self.decode_from {
+            if t >= self.decode_from {
                 consider(priority, duration);
             }
         }
-        best
+        best.unwrap_or((self.default_priority, None))
+    }
+
+    /// The priority and duration for the block of tokens `start..end`: its least wanted
+    /// token's. A block is reused only whole, so a block a system prompt's pin ends in
+    /// (with every request's own message after it) is worth no more than that message.
+    fn for_tokens(&self, start: usize, end: usize) -> (u8, Option<u64>) {
+        // What a token asks for changes only where a range (or the decode) starts or ends.
+        let bounds = self
+            .ranges
+            .iter()
+            .flat_map(|range| [Some(range.start), range.end.or(Some(self.decode_from))]);
+        let decode = self.decode.map(|_| self.decode_from);
+        let pieces = bounds
+            .flatten()
+            .chain(decode)
+            .filter(|&t| start < t && t < end);
+        let mut least = self.for_token(start);
+        for t in pieces {
+            let asked = self.for_token(t);
+            if asked.0 < least.0 {
+                least = asked;
+            }
+        }
+        least
     }
 }
 
@@ -147,5 +170,42 @@ pub(super) fn retain_joined(
         let block_size = block_pool.block_size();
         let (priority, duration) = config.for_tokens(index * block_size, (index + 1) * block_size);
         block_pool.retain(block, priority, duration, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_takes_its_least_wanted_tokens_priority() {
+        let config = RetentionConfig {
+            ranges: vec![
+                TokenRetention {
+                    start: 0,
+                    end: Some(20),
+                    priority: 100,
+                    duration_ns: None,
+                },
+                TokenRetention {
+                    start: 16,
+                    end: Some(24),
+                    priority: 10,
+                    duration_ns: Some(5),
+                },
+            ],
+            decode: Some((60, Some(7))),
+            decode_from: 32,
+            default_priority: 35,
+        };
+        // Tokens 0..20 ask for 100; 16..24 for the higher of what holds them (100 to 20,
+        // then 10); 24..32 for the default; from 32 on for the decode retention.
+        assert_eq!(config.for_tokens(0, 8), (100, None));
+        assert_eq!(config.for_tokens(8, 16), (100, None));
+        assert_eq!(config.for_tokens(16, 24), (10, Some(5)));
+        assert_eq!(config.for_tokens(24, 32), (35, None));
+        assert_eq!(config.for_tokens(28, 36), (35, None));
+        assert_eq!(config.for_tokens(32, 40), (60, Some(7)));
+        assert_eq!(RetentionConfig::default().for_tokens(0, 8), (35, None));
     }
 }

@@ -6,6 +6,7 @@ mod batch_table;
 mod construct;
 mod events;
 pub mod host_copy;
+mod retention;
 mod rows;
 pub mod transfer;
 
@@ -17,6 +18,7 @@ use pyo3::types::PyDict;
 pub(crate) use access::DETACH_ABOVE;
 pub use batch_table::PyBatchTable;
 pub use events::PyKvEventList;
+pub(crate) use retention::{retention_config, RangeArg};
 pub(crate) use rows::GroupRow;
 use rows::PrefixRow;
 

@@ -11,6 +11,7 @@ use pyo3::types::{PyBool, PyDict, PySlice};
 use super::step_plan::PyStepPlan;
 use crate::convert::{self, Count, Nanos, Prompt, SeqId, SeqIds, TokenIds};
 use crate::errors::{type_error, value_error, IntoPyResult};
+use crate::kv_cache::{retention_config, RangeArg};
 use crate::kv_cache::{transfer, PyKvCachePool};
 use crate::lock::{lock, Guard, PyLock};
 
@@ -217,6 +218,24 @@ impl PyContinuousScheduler {
                 priority,
                 arrival_ns.as_u64(),
             )
+            .into_py_result()
+    }
+
+    /// What request `seq_id` asks the prefix cache to keep (as `KVCachePool.set_retention`
+    /// takes it); its decode tokens start where its prompt ends. Its sequence takes it at
+    /// every admission.
+    #[pyo3(signature = (seq_id, ranges, *, decode=None, default_priority=None))]
+    fn set_retention(
+        &self,
+        seq_id: SeqId,
+        ranges: Vec<RangeArg>,
+        decode: Option<(Count<0>, Option<Nanos>)>,
+        default_priority: Option<Count<0>>,
+    ) -> PyResult<()> {
+        let config = retention_config(ranges, decode, default_priority)?;
+        let mut cache = self.pool.get().lock()?;
+        self.lock()?
+            .set_retention(&mut cache, seq_id.0, config)
             .into_py_result()
     }
 
