@@ -82,8 +82,8 @@ pub(super) struct Request {
     /// While loading: how many blocks past `num_computed` the load brings.
     pub loading_blocks: usize,
     /// What it asks the prefix cache to keep (`set_retention`), given to its sequence at
-    /// every admission.
-    pub retention: Option<RetentionConfig>,
+    /// every admission; boxed, as few requests have one and the step walks them all.
+    pub retention: Option<Box<RetentionConfig>>,
 }
 
 impl Request {
@@ -198,7 +198,7 @@ impl ContinuousScheduler {
         if cache.contains(seq_id) && request.state != State::Waiting {
             cache.set_retention(seq_id, &config)?;
         }
-        self.request_mut(seq_id)?.retention = Some(config);
+        self.request_mut(seq_id)?.retention = Some(Box::new(config));
         Ok(())
     }
 
@@ -213,7 +213,7 @@ impl ContinuousScheduler {
         if request.retention.is_none() && priority == 0 {
             return Ok(());
         }
-        let mut config = request.retention.clone().unwrap_or_default();
+        let mut config = request.retention.as_deref().cloned().unwrap_or_default();
         config.decode_from = request.prompt_len;
         config.default_priority = config.default_priority.saturating_sub(priority);
         cache.set_retention(seq_id, &config)
