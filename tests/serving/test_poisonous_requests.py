@@ -179,7 +179,18 @@ def test_poisonous_requests_among_healthy_ones(server: Any, checkpoint: Path) ->
            ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "seed": 2**64 - 1, "n": 2}, 400),
            ({"prompt": [5, 6, 7, 8], "max_tokens": "5"}, 400),
            ({"prompt": [5, 6, 7, 8], "stream": "yes"}, 400),
-           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 9}, 400)]
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 9}, 400),
+           # Extreme but valid retention and priority; then malformed retention.
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "priority": 2**32 - 1,
+             "retention": [[0, None, 100, 1e308], [2, 2**63 - 1, 0, None]],
+             "decode_retention": [100, 0]}, 200),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "priority": 2**32}, 400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": [[0, 4, 101, None]]}, 400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": [[0, 2**63, 50, None]]},
+            400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": [{"start": 0}]}, 400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": "all"}, 400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "decode_retention": [50, "1s"]}, 400)]
 
     def post(body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", **body},

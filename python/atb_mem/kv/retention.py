@@ -20,6 +20,9 @@ __all__ = ["DEFAULT_PRIORITY", "MAX_PRIORITY", "Retention"]
 DEFAULT_PRIORITY = 35
 MAX_PRIORITY = 100
 _SECOND_NS = 1_000_000_000
+_LONGEST_NS = 2**63 - 1
+_LONGEST_S = _LONGEST_NS / _SECOND_NS
+_MOST_TOKENS = 2**63
 
 Range = tuple[int, int | None, int, float | None]
 
@@ -40,12 +43,15 @@ def _duration_ns(value: object) -> int | None:
                         f"{type(value).__name__}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"a retention duration must be finite and not negative, got {value}")
-    return min(int(value * _SECOND_NS), 2**63 - 1)
+    if value >= _LONGEST_S:  # past 292 years: as good as for ever, and an int64 still
+        return _LONGEST_NS
+    return int(value * _SECOND_NS)
 
 
 def _token(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a retention range's {name} must be an int >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MOST_TOKENS:
+        raise ValueError(f"a retention range's {name} must be an int in [0, 2**63), got "
+                         f"{value!r}")
     return value
 
 

@@ -1,5 +1,6 @@
 """OpenAI's request and response shapes for completions and chat completions (the fields
-atb-mem serves; vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos`` too)."""
+atb-mem serves; vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
+``priority`` too, and atb-mem's ``retention`` and ``decode_retention``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: Any = None
+    # vLLM's scheduling priority (lower first), and atb-mem's retention (SamplingParams').
+    priority: int = Field(0, ge=0, lt=2**32)
+    retention: list[Any] | None = None
+    decode_retention: list[Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.stop:
@@ -42,9 +47,14 @@ class _Sampling(BaseModel):
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        retention = None if self.retention is None else [
+            tuple(entry) if isinstance(entry, list) else entry for entry in self.retention]
+        decode = None if self.decode_retention is None else tuple(self.decode_retention)
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed, n=self.n,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              priority=self.priority, retention=retention,
+                              decode_retention=decode)
 
 
 class CompletionRequest(_Sampling):
