@@ -7,6 +7,9 @@ use atb_mem_core::{
 
 #[path = "support/chain.rs"]
 mod chain;
+#[path = "support/run_once.rs"]
+mod run_once;
+use run_once::run_once;
 
 const BLOCK_SIZE: usize = 4;
 
@@ -21,19 +24,6 @@ fn prompt(first: u32, blocks: usize) -> Vec<u32> {
     (0..(blocks * BLOCK_SIZE + 1) as u32)
         .map(|t| first + t)
         .collect()
-}
-
-/// Admits, "computes" (marks) and frees a prompt, so its full blocks stay cached.
-fn run_once(cache: &mut KvCache, seq_id: u64, ids: &[u32]) -> (usize, Vec<BlockMove>) {
-    let hit = cache
-        .alloc_sequence(seq_id, Tokens::Ids(ids), None)
-        .unwrap();
-    let mut moves = Vec::new();
-    cache.take_moves(&mut moves);
-    cache.mark_computed(seq_id, Some(ids.len())).unwrap();
-    cache.free_sequence(seq_id).unwrap();
-    cache.check_invariants().unwrap();
-    (hit, moves)
 }
 
 #[test]

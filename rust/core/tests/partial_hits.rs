@@ -6,6 +6,10 @@ use atb_mem_core::{
     AttentionKind, BlockMove, CoreError, KvCache, KvLayout, Medium, MoveKind, Tokens,
 };
 
+#[path = "support/run_once.rs"]
+mod run_once;
+use run_once::run_once;
+
 const BLOCK_SIZE: usize = 8;
 const PIECE: usize = 2;
 
@@ -13,20 +17,6 @@ fn cache(num_blocks: usize, hash_block_size: usize) -> KvCache {
     let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
     cache.set_hash_block_size(hash_block_size).unwrap();
     cache
-}
-
-/// Admits, marks computed and frees a prompt: its full blocks stay cached. Returns the hit
-/// and the moves the admission planned.
-fn run_once(cache: &mut KvCache, seq_id: u64, ids: &[u32]) -> (usize, Vec<BlockMove>) {
-    let hit = cache
-        .alloc_sequence(seq_id, Tokens::Ids(ids), None)
-        .unwrap();
-    let mut moves = Vec::new();
-    cache.take_moves(&mut moves);
-    cache.mark_computed(seq_id, Some(ids.len())).unwrap();
-    cache.free_sequence(seq_id).unwrap();
-    cache.check_invariants().unwrap();
-    (hit, moves)
 }
 
 fn cached_prompt() -> Vec<u32> {
