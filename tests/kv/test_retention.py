@@ -93,6 +93,7 @@ def test_bad_retention_is_a_clear_error_and_changes_nothing() -> None:
     ({"decode_retention": (50, -2.0)}, ValueError),
     ({"priority": -1}, ValueError),
     ({"priority": 2**32}, ValueError),
+    ({"retention": [(0, 4, 50, None)] * 65}, ValueError),
 ])
 def test_sampling_params_check_their_retention(bad: dict[str, Any],
                                                error: type[Exception]) -> None:

@@ -190,6 +190,8 @@ def test_poisonous_requests_among_healthy_ones(server: Any, checkpoint: Path) ->
             400),
            ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": [{"start": 0}]}, 400),
            ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "retention": "all"}, 400),
+           ({"prompt": [5, 6, 7, 8], "max_tokens": 3,
+             "retention": [[0, 4, 50, None]] * 50_000}, 400),
            ({"prompt": [5, 6, 7, 8], "max_tokens": 3, "decode_retention": [50, "1s"]}, 400)]
 
     def post(body: dict[str, Any]) -> httpx.Response:

@@ -1,11 +1,12 @@
 """What a request asks the prefix cache to keep, for ``eviction_policy="priority"``
 (TensorRT-LLM's ``KvCacheRetentionConfig``, in seconds).
 
-A block of the prompt takes the highest priority of the ranges that touch it; generated
-tokens take ``decode``'s; everything else ``default_priority``. Priorities run from 0
-(evicted first) to 100 (kept longest); a duration ends a priority (it falls back to 35),
-``None`` keeps it while the block is cached. A cached block another request hits keeps the
-highest priority any of them gave it. Other eviction policies ignore all of this.
+A token asks for the highest priority of the ranges that hold it (generated tokens for
+``decode``'s too; tokens nothing holds for ``default_priority``), and a block takes its
+least wanted token's: it is reused only whole. Priorities run from 0 (evicted first) to 100
+(kept longest); a duration ends a priority (it falls back to 35), ``None`` keeps it while
+the block is cached. A cached block another request hits keeps the highest priority any of
+them gave it. At most 64 ranges. Other eviction policies ignore all of this.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_PRIORITY", "MAX_PRIORITY", "Retention"]
+__all__ = ["DEFAULT_PRIORITY", "MAX_PRIORITY", "MAX_RANGES", "Retention"]
 
 DEFAULT_PRIORITY = 35
 MAX_PRIORITY = 100
+MAX_RANGES = 64
 _SECOND_NS = 1_000_000_000
 _LONGEST_NS = 2**63 - 1
 _LONGEST_S = _LONGEST_NS / _SECOND_NS
@@ -66,6 +68,9 @@ class Retention:
 
     def __post_init__(self) -> None:
         ranges = tuple(self.ranges)
+        if len(ranges) > MAX_RANGES:
+            raise ValueError(f"a retention takes at most {MAX_RANGES} token ranges, got "
+                             f"{len(ranges)}")
         for entry in ranges:
             if not isinstance(entry, tuple | list) or len(entry) != 4:
                 raise ValueError(f"a retention range is (start, end, priority, duration_s), "

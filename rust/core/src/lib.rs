@@ -35,7 +35,7 @@ pub use kv_cache::{
     group_key, group_layers, layer_kinds, pairs_of, AttentionKind, BatchTable, BlockMove,
     GroupPrefix, HostPrefixCounters, KvCache, KvCacheGroup, KvCacheStats, KvEvent, KvEventKind,
     KvEventLog, Medium, MissReason, MoveFailure, MoveKind, PrefixExplanation, RetentionConfig,
-    TokenRetention, Tokens, PAD_SLOT, SEQUENCE_BYTES,
+    TokenRetention, Tokens, MAX_RETENTION_RANGES, PAD_SLOT, SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

@@ -100,13 +100,15 @@ fn an_evicted_source_is_no_longer_found() {
 #[test]
 fn a_held_source_counts_in_the_budget_and_a_partial_hit_that_does_not_fit_is_given_up() {
     // The cached prompt's blocks are unused; a 24-token prompt needs 2 fresh blocks and its
-    // whole-block hit, and holds its unused source while allocating: 4 of the free queue.
+    // whole-block hit, and holds its unused source while allocating: 4 free blocks.
     let mut cache = cache(8, PIECE); // 7 usable: 3 cached, 4 free
     run_once(&mut cache, 1, &cached_prompt());
     let ids = sharing(13, 24);
+    // It takes and keeps 3 (the source goes back); with the source held, 4 must be free for
+    // its partial hit.
     assert_eq!(
         cache.blocks_to_allocate(Tokens::Ids(&ids), None).unwrap(),
-        3 + 1
+        3
     );
     // Hold 3 of the 7 blocks elsewhere: 4 left, 3 of them cached.
     cache
@@ -131,6 +133,11 @@ fn a_held_source_counts_in_the_budget_and_a_partial_hit_that_does_not_fit_is_giv
     assert_eq!(
         cache.blocks_to_allocate(Tokens::Ids(&ids), None).unwrap(),
         3
+    );
+    let explained = cache.explain_prefix(&ids, None).unwrap();
+    assert_eq!(
+        (explained.hit_tokens, explained.partial_tokens),
+        (BLOCK_SIZE, 0)
     );
     let hit = cache.alloc_sequence(2, Tokens::Ids(&ids), None).unwrap();
     assert_eq!((hit, cache.num_pending_moves()), (BLOCK_SIZE, 0));
@@ -206,5 +213,34 @@ fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
     assert_eq!(plan.prefill_seq_ids, [2]);
     assert_eq!(cache.num_computed(2).unwrap(), ids.len());
     assert!(plan.moves.is_empty());
+    scheduler.check_invariants(&cache).unwrap();
+}
+
+/// The scheduler's watermark counts what an admission keeps, not the partial-hit source it
+/// holds for a moment: a request that fits under the watermark runs, with its partial hit.
+#[test]
+fn the_watermark_does_not_count_a_held_source() {
+    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    let mut cache = KvCache::new(10, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    cache.set_hash_block_size(PIECE).unwrap();
+    run_once(&mut cache, 1, &cached_prompt()[..16]);
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 256,
+        enable_chunked_prefill: true,
+        preemption: Preemption::Recompute,
+        watermark: 0.1, // one block of the nine
+    };
+    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    // 63 tokens and the one it generates: all 8 blocks the watermark leaves. It shares the
+    // first 4 tokens of a cached block, whose source it holds while it allocates: 9.
+    let ids = sharing(4, 8 * BLOCK_SIZE - 1);
+    scheduler
+        .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
+        .unwrap();
+    let mut plan = StepPlan::default();
+    scheduler.step(&mut cache, 0, &mut plan).unwrap();
+    assert_eq!(plan.prefill_seq_ids, [2]);
+    assert_eq!(plan.moves.len(), 1, "with its partial hit's copy");
     scheduler.check_invariants(&cache).unwrap();
 }

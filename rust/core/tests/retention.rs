@@ -168,6 +168,11 @@ fn a_schedulers_request_priority_counts_at_eviction() {
     assert!(scheduler
         .set_retention(&mut cache, 2, pin(MAX_PRIORITY + 1, None))
         .is_err());
+    let too_many = RetentionConfig {
+        ranges: vec![pin(50, None).ranges[0]; atb_mem_core::MAX_RETENTION_RANGES + 1],
+        ..RetentionConfig::default()
+    };
+    assert!(scheduler.set_retention(&mut cache, 2, too_many).is_err());
     let mut plan = StepPlan::default();
     let mut finished = Vec::new();
     for _ in 0..8 {
@@ -213,4 +218,45 @@ fn bad_retention_is_refused_and_changes_nothing() {
     );
     assert_eq!(before, format!("{:?}", cache.stats()));
     cache.check_invariants().unwrap();
+}
+
+/// Retention given to a request already admitted counts its scheduling priority as an
+/// admission does.
+#[test]
+fn retention_after_admission_counts_the_request_priority() {
+    let mut cache = cache(EvictionPolicy::Priority);
+    let config = SchedulerConfig {
+        max_num_seqs: 1,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: true,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let ids: Vec<u32> = (500..520).collect();
+    scheduler
+        .add_request(&cache, 1, Tokens::Ids(&ids), 4, 1, 30, 0)
+        .unwrap();
+    let mut plan = StepPlan::default();
+    scheduler.step(&mut cache, 0, &mut plan).unwrap(); // admitted: its 5 blocks at 35 - 30
+    let blocks = cache.block_table(1).unwrap()[..5].to_vec();
+    let priorities = |cache: &KvCache| -> Vec<u8> {
+        blocks
+            .iter()
+            .map(|&b| cache.block_pool().priority(b))
+            .collect()
+    };
+    assert_eq!(priorities(&cache), [5; 5]);
+    // Ranges given now: 60 where they say, and the rest still lowered by 30.
+    let config = RetentionConfig {
+        ranges: vec![TokenRetention {
+            start: 0,
+            end: Some(8),
+            priority: 60,
+            duration_ns: None,
+        }],
+        ..RetentionConfig::default()
+    };
+    scheduler.set_retention(&mut cache, 1, config).unwrap();
+    assert_eq!(priorities(&cache), [60, 60, 5, 5, 5]);
 }

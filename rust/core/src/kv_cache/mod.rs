@@ -40,7 +40,7 @@ pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
 pub use groups::{group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup};
 pub use host_prefix::HostPrefixCounters;
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
-pub use retention::{RetentionConfig, TokenRetention};
+pub use retention::{RetentionConfig, TokenRetention, MAX_RETENTION_RANGES};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 use sequence_table::SequenceTable;
@@ -482,7 +482,7 @@ fn swapped_out(seq_id: u64) -> CoreError {
 #[inline]
 fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
     // Callers check the budget first; this is a guard, not a code path.
-    block_pool.allocate().ok_or(CoreError::OutOfBlocks {
+    block_pool.allocate().ok_or_else(|| CoreError::OutOfBlocks {
         needed: 1,
         available: 0,
     })

@@ -90,8 +90,16 @@ impl KvCache {
                 partial_tokens: 0,
             });
         }
-        let found = self.match_prefix(Tokens::Ids(token_ids), cache_salt);
+        let mut found = self.match_prefix(Tokens::Ids(token_ids), cache_salt);
         let block_size = self.block_size();
+        // A partial hit that would not fit now is not what an admission now would get.
+        let (num_blocks, free) = (token_ids.len().div_ceil(block_size), self.num_free_blocks());
+        found.need(
+            num_blocks,
+            self.groups.len(),
+            free,
+            &mut self.scratch_partial,
+        );
         let groups = (0..self.groups.len())
             .map(|group| {
                 let (cached, missing) = match self.groups[group].kind.is_windowed() {

@@ -26,8 +26,10 @@ pub(super) struct PrefixMatch {
 
 impl PrefixMatch {
     /// Blocks of the free queue an admission of `num_blocks` blocks (`eager_groups` taking
-    /// theirs now) needs; a partial hit that does not fit is given up (`sources` cleared):
-    /// it saves compute, and must never keep a request that fits without it waiting.
+    /// theirs now) takes and keeps. Its partial hit's unused sources are held off the queue
+    /// only while it allocates, so they count only in whether the partial hit fits: one that
+    /// does not is given up (`sources` cleared). It saves compute, and must never keep a
+    /// request that fits without it waiting.
     pub(super) fn need(
         &mut self,
         num_blocks: usize,
@@ -40,7 +42,7 @@ impl PrefixMatch {
             (self.partial, self.partial_held) = (0, 0);
             sources.clear();
         }
-        need + self.partial_held
+        need
     }
 }
 

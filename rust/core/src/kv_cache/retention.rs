@@ -44,8 +44,17 @@ impl Default for RetentionConfig {
     }
 }
 
+/// Most token ranges one request's retention takes: each block that joins the cache looks
+/// at every range, under the cache's lock.
+pub const MAX_RETENTION_RANGES: usize = 64;
+
 impl RetentionConfig {
     pub fn validate(&self) -> CoreResult<()> {
+        ensure!(
+            self.ranges.len() <= MAX_RETENTION_RANGES,
+            "a retention takes at most {MAX_RETENTION_RANGES} token ranges, got {}",
+            self.ranges.len()
+        );
         let priorities = self.ranges.iter().map(|range| range.priority);
         let decode = self.decode.map(|(priority, _)| priority);
         for priority in priorities.chain(decode).chain([self.default_priority]) {

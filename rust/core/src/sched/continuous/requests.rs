@@ -184,21 +184,22 @@ impl ContinuousScheduler {
     }
 
     /// Sets what request `seq_id` asks the prefix cache to keep (see `RetentionConfig`);
-    /// tokens from its prompt's end on are its decode tokens. Its sequence takes it at every
-    /// admission, and at once if admitted already.
+    /// tokens from its prompt's end on are its decode tokens. Its sequence takes it (with its
+    /// scheduling priority, as `retain_admitted` says) at every admission, and at once if
+    /// admitted already.
     pub fn set_retention(
         &mut self,
         cache: &mut KvCache,
         seq_id: u64,
-        mut config: RetentionConfig,
+        config: RetentionConfig,
     ) -> CoreResult<()> {
         config.validate()?;
         let request = self.request_mut(seq_id)?;
-        config.decode_from = request.prompt_len;
-        if cache.contains(seq_id) && request.state != State::Waiting {
-            cache.set_retention(seq_id, &config)?;
+        let admitted = cache.contains(seq_id) && request.state != State::Waiting;
+        request.retention = Some(Box::new(config));
+        if admitted {
+            self.retain_admitted(cache, seq_id)?;
         }
-        self.request_mut(seq_id)?.retention = Some(Box::new(config));
         Ok(())
     }
 
@@ -224,7 +225,7 @@ impl ContinuousScheduler {
     pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
         let request = self
             .forget(seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))?;
+            .ok_or_else(|| CoreError::UnknownSequence(seq_id))?;
         if request.state == State::Loading {
             // A load is writing its blocks: they are freed once it is reported.
             self.abandoned_loads.push(seq_id);
