@@ -68,13 +68,15 @@ impl ContinuousScheduler {
         if plan.moves.is_empty() {
             return Ok(());
         }
+        // Checked whether or not executing fails, so that every test run catches it.
+        debug_assert!(
+            before.is_some(),
+            "a step moved blocks that step_may_move did not foresee: {:?}",
+            plan.moves
+        );
         let Err(MoveFailure { attempted }) = execute(&plan.moves) else {
             return Ok(());
         };
-        debug_assert!(
-            before.is_some(),
-            "a step moved blocks that step_may_move did not foresee"
-        );
         // Unforeseen moves would be a bug; recovering against the step's own state still
         // ends every request whose blocks they wrote.
         let before = before.unwrap_or_else(|| (self.clone(), cache.clone()));
@@ -113,8 +115,17 @@ impl ContinuousScheduler {
             };
             let uncached_free = cache.num_free_blocks() - cache.block_pool().num_evictable();
             let evictable = cache.block_pool().num_evictable() > 0;
-            let cached_anywhere =
-                evictable || cache.num_host_cached_blocks() > 0 || !self.deferred_frees.is_empty();
+            // A windowed group releases the cached blocks its window leaves as the step
+            // computes tokens: they can be evicted (and demoted) before the step ends.
+            let windows_release = windowed
+                && self
+                    .running
+                    .iter()
+                    .any(|id| self.requests.get(id).is_some_and(|request| request.has_ids));
+            let cached_anywhere = evictable
+                || windows_release
+                || cache.num_host_cached_blocks() > 0
+                || !self.deferred_frees.is_empty();
             // Short of free blocks, a decode evicts a cached block: one there now, or one a
             // preempted request with token ids leaves behind.
             let may_evict = || {
