@@ -51,10 +51,7 @@ pub(super) fn allocate_device(
     // Callers check the budget first; this is a guard, not a code path.
     let (block, evicted) = block_pool
         .allocate_evicting()
-        .ok_or(CoreError::OutOfBlocks {
-            needed: 1,
-            available: 0,
-        })?;
+        .ok_or_else(CoreError::no_block)?;
     if let (Some(key), Some(tier)) = (evicted, host_tier) {
         if tier.pool.enable_prefix_caching() {
             demote(tier, moves, events, block, key);

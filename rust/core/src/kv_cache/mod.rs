@@ -482,8 +482,5 @@ fn swapped_out(seq_id: u64) -> CoreError {
 #[inline]
 fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
     // Callers check the budget first; this is a guard, not a code path.
-    block_pool.allocate().ok_or(CoreError::OutOfBlocks {
-        needed: 1,
-        available: 0,
-    })
+    block_pool.allocate().ok_or_else(CoreError::no_block)
 }

@@ -68,7 +68,7 @@ impl SequenceTable {
         self.index
             .get(&seq_id)
             .copied()
-            .ok_or(CoreError::UnknownSequence(seq_id))
+            .ok_or_else(|| CoreError::unknown_sequence(seq_id))
     }
 
     #[inline]
@@ -113,7 +113,7 @@ impl SequenceTable {
         let slab = self
             .index
             .remove(&seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))?;
+            .ok_or_else(|| CoreError::unknown_sequence(seq_id))?;
         self.vacant.push(slab);
         Ok(slab)
     }

@@ -149,7 +149,7 @@ impl ContinuousScheduler {
             let request = self
                 .requests
                 .get_mut(&seq_id)
-                .ok_or(CoreError::UnknownSequence(seq_id))?;
+                .ok_or_else(|| CoreError::unknown_sequence(seq_id))?;
             let loaded = std::mem::take(&mut request.loading_blocks);
             if ok {
                 request.num_computed += loaded * block_size;

@@ -210,13 +210,13 @@ impl ContinuousScheduler {
     fn request(&self, seq_id: u64) -> CoreResult<&Request> {
         self.requests
             .get(&seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))
+            .ok_or_else(|| CoreError::unknown_sequence(seq_id))
     }
 
     fn request_mut(&mut self, seq_id: u64) -> CoreResult<&mut Request> {
         self.requests
             .get_mut(&seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))
+            .ok_or_else(|| CoreError::unknown_sequence(seq_id))
     }
 
     fn watermark_blocks(&self, cache: &KvCache) -> usize {

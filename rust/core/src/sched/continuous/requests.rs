@@ -225,7 +225,7 @@ impl ContinuousScheduler {
     pub fn abort(&mut self, cache: &mut KvCache, seq_id: u64) -> CoreResult<()> {
         let request = self
             .forget(seq_id)
-            .ok_or(CoreError::UnknownSequence(seq_id))?;
+            .ok_or_else(|| CoreError::unknown_sequence(seq_id))?;
         if request.state == State::Loading {
             // A load is writing its blocks: they are freed once it is reported.
             self.abandoned_loads.push(seq_id);
