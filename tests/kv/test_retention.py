@@ -79,6 +79,11 @@ def test_bad_retention_is_a_clear_error_and_changes_nothing() -> None:
         kv.set_retention(1, [(0, 16, 50, -1)])
     with pytest.raises(atb_mem.UnknownSequenceError):
         kv.set_retention(7, [(0, 16, 50, None)])
+    for huge in (2**63, 2**64 - 1, 2**70):
+        with pytest.raises(ValueError, match=r"too large: .* is above 2\*\*63 - 1"):
+            kv.set_retention(1, [(0, 16, 50, huge)])
+        with pytest.raises(ValueError, match=r"above 2\*\*63 - 1"):
+            kv.advance_clock(huge)
     assert kv.stats() == before
     kv._check_invariants()
 

@@ -97,7 +97,7 @@ pub fn count(obj: &Bound<'_, PyAny>, what: &str, minimum: i64) -> PyResult<usize
             describe(obj)
         ))),
         Some(Err(())) => Err(value_error(format!(
-            "{what} is too large: {} does not fit 64 bits",
+            "{what} is too large: {} is above 2**63 - 1",
             describe(obj)
         ))),
         None => Err(type_error(format!(
