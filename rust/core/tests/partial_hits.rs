@@ -9,6 +9,9 @@ use atb_mem_core::{
 #[path = "support/run_once.rs"]
 mod run_once;
 use run_once::run_once;
+#[path = "support/scheduler.rs"]
+mod scheduler;
+use scheduler::scheduler;
 
 const BLOCK_SIZE: usize = 8;
 const PIECE: usize = 2;
@@ -193,17 +196,10 @@ fn bad_hash_block_sizes_are_refused() {
 /// holding the source would need one block more than the cache has.
 #[test]
 fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
-    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    use atb_mem_core::StepPlan;
     let mut cache = cache(5, PIECE); // 4 usable
     run_once(&mut cache, 1, &cached_prompt());
-    let config = SchedulerConfig {
-        max_num_seqs: 2,
-        max_num_batched_tokens: 64,
-        enable_chunked_prefill: true,
-        preemption: Preemption::Recompute,
-        watermark: 0.0,
-    };
-    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let mut scheduler = scheduler(&cache, 2, 64, 0.0);
     let ids = sharing(13, 4 * BLOCK_SIZE - 1);
     scheduler
         .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
@@ -220,20 +216,13 @@ fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
 /// holds for a moment: a request that fits under the watermark runs, with its partial hit.
 #[test]
 fn the_watermark_does_not_count_a_held_source() {
-    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    use atb_mem_core::StepPlan;
     let mut cache = KvCache::new(10, BLOCK_SIZE, KvLayout::default(), true).unwrap();
     cache.set_hash_block_size(PIECE).unwrap();
     run_once(&mut cache, 1, &cached_prompt()[..16]);
-    let config = SchedulerConfig {
-        max_num_seqs: 4,
-        max_num_batched_tokens: 256,
-        enable_chunked_prefill: true,
-        preemption: Preemption::Recompute,
-        watermark: 0.1, // one block of the nine
-    };
-    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
-    // 63 tokens and the one it generates: all 8 blocks the watermark leaves. It shares the
-    // first 4 tokens of a cached block, whose source it holds while it allocates: 9.
+    let mut scheduler = scheduler(&cache, 4, 256, 0.1); // a watermark of one block of nine
+                                                        // 63 tokens and the one it generates: all 8 blocks the watermark leaves. It shares the
+                                                        // first 4 tokens of a cached block, whose source it holds while it allocates: 9.
     let ids = sharing(4, 8 * BLOCK_SIZE - 1);
     scheduler
         .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)

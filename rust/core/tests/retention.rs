@@ -3,9 +3,13 @@
 //! pin; a scheduler counts a request's priority at eviction; bad configs change nothing.
 
 use atb_mem_core::{
-    ContinuousScheduler, EvictionPolicy, KvCache, KvLayout, Preemption, RetentionConfig,
-    SchedulerConfig, StepPlan, TokenRetention, Tokens, MAX_PRIORITY,
+    EvictionPolicy, KvCache, KvLayout, RetentionConfig, StepPlan, TokenRetention, Tokens,
+    MAX_PRIORITY,
 };
+
+#[path = "support/scheduler.rs"]
+mod scheduler;
+use scheduler::scheduler;
 
 const BLOCK_SIZE: usize = 4;
 const SYSTEM: usize = 4 * BLOCK_SIZE;
@@ -146,14 +150,7 @@ fn a_hit_raises_a_cached_block_and_a_lower_priority_goes_first() {
 #[test]
 fn a_schedulers_request_priority_counts_at_eviction() {
     let mut cache = cache(EvictionPolicy::Priority);
-    let config = SchedulerConfig {
-        max_num_seqs: 1,
-        max_num_batched_tokens: 64,
-        enable_chunked_prefill: true,
-        preemption: Preemption::Recompute,
-        watermark: 0.0,
-    };
-    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let mut scheduler = scheduler(&cache, 1, 64, 0.0);
     let (urgent, background): (Vec<u32>, Vec<u32>) = ((500..520).collect(), (700..720).collect());
     // Request 1 runs at priority 0, request 2 at 30 (lower numbers go first); LRU alone would
     // evict request 1's blocks first, as the older.
@@ -225,14 +222,7 @@ fn bad_retention_is_refused_and_changes_nothing() {
 #[test]
 fn retention_after_admission_counts_the_request_priority() {
     let mut cache = cache(EvictionPolicy::Priority);
-    let config = SchedulerConfig {
-        max_num_seqs: 1,
-        max_num_batched_tokens: 64,
-        enable_chunked_prefill: true,
-        preemption: Preemption::Recompute,
-        watermark: 0.0,
-    };
-    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let mut scheduler = scheduler(&cache, 1, 64, 0.0);
     let ids: Vec<u32> = (500..520).collect();
     scheduler
         .add_request(&cache, 1, Tokens::Ids(&ids), 4, 1, 30, 0)

@@ -117,15 +117,14 @@ impl KvCache {
         // As for whole blocks, the last prompt token is always computed.
         let start = hits * block_size;
         let most = ((ids.len() - 1 - start) / piece).min(per_block);
-        let mut key = match hits {
+        let parent = match hits {
             0 => BlockHash::root(cache_salt),
             _ => self.scratch_hashes[hits - 1],
         };
         self.scratch_sub_keys.clear();
-        for chunk in ids[start..start + most * piece].chunks_exact(piece) {
-            key = key.chain(chunk);
-            self.scratch_sub_keys.push(key);
-        }
+        let pieces = &ids[start..start + most * piece];
+        self.scratch_sub_keys
+            .extend(piece_keys(parent, pieces, piece));
         'pieces: for j in (1..=most).rev() {
             self.scratch_partial.clear();
             for group in 0..self.groups.len() {
@@ -140,6 +139,19 @@ impl KvCache {
         self.scratch_partial.clear();
         (0, queryable)
     }
+}
+
+/// The keys of the leading `piece`-token pieces of `tokens`, chained after `parent`: `s_1`,
+/// `s_2`, ... (what a lookup asks for and what a cached block is indexed by).
+fn piece_keys(
+    parent: BlockHash,
+    tokens: &[u32],
+    piece: usize,
+) -> impl Iterator<Item = BlockHash> + '_ {
+    tokens.chunks_exact(piece).scan(parent, |key, chunk| {
+        *key = key.chain(chunk);
+        Some(*key)
+    })
 }
 
 /// Sub-keys of blocks that joined the prefix cache during a scheduler's step, with the key
@@ -172,7 +184,7 @@ pub(super) fn index_sub_blocks(
         debug_assert!(false, "a hashable sequence keeps its token ids");
         return;
     };
-    let mut parent = match index {
+    let parent = match index {
         0 => seq.root_hash,
         _ => seq.hashes[index - 1],
     };
@@ -183,10 +195,8 @@ pub(super) fn index_sub_blocks(
             keys
         }
     };
-    for chunk in tokens.chunks_exact(piece).take(per_block) {
-        parent = parent.chain(chunk);
-        keys.push(group_key(parent, group));
-    }
+    let pieces = piece_keys(parent, tokens, piece).take(per_block);
+    keys.extend(pieces.map(|key| group_key(key, group)));
     match deferred.active {
         true => deferred.blocks.push((block, key)),
         false => block_pool.register_sub_blocks(block, keys),

@@ -1,7 +1,7 @@
 //! Requests arrive, sample tokens, finish or are aborted.
 
 use super::{ContinuousScheduler, QueueKey, SchedulerConfig};
-use crate::alloc::{BlockHash, EvictionPolicy};
+use crate::alloc::{BlockHash, EvictionPolicy, DEFAULT_PRIORITY};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, RetentionConfig, Tokens};
 
@@ -35,6 +35,11 @@ pub(super) fn check_request(
         ));
     }
     Ok(())
+}
+
+/// How much a request's scheduling priority lowers the retention of its tokens.
+fn retention_lowering(priority: u32) -> u8 {
+    u8::try_from(priority).unwrap_or(u8::MAX)
 }
 
 fn refused(seq_id: u64, reason: String) -> CoreError {
@@ -191,11 +196,16 @@ impl ContinuousScheduler {
         &mut self,
         cache: &mut KvCache,
         seq_id: u64,
-        config: RetentionConfig,
+        mut config: RetentionConfig,
     ) -> CoreResult<()> {
         config.validate()?;
         let request = self.request_mut(seq_id)?;
         let admitted = cache.contains(seq_id) && request.state != State::Waiting;
+        // Kept as every admission gives it, so that an admission copies nothing.
+        config.decode_from = request.prompt_len;
+        config.default_priority = config
+            .default_priority
+            .saturating_sub(retention_lowering(request.priority));
         request.retention = Some(Box::new(config));
         if admitted {
             self.retain_admitted(cache, seq_id)?;
@@ -210,14 +220,21 @@ impl ContinuousScheduler {
             return Ok(());
         }
         let request = self.request(seq_id)?;
-        let priority = u8::try_from(request.priority).unwrap_or(u8::MAX);
-        if request.retention.is_none() && priority == 0 {
-            return Ok(());
+        match (
+            request.retention.as_deref(),
+            retention_lowering(request.priority),
+        ) {
+            (Some(config), _) => cache.set_retention(seq_id, config),
+            (None, 0) => Ok(()),
+            (None, lowering) => {
+                let config = RetentionConfig {
+                    decode_from: request.prompt_len,
+                    default_priority: DEFAULT_PRIORITY.saturating_sub(lowering),
+                    ..RetentionConfig::default()
+                };
+                cache.set_retention(seq_id, &config)
+            }
         }
-        let mut config = request.retention.as_deref().cloned().unwrap_or_default();
-        config.decode_from = request.prompt_len;
-        config.default_priority = config.default_priority.saturating_sub(priority);
-        cache.set_retention(seq_id, &config)
     }
 
     /// Ends a request wherever it is, freeing its blocks — at once, or, if the last plan has
