@@ -298,6 +298,7 @@ def test_tune_refuses_impossible_bounds_in_one_line() -> None:
         (["--latency-p99", "0.000001", "--trials", "3", "--requests", "30"], "no configuration"),
         (["--latency-p99", "5", "--model-memory", "90GiB"], "model"),
         (["--latency-p99", "-1"], "latency-p99"),
+        (["--latency-p99", "5", "--policies", "lru,mru"], "unknown eviction policies"),
     ]:
         result = atb_mem_command("tune", *args)
         lines = result.stderr.strip().splitlines()
@@ -325,6 +326,8 @@ def test_bench_prefix_compares_policies_on_the_same_replay(tmp_path: Path) -> No
         assert len({row["prompt_tokens"] for row in rows if row["cache_tokens"] == size}) == 1
     bad = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--policies", "mru")
     assert bad.returncode == 1 and "unknown eviction_policy 'mru'" in bad.stderr
+    bad = atb_mem_command("bench", "prefix", "--trace", str(TRACE), "--hash-block-sizes", "0")
+    assert bad.returncode != 0 and "block sizes must be >= 1" in bad.stderr
 
 
 def test_bench_prefix_with_hits_finer_than_a_block(tmp_path: Path) -> None:

@@ -79,6 +79,12 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
         import optuna
     except ImportError as error:
         raise click.ClickException("tune needs optuna: pip install 'atb-mem[tune]'") from error
+    from atb_mem.tools.prefix_replay import EVICTION_POLICIES
+
+    unknown = [policy for policy in policies if policy not in EVICTION_POLICIES]
+    if unknown:  # before the search, not after it
+        raise click.BadParameter(f"unknown eviction policies {unknown}: one of "
+                                 f"{', '.join(EVICTION_POLICIES)}", param_hint="--policies")
     if plot_path:
         require_matplotlib()
     if model_memory >= total_memory:
