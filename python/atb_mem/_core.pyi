@@ -33,8 +33,11 @@ def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
     """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core."""
 def kv_cache_groups(num_layers: int, layer_types: Sequence[str] | None = None,
                     sliding_window: int | None = None, attention_chunk_size: int | None = None,
-                    ) -> tuple[list[tuple[str, list[int], int | None]], int]:
-    """The KV-cache groups ``KVCachePool`` makes of these layers, and layers per block."""
+                    state_bytes: int | None = None,
+                    ) -> tuple[list[tuple[str, list[int], int | None]], int,
+                               list[tuple[list[int], int]]]:
+    """The KV-cache groups ``KVCachePool`` makes of these layers, layers per block, and the
+    recurrent layers' state groups as ``(layers, state_bytes)``."""
 
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -88,7 +91,7 @@ class KVCachePool:
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None,
                 eviction_policy: Literal["lru", "lfu", "slru", "priority"] | None = None,
-                hash_block_size: int | None = None) -> Self: ...
+                hash_block_size: int | None = None, state_bytes: int | None = None) -> Self: ...
     @property
     def hash_block_size(self) -> int:
         """Tokens per prefix key: ``block_size`` unless hits finer than a block were asked for."""
@@ -106,6 +109,16 @@ class KVCachePool:
         """Layers whose K/V one block holds (``num_layers`` without groups)."""
     def group_of_layer(self, layer: int) -> tuple[int, int]:
         """``(group, slot)`` of a model layer: its group's tables address it, at ``slot``."""
+    @property
+    def _state_groups(self) -> list[tuple[list[int], int, int, int]]:
+        """``(layers, state_bytes, num_blocks, first_column)`` per state group."""
+    @property
+    def num_state_blocks(self) -> int:
+        """Blocks each sequence holds for its recurrent layers' states, whatever its length."""
+    def state_of_layer(self, layer: int) -> tuple[int, int]:
+        """``(state group, slot)`` of a recurrent layer."""
+    def state_table(self, seq_ids: IntsLike) -> Int32Array:
+        """int32 ``[len(seq_ids), num_state_blocks]``: each (device) sequence's state blocks."""
     @property
     def num_kv_heads(self) -> int: ...
     @property

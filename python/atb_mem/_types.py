@@ -210,10 +210,24 @@ class KVCacheGroup(NamedTuple):
     window: int | None
 
 
+class StateGroup(NamedTuple):
+    """Recurrent layers (transformers' ``"linear_attention"``: Mamba, gated delta-net) whose
+    per-sequence states share blocks: layer ``layers[s]`` keeps its ``state_bytes`` in slot
+    ``s`` of the group's ``num_blocks`` state blocks, which are columns ``first_column`` on of
+    ``KVCachePool.state_table``."""
+
+    layers: tuple[int, ...]
+    state_bytes: int
+    num_blocks: int
+    first_column: int
+
+
 MISS_REASONS = ("block_alignment", "not_cached", "evicted", "window")
 """Why a prefix hit falls short, as ``stats()`` counts it: only block alignment stopped it;
 the next block was never cached; it was evicted; a windowed group lacks a block inside the
-window of the next hit point. ``explain_prefix`` may also say ``"prefix_caching_off"``."""
+window of the next hit point. ``explain_prefix`` may also say ``"prefix_caching_off"``, or
+``"state_checkpoint"`` for a cache with recurrent layers (no state is kept at a hit's
+position yet, so such a cache serves no prefix hit)."""
 
 
 class GroupPrefix(NamedTuple):

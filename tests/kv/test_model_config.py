@@ -48,7 +48,8 @@ def test_defaults_follow_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("change", "fragment"), [
     ({"layer_types": ["full_attention"]}, "must list 2"),
-    ({"layer_types": ["full_attention", "linear_attention"]}, "'linear_attention'"),
+    ({"layer_types": ["full_attention", "cross_attention"]}, "'cross_attention'"),
+    ({"layer_types": ["full_attention", "linear_attention"]}, "not of model_type None"),
     ({"layer_types": ["full_attention", "chunked_attention"]}, "attention_chunk_size"),
     ({"num_attention_heads": 0}, "positive int"),
     ({"hidden_size": 65}, "head_dim"),

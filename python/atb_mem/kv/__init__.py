@@ -10,6 +10,6 @@ A hybrid model's layers form KV-cache groups (``KVCacheGroup``); ``explain_prefi
 prefix hit stops where it does (``PrefixExplanation``, ``MISS_REASONS``).
 """
 
-from atb_mem._types import MISS_REASONS, GroupPrefix, KVCacheGroup, PrefixExplanation
+from atb_mem._types import MISS_REASONS, GroupPrefix, KVCacheGroup, PrefixExplanation, StateGroup
 
-__all__ = ["MISS_REASONS", "GroupPrefix", "KVCacheGroup", "PrefixExplanation"]
+__all__ = ["MISS_REASONS", "GroupPrefix", "KVCacheGroup", "PrefixExplanation", "StateGroup"]

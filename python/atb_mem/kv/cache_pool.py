@@ -23,7 +23,13 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem._composition import bind_core, composed
-from atb_mem._types import GroupPrefix, KVCacheGroup, KVCachePoolStats, PrefixExplanation
+from atb_mem._types import (
+    GroupPrefix,
+    KVCacheGroup,
+    KVCachePoolStats,
+    PrefixExplanation,
+    StateGroup,
+)
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -32,26 +38,11 @@ from atb_mem.memory.mem_pool import MemPool
 __all__ = ["KVCachePool"]
 
 # Config keys and the constructor argument each one sets.
-_CONFIG_KEYS = {
-    "max_pages": "num_blocks",
-    "num_blocks": "num_blocks",
-    "page_size": "block_size",
-    "block_size": "block_size",
-    "num_layers": "num_layers",
-    "num_kv_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "dtype": "dtype",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "device": "device",
-    "num_host_blocks": "num_host_blocks",
-    "host_prefix_cache": "host_prefix_cache",
-    "eviction_policy": "eviction_policy",
-    "hash_block_size": "hash_block_size",
-    "enable_kv_events": "enable_kv_events",
-    "layer_types": "layer_types",
-    "sliding_window": "sliding_window",
-    "attention_chunk_size": "attention_chunk_size",
-}
+_CONFIG_KEYS = {"max_pages": "num_blocks", "page_size": "block_size", **{name: name for name in (
+    "num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype",
+    "enable_prefix_caching", "device", "num_host_blocks", "host_prefix_cache", "eviction_policy",
+    "hash_block_size", "enable_kv_events", "layer_types", "sliding_window",
+    "attention_chunk_size", "state_bytes")}}
 
 _DEFAULT_DEVICE = "host"
 
@@ -79,7 +70,9 @@ class KVCachePool(_CoreInterface):
     recomputing it (``explain_prefix(...).partial_tokens``).
     ``layer_types`` (transformers' per-layer names), ``sliding_window``,
     ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
-    without ``layer_types`` makes every layer slide (Mistral).
+    without ``layer_types`` makes every layer slide (Mistral). ``"linear_attention"`` layers
+    (Mamba, gated delta-net) keep ``state_bytes`` per sequence each, in state blocks of the
+    same pool (``state_groups``, ``state_table``).
 
     Block 0 is the reserved null block (block tables are padded with it), so
     ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's
@@ -139,6 +132,11 @@ class KVCachePool(_CoreInterface):
         unless ``layer_types``/``sliding_window`` made more."""
         return [KVCacheGroup(kind, tuple(layers), window)
                 for kind, layers, window in self._groups]
+
+    @property
+    def state_groups(self) -> list[StateGroup]:
+        """The recurrent (``"linear_attention"``) layers' state groups, by first layer."""
+        return [StateGroup(tuple(layers), *sizes) for layers, *sizes in self._state_groups]
 
     # ---- the bytes -------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ class KVCachePlan:
     num_disk_blocks: int = 0
     """Blocks the disk tier holds (``disk_offload_bytes``; each file is a block and a
     16-byte header), 0 without one."""
+    state_blocks_per_seq: int = 0
+    """Of ``blocks_per_seq``, those of the recurrent layers' states (``state_bytes``), which a
+    sequence holds whatever its length."""
 
     @property
     def device_tokens(self) -> int:
@@ -56,20 +59,34 @@ def _positive_int(name: str, value: object) -> int:
 
 def block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
-                attention_chunk_size: int | None = None
+                attention_chunk_size: int | None = None, state_bytes: int | None = None
                 ) -> tuple[int, list[tuple[str, list[int], int | None]]]:
     """(bytes of one block, the KV-cache groups) of the cache ``KVCachePool`` builds for these
     dimensions: a block holds the K/V of one group's ``layers_per_block`` layers."""
-    groups, layers_per_block = kv_cache_groups(num_layers, layer_types, sliding_window,
-                                               attention_chunk_size)
-    return kv_layout_bytes(layers_per_block, num_kv_heads, head_dim, dtype, block_size)[2], groups
+    per_block, groups, _ = _block_layout(block_size, num_layers, num_kv_heads, head_dim, dtype,
+                                         layer_types, sliding_window, attention_chunk_size,
+                                         state_bytes)
+    return per_block, groups
+
+
+def _block_layout(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: str, layer_types: Sequence[str] | None, sliding_window: int | None,
+                  attention_chunk_size: int | None, state_bytes: int | None
+                  ) -> tuple[int, list[tuple[str, list[int], int | None]], int]:
+    """``block_bytes`` and the blocks one sequence's recurrent states take: each state group
+    takes ⌈state_bytes / one layer's share of a block⌉, as ``KVCachePool.state_groups``."""
+    groups, layers_per_block, states = kv_cache_groups(num_layers, layer_types, sliding_window,
+                                                       attention_chunk_size, state_bytes)
+    per_block = kv_layout_bytes(layers_per_block, num_kv_heads, head_dim, dtype, block_size)[2]
+    slot_bytes = per_block // layers_per_block
+    return per_block, groups, sum(-(-size // slot_bytes) for _, size in states)
 
 
 def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization: float = 0.85,
                   block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                   dtype: str, max_model_len: int, safety: float = 0.9,
                   layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
-                  attention_chunk_size: int | None = None,
+                  attention_chunk_size: int | None = None, state_bytes: int | None = None,
                   host_offload_bytes: int = 0, disk_offload_bytes: int = 0) -> KVCachePlan:
     """Sizes a KV cache, and the host offload tier of ``host_offload_bytes`` below it.
 
@@ -93,7 +110,8 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     KV-cache groups as ``KVCachePool`` forms them: a block holds one group's
     ``layers_per_block`` layers, and a sequence costs a full-attention group
     ``⌈max_model_len / block_size⌉`` blocks but a windowed group only ``⌈window / block_size⌉
-    + 1`` (never more than the full length).
+    + 1`` (never more than the full length). Recurrent (``"linear_attention"``) layers add
+    their states' blocks (``state_bytes`` each layer) to every sequence.
 
     Refuses (``ValueError``) a utilization or safety outside (0, 1], a model that does not fit
     in ``total × utilization``, and a cache that cannot hold one max-length sequence besides
@@ -120,14 +138,14 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
             f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
         )
     usable = budget - model_bytes
-    bytes_per_block, groups = block_bytes(dims["block_size"], dims["num_layers"],
-                                          dims["num_kv_heads"], dims["head_dim"], dtype,
-                                          layer_types, sliding_window, attention_chunk_size)
+    bytes_per_block, groups, state_blocks = _block_layout(
+        dims["block_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], dtype,
+        layer_types, sliding_window, attention_chunk_size, state_bytes)
     num_blocks = usable // bytes_per_block
     full_length = math.ceil(dims["max_model_len"] / dims["block_size"])
-    blocks_per_seq = sum(full_length if window is None else
-                         min(full_length, math.ceil(window / dims["block_size"]) + 1)
-                         for _, _, window in groups)
+    blocks_per_seq = state_blocks + sum(full_length if window is None else
+                                        min(full_length, math.ceil(window / dims["block_size"]) + 1)
+                                        for _, _, window in groups)
     bytes_per_seq = blocks_per_seq * bytes_per_block
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
@@ -140,5 +158,6 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
                        max_num_seqs=max_num_seqs, usable_bytes=usable,
                        bytes_per_seq=bytes_per_seq, blocks_per_seq=blocks_per_seq,
                        num_groups=len(groups), block_size=dims["block_size"],
+                       state_blocks_per_seq=state_blocks,
                        num_host_blocks=host_offload_bytes // bytes_per_block,
                        num_disk_blocks=disk_offload_bytes // (bytes_per_block + FRAME_BYTES))

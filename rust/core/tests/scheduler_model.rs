@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use atb_mem_core::{
     AttentionKind, BlockHash, BlockMove, ContinuousScheduler, CoreError, EvictionPolicy, KvCache,
-    KvLayout, MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
+    MoveFailure, MoveKind, SchedulerConfig, StepPlan, Tokens, NULL_BLOCK,
 };
 
 use proptest::prelude::*;
@@ -30,6 +30,8 @@ mod event_mirror;
 mod faults;
 #[path = "support/state.rs"]
 mod state;
+#[path = "scheduler_model/states.rs"]
+mod states;
 #[path = "scheduler_model/tiers.rs"]
 mod tiers;
 #[path = "scheduler_model/workload.rs"]
@@ -86,11 +88,13 @@ struct Counts {
 }
 
 impl Harness {
-    fn new(config: SchedulerConfig, (kinds, block_size): &LayerKinds, host_prefix: bool) -> Self {
-        let layout = KvLayout {
-            num_layers: kinds.len(),
-            ..KvLayout::default()
-        };
+    fn new(
+        config: SchedulerConfig,
+        layer_kinds: &LayerKinds,
+        host_prefix: bool,
+        states: Option<states::StateLayers>,
+    ) -> Self {
+        let (kinds, block_size) = layer_kinds;
         let groups = atb_mem_core::group_layers(kinds).unwrap().0.len();
         // As many slots per group as a one-group cache has in all; with a host prefix cache,
         // fewer, so that the templates' prefixes are evicted and come back.
@@ -100,8 +104,7 @@ impl Harness {
             NUM_BLOCKS
         };
         let num_blocks = 1 + ((device_blocks - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
-        let mut cache =
-            KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, kinds).unwrap();
+        let mut cache = states::cache(num_blocks, layer_kinds, states);
         // With tiers below, a small host tier: the store below it serves what it lets go.
         let host_blocks = if host_prefix && all_full(kinds) {
             3
@@ -130,7 +133,7 @@ impl Harness {
             events: EventMirror::default(),
             host_prefix,
             // Lower tiers serve caches of full-attention layers.
-            store: (host_prefix && all_full(kinds)).then(HashMap::new),
+            store: (host_prefix && all_full(kinds) && states.is_none()).then(HashMap::new),
             loads: Vec::new(),
         }
     }
@@ -225,8 +228,16 @@ impl Harness {
                 if let Some(&parent) = running.get(pick % running.len().max(1)) {
                     let child = 1_000_000 + self.next_id;
                     self.next_id += 1;
-                    self.cache.fork(parent, child).unwrap();
-                    self.forks.push(child);
+                    // A fork shares the K/V but takes blocks for its own states: with states
+                    // it can run out of blocks, and then it changes nothing.
+                    let before = state(&self.scheduler, &self.cache);
+                    match self.cache.fork(parent, child) {
+                        Ok(()) => self.forks.push(child),
+                        Err(CoreError::OutOfBlocks { .. }) if self.cache.num_state_blocks() > 0 => {
+                            assert_eq!(state(&self.scheduler, &self.cache), before);
+                        }
+                        Err(error) => panic!("fork {parent} → {child}: {error}"),
+                    }
                 }
             }
             Op::ForkRequest { pick } => self.fork_request(*pick),
@@ -262,7 +273,17 @@ impl Harness {
         let on_device = self.cache.contains(parent) && !self.cache.is_swapped(parent).unwrap();
         let child = self.next_id;
         self.next_id += 1;
+        let before = state(&self.scheduler, &self.cache);
         let forked = self.scheduler.fork(&mut self.cache, parent, child);
+        if let Err(CoreError::OutOfBlocks { .. }) = forked {
+            // The child's states need blocks of their own.
+            assert!(
+                self.cache.num_state_blocks() > 0,
+                "fork of {parent}: {forked:?}"
+            );
+            assert_eq!(state(&self.scheduler, &self.cache), before);
+            return;
+        }
         assert_eq!(forked.is_ok(), on_device, "fork of {parent}: {forked:?}");
         if forked.is_ok() {
             self.ids.insert(child, ids);
@@ -351,14 +372,17 @@ impl Harness {
     /// Writes each planned token's K/V into its slot, as the model's forward does.
     fn run_model(&mut self) {
         let mut token = 0;
-        for (row, &seq_id) in self
-            .plan
+        let plan = &self.plan;
+        let rows: Vec<u64> = plan
             .prefill_seq_ids
             .iter()
-            .chain(&self.plan.decode_seq_ids)
-            .enumerate()
-        {
+            .chain(&plan.decode_seq_ids)
+            .copied()
+            .collect();
+        for (row, seq_id) in rows.into_iter().enumerate() {
             let query = self.plan.query_lens[row] as usize;
+            let start = self.plan.positions[token] as usize;
+            self.advance_state(seq_id, start, query);
             for _ in 0..query {
                 let position = self.plan.positions[token] as usize;
                 let input = self.plan.input_ids[token];
@@ -447,6 +471,7 @@ impl Harness {
             } else {
                 &memory.device
             };
+            self.check_state(tier, seq_id, computed);
             for (group, spec) in self.cache.groups().iter().enumerate() {
                 let blocks = self.cache.group_block_table(seq_id, group).unwrap();
                 // What the next token to compute reads must be there; earlier blocks a window
@@ -505,7 +530,7 @@ fn run_policy(
     host_prefix: bool,
     (policy, hash_block_size): (EvictionPolicy, usize),
 ) -> Counts {
-    let mut harness = Harness::new(config, kinds, host_prefix);
+    let mut harness = Harness::new(config, kinds, host_prefix, None);
     harness.cache.set_eviction_policy(policy).unwrap();
     harness.cache.set_hash_block_size(hash_block_size).unwrap();
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
@@ -515,31 +540,7 @@ fn run_policy(
         }
         harness.apply(op);
         if trace {
-            eprintln!(
-                "  plan {:?} {:?} q{:?} moves {:?} pre {:?}",
-                harness.plan.prefill_seq_ids,
-                harness.plan.decode_seq_ids,
-                harness.plan.query_lens,
-                harness.plan.moves,
-                harness.plan.preempted_seq_ids
-            );
-            for id in harness
-                .plan
-                .prefill_seq_ids
-                .iter()
-                .chain(&harness.plan.decode_seq_ids)
-            {
-                let tables: Vec<_> = (0..harness.cache.num_groups())
-                    .map(|g| {
-                        harness
-                            .cache
-                            .group_block_table(*id, g)
-                            .ok()
-                            .map(<[u32]>::to_vec)
-                    })
-                    .collect();
-                eprintln!("  {id}: {tables:?} slots {:?}", harness.plan.slot_mapping);
-            }
+            harness.trace();
         }
         harness.check();
     }
@@ -585,5 +586,16 @@ proptest! {
         policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
     ) {
         run_policy(config, &kinds, ops, true, (policy, kinds.1));
+    }
+
+    #[test]
+    fn scheduler_keeps_every_state(
+        config in config(),
+        kinds in states::attention_beside_states(),
+        ops in prop::collection::vec(op(), STEPS),
+        host_prefix in any::<bool>(),
+        states in (1usize..3, 1usize..3),
+    ) {
+        states::run_states(config, &kinds, ops, host_prefix, states);
     }
 }

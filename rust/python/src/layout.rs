@@ -1,6 +1,6 @@
 //! Byte sizes of a K/V layout, from the core: the one place they are computed.
 
-use atb_mem_core::{group_layers, layer_kinds, KvDtype, KvLayout};
+use atb_mem_core::{group_hybrid_layers, layer_kinds, KvDtype, KvLayout};
 use pyo3::prelude::*;
 
 use crate::convert::{Count, Dtype, LayerTypes};
@@ -36,28 +36,43 @@ pub fn kv_layout_bytes(
 }
 
 /// The KV-cache groups a model's layers form, as `KVCachePool` would make them:
-/// (`[(kind, layers, window)]`, layers per block).
+/// (`[(kind, layers, window)]`, layers per block, `[(layers, state bytes)]` of the recurrent
+/// layers' state groups).
 #[pyfunction]
-#[pyo3(signature = (num_layers, layer_types=None, sliding_window=None, attention_chunk_size=None))]
+#[pyo3(signature = (num_layers, layer_types=None, sliding_window=None, attention_chunk_size=None,
+                    state_bytes=None))]
 pub fn kv_cache_groups(
     num_layers: Count<1>,
     layer_types: Option<LayerTypes>,
     sliding_window: Option<Count<1>>,
     attention_chunk_size: Option<Count<1>>,
-) -> PyResult<(Vec<crate::kv_cache::GroupRow>, usize)> {
+    state_bytes: Option<Count<1>>,
+) -> PyResult<GroupsRow> {
     let kinds = layer_kinds(
         num_layers.0,
         layer_types.as_ref().map(|names| names.0.as_slice()),
         sliding_window.map(Count::get),
         attention_chunk_size.map(Count::get),
+        state_bytes.map(Count::get),
     )
     .into_py_result()?;
-    let (groups, layers_per_block) = group_layers(&kinds).into_py_result()?;
+    let groups = group_hybrid_layers(&kinds).into_py_result()?;
     let rows = groups
+        .attention
         .iter()
         .map(|g| (g.kind.name(), g.layers.clone(), g.kind.span()));
-    Ok((rows.collect(), layers_per_block))
+    let states = groups
+        .recurrent
+        .into_iter()
+        .map(|(bytes, layers)| (layers, bytes));
+    Ok((rows.collect(), groups.layers_per_block, states.collect()))
 }
+
+type GroupsRow = (
+    Vec<crate::kv_cache::GroupRow>,
+    usize,
+    Vec<(Vec<usize>, usize)>,
+);
 
 /// The dtype names a K/V cache accepts, canonical spelling.
 pub fn dtype_names() -> Vec<&'static str> {

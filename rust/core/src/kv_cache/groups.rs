@@ -76,34 +76,81 @@ impl AttentionKind {
     }
 }
 
+/// What a layer keeps per sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// K/V per token, attended as the kind says.
+    Attention(AttentionKind),
+    /// One state of `state_bytes` bytes, whatever the length (a Mamba or gated delta-net
+    /// layer: transformers' `"linear_attention"`).
+    Recurrent { state_bytes: usize },
+}
+
+impl From<AttentionKind> for LayerKind {
+    fn from(kind: AttentionKind) -> Self {
+        LayerKind::Attention(kind)
+    }
+}
+
+impl LayerKind {
+    fn check(self) -> CoreResult<Self> {
+        match self {
+            LayerKind::Attention(kind) => Ok(LayerKind::Attention(kind.check()?)),
+            LayerKind::Recurrent { state_bytes: 0 } => {
+                Err(invalid!("state_bytes must be at least 1, got 0"))
+            }
+            recurrent => Ok(recurrent),
+        }
+    }
+}
+
+/// transformers' name for a recurrent layer (Qwen3-Next's gated delta-net, Granite 4.0-H's
+/// Mamba 2, ...).
+pub const RECURRENT_LAYER_TYPE: &str = "linear_attention";
+
 /// The kind of each of `num_layers` layers from a transformers config: `layer_types` names
-/// each layer (`"full_attention"`, `"sliding_attention"`, `"chunked_attention"`); without
-/// it, every layer slides when `sliding_window` is set (Mistral) and attends fully otherwise.
+/// each layer (`"full_attention"`, `"sliding_attention"`, `"chunked_attention"`,
+/// `"linear_attention"`); without it, every layer slides when `sliding_window` is set
+/// (Mistral) and attends fully otherwise. Recurrent layers keep `state_bytes` each.
 pub fn layer_kinds(
     num_layers: usize,
     layer_types: Option<&[String]>,
     sliding_window: Option<usize>,
     attention_chunk_size: Option<usize>,
-) -> CoreResult<Vec<AttentionKind>> {
+    state_bytes: Option<usize>,
+) -> CoreResult<Vec<LayerKind>> {
     let Some(layer_types) = layer_types else {
+        ensure!(
+            state_bytes.is_none(),
+            "state_bytes is for recurrent layers: name them in layer_types"
+        );
         let kind = match sliding_window {
             Some(window) => AttentionKind::SlidingWindow { window },
             None => AttentionKind::Full,
         };
-        return Ok(vec![kind.check()?; num_layers]);
+        return Ok(vec![LayerKind::Attention(kind.check()?); num_layers]);
     };
     ensure!(
         layer_types.len() == num_layers,
         "layer_types names {} layers; num_layers = {num_layers}",
         layer_types.len()
     );
-    layer_types
+    let kinds = layer_types
         .iter()
         .map(|name| {
             let kind = match (name.as_str(), sliding_window, attention_chunk_size) {
                 ("full_attention", _, _) => AttentionKind::Full,
                 ("sliding_attention", Some(window), _) => AttentionKind::SlidingWindow { window },
                 ("chunked_attention", _, Some(chunk)) => AttentionKind::ChunkedLocal { chunk },
+                (RECURRENT_LAYER_TYPE, _, _) => {
+                    let Some(state_bytes) = state_bytes else {
+                        return Err(invalid!(
+                            "layer_types has linear_attention (recurrent) layers: state_bytes \
+                             (the bytes of one layer's state) is required"
+                        ));
+                    };
+                    return LayerKind::Recurrent { state_bytes }.check();
+                }
                 ("sliding_attention", None, _) => {
                     return Err(invalid!(
                         "layer_types has sliding_attention layers: sliding_window is required"
@@ -118,13 +165,21 @@ pub fn layer_kinds(
                 (other, _, _) => {
                     return Err(invalid!(
                         "unknown layer type {other:?}: expected full_attention, \
-                         sliding_attention or chunked_attention"
+                         sliding_attention, chunked_attention or linear_attention"
                     ))
                 }
             };
-            kind.check()
+            LayerKind::Attention(kind).check()
         })
-        .collect()
+        .collect::<CoreResult<Vec<_>>>()?;
+    ensure!(
+        state_bytes.is_none()
+            || kinds
+                .iter()
+                .any(|k| matches!(k, LayerKind::Recurrent { .. })),
+        "state_bytes is for recurrent layers, and layer_types names none (linear_attention)"
+    );
+    Ok(kinds)
 }
 
 /// One group: its kind, the model layers in it, and the slot each uses in a block.
@@ -135,17 +190,35 @@ pub struct KvCacheGroup {
     pub layers: Vec<usize>,
 }
 
-/// Splits layers (given by kind, in model order) into groups of one kind and at most
-/// `layers_per_block` layers. Returns the groups (ordered by their first layer) and
-/// `layers_per_block`: the largest size, up to the smallest kind's layer count, whose padding
-/// (slots of a kind's last, partly filled group) wastes at most a tenth of the slots. Fewer,
-/// larger groups keep per-step work down; the bound keeps the memory they waste small.
+/// Layers split into groups of one kind: attention groups, whose blocks hold K/V per
+/// token, and recurrent groups, whose blocks hold one state per sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerGroups {
+    pub attention: Vec<KvCacheGroup>,
+    /// (bytes of one layer's state, the group's layers).
+    pub recurrent: Vec<(usize, Vec<usize>)>,
+    pub layers_per_block: usize,
+}
+
+/// Splits attention layers (given by kind, in model order) into groups; see
+/// [`group_hybrid_layers`].
 pub fn group_layers(kinds: &[AttentionKind]) -> CoreResult<(Vec<KvCacheGroup>, usize)> {
+    let kinds: Vec<LayerKind> = kinds.iter().map(|&kind| kind.into()).collect();
+    let groups = group_hybrid_layers(&kinds)?;
+    Ok((groups.attention, groups.layers_per_block))
+}
+
+/// Splits layers (given by kind, in model order) into groups of one kind and at most
+/// `layers_per_block` layers, ordered by their first layer: the largest size, up to the
+/// smallest kind's layer count, whose padding (slots of a kind's last, partly filled group)
+/// wastes at most a tenth of the slots. Fewer, larger groups keep per-step work down; the
+/// bound keeps the memory they waste small.
+pub fn group_hybrid_layers(kinds: &[LayerKind]) -> CoreResult<LayerGroups> {
     ensure!(
         !kinds.is_empty(),
         "layer_types must name at least one layer"
     );
-    let mut by_kind: Vec<(AttentionKind, Vec<usize>)> = Vec::new();
+    let mut by_kind: Vec<(LayerKind, Vec<usize>)> = Vec::new();
     for (layer, &kind) in kinds.iter().enumerate() {
         let kind = kind.check()?;
         match by_kind.iter_mut().find(|(known, _)| *known == kind) {
@@ -153,6 +226,13 @@ pub fn group_layers(kinds: &[AttentionKind]) -> CoreResult<(Vec<KvCacheGroup>, u
             None => by_kind.push((kind, vec![layer])),
         }
     }
+    ensure!(
+        by_kind
+            .iter()
+            .any(|(kind, _)| matches!(kind, LayerKind::Attention(_))),
+        "every layer is recurrent: there is no K/V to page (at least one attention layer is \
+         needed)"
+    );
     let smallest = by_kind.iter().map(|(_, layers)| layers.len()).min();
     let padded = |size: usize| -> usize {
         by_kind
@@ -164,17 +244,27 @@ pub fn group_layers(kinds: &[AttentionKind]) -> CoreResult<(Vec<KvCacheGroup>, u
         .rev()
         .find(|&size| (padded(size) - kinds.len()) * 10 <= padded(size))
         .unwrap_or(1);
-    let mut groups: Vec<KvCacheGroup> = by_kind
+    let mut groups: Vec<(LayerKind, Vec<usize>)> = by_kind
         .iter()
         .flat_map(|(kind, layers)| {
-            layers.chunks(layers_per_block).map(|chunk| KvCacheGroup {
-                kind: *kind,
-                layers: chunk.to_vec(),
-            })
+            layers
+                .chunks(layers_per_block)
+                .map(|chunk| (*kind, chunk.to_vec()))
         })
         .collect();
-    groups.sort_by_key(|group| group.layers[0]);
-    Ok((groups, layers_per_block))
+    groups.sort_by_key(|(_, layers)| layers[0]);
+    let mut split = LayerGroups {
+        attention: Vec::new(),
+        recurrent: Vec::new(),
+        layers_per_block,
+    };
+    for (kind, layers) in groups {
+        match kind {
+            LayerKind::Attention(kind) => split.attention.push(KvCacheGroup { kind, layers }),
+            LayerKind::Recurrent { state_bytes } => split.recurrent.push((state_bytes, layers)),
+        }
+    }
+    Ok(split)
 }
 
 /// The prefix-cache key of a block of group `group`: group 0 keeps the chain's hash itself (a
@@ -254,14 +344,42 @@ mod tests {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let kinds = layer_kinds(2, Some(&names), Some(8), None).unwrap();
-        assert_eq!(kinds, [SLIDE, FULL]);
-        assert!(layer_kinds(2, Some(&names), None, None).is_err());
-        assert!(layer_kinds(3, Some(&names), Some(8), None).is_err());
-        assert_eq!(layer_kinds(2, None, Some(8), None).unwrap(), [SLIDE; 2]);
-        assert_eq!(layer_kinds(2, None, None, Some(4)).unwrap(), [FULL; 2]);
+        let kinds = layer_kinds(2, Some(&names), Some(8), None, None).unwrap();
+        assert_eq!(kinds, [SLIDE.into(), FULL.into()]);
+        assert!(layer_kinds(2, Some(&names), None, None, None).is_err());
+        assert!(layer_kinds(3, Some(&names), Some(8), None, None).is_err());
+        assert_eq!(
+            layer_kinds(2, None, Some(8), None, None).unwrap(),
+            [SLIDE.into(); 2]
+        );
+        assert_eq!(
+            layer_kinds(2, None, None, Some(4), None).unwrap(),
+            [FULL.into(); 2]
+        );
         let odd = vec!["mamba".to_string()];
-        assert!(layer_kinds(1, Some(&odd), None, None).is_err());
+        assert!(layer_kinds(1, Some(&odd), None, None, None).is_err());
+        // State sizes go with recurrent layers, and only with them.
+        assert!(layer_kinds(2, Some(&names), Some(8), None, Some(64)).is_err());
+        assert!(layer_kinds(2, None, None, None, Some(64)).is_err());
+    }
+
+    #[test]
+    fn recurrent_layers_group_apart_from_attention() {
+        let names: Vec<String> = ["linear_attention", "linear_attention", "full_attention"]
+            .repeat(2)
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert!(layer_kinds(6, Some(&names), None, None, None).is_err());
+        assert!(layer_kinds(6, Some(&names), None, None, Some(0)).is_err());
+        let kinds = layer_kinds(6, Some(&names), None, None, Some(640)).unwrap();
+        let groups = group_hybrid_layers(&kinds).unwrap();
+        assert_eq!(groups.layers_per_block, 2);
+        assert_eq!(groups.attention.len(), 1);
+        assert_eq!(groups.attention[0].layers, [2, 5]);
+        assert_eq!(groups.recurrent, [(640, vec![0, 1]), (640, vec![3, 4])]);
+        let recurrent = [LayerKind::Recurrent { state_bytes: 8 }; 3];
+        assert!(group_hybrid_layers(&recurrent).is_err());
     }
 
     #[test]

@@ -38,6 +38,13 @@ impl KvCache {
                 seq.tables.len()
             ));
         }
+        if seq.state.len() != self.state_blocks {
+            return Err(format!(
+                "sequence {seq_id}: {} state blocks, not {}",
+                seq.state.len(),
+                self.state_blocks
+            ));
+        }
         for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {
             if seq.num_tokens == 0 || table.blocks.len() != seq.num_tokens.div_ceil(block_size) {
                 return Err(format!(

@@ -64,7 +64,8 @@ impl KvCache {
         // A partial hit's block is a fresh block (filled by a copy).
         let num_blocks = tokens.len().div_ceil(self.block_size());
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        Ok(found.need(num_blocks, eager, free, &mut self.scratch_partial))
+        let need = found.need(num_blocks, eager, free, &mut self.scratch_partial);
+        Ok(need + self.state_blocks)
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -126,7 +127,8 @@ impl KvCache {
         let num_blocks = num_tokens.div_ceil(block_size);
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        let needed = found.need(num_blocks, eager, free, &mut self.scratch_partial);
+        let needed =
+            found.need(num_blocks, eager, free, &mut self.scratch_partial) + self.state_blocks;
         let PrefixMatch {
             queries,
             hits,
@@ -164,8 +166,10 @@ impl KvCache {
             scratch_partial,
             events,
             groups,
+            state_blocks,
             ..
         } = self;
+        let state_blocks = *state_blocks;
         // Held until their copies are planned, so that no allocation below can take them.
         for &source in scratch_partial.iter() {
             block_pool.take_hit(source);
@@ -184,6 +188,8 @@ impl KvCache {
             events,
         };
         let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
+        // Named blocks need states kept at their positions to be hits (see `state`).
+        let hashable = state_blocks == 0;
         copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
         seq.partial_tokens.clear();
         seq.hashes.clear();
@@ -194,7 +200,7 @@ impl KvCache {
         seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
         match tokens {
-            Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
+            Tokens::Ids(ids) if block_pool.enable_prefix_caching() && hashable => {
                 seq.hashable = true;
                 seq.root_hash = BlockHash::root(cache_salt);
                 seq.hashes.extend_from_slice(scratch_hashes);
@@ -206,18 +212,22 @@ impl KvCache {
             }
             _ => seq.hashable = false,
         }
+        self.take_state_blocks(slab)?;
         self.sequences.insert(seq_id, slab);
         Ok(hits * block_size + partial)
     }
 
     /// Makes `child_id` share every block of `parent_id`; the first append into a shared,
-    /// partly filled block copies it (see [`KvCache::take_moves`]).
+    /// partly filled block copies it (see [`KvCache::take_moves`]). Recurrent states are
+    /// never shared: the child gets blocks of its own and a copy of the parent's state is
+    /// planned into them (`OutOfBlocks` when they are not free).
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> CoreResult<()> {
         let parent_slab = self.slab_of(parent_id)?;
         self.device_sequence(parent_id)?;
         if self.sequences.contains(child_id) {
             return Err(CoreError::DuplicateSequence(child_id));
         }
+        self.check_state_budget()?;
         let version = self.sequences.new_version();
         let child_slab = self.sequences.vacant_slab(version, self.groups.len());
         let (parent, child) = self.sequences.two_mut(parent_slab, child_slab);
@@ -248,6 +258,7 @@ impl KvCache {
             self.block_pool.share(block);
         }
         self.has_forked = true;
+        self.copy_state(parent_slab, child_slab)?;
         self.sequences.insert(child_id, child_slab);
         Ok(())
     }
@@ -365,6 +376,12 @@ impl KvCache {
             _ => (block_pool, false),
         };
         let touch_released = !on_host && pool.enable_prefix_caching();
+        for &block in &seq.state {
+            pool.release(block);
+            if on_host && events.enabled() && pool.ref_count(block) == 0 {
+                events.host_block_freed(block);
+            }
+        }
         for index in (0..seq.num_blocks()).rev() {
             for (group, table) in seq.tables.iter().enumerate() {
                 let block = table.blocks[index];

@@ -28,6 +28,7 @@ mod prefix_match;
 mod retention;
 mod sequence;
 mod sequence_table;
+mod state;
 mod stats;
 mod swap;
 mod tables;
@@ -37,13 +38,17 @@ mod windows;
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
-pub use groups::{group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup};
+pub use groups::{
+    group_hybrid_layers, group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup,
+    LayerGroups, LayerKind, RECURRENT_LAYER_TYPE,
+};
 pub use host_prefix::HostPrefixCounters;
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use retention::{RetentionConfig, TokenRetention, MAX_RETENTION_RANGES};
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 use sequence_table::SequenceTable;
+pub use state::StateGroup;
 pub use stats::KvCacheStats;
 use stats::PrefixStats;
 use swap::HostTier;
@@ -87,6 +92,9 @@ pub struct KvCache {
     groups: Vec<KvCacheGroup>,
     layers_per_block: usize,
     bytes_per_block: usize,
+    /// The recurrent layers' groups, and the blocks each sequence holds for their states.
+    state_groups: Vec<state::StateGroup>,
+    state_blocks: usize,
     sequences: SequenceTable,
     /// Block moves decided but not yet executed, in the order they must run.
     pending_moves: Vec<BlockMove>,
@@ -141,14 +149,15 @@ impl KvCache {
         )
     }
 
-    /// A cache for a model whose layer `l` attends as `kinds[l]` says: layers are grouped by
-    /// kind (see [`group_layers`]), and a block holds the K/V of one group's layers.
-    pub fn with_layer_kinds(
+    /// A cache for a model whose layer `l` attends (or keeps a state) as `kinds[l]` says:
+    /// layers are grouped by kind (see [`group_hybrid_layers`]), and a block holds the K/V
+    /// (or states) of one group's layers.
+    pub fn with_layer_kinds<K: Copy + Into<LayerKind>>(
         num_blocks: usize,
         block_size: usize,
         layout: KvLayout,
         enable_prefix_caching: bool,
-        kinds: &[AttentionKind],
+        kinds: &[K],
     ) -> CoreResult<Self> {
         let policy = EvictionPolicy::default();
         Self::with_policy(
@@ -162,12 +171,12 @@ impl KvCache {
     }
 
     /// `with_layer_kinds`, its prefix cache evicting by `policy` (see [`EvictionPolicy`]).
-    pub fn with_policy(
+    pub fn with_policy<K: Copy + Into<LayerKind>>(
         num_blocks: usize,
         block_size: usize,
         layout: KvLayout,
         enable_prefix_caching: bool,
-        kinds: &[AttentionKind],
+        kinds: &[K],
         policy: EvictionPolicy,
     ) -> CoreResult<Self> {
         layout.validate()?;
@@ -177,7 +186,12 @@ impl KvCache {
             kinds.len(),
             layout.num_layers
         );
-        let (groups, layers_per_block) = group_layers(kinds)?;
+        let kinds: Vec<LayerKind> = kinds.iter().map(|&kind| kind.into()).collect();
+        let LayerGroups {
+            attention: groups,
+            recurrent,
+            layers_per_block,
+        } = group_hybrid_layers(&kinds)?;
         let block_pool =
             BlockPool::with_policy(num_blocks, block_size, enable_prefix_caching, policy)?;
         let block_layout = KvLayout {
@@ -189,6 +203,14 @@ impl KvCache {
                 "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
             )
         })?;
+        let state_groups = state::state_groups(recurrent, bytes_per_block / layers_per_block);
+        let state_blocks = state_groups.iter().map(|group| group.num_blocks).sum();
+        ensure!(
+            state_blocks < num_blocks - 1,
+            "one sequence's recurrent states take {state_blocks} blocks of this pool, which has \
+             {} usable: give it more blocks, or larger ones",
+            num_blocks - 1
+        );
         let mut cache = KvCache {
             block_pool,
             host_tier: None,
@@ -196,6 +218,8 @@ impl KvCache {
             groups,
             layers_per_block,
             bytes_per_block,
+            state_groups,
+            state_blocks,
             sequences: SequenceTable::default(),
             pending_moves: Vec::new(),
             has_forked: false,
@@ -227,21 +251,23 @@ impl KvCache {
         self.layers_per_block
     }
 
-    /// The group of model layer `layer` and the slot it uses in that group's blocks.
+    /// The group of attention layer `layer` and the slot it uses in that group's blocks.
     pub fn group_of_layer(&self, layer: usize) -> CoreResult<(usize, usize)> {
-        self.groups
-            .iter()
-            .enumerate()
-            .find_map(|(group, spec)| {
-                let slot = spec.layers.iter().position(|&l| l == layer)?;
-                Some((group, slot))
-            })
-            .ok_or_else(|| {
-                invalid!(
-                    "layer {layer} is not a layer of this model (num_layers = {})",
-                    self.layout.num_layers
-                )
-            })
+        let found = self.groups.iter().enumerate().find_map(|(group, spec)| {
+            let slot = spec.layers.iter().position(|&l| l == layer)?;
+            Some((group, slot))
+        });
+        match found {
+            Some(found) => Ok(found),
+            None if layer < self.layout.num_layers => Err(invalid!(
+                "layer {layer} is a recurrent layer: it has a state, not K/V blocks \
+                 (state_of_layer)"
+            )),
+            None => Err(invalid!(
+                "layer {layer} is not a layer of this model (num_layers = {})",
+                self.layout.num_layers
+            )),
+        }
     }
 
     #[inline]
@@ -321,9 +347,13 @@ impl KvCache {
     /// many, but never more than its window (or chunk) and a block more, so a window larger
     /// than the pool still serves every sequence shorter than the pool. Without
     /// full-attention groups, a length past every window is any length whose slots fit the
-    /// kernels' int32.
+    /// kernels' int32. A sequence's recurrent states take their blocks first.
     pub fn tokens_in_blocks(&self, blocks: usize) -> usize {
         let block_size = self.block_size();
+        // Recurrent layers' states come first, whatever the length.
+        let Some(blocks) = blocks.checked_sub(self.state_blocks) else {
+            return 0;
+        };
         // Blocks a sequence of `k` blocks' worth of tokens holds at once; nondecreasing in k.
         let held = |k: usize| -> usize {
             self.groups
@@ -456,14 +486,18 @@ impl KvCache {
         let usable = self.num_blocks() - 1;
         let most = match lazy {
             true => self.max_seq_tokens(),
-            false => usable / self.groups.len() * self.block_size(),
+            false => (usable - self.state_blocks) / self.groups.len() * self.block_size(),
         };
         ensure!(
             count <= most,
             "{what} = {count} can never fit: the pool holds at most {most} tokens per sequence \
-             ({usable} usable blocks of {} for {} group(s))",
+             ({usable} usable blocks of {} for {} group(s){})",
             self.block_size(),
-            self.groups.len()
+            self.groups.len(),
+            match self.state_blocks {
+                0 => String::new(),
+                blocks => format!(", {blocks} of them each sequence's recurrent states"),
+            }
         );
         Ok(())
     }

@@ -59,6 +59,11 @@ impl KvCache {
             "hash_block_size serves caches of full-attention layers only: a sliding or chunked \
              group's hit needs whole blocks up to where it ends"
         );
+        ensure!(
+            !self.has_state(),
+            "hash_block_size serves caches without recurrent layers: their prefix hits need \
+             states kept at the hit's position"
+        );
         self.block_pool
             .enable_sub_blocks(block_size / hash_block_size - 1)
     }

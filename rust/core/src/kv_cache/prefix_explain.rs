@@ -22,6 +22,9 @@ pub enum MissReason {
     WindowGone = 3,
     /// The cache was built without prefix caching.
     PrefixCachingOff = 4,
+    /// A recurrent layer has no state kept at the hit's position (a hit needs one, and
+    /// states are not checkpointed yet: see `state`).
+    StateCheckpoint = 5,
 }
 
 impl MissReason {
@@ -40,6 +43,7 @@ impl MissReason {
             MissReason::Evicted => "evicted",
             MissReason::WindowGone => "window",
             MissReason::PrefixCachingOff => "prefix_caching_off",
+            MissReason::StateCheckpoint => "state_checkpoint",
         }
     }
 }
@@ -76,14 +80,19 @@ impl KvCache {
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<PrefixExplanation> {
         ensure!(!token_ids.is_empty(), "token_ids must hold at least one id");
-        if !self.enable_prefix_caching() {
+        let unserved = match (self.enable_prefix_caching(), self.has_state()) {
+            (false, _) => Some(MissReason::PrefixCachingOff),
+            (true, true) => Some(MissReason::StateCheckpoint),
+            (true, false) => None,
+        };
+        if let Some(reason) = unserved {
             let off = GroupPrefix {
                 cached_tokens: 0,
-                reason: MissReason::PrefixCachingOff,
+                reason,
             };
             return Ok(PrefixExplanation {
                 hit_tokens: 0,
-                reason: MissReason::PrefixCachingOff,
+                reason,
                 limited_by: None,
                 groups: vec![off; self.groups.len()],
                 tiers: Vec::new(),

@@ -73,7 +73,7 @@ impl KvCache {
         let Tokens::Ids(ids) = tokens else {
             return PrefixMatch::default();
         };
-        if !self.block_pool.enable_prefix_caching() {
+        if !self.block_pool.enable_prefix_caching() || self.has_state() {
             return PrefixMatch::default();
         }
         let block_size = self.block_size();

@@ -18,6 +18,9 @@ pub(super) struct Sequence {
     /// One block list per KV-cache group, all as long as the token count needs: device
     /// blocks, or host blocks while `swapped`.
     pub(super) tables: Vec<GroupTable>,
+    /// The recurrent layers' state blocks (`KvCache::num_state_blocks` of them, device blocks
+    /// or host blocks while `swapped`); never shared.
+    pub(super) state: Vec<u32>,
     /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
     pub(super) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
@@ -103,6 +106,7 @@ impl Sequence {
         for table in &mut self.tables {
             table.reset(0);
         }
+        self.state.clear();
         self.partial_tokens.clear();
         self.hashes.clear();
         self.token_ids.clear();
@@ -121,11 +125,12 @@ impl Sequence {
         self.tables[0].blocks.len()
     }
 
-    /// Every block the sequence holds, in any group (null blocks skipped).
+    /// Every block the sequence holds, in any group, its state's too (null blocks skipped).
     pub(super) fn held_blocks(&self) -> impl Iterator<Item = u32> + '_ {
         self.tables
             .iter()
             .flat_map(|table| table.live().iter().copied())
+            .chain(self.state.iter().copied())
     }
 
     /// Logs that full blocks `blocks` of `group` joined the device's prefix cache.

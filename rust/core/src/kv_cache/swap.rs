@@ -2,7 +2,7 @@
 //! blocks the device evicts, is `host_prefix`.)
 
 use super::host_prefix::{allocate_device, HostPrefixCounters};
-use super::{allocate_checked, swapped_out, KvCache, NO_BLOCK};
+use super::{allocate_checked, swapped_out, KvCache, KvEventLog, NO_BLOCK};
 use crate::alloc::{BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
@@ -189,55 +189,30 @@ impl KvCache {
         let Some(tier) = host_tier.as_mut() else {
             return Ok(());
         };
-        let kind = if out {
-            MoveKind::ToHost
-        } else {
-            MoveKind::ToDevice
-        };
         let first_move = pending_moves.len();
         for &slab in slabs {
             // New block tables: a new version (rows that show it are rewritten).
             let version = sequences.new_version();
             let seq = &mut sequences[slab];
             seq.version = version;
-            // Blocks whose contents the prefix cache names: their host copies are events.
-            let named = seq.num_registered.min(seq.hashes.len());
+            let mut moving = MovingTiers {
+                out,
+                tier: &mut *tier,
+                block_pool: &mut *block_pool,
+                moves: &mut *pending_moves,
+                events: &mut *events,
+            };
             for table in seq.tables.iter_mut() {
                 for block in table.live_mut().iter_mut().rev() {
-                    let moved = match tier.scratch_moves[*block as usize] {
-                        NO_BLOCK => {
-                            let moved = match out {
-                                true => allocate_checked(&mut tier.pool)?,
-                                // A device block this evicts may be demoted to the host tier,
-                                // after the moves that read the host blocks released so far.
-                                false => {
-                                    allocate_device(block_pool, Some(tier), pending_moves, events)?
-                                }
-                            };
-                            tier.scratch_moves[*block as usize] = moved;
-                            pending_moves.push(BlockMove::new(kind, *block, moved));
-                            moved
-                        }
-                        moved => {
-                            match out {
-                                true => tier.pool.share(moved),
-                                false => block_pool.share(moved),
-                            }
-                            moved
-                        }
-                    };
-                    let source = match out {
-                        true => &mut *block_pool,
-                        false => &mut tier.pool,
-                    };
-                    source.release(*block);
-                    if !out && events.enabled() && source.ref_count(*block) == 0 {
-                        events.host_block_freed(*block);
-                    }
-                    *block = moved;
+                    moving.move_block(block)?;
                 }
                 table.layout = seq.version;
             }
+            for block in seq.state.iter_mut() {
+                moving.move_block(block)?;
+            }
+            // Blocks whose contents the prefix cache names: their host copies are events.
+            let named = seq.num_registered.min(seq.hashes.len());
             if out && events.enabled() {
                 // Host copies this evicted leave first: a block holds one name at a time.
                 tier.pool
@@ -262,6 +237,57 @@ impl KvCache {
             tier.scratch_moves[planned.src as usize] = NO_BLOCK;
         }
         self.sync_removed();
+        Ok(())
+    }
+}
+
+/// The tiers a swap moves blocks between (`out`: device to host).
+struct MovingTiers<'a> {
+    out: bool,
+    tier: &'a mut HostTier,
+    block_pool: &'a mut BlockPool,
+    moves: &'a mut Vec<BlockMove>,
+    events: &'a mut KvEventLog,
+}
+
+impl MovingTiers<'_> {
+    /// Moves one held block (once, however many sequences share it: `scratch_moves` knows
+    /// where it went) and releases it.
+    fn move_block(&mut self, block: &mut u32) -> CoreResult<()> {
+        let (out, tier) = (self.out, &mut *self.tier);
+        let moved = match tier.scratch_moves[*block as usize] {
+            NO_BLOCK => {
+                let (moved, kind) = match out {
+                    true => (allocate_checked(&mut tier.pool)?, MoveKind::ToHost),
+                    // A device block this evicts may be demoted to the host tier, after the
+                    // moves that read the host blocks released so far.
+                    false => {
+                        let moved =
+                            allocate_device(self.block_pool, Some(tier), self.moves, self.events)?;
+                        (moved, MoveKind::ToDevice)
+                    }
+                };
+                tier.scratch_moves[*block as usize] = moved;
+                self.moves.push(BlockMove::new(kind, *block, moved));
+                moved
+            }
+            moved => {
+                match out {
+                    true => tier.pool.share(moved),
+                    false => self.block_pool.share(moved),
+                }
+                moved
+            }
+        };
+        let source = match out {
+            true => &mut *self.block_pool,
+            false => &mut tier.pool,
+        };
+        source.release(*block);
+        if !out && self.events.enabled() && source.ref_count(*block) == 0 {
+            self.events.host_block_freed(*block);
+        }
+        *block = moved;
         Ok(())
     }
 }

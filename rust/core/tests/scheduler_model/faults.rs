@@ -68,3 +68,68 @@ impl Harness {
         );
     }
 }
+
+impl Harness {
+    /// What the last step planned, for `ATB_MEM_TRACE=1`.
+    pub(super) fn trace(&self) {
+        let plan = &self.plan;
+        eprintln!(
+            "  plan {:?} {:?} q{:?} moves {:?} pre {:?}",
+            plan.prefill_seq_ids,
+            plan.decode_seq_ids,
+            plan.query_lens,
+            plan.moves,
+            plan.preempted_seq_ids
+        );
+        for id in plan.prefill_seq_ids.iter().chain(&plan.decode_seq_ids) {
+            let tables: Vec<_> = (0..self.cache.num_groups())
+                .map(|g| {
+                    let table = self.cache.group_block_table(*id, g);
+                    table.ok().map(<[u32]>::to_vec)
+                })
+                .collect();
+            let state = self.cache.state_blocks(*id).ok();
+            eprintln!(
+                "  {id}: {tables:?} state {state:?} slots {:?}",
+                plan.slot_mapping
+            );
+        }
+    }
+}
+
+/// An aborted request's blocks are freed at the next step's start; a prefill short of free
+/// blocks then evicts (and demotes) them, so that step needs its snapshot. It was not
+/// foreseen when no running request had token ids of its own.
+#[test]
+fn a_deferred_free_is_foreseen_as_an_eviction() {
+    use super::workload::Op;
+    use atb_mem_core::{AttentionKind, Preemption, SchedulerConfig};
+
+    let config = SchedulerConfig {
+        max_num_seqs: 2,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: false,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    let kinds = (vec![AttentionKind::SlidingWindow { window: 2 }], 1);
+    let add = |keep, tail, by_count| Op::Add {
+        template: 0,
+        keep,
+        tail,
+        by_count,
+        max_new: 1,
+    };
+    let ops = vec![
+        add(5, vec![0; 6], false),
+        add(3, vec![0], true),
+        Op::Step { fail: None },
+        Op::Abort { pick: 2 },
+        Op::Step { fail: None },
+    ];
+    let counts = super::run(config, &kinds, ops, true);
+    assert!(
+        counts.swaps > 0,
+        "the second step demotes the aborted request's blocks"
+    );
+}

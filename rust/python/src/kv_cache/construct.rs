@@ -19,6 +19,8 @@ pub(super) struct CacheArgs {
     pub attention_chunk_size: Option<usize>,
     pub eviction_policy: Option<String>,
     pub hash_block_size: Option<usize>,
+    /// Bytes of one recurrent layer's state (`"linear_attention"` layers).
+    pub state_bytes: Option<usize>,
 }
 
 pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
@@ -36,6 +38,7 @@ pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
         args.layer_types.as_deref(),
         args.sliding_window,
         args.attention_chunk_size,
+        args.state_bytes,
     )
     .into_py_result()?;
     // Built with its policy, not rebuilt: replacing the block pool after the fact placed its

@@ -8,6 +8,7 @@ mod events;
 pub mod host_copy;
 mod retention;
 mod rows;
+mod state;
 pub mod transfer;
 
 use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
@@ -43,7 +44,7 @@ impl PyKvCachePool {
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
                         host_prefix_cache=false, enable_kv_events=false, layer_types=None,
                         sliding_window=None, attention_chunk_size=None, eviction_policy=None,
-                        hash_block_size=None))]
+                        hash_block_size=None, state_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -61,6 +62,7 @@ impl PyKvCachePool {
         attention_chunk_size: Option<Count<1>>,
         eviction_policy: Option<String>,
         hash_block_size: Option<Count<1>>,
+        state_bytes: Option<Count<1>>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
             num_blocks: num_blocks.0,
@@ -80,6 +82,7 @@ impl PyKvCachePool {
             attention_chunk_size: attention_chunk_size.map(Count::get),
             eviction_policy,
             hash_block_size: hash_block_size.map(Count::get),
+            state_bytes: state_bytes.map(Count::get),
         })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),

@@ -116,25 +116,21 @@ impl ContinuousScheduler {
             let uncached_free = cache.num_free_blocks() - cache.block_pool().num_evictable();
             let evictable = cache.block_pool().num_evictable() > 0;
             // A windowed group releases the cached blocks its window leaves as the step
-            // computes tokens: they can be evicted (and demoted) before the step ends.
+            // computes tokens: they can be evicted (and demoted) before the step ends, by
+            // the request that released them too, admitted in this step or running.
+            let has_ids = |id: &u64| self.requests.get(id).is_some_and(|request| request.has_ids);
             let windows_release = windowed
-                && self
-                    .running
-                    .iter()
-                    .any(|id| self.requests.get(id).is_some_and(|request| request.has_ids));
+                && (self.running.iter().any(has_ids)
+                    || self.waiting.iter().any(|(_, _, id)| has_ids(id)));
             let cached_anywhere = evictable
                 || windows_release
                 || cache.num_host_cached_blocks() > 0
                 || !self.deferred_frees.is_empty();
-            // Short of free blocks, a decode evicts a cached block: one there now, or one a
-            // preempted request with token ids leaves behind.
-            let may_evict = || {
-                evictable
-                    || self
-                        .running
-                        .iter()
-                        .any(|id| self.requests.get(id).is_some_and(|request| request.has_ids))
-            };
+            // Short of free blocks, a decode or a prefill evicts a cached block: one there
+            // now, one an aborted request's deferred free leaves at the step's start, or one
+            // a preempted request with token ids leaves behind.
+            let may_evict =
+                || evictable || !self.deferred_frees.is_empty() || self.running.iter().any(has_ids);
             if (admits && cached_anywhere)
                 || (uncached_free < decode_need + chunk_need && may_evict())
             {
