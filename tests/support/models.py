@@ -14,6 +14,7 @@ from tests.support.devices import require_torch
 ARCHITECTURES = ["llama", "qwen3", "qwen3_moe"]
 # Sliding-window and chunked attention, with a window of WINDOW tokens.
 HYBRID_ARCHITECTURES = ["mistral", "gemma3", "gpt_oss", "llama4"]
+RECURRENT_ARCHITECTURES = ["granitemoehybrid", "qwen3_next"]
 WINDOW = 6
 
 _SHARED = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -51,6 +52,8 @@ def tiny_model(architecture: str, seed: int = 0) -> Any:
         cls = transformers.Qwen3MoeForCausalLM
     elif architecture in HYBRID_ARCHITECTURES:
         config, cls = _hybrid_config(transformers, architecture)
+    elif architecture in RECURRENT_ARCHITECTURES:
+        config, cls = _recurrent_config(transformers, architecture)
     else:
         raise ValueError(architecture)
     torch.manual_seed(seed)
@@ -82,6 +85,27 @@ def _hybrid_config(transformers: Any, architecture: str) -> tuple[Any, Any]:
                                           intermediate_size_mlp=128,
                                           attn_temperature_tuning=False),
             transformers.Llama4ForCausalLM)
+
+
+def _recurrent_config(transformers: Any, architecture: str) -> tuple[Any, Any]:
+    """Recurrent layers beside attention: Granite 4.0-H (Mamba2 mixers, then an attention
+    layer, then a Mamba2 one) and Qwen3-Next (gated delta-nets, full attention every third
+    layer, experts)."""
+    shared = {**_SHARED, "num_hidden_layers": 4}
+    if architecture == "granitemoehybrid":
+        return (transformers.GraniteMoeHybridConfig(
+            **shared, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                   "linear_attention"],
+            mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, num_local_experts=0,
+            shared_intermediate_size=128, position_embedding_type="rope"),
+            transformers.GraniteMoeHybridForCausalLM)
+    return (transformers.Qwen3NextConfig(
+        **shared, head_dim=16, full_attention_interval=3, linear_conv_kernel_dim=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1),
+        transformers.Qwen3NextForCausalLM)
 
 
 def model_pair(architecture: str, seed: int = 0) -> tuple[Any, Any]:

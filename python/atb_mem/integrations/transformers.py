@@ -33,6 +33,7 @@ from atb_mem.integrations.layer_attention import (
     layer_attention,
     layer_groups,
 )
+from atb_mem.integrations.recurrent_state import RecurrentStates, recurrent_step
 
 if TYPE_CHECKING:
     import torch
@@ -361,10 +362,14 @@ class ModelRunner:
                                        kv_cache.num_kv_heads, kv_cache.head_dim,
                                        kv_cache.block_size, model.dtype)
         shape = (-1, kv_cache.num_kv_heads, kv_cache.head_dim)
-        self.layer_caches = [(kv_cache.key_cache(layer).view(shape),
-                              kv_cache.value_cache(layer).view(shape))
-                             for layer in range(kv_cache.num_layers)]
         self.layer_groups = layer_groups(self.layers, kv_cache)
+        # A recurrent layer has no K/V: its mixer reads and writes its state blocks.
+        self.layer_caches = [(None, None) if attention.is_recurrent else
+                             (kv_cache.key_cache(layer).view(shape),
+                              kv_cache.value_cache(layer).view(shape))
+                             for layer, attention in enumerate(self.layers)]
+        self.recurrent = RecurrentStates(model, kv_cache, self.layers) \
+            if any(attention.is_recurrent for attention in self.layers) else None
         use_paged_attention(model)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -383,7 +388,7 @@ class ModelRunner:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)
 
-        with torch.inference_mode(), paged_step(step):
+        with torch.inference_mode(), paged_step(step), recurrent_step(self.recurrent, plan):
             output = self.model(input_ids=tensor(input_ids)[None],
                                 position_ids=tensor(plan.positions)[None], use_cache=False,
                                 logits_to_keep=tensor(plan.logits_indices))

@@ -10,7 +10,7 @@ from atb_mem._core import KV_DTYPES, kv_cache_groups, kv_layout_bytes
 
 FRAME_BYTES = 16  # a stored block's header: atb_mem.kv.tiers.store.frame
 
-__all__ = ["KV_DTYPES", "KVCachePlan", "block_bytes", "plan_kv_cache"]
+__all__ = ["KV_DTYPES", "KVCachePlan", "block_bytes", "block_layout", "plan_kv_cache"]
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,17 @@ def block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: i
                 ) -> tuple[int, list[tuple[str, list[int], int | None]]]:
     """(bytes of one block, the KV-cache groups) of the cache ``KVCachePool`` builds for these
     dimensions: a block holds the K/V of one group's ``layers_per_block`` layers."""
-    per_block, groups, _ = _block_layout(block_size, num_layers, num_kv_heads, head_dim, dtype,
-                                         layer_types, sliding_window, attention_chunk_size,
-                                         state_bytes)
+    per_block, groups, _ = block_layout(block_size, num_layers, num_kv_heads, head_dim, dtype,
+                                        layer_types, sliding_window, attention_chunk_size,
+                                        state_bytes)
     return per_block, groups
 
 
-def _block_layout(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                  dtype: str, layer_types: Sequence[str] | None, sliding_window: int | None,
-                  attention_chunk_size: int | None, state_bytes: int | None
-                  ) -> tuple[int, list[tuple[str, list[int], int | None]], int]:
+def block_layout(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: str, layer_types: Sequence[str] | None = None,
+                 sliding_window: int | None = None, attention_chunk_size: int | None = None,
+                 state_bytes: int | None = None
+                 ) -> tuple[int, list[tuple[str, list[int], int | None]], int]:
     """``block_bytes`` and the blocks one sequence's recurrent states take: each state group
     takes ⌈state_bytes / one layer's share of a block⌉, as ``KVCachePool.state_groups``."""
     groups, layers_per_block, states = kv_cache_groups(num_layers, layer_types, sliding_window,
@@ -138,7 +139,7 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
             f"{total_bytes} bytes ({budget} bytes): nothing is left for the KV cache"
         )
     usable = budget - model_bytes
-    bytes_per_block, groups, state_blocks = _block_layout(
+    bytes_per_block, groups, state_blocks = block_layout(
         dims["block_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], dtype,
         layer_types, sliding_window, attention_chunk_size, state_bytes)
     num_blocks = usable // bytes_per_block

@@ -10,8 +10,9 @@ from typing import Any
 
 from atb_mem._sizes import parse_size
 from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_layers
+from atb_mem.integrations.recurrent_state import state_arguments
 from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
-from atb_mem.kv.planning import block_bytes, plan_kv_cache
+from atb_mem.kv.planning import block_bytes, block_layout, plan_kv_cache
 
 __all__ = ["OFFLOAD_TIERS", "host_tier", "kv_cache_shape", "lower_tiers", "num_kv_blocks",
            "tier_connector"]
@@ -25,9 +26,11 @@ HOST_KV_BUDGET = 4 << 30
 
 def kv_cache_shape(model: Any, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """``KVCachePool`` arguments for ``model``: ``num_layers``, ``num_kv_heads``, ``head_dim``,
-    ``dtype``, and for a hybrid model ``layer_types`` with its window or chunk."""
+    ``dtype``, and for a hybrid model ``layer_types`` with its window or chunk, or the
+    ``state_bytes`` of its recurrent layers."""
+    layers = supported_layers(model)
     return {**kv_cache_layout(model, tensor_parallel_size),
-            **groups_for_layers(supported_layers(model))}
+            **groups_for_layers(layers, **state_arguments(model, layers, tensor_parallel_size))}
 
 
 def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_seqs: int,
@@ -37,7 +40,7 @@ def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_se
     ``plan_kv_cache`` leaves of its memory; on the host what ``max_num_seqs`` sequences of
     ``max_model_len`` tokens take, at most ``HOST_KV_BUDGET``. A block holds
     ``layers_per_block`` layers, so a hybrid model's blocks are smaller and more of them fit."""
-    bytes_per_block, groups = block_bytes(block_size, **shape)
+    bytes_per_block, groups, state_blocks = block_layout(block_size, **shape)
     if kv_cache_memory_bytes is not None:
         return int(kv_cache_memory_bytes) // bytes_per_block
     if model.device.type != "cpu":
@@ -48,8 +51,10 @@ def num_kv_blocks(model: Any, shape: dict[str, Any], block_size: int, max_num_se
         plan = plan_kv_cache(total, weights, gpu_memory_utilization=gpu_memory_utilization,
                              block_size=block_size, max_model_len=max_model_len, **shape)
         return min(plan.num_blocks, free // bytes_per_block)
-    # Each group holds a block per block_size tokens of an admitted sequence.
-    wanted = max_num_seqs * math.ceil(max_model_len / block_size) * len(groups) + 1
+    # Each group holds a block per block_size tokens of an admitted sequence, beside its
+    # states' blocks.
+    wanted = max_num_seqs * (math.ceil(max_model_len / block_size) * len(groups)
+                             + state_blocks) + 1
     return min(wanted, HOST_KV_BUDGET // bytes_per_block)
 
 

@@ -1,0 +1,170 @@
+"""Recurrent layers through the engine: Granite 4.0-H (Mamba2) and Qwen3-Next (gated delta-net)
+keep their conv and SSM states in the pool's state blocks; greedy tokens equal HF's own
+``generate`` alone, in chunks, in a continuous batch with preemption (both modes) and for
+forked samples, with every unused block poisoned (NaN) before every step. Negative controls
+show the comparison sees the states: a fork whose state is not copied, and a state read where
+a sequence starts afresh, get other tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atb_mem.integrations import recurrent_state
+from atb_mem.kv import tensors
+from atb_mem.serving import Engine, SamplingParams
+from tests.support.models import (
+    RECURRENT_ARCHITECTURES,
+    hf_greedy,
+    model_pair,
+    run_poisoned,
+)
+
+BLOCK_SIZE = 4
+# A state takes 11 (Granite) or 6 (Qwen3-Next) blocks per recurrent layer, 3 such layers.
+NUM_BLOCKS = 160
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
+    reference.generation_config.eos_token_id = None  # like ignore_eos
+    return hf_greedy(reference, tokens, count)
+
+
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+def test_states_are_kept_in_state_blocks(architecture: str) -> None:
+    model, _ = model_pair(architecture)
+    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    kv_cache = engine.kv_cache
+    layout = recurrent_state.model_state_layout(model)
+    assert [list(group.layers) for group in kv_cache.state_groups] == [[0], [1], [3]]
+    assert [group.kind for group in kv_cache.groups] == ["full_attention"]
+    slot_bytes = kv_cache.bytes_per_block // len(kv_cache.groups[0].layers)
+    assert all(group.state_bytes == layout.state_bytes
+               and group.num_blocks == -(-layout.state_bytes // slot_bytes)
+               for group in kv_cache.state_groups)
+    engine.add_request("r", prompt(0, 6), greedy(2))
+    engine.step()
+    [seq_id] = list(kv_cache.seq_ids())
+    assert kv_cache.state_table([seq_id]).shape == (1, kv_cache.num_state_blocks)
+    assert kv_cache.stats()["blocks_used"] == kv_cache.num_state_blocks + 2
+
+
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 5])
+def test_single_prompts(architecture: str, max_num_batched_tokens: int | None) -> None:
+    """A prompt of one token, one shorter than the conv kernel, and ones longer than a Mamba2
+    chunk (8), whole or prefilled 5 tokens a step (each chunk resumes the state)."""
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                    max_num_batched_tokens=max_num_batched_tokens or 2048)
+    for length in (1, 3, 13, 21):
+        tokens = prompt(length, length)
+        results = run_poisoned(engine, {0: [("alone", tokens, greedy(10))]})
+        assert results["alone"][0][0] == hf_tokens(reference, tokens, 10), length
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
+def mixed_requests() -> dict[int, list[tuple[str, list[int], SamplingParams]]]:
+    specs = [(0, "a", prompt(1, 11), 12), (0, "b", prompt(2, 5), 3), (0, "c", prompt(3, 9), 14),
+             (2, "d", prompt(4, 17), 9), (2, "e", prompt(5, 2), 10), (5, "f", prompt(6, 7), 12)]
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
+    for step, request_id, tokens, max_tokens in specs:
+        arrivals.setdefault(step, []).append((request_id, tokens, greedy(max_tokens)))
+    return arrivals
+
+
+# Room for two sequences' states and a little K/V: growing decodes preempt one another.
+CONTINUOUS_BLOCKS = {"granitemoehybrid": 2 * 33 + 8, "qwen3_next": 2 * 18 + 8}
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+def test_continuous_batch_with_preemption(architecture: str, preemption: str) -> None:
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=CONTINUOUS_BLOCKS[architecture], block_size=BLOCK_SIZE,
+                    max_num_seqs=5, max_num_batched_tokens=16,
+                    preemption=preemption,  # type: ignore[arg-type]
+                    num_host_blocks=200 if preemption == "swap" else None)
+    step, swapped_out = engine.scheduler.step, []
+
+    def counting_swaps(*args: Any, **kwargs: Any) -> Any:
+        plan = step(*args, **kwargs)
+        swapped_out.append(len(plan.swap_out))
+        return plan
+
+    engine.scheduler.step = counting_swaps  # type: ignore[method-assign]
+    results = run_poisoned(engine, mixed_requests())
+    for requests in mixed_requests().values():
+        for request_id, tokens, params in requests:
+            assert results[request_id][0][0] == hf_tokens(reference, tokens, params.max_tokens), \
+                request_id
+    assert engine.scheduler.stats()["preemptions"] > 0
+    if preemption == "swap":  # a swapped sequence takes its states along, not only its K/V
+        assert sum(swapped_out) > engine.kv_cache.num_state_blocks
+    else:
+        assert sum(swapped_out) == 0
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
+def forked_and_alone(architecture: str) -> tuple[dict[str, Any], list[list[int]]]:
+    model, _ = model_pair(architecture)
+    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    tokens = prompt(8, 9)
+    forked = run_poisoned(engine, {0: [("n3", tokens, SamplingParams(max_tokens=8, n=3,
+                                                                       seed=11))]})
+    alone = [run_poisoned(engine, {0: [("one", tokens, SamplingParams(
+        max_tokens=8, seed=11 + index))]})["one"][0][0] for index in range(3)]
+    return forked["n3"], alone
+
+
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+def test_forked_samples_match_the_same_seeds_run_alone(architecture: str) -> None:
+    """Sample i of a seeded n=3 request equals an n=1 run with seed + i: each fork's state
+    started as a copy of its parent's and went its own way."""
+    forked, alone = forked_and_alone(architecture)
+    assert [forked[index][0] for index in range(3)] == alone
+    assert len({tuple(tokens) for tokens in alone}) > 1
+
+
+def test_a_fork_without_its_state_copy_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: copies into state blocks skipped, a fork reads a poisoned state."""
+    copy_run = tensors.KVTensors._copy_run
+    dropped = []
+
+    def without_copies(self: Any, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
+        if kind == tensors.MOVE_COPY:
+            dropped.append(len(src))
+            return
+        copy_run(self, kind, src, dst)
+
+    monkeypatch.setattr(tensors.KVTensors, "_copy_run", without_copies)
+    forked, alone = forked_and_alone("granitemoehybrid")
+    assert dropped
+    assert [forked[index][0] for index in range(3)] != alone
+
+
+def test_reading_a_fresh_sequences_blocks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a row that starts its sequence reads its state blocks (what the last
+    owner left, NaN here) instead of zeros."""
+    gather = recurrent_state.RecurrentStates.gather
+
+    def never_fresh(self: Any, layer: int, rows: Any, blocks: Any) -> Any:
+        return gather(self, layer, dataclasses.replace(rows, fresh=False), blocks)
+
+    monkeypatch.setattr(recurrent_state.RecurrentStates, "gather", never_fresh)
+    model, reference = model_pair("qwen3_next")
+    engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    tokens = prompt(3, 9)
+    results = run_poisoned(engine, {0: [("r", tokens, greedy(6))]})
+    assert results["r"][0][0] != hf_tokens(reference, tokens, 6)
