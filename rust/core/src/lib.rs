@@ -32,11 +32,11 @@ pub use alloc::{
 pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};
 pub use kv_cache::{
-    group_hybrid_layers, group_key, group_layers, layer_kinds, pairs_of, AttentionKind, BatchTable,
-    BlockMove, GroupPrefix, HostPrefixCounters, KvCache, KvCacheGroup, KvCacheStats, KvEvent,
-    KvEventKind, KvEventLog, LayerGroups, LayerKind, Medium, MissReason, MoveFailure, MoveKind,
-    PrefixExplanation, RetentionConfig, StateGroup, TokenRetention, Tokens, MAX_RETENTION_RANGES,
-    PAD_SLOT, RECURRENT_LAYER_TYPE, SEQUENCE_BYTES,
+    checkpoint_key, group_hybrid_layers, group_key, group_layers, is_checkpoint_key, layer_kinds,
+    pairs_of, AttentionKind, BatchTable, BlockMove, GroupPrefix, HostPrefixCounters, KvCache,
+    KvCacheGroup, KvCacheStats, KvEvent, KvEventKind, KvEventLog, LayerGroups, LayerKind, Medium,
+    MissReason, MoveFailure, MoveKind, PrefixExplanation, RetentionConfig, StateGroup,
+    TokenRetention, Tokens, MAX_RETENTION_RANGES, PAD_SLOT, RECURRENT_LAYER_TYPE, SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

@@ -219,14 +219,186 @@ fn a_swap_moves_the_state_with_the_sequence() {
     cache.check_invariants().unwrap();
 }
 
+/// Sequence 1 computes `prompt` with a checkpoint at `at` tokens, then ends: what it leaves
+/// is cached. Returns the checkpoint's blocks (the destinations of its copies).
+fn leave_checkpoint(cache: &mut KvCache, prompt: &[u32], at: usize) -> Vec<u32> {
+    let mut moves = Vec::new();
+    cache.alloc_sequence(1, Tokens::Ids(prompt), None).unwrap();
+    cache.take_moves(&mut moves);
+    cache.mark_computed(1, Some(at)).unwrap();
+    assert!(cache.checkpoint_state(1).unwrap());
+    assert!(
+        !cache.checkpoint_state(1).unwrap(),
+        "one checkpoint per position"
+    );
+    cache.take_moves(&mut moves);
+    let state = cache.state_blocks(1).unwrap().to_vec();
+    assert_eq!(moves.len(), state.len());
+    assert!(moves.iter().all(|m| m.kind == MoveKind::Copy));
+    assert_eq!(moves.iter().map(|m| m.src).collect::<Vec<_>>(), state);
+    cache.mark_computed(1, Some(prompt.len())).unwrap();
+    cache.free_sequence(1).unwrap();
+    moves.iter().map(|m| m.dst).collect()
+}
+
 #[test]
-fn without_state_checkpoints_no_prefix_is_a_hit() {
+fn a_hit_resumes_from_the_last_checkpoint_the_kv_reaches() {
+    let mut cache = hybrid(60);
+    let prompt: Vec<u32> = (0..13).collect();
+    let checkpoint = leave_checkpoint(&mut cache, &prompt, 8);
+    assert_eq!(cache.stats().state_checkpoints_saved, 1);
+    // Three K/V blocks are cached, but states only at 8 tokens.
+    let longer: Vec<u32> = (0..19).collect();
+    let why = cache.explain_prefix(&longer, None).unwrap();
+    assert_eq!(
+        (why.hit_tokens, why.reason, why.limited_by),
+        (8, MissReason::StateCheckpoint, None)
+    );
+    assert_eq!(why.groups[0].cached_tokens, 12);
+    let mut moves = Vec::new();
+    assert_eq!(
+        cache.alloc_sequence(2, Tokens::Ids(&longer), None).unwrap(),
+        8
+    );
+    cache.take_moves(&mut moves);
+    let state = cache.state_blocks(2).unwrap().to_vec();
+    let copies: Vec<(u32, u32)> = moves.iter().map(|m| (m.src, m.dst)).collect();
+    let expected: Vec<(u32, u32)> = checkpoint.iter().copied().zip(state).collect();
+    assert_eq!(copies, expected);
+    // The checkpoint stays cached, unused; the miss is counted as the state's.
+    assert!(checkpoint
+        .iter()
+        .all(|&b| cache.block_pool().ref_count(b) == 0));
+    assert_eq!(cache.stats().prefix_cache_misses[5], 1);
+    assert_eq!(cache.num_computed(2).unwrap(), 8);
+    cache.check_invariants().unwrap();
+    // Without a checkpoint within the K/V's reach there is no hit at all.
+    let other: Vec<u32> = (0..7).collect();
+    let why = cache.explain_prefix(&other, None).unwrap();
+    assert_eq!(
+        (why.hit_tokens, why.reason),
+        (0, MissReason::StateCheckpoint)
+    );
+}
+
+#[test]
+fn checkpoints_are_kept_on_the_stride_of_known_tokens_only() {
+    let mut cache = hybrid(60);
+    assert!(cache.set_state_checkpoint_interval(0).is_err());
+    cache.set_state_checkpoint_interval(2).unwrap();
+    assert_eq!(cache.checkpoint_stride(), 8);
+    let prompt: Vec<u32> = (0..13).collect();
+    cache.alloc_sequence(1, Tokens::Ids(&prompt), None).unwrap();
+    for (computed, due) in [(4, false), (6, false), (8, true), (12, false)] {
+        cache.mark_computed(1, Some(computed)).unwrap();
+        assert_eq!(cache.checkpoint_due(1), due, "{computed}");
+        assert_eq!(cache.checkpoint_state(1).unwrap(), due, "{computed}");
+    }
+    // A prompt given as a count has no names to keep a checkpoint under.
+    cache.alloc_sequence(2, Tokens::Count(9), None).unwrap();
+    cache.mark_computed(2, Some(8)).unwrap();
+    assert!(!cache.checkpoint_state(2).unwrap());
+    assert!(matches!(
+        cache.checkpoint_state(3),
+        Err(CoreError::UnknownSequence(3))
+    ));
+    // Swapped out, a sequence keeps none.
+    cache
+        .alloc_sequence(4, Tokens::Ids(&prompt[..9]), None)
+        .unwrap();
+    cache.mark_computed(4, Some(8)).unwrap();
+    cache.swap_out(&[4]).unwrap();
+    assert!(!cache.checkpoint_state(4).unwrap());
+    assert_eq!(cache.stats().state_checkpoints_saved, 1);
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn a_checkpoint_missing_a_block_serves_no_hit() {
+    let mut cache = hybrid(60);
+    let prompt: Vec<u32> = (0..13).collect();
+    let checkpoint = leave_checkpoint(&mut cache, &prompt, 4);
+    // Take every free block but one of the cached ones: the least recently used go first.
+    let free = cache.num_free_blocks();
+    cache
+        .alloc_sequence(9, Tokens::Count((free - 1 - 6) * BLOCK_SIZE), None)
+        .unwrap();
+    let evicted = checkpoint
+        .iter()
+        .filter(|&&b| cache.block_pool().ref_count(b) > 0)
+        .count();
+    assert!(evicted > 0, "the test evicts part of the checkpoint");
+    cache.free_sequence(9).unwrap();
+    let why = cache.explain_prefix(&prompt, None).unwrap();
+    assert_eq!(why.hit_tokens, 0);
+    assert_eq!(
+        cache.alloc_sequence(2, Tokens::Ids(&prompt), None).unwrap(),
+        0
+    );
+    cache.check_invariants().unwrap();
+}
+
+#[test]
+fn a_checkpoint_that_does_not_fit_beside_the_admission_is_given_up() {
+    // 39 usable blocks: a checkpoint (6) held while the admission takes its own.
+    let mut cache = hybrid(40);
+    let prompt: Vec<u32> = (0..13).collect();
+    leave_checkpoint(&mut cache, &prompt, 8);
+    let long: Vec<u32> = (0..(39 - 6) as u32 * BLOCK_SIZE as u32 - 3).collect();
+    // The whole pool: its own blocks and states leave no room to hold the checkpoint.
+    let before = cache.clone();
+    let needed = cache.blocks_to_allocate(Tokens::Ids(&long), None).unwrap();
+    assert!(needed <= cache.num_free_blocks());
+    assert_eq!(cache.explain_prefix(&long, None).unwrap().hit_tokens, 0);
+    assert_eq!(
+        cache.alloc_sequence(2, Tokens::Ids(&long), None).unwrap(),
+        0
+    );
+    let mut moves = Vec::new();
+    cache.take_moves(&mut moves);
+    assert!(moves.is_empty(), "{moves:?}");
+    cache.check_invariants().unwrap();
+    // With room, the same prompt resumes at 8.
+    let mut cache = before;
+    cache.alloc_sequence(3, Tokens::Count(1), None).unwrap();
+    cache.free_sequence(3).unwrap();
+    let short: Vec<u32> = (0..20).collect();
+    assert_eq!(
+        cache.alloc_sequence(2, Tokens::Ids(&short), None).unwrap(),
+        8
+    );
+}
+
+#[test]
+fn a_failed_admission_leaves_the_checkpoints_as_they_were() {
+    let mut cache = hybrid(40);
+    let prompt: Vec<u32> = (0..13).collect();
+    leave_checkpoint(&mut cache, &prompt, 8);
+    cache.alloc_sequence(5, Tokens::Count(20), None).unwrap();
+    let observe = |cache: &mut KvCache| {
+        let why = cache.explain_prefix(&prompt, None).unwrap();
+        let held = cache.state_blocks(5).unwrap().to_vec();
+        (cache.stats(), why, held, cache.num_pending_moves())
+    };
+    let before = observe(&mut cache);
+    let too_long: Vec<u32> = (0..100).collect();
+    let error = cache
+        .alloc_sequence(2, Tokens::Ids(&too_long), None)
+        .unwrap_err();
+    assert!(matches!(error, CoreError::OutOfBlocks { .. }), "{error}");
+    assert_eq!(observe(&mut cache), before);
+    assert_eq!(before.1.hit_tokens, 8);
+}
+
+#[test]
+fn without_checkpoints_no_prefix_is_a_hit() {
     let mut cache = hybrid(40);
     let prompt: Vec<u32> = (0..13).collect();
     cache.alloc_sequence(1, Tokens::Ids(&prompt), None).unwrap();
     cache.mark_computed(1, Some(13)).unwrap();
     cache.free_sequence(1).unwrap();
-    assert_eq!(cache.block_pool().num_cached(), 0);
+    // The K/V blocks are cached, but no state was kept.
+    assert_eq!(cache.block_pool().num_cached(), 3);
     let why = cache.explain_prefix(&prompt, None).unwrap();
     assert_eq!(
         (why.hit_tokens, why.reason),

@@ -85,6 +85,9 @@ struct Counts {
     /// Lower-tier loads reported, and of those failed.
     loads: usize,
     failed_loads: usize,
+    /// State checkpoints kept, and prompt tokens served by prefix hits.
+    checkpoints: u64,
+    hit_tokens: u64,
 }
 
 impl Harness {
@@ -594,7 +597,7 @@ proptest! {
         kinds in states::attention_beside_states(),
         ops in prop::collection::vec(op(), STEPS),
         host_prefix in any::<bool>(),
-        states in (1usize..3, 1usize..3),
+        states in (1usize..3, 1usize..3, 1usize..3),
     ) {
         states::run_states(config, &kinds, ops, host_prefix, states);
     }

@@ -27,6 +27,9 @@ use crate::alloc::fallible::try_filled_vec;
 use crate::alloc::BlockHash;
 use crate::error::CoreResult;
 
+/// `device_groups` of a block cached as part of a state checkpoint: no event names it.
+const CHECKPOINT_GROUP: u16 = u16::MAX;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvEventKind {
     BlockStored,
@@ -242,7 +245,11 @@ impl KvEventLog {
         let Some(name) = self.device_names.get(block as usize).copied() else {
             return;
         };
-        let group = u32::from(self.device_groups[block as usize]);
+        let group = self.device_groups[block as usize];
+        if group == CHECKPOINT_GROUP {
+            return;
+        }
+        let group = u32::from(group);
         let start = block as usize * self.block_size;
         let tokens = std::mem::take(&mut self.device_tokens);
         let token_ids = &tokens[start..start + self.block_size];
@@ -250,9 +257,21 @@ impl KvEventLog {
         self.device_tokens = tokens;
     }
 
+    /// Device block `block` joined the cache as part of a state checkpoint, which no event
+    /// names (see `state_checkpoints`).
+    pub(super) fn checkpoint_cached(&mut self, block: u32) {
+        if let Some(group) = self.device_groups.get_mut(block as usize) {
+            *group = CHECKPOINT_GROUP;
+        }
+    }
+
     /// Device block `block`, cached under `key`, left the prefix cache.
     pub(super) fn removed_from_device(&mut self, key: BlockHash, block: u32) {
-        let group = u32::from(self.device_groups[block as usize]);
+        let group = self.device_groups[block as usize];
+        if group == CHECKPOINT_GROUP {
+            return;
+        }
+        let group = u32::from(group);
         self.removed(Medium::Device, group, group_key(key, group as usize));
     }
 

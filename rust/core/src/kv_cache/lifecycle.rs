@@ -6,6 +6,7 @@ use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
 use super::retention::retain_joined;
 use super::sequence::Sequence;
+use super::state_checkpoints::{hold_checkpoint, resume_from_checkpoint};
 use super::swap::HostTier;
 use super::{swapped_out, KvCache, KvCacheGroup, KvEventLog, Tokens};
 
@@ -64,8 +65,8 @@ impl KvCache {
         // A partial hit's block is a fresh block (filled by a copy).
         let num_blocks = tokens.len().div_ceil(self.block_size());
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        let need = found.need(num_blocks, eager, free, &mut self.scratch_partial);
-        Ok(need + self.state_blocks)
+        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
+        Ok(found.need(num_blocks, eager, free, self.state_blocks, scratch))
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -127,8 +128,8 @@ impl KvCache {
         let num_blocks = num_tokens.div_ceil(block_size);
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        let needed =
-            found.need(num_blocks, eager, free, &mut self.scratch_partial) + self.state_blocks;
+        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
+        let needed = found.need(num_blocks, eager, free, self.state_blocks, scratch);
         let PrefixMatch {
             queries,
             hits,
@@ -164,16 +165,16 @@ impl KvCache {
             scratch_hashes,
             scratch_blocks,
             scratch_partial,
+            scratch_checkpoint,
             events,
             groups,
-            state_blocks,
             ..
         } = self;
-        let state_blocks = *state_blocks;
         // Held until their copies are planned, so that no allocation below can take them.
         for &source in scratch_partial.iter() {
             block_pool.take_hit(source);
         }
+        hold_checkpoint(block_pool, scratch_checkpoint);
         let seq = &mut sequences[slab];
         seq.seq_id = seq_id;
         seq.live = true;
@@ -188,8 +189,6 @@ impl KvCache {
             events,
         };
         let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
-        // Named blocks need states kept at their positions to be hits (see `state`).
-        let hashable = state_blocks == 0;
         copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
         seq.partial_tokens.clear();
         seq.hashes.clear();
@@ -200,7 +199,7 @@ impl KvCache {
         seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
         match tokens {
-            Tokens::Ids(ids) if block_pool.enable_prefix_caching() && hashable => {
+            Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
                 seq.hashable = true;
                 seq.root_hash = BlockHash::root(cache_salt);
                 seq.hashes.extend_from_slice(scratch_hashes);
@@ -213,6 +212,21 @@ impl KvCache {
             _ => seq.hashable = false,
         }
         self.take_state_blocks(slab)?;
+        // The hit's states: copies of the checkpoint at its end (see `state_checkpoints`).
+        let KvCache {
+            sequences,
+            block_pool,
+            pending_moves,
+            scratch_checkpoint: checkpoint,
+            ..
+        } = self;
+        resume_from_checkpoint(
+            block_pool,
+            pending_moves,
+            checkpoint,
+            &sequences[slab].state,
+        );
+        checkpoint.clear();
         self.sequences.insert(seq_id, slab);
         Ok(hits * block_size + partial)
     }

@@ -29,6 +29,7 @@ mod retention;
 mod sequence;
 mod sequence_table;
 mod state;
+mod state_checkpoints;
 mod stats;
 mod swap;
 mod tables;
@@ -49,6 +50,7 @@ pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 use sequence_table::SequenceTable;
 pub use state::StateGroup;
+pub use state_checkpoints::{checkpoint_key, is_checkpoint_key};
 pub use stats::KvCacheStats;
 use stats::PrefixStats;
 use swap::HostTier;
@@ -95,6 +97,8 @@ pub struct KvCache {
     /// The recurrent layers' groups, and the blocks each sequence holds for their states.
     state_groups: Vec<state::StateGroup>,
     state_blocks: usize,
+    /// Blocks between two checkpoints of a sequence's states (see `state_checkpoints`).
+    checkpoint_interval: usize,
     sequences: SequenceTable,
     /// Block moves decided but not yet executed, in the order they must run.
     pending_moves: Vec<BlockMove>,
@@ -112,6 +116,8 @@ pub struct KvCache {
     /// A lookup's sub-block keys, and its partial hit's source block per group.
     scratch_sub_keys: Vec<BlockHash>,
     scratch_partial: Vec<u32>,
+    /// The checkpoint a lookup's hit resumes from (its state blocks), or one being saved.
+    scratch_checkpoint: Vec<u32>,
     deferred_sub_blocks: partial_hits::DeferredSubBlocks,
     /// The slabs of the batch being worked on (see `SequenceTable::resolve_batch`).
     scratch_slabs: Vec<u32>,
@@ -220,6 +226,7 @@ impl KvCache {
             bytes_per_block,
             state_groups,
             state_blocks,
+            checkpoint_interval: 1,
             sequences: SequenceTable::default(),
             pending_moves: Vec::new(),
             has_forked: false,
@@ -230,6 +237,7 @@ impl KvCache {
             scratch_blocks: Vec::new(),
             scratch_sub_keys: Vec::new(),
             scratch_partial: Vec::new(),
+            scratch_checkpoint: Vec::new(),
             deferred_sub_blocks: Default::default(),
             scratch_slabs: Vec::new(),
         };

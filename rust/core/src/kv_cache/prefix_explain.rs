@@ -3,6 +3,7 @@
 //! their misses by reason (`stats()`), so a hit rate that collapses says why.
 
 use super::groups::group_key;
+use super::state_checkpoints::STATE_LIMIT;
 use super::{KvCache, Medium, Tokens};
 use crate::error::CoreResult;
 
@@ -22,18 +23,20 @@ pub enum MissReason {
     WindowGone = 3,
     /// The cache was built without prefix caching.
     PrefixCachingOff = 4,
-    /// A recurrent layer has no state kept at the hit's position (a hit needs one, and
-    /// states are not checkpointed yet: see `state`).
+    /// A recurrent layer has no state kept at the end of a longer hit: the hit ends at the
+    /// last checkpoint the K/V reaches (see `state_checkpoints`), or at none where the cache
+    /// keeps none.
     StateCheckpoint = 5,
 }
 
 impl MissReason {
     /// The reasons `stats()` counts misses by.
-    pub const COUNTED: [MissReason; 4] = [
+    pub const COUNTED: [MissReason; 5] = [
         MissReason::BlockAlignment,
         MissReason::NotCached,
         MissReason::Evicted,
         MissReason::WindowGone,
+        MissReason::StateCheckpoint,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,8 +85,8 @@ impl KvCache {
         ensure!(!token_ids.is_empty(), "token_ids must hold at least one id");
         let unserved = match (self.enable_prefix_caching(), self.has_state()) {
             (false, _) => Some(MissReason::PrefixCachingOff),
-            (true, true) => Some(MissReason::StateCheckpoint),
-            (true, false) => None,
+            (true, true) if !self.keeps_state_checkpoints() => Some(MissReason::StateCheckpoint),
+            (true, _) => None,
         };
         if let Some(reason) = unserved {
             let off = GroupPrefix {
@@ -103,11 +106,13 @@ impl KvCache {
         let block_size = self.block_size();
         // A partial hit that would not fit now is not what an admission now would get.
         let (num_blocks, free) = (token_ids.len().div_ceil(block_size), self.num_free_blocks());
+        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
         found.need(
             num_blocks,
             self.groups.len(),
             free,
-            &mut self.scratch_partial,
+            self.state_blocks,
+            scratch,
         );
         let groups = (0..self.groups.len())
             .map(|group| {
@@ -141,7 +146,10 @@ impl KvCache {
             partial_tokens: found.partial,
             hit_tokens: found.hits * block_size + found.partial,
             reason: self.miss_reason(found.limited_by),
-            limited_by: found.limited_by.map(|(group, _)| group),
+            limited_by: found
+                .limited_by
+                .map(|(group, _)| group)
+                .filter(|&group| group != STATE_LIMIT),
             groups,
         })
     }
@@ -151,6 +159,9 @@ impl KvCache {
         let Some((group, index)) = limited_by else {
             return MissReason::BlockAlignment;
         };
+        if group == STATE_LIMIT {
+            return MissReason::StateCheckpoint;
+        }
         if self.groups[group].kind.is_windowed() {
             return MissReason::WindowGone;
         }

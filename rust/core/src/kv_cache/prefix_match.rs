@@ -3,6 +3,7 @@
 
 use super::groups::group_key;
 use super::host_prefix::host_block;
+use super::state_checkpoints::STATE_LIMIT;
 use super::{KvCache, Tokens};
 use crate::alloc::{BlockHash, NULL_BLOCK};
 
@@ -12,7 +13,8 @@ use crate::alloc::{BlockHash, NULL_BLOCK};
 /// short of `queries`. With sub-block keys, `partial` tokens of the next block are served by
 /// copies from the sources in `scratch_partial`, of which `partial_held` are unused (held
 /// off the free queue while the admission allocates), and `queryable` more tokens could
-/// have been.
+/// have been. With recurrent layers the hit ends at a checkpoint (`scratch_checkpoint`), of
+/// whose blocks `checkpoint_held` are held the same way.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct PrefixMatch {
     pub(super) queries: usize,
@@ -22,25 +24,35 @@ pub(super) struct PrefixMatch {
     pub(super) partial: usize,
     pub(super) partial_held: usize,
     pub(super) queryable: usize,
+    pub(super) checkpoint_held: usize,
 }
 
 impl PrefixMatch {
     /// Blocks of the free queue an admission of `num_blocks` blocks (`eager_groups` taking
-    /// theirs now) takes and keeps. Its partial hit's unused sources are held off the queue
-    /// only while it allocates, so they count only in whether the partial hit fits: one that
-    /// does not is given up (`sources` cleared). It saves compute, and must never keep a
+    /// theirs now) and `state_blocks` state blocks takes and keeps. Its partial hit's unused sources, and the unused blocks
+    /// of the checkpoint it resumes from, are held off the queue only while it allocates, so
+    /// they count only in whether the hit fits: a partial hit that does not is given up
+    /// (`sources` cleared), and a hit whose checkpoint does not, entirely (`checkpoint`
+    /// cleared: without a state its K/V is no use). A hit saves compute, and must never keep a
     /// request that fits without it waiting.
     pub(super) fn need(
         &mut self,
         num_blocks: usize,
         eager_groups: usize,
         num_free: usize,
-        sources: &mut Vec<u32>,
+        state_blocks: usize,
+        (sources, checkpoint): (&mut Vec<u32>, &mut Vec<u32>),
     ) -> usize {
-        let need = (num_blocks - self.hits) * eager_groups + self.hits_queued;
-        if need + self.partial_held > num_free && self.partial > 0 {
+        let need = (num_blocks - self.hits) * eager_groups + self.hits_queued + state_blocks;
+        if need + self.partial_held + self.checkpoint_held > num_free && self.partial > 0 {
             (self.partial, self.partial_held) = (0, 0);
             sources.clear();
+        }
+        if need + self.checkpoint_held > num_free && self.checkpoint_held > 0 {
+            (self.hits, self.hits_queued, self.checkpoint_held) = (0, 0, 0);
+            self.limited_by = Some((STATE_LIMIT, 0));
+            checkpoint.clear();
+            return num_blocks * eager_groups + state_blocks;
         }
         need
     }
@@ -73,7 +85,8 @@ impl KvCache {
         let Tokens::Ids(ids) = tokens else {
             return PrefixMatch::default();
         };
-        if !self.block_pool.enable_prefix_caching() || self.has_state() {
+        self.scratch_checkpoint.clear();
+        if !self.block_pool.enable_prefix_caching() {
             return PrefixMatch::default();
         }
         let block_size = self.block_size();
@@ -95,7 +108,10 @@ impl KvCache {
         // is sought, windowed groups' windows once it is known.
         let mut blocks = std::mem::take(&mut self.scratch_blocks);
         blocks.resize(self.groups.len() * queries, NULL_BLOCK);
-        let (hits, limited_by) = self.longest_hit(queries, &mut blocks);
+        let (mut hits, mut limited_by) = self.longest_hit(queries, &mut blocks);
+        if self.has_state() {
+            hits = self.checkpoint_hit(hits, &mut limited_by);
+        }
         let mut hits_queued = 0;
         for (group, spec) in self.groups.iter().enumerate() {
             let row = &mut blocks[group * queries..group * queries + hits];
@@ -129,6 +145,7 @@ impl KvCache {
             partial,
             partial_held,
             queryable,
+            checkpoint_held: self.checkpoint_held(),
         }
     }
 

@@ -37,8 +37,11 @@ pub struct KvCacheStats {
     pub prefix_cache_partial_hit_tokens: u64,
     /// What the host prefix tier did, in blocks.
     pub host_prefix: HostPrefixCounters,
-    /// Admissions whose prefix hit fell short, by reason (`MissReason::COUNTED` order).
-    pub prefix_cache_misses: [u64; 4],
+    /// Admissions whose prefix hit fell short, indexed by [`MissReason`] (the
+    /// `MissReason::COUNTED` ones).
+    pub prefix_cache_misses: [u64; 6],
+    /// Checkpoints of recurrent states kept (see `state_checkpoints`).
+    pub state_checkpoints_saved: u64,
     /// KV-cache groups (1 without layer types).
     pub num_groups: usize,
 }
@@ -97,6 +100,8 @@ impl Figures for KvCacheStats {
             "prefix_cache_misses_not_cached" => self.prefix_cache_misses[1],
             "prefix_cache_misses_evicted" => self.prefix_cache_misses[2],
             "prefix_cache_misses_window" => self.prefix_cache_misses[3],
+            "prefix_cache_misses_state_checkpoint" => self.prefix_cache_misses[5],
+            "state_checkpoints_saved" => self.state_checkpoints_saved,
             "num_groups" => self.num_groups,
         ]
     }
@@ -113,7 +118,8 @@ pub(super) struct PrefixStats {
     /// Of `hit_tokens`, those copied from a partly shared block.
     partial_hit_tokens: u64,
     /// Admissions whose prefix hit fell short, by [`MissReason`].
-    misses: [u64; 4],
+    misses: [u64; 6],
+    checkpoints_saved: u64,
 }
 
 impl PrefixStats {
@@ -136,6 +142,10 @@ impl PrefixStats {
 
     pub(super) fn count_miss(&mut self, reason: MissReason) {
         self.misses[reason as usize] += 1;
+    }
+
+    pub(super) fn count_checkpoint(&mut self) {
+        self.checkpoints_saved += 1;
     }
 }
 
@@ -198,6 +208,7 @@ impl KvCache {
             prefix_cache_partial_hit_tokens: self.prefix_stats.partial_hit_tokens,
             host_prefix: self.host_prefix_counters(),
             prefix_cache_misses: self.prefix_stats.misses,
+            state_checkpoints_saved: self.prefix_stats.checkpoints_saved,
             num_groups: self.groups.len(),
         }
     }

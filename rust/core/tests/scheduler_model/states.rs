@@ -17,9 +17,10 @@ use super::{Counts, Harness};
 
 const STATE_START: u64 = 0xcbf2_9ce4_8422_2325;
 
-/// Recurrent layers added after the attention layers, and how many K/V slots of a block one
-/// state fills (a state larger than a slot spans several blocks).
-pub type StateLayers = (usize, usize);
+/// Recurrent layers added after the attention layers, how many K/V slots of a block one
+/// state fills (a state larger than a slot spans several blocks), and the blocks between
+/// two checkpoints of a sequence's states.
+pub type StateLayers = (usize, usize, usize);
 
 fn fold(state: u64, value: u64) -> u64 {
     (state ^ value).wrapping_mul(0x0100_0000_01b3)
@@ -32,7 +33,7 @@ pub fn cache(
     states: Option<StateLayers>,
 ) -> KvCache {
     let mut layers: Vec<LayerKind> = kinds.iter().map(|&kind| kind.into()).collect();
-    let (recurrent, slots) = states.unwrap_or((0, 0));
+    let (recurrent, slots, interval) = states.unwrap_or((0, 0, 1));
     let layout = KvLayout::default();
     // One slot: K and V of a block's tokens, one head of one dim each.
     let slot_bytes = 2 * block_size * layout.dtype.itemsize();
@@ -45,7 +46,10 @@ pub fn cache(
     };
     // Room for a few sequences' states beside the K/V.
     let num_blocks = num_blocks + 3 * recurrent * slots;
-    KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, &layers).unwrap()
+    let mut cache =
+        KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, &layers).unwrap();
+    cache.set_state_checkpoint_interval(interval).unwrap();
+    cache
 }
 
 impl Harness {
@@ -124,7 +128,41 @@ pub fn run_states(
         harness.apply(op);
         harness.check();
     }
+    let stats = harness.cache.stats();
+    harness.counts.checkpoints = stats.state_checkpoints_saved;
+    harness.counts.hit_tokens = stats.prefix_cache_hit_tokens;
     harness.counts
+}
+
+/// Over random hybrids of full attention and recurrent layers, checkpoints are kept and
+/// prefix hits resume from them (the properties above check their bytes).
+#[test]
+fn checkpoints_are_kept_and_hits_resume_from_them() {
+    use super::workload::{config, tier_op, STEPS};
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let mut total = Counts::default();
+    for case in 0..150 {
+        let config = config().new_tree(&mut runner).unwrap().current();
+        let ops = prop::collection::vec(tier_op(), STEPS)
+            .new_tree(&mut runner)
+            .unwrap()
+            .current();
+        let kinds = (vec![AttentionKind::Full], 1 + case % 3);
+        let states = (1 + case % 2, 1 + case % 3, 1 + case % 2);
+        let counts = run_states(config, &kinds, ops, case % 4 == 0, states);
+        total.checkpoints += counts.checkpoints;
+        total.hit_tokens += counts.hit_tokens;
+        total.failures += counts.failures;
+        total.swaps += counts.swaps;
+    }
+    println!("{total:?}");
+    assert!(
+        total.checkpoints > 1000 && total.hit_tokens > 200,
+        "{total:?}"
+    );
+    assert!(total.failures > 20 && total.swaps > 20, "{total:?}");
 }
 
 /// Attention kinds beside the recurrent layers: full, or a window.

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use atb_mem_core::{group_key, BlockHash, KvCache, KvEventKind, Medium};
+use atb_mem_core::{group_key, is_checkpoint_key, BlockHash, KvCache, KvEventKind, Medium};
 
 /// What a router knows from the KV-cache events alone: the (group, hash) of every block
 /// cached on the device and copied to the host.
@@ -71,7 +71,12 @@ impl EventMirror {
                 .map(|(hash, group)| (group, hash))
                 .collect::<HashSet<_>>()
         });
-        let cached: HashSet<BlockHash> = cache.block_pool().cached_hashes().collect();
+        // State checkpoints are the engine's own: no event names them.
+        let cached: HashSet<BlockHash> = cache
+            .block_pool()
+            .cached_hashes()
+            .filter(|&key| !is_checkpoint_key(key))
+            .collect();
         let mirrored: HashSet<BlockHash> = self
             .device
             .iter()

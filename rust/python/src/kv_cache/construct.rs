@@ -21,6 +21,8 @@ pub(super) struct CacheArgs {
     pub hash_block_size: Option<usize>,
     /// Bytes of one recurrent layer's state (`"linear_attention"` layers).
     pub state_bytes: Option<usize>,
+    /// Blocks between two checkpoints of a sequence's recurrent states.
+    pub state_checkpoint_interval: Option<usize>,
 }
 
 pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
@@ -55,6 +57,11 @@ pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
     if let Some(hash_block_size) = args.hash_block_size {
         cache
             .set_hash_block_size(hash_block_size)
+            .into_py_result()?;
+    }
+    if let Some(interval) = args.state_checkpoint_interval {
+        cache
+            .set_state_checkpoint_interval(interval)
             .into_py_result()?;
     }
     if let Some(num_host_blocks) = args.num_host_blocks {

@@ -44,7 +44,8 @@ impl PyKvCachePool {
                         dtype=None, enable_prefix_caching=true, num_host_blocks=None,
                         host_prefix_cache=false, enable_kv_events=false, layer_types=None,
                         sliding_window=None, attention_chunk_size=None, eviction_policy=None,
-                        hash_block_size=None, state_bytes=None))]
+                        hash_block_size=None, state_bytes=None,
+                        state_checkpoint_interval=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Count<2>,
@@ -63,6 +64,7 @@ impl PyKvCachePool {
         eviction_policy: Option<String>,
         hash_block_size: Option<Count<1>>,
         state_bytes: Option<Count<1>>,
+        state_checkpoint_interval: Option<Count<1>>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
             num_blocks: num_blocks.0,
@@ -83,6 +85,7 @@ impl PyKvCachePool {
             eviction_policy,
             hash_block_size: hash_block_size.map(Count::get),
             state_bytes: state_bytes.map(Count::get),
+            state_checkpoint_interval: state_checkpoint_interval.map(Count::get),
         })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),

@@ -5,7 +5,7 @@ use numpy::PyArray2;
 use pyo3::prelude::*;
 
 use super::PyKvCachePool;
-use crate::convert::{to_2d, Count, SeqIds};
+use crate::convert::{to_2d, Count, SeqId, SeqIds};
 use crate::errors::IntoPyResult;
 
 /// A state group as Python reads it: (layers, bytes of one layer's state, blocks per
@@ -34,6 +34,28 @@ impl PyKvCachePool {
     #[getter]
     fn num_state_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_state_blocks())
+    }
+
+    /// Blocks between two checkpoints of a sequence's recurrent states (prefix hits for a
+    /// model with recurrent layers resume from one).
+    #[getter]
+    fn state_checkpoint_interval(&self) -> PyResult<usize> {
+        Ok(self.lock()?.state_checkpoint_interval())
+    }
+
+    /// Tokens between two checkpoints: `state_checkpoint_interval × block_size`, 0 when this
+    /// cache keeps none (no recurrent layers, prefix caching off, or a windowed group).
+    #[getter]
+    fn checkpoint_stride(&self) -> PyResult<usize> {
+        Ok(self.lock()?.checkpoint_stride())
+    }
+
+    /// Keeps a checkpoint of the sequence's recurrent states at its computed tokens if they
+    /// end on the stride, its token ids are known, none is cached there and free blocks hold
+    /// one; returns whether it planned the copies (run the pending moves before the
+    /// sequence's next tokens change its states). A scheduler does this itself.
+    fn checkpoint_state(&self, seq_id: SeqId) -> PyResult<bool> {
+        self.lock()?.checkpoint_state(seq_id.0).into_py_result()
     }
 
     /// `(state group, slot)` of a recurrent layer: its state lies in slot `slot` of the

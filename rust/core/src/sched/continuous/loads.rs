@@ -45,7 +45,8 @@ pub struct LoadCounters {
 impl ContinuousScheduler {
     /// Says that the lower tiers hold the first `num_blocks` full blocks of waiting request
     /// `seq_id`'s prompt (by its chain hashes). Its admission then loads the part of them
-    /// the device and the host do not hold. Needs a cache whose every group attends fully.
+    /// the device and the host do not hold. Needs a cache whose every group attends fully,
+    /// and no recurrent layers (a lower tier keeps no state checkpoint to resume from).
     pub fn offer_external_prefix(
         &mut self,
         cache: &KvCache,
@@ -55,6 +56,11 @@ impl ContinuousScheduler {
         ensure!(
             cache.groups().iter().all(|group| !group.kind.is_windowed()),
             "lower-tier loads serve caches of full-attention layers only"
+        );
+        ensure!(
+            cache.num_state_blocks() == 0,
+            "lower-tier loads serve caches without recurrent layers: a loaded prefix would need \
+             the recurrent states at its end, which no lower tier keeps"
         );
         let block_size = cache.block_size();
         let request = self.request_mut(seq_id)?;

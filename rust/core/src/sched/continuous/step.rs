@@ -35,6 +35,7 @@ impl ContinuousScheduler {
         }
         self.forked_since_step = 0;
         self.decode_slots.clear();
+        self.save_checkpoints(cache)?;
         let mut budget = self.config.max_num_batched_tokens;
         let mut rows = std::mem::take(&mut self.scratch_scheduled);
         rows.clear();
@@ -256,7 +257,18 @@ impl ContinuousScheduler {
         if chunk == 0 || (chunk < remaining && !may_split) {
             return Ok(());
         }
-        let start = self.request(seq_id)?.num_computed;
+        let request = self.request(seq_id)?;
+        let start = request.num_computed;
+        // A chunk that passes a checkpoint boundary stops at the last one it passes, so the
+        // next step finds the states there to keep (vLLM's `align`): a hybrid model's prompt
+        // takes a step more, and its next turn resumes there.
+        let stride = cache.checkpoint_stride();
+        if stride > 0 && request.has_ids {
+            let boundary = (start + chunk - 1) / stride * stride;
+            if boundary > start {
+                chunk = boundary - start;
+            }
+        }
         let block_size = cache.block_size();
         while cache.blocks_to_compute(seq_id, start + chunk)? > cache.num_free_blocks() {
             // A shorter chunk (down to a block boundary) may fit; else make room.
@@ -283,6 +295,19 @@ impl ContinuousScheduler {
             prefill: true,
         });
         *budget -= chunk;
+        Ok(())
+    }
+
+    /// Keeps a checkpoint of every running sequence's recurrent states whose computed tokens
+    /// (all computed by now: the last plan ran) end on a checkpoint boundary, before this
+    /// step plans tokens that change them.
+    fn save_checkpoints(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        if cache.checkpoint_stride() == 0 {
+            return Ok(());
+        }
+        for &seq_id in &self.running {
+            cache.checkpoint_state(seq_id)?;
+        }
         Ok(())
     }
 

@@ -137,6 +137,13 @@ impl ContinuousScheduler {
                 return true;
             }
         }
+        // A checkpoint of recurrent states is a copy: saving one, or resuming from one.
+        if cache.checkpoint_stride() > 0
+            && ((!self.waiting.is_empty() && cache.block_pool().num_cached() > 0)
+                || self.running.iter().any(|&id| cache.checkpoint_due(id)))
+        {
+            return true;
+        }
         // An admission whose prompt shares the first pieces of a cached block copies them.
         let sub_block_hits = cache.hash_block_size() < cache.block_size()
             && !self.waiting.is_empty()

@@ -1,0 +1,240 @@
+//! Prefix hits for models with recurrent layers: states kept at block boundaries.
+//!
+//! A recurrent layer's state exists only for the position it was computed at, so the K/V
+//! of a cached prefix is no use to a hybrid model without the state at the hit's end (vLLM's
+//! users saw a 0% hit rate on such models before its `mamba_cache_mode`). A *checkpoint* is a
+//! copy of one sequence's recurrent states after its first `p` tokens, `p` a block
+//! boundary: `num_state_blocks` blocks, cached like K/V blocks under keys derived from the
+//! chain hash of the block that ends at `p` ([`checkpoint_key`], one per state block), so
+//! they are evicted by the same policy and counted in the same pool.
+//!
+//! - **Saving** ([`KvCache::checkpoint_state`]): when a sequence's computed tokens end on a
+//!   boundary of the checkpoint stride (`state_checkpoint_interval` blocks), its states are
+//!   copied into fresh blocks by copy moves, which join the cache at once: moves run in
+//!   order, so a hit planned later reads them after the copy, and a step whose moves fail
+//!   goes back to before it. A scheduler saves at the start of each step, before it plans the
+//!   sequence's next tokens, and ends prefill chunks on the stride (vLLM's `align` mode), so
+//!   every prompt leaves one at its last boundary and decoding one per stride.
+//! - **Hits**: a lookup takes the attention groups' longest hit and cuts it back to the
+//!   longest checkpoint within it whose every block is cached (`state_checkpoint` when that
+//!   cuts it short). The admission holds the checkpoint's blocks while it allocates, plans a
+//!   copy of each into the sequence's own state blocks, and lets them go: the model resumes
+//!   from the copy and the checkpoint stays cached, never written.
+//!
+//! Only caches whose attention layers all attend fully: a windowed group's hit needs blocks
+//! just before its end that a checkpoint does not keep alive, so such hybrids serve no hit.
+//! The KV events name the K/V blocks only: a router hashes the tokens it sees, and
+//! checkpoints are the engine's own business. A lower tier (host prefix cache, disk, store)
+//! keeps no checkpoint: a hit always resumes from one on the device.
+
+use super::groups::group_key;
+use super::host_prefix::allocate_device;
+use super::KvCache;
+use crate::alloc::{BlockHash, BlockPool};
+use crate::error::CoreResult;
+use crate::kv_cache::{BlockMove, MoveKind};
+
+/// The second word of every checkpoint key: what tells one from a K/V block's key (which
+/// has it with odds of 2^-64), so that whoever mirrors the cache from its KV events can leave
+/// checkpoints out.
+const CHECKPOINT_TAG: u64 = 0x5354_4154_4543_4B50;
+
+/// The key of the `column`-th block of the checkpoint at the end of the block named `hash`:
+/// 64 bits of the chain hash, mixed with the column, and the tag.
+#[inline]
+pub fn checkpoint_key(hash: BlockHash, column: usize) -> BlockHash {
+    let mixed = group_key(hash, column + 1);
+    BlockHash([mixed.0[0], CHECKPOINT_TAG])
+}
+
+/// Whether `key` names a block of a state checkpoint rather than K/V.
+#[inline]
+pub fn is_checkpoint_key(key: BlockHash) -> bool {
+    key.0[1] == CHECKPOINT_TAG
+}
+
+/// A lookup's limiting "group" when a checkpoint cut the hit short (see `miss_reason`).
+pub(super) const STATE_LIMIT: usize = usize::MAX;
+
+impl KvCache {
+    /// Keeps checkpoints every `blocks` blocks of a sequence (vLLM's retention interval): 1
+    /// keeps one at every block boundary a sequence's computation stops at.
+    pub fn set_state_checkpoint_interval(&mut self, blocks: usize) -> CoreResult<()> {
+        ensure!(
+            blocks != 0,
+            "state_checkpoint_interval must be at least 1 block, got 0"
+        );
+        ensure!(
+            blocks <= self.num_blocks(),
+            "state_checkpoint_interval = {blocks} blocks is longer than any sequence this pool \
+             holds ({} blocks)",
+            self.num_blocks()
+        );
+        self.checkpoint_interval = blocks;
+        Ok(())
+    }
+
+    /// Blocks between two checkpoints of a sequence.
+    pub fn state_checkpoint_interval(&self) -> usize {
+        self.checkpoint_interval
+    }
+
+    /// Whether this cache keeps checkpoints of recurrent states, and so serves prefix hits to
+    /// a model with recurrent layers: prefix caching on, recurrent layers, and attention
+    /// layers that all attend fully.
+    pub fn keeps_state_checkpoints(&self) -> bool {
+        self.has_state()
+            && self.enable_prefix_caching()
+            && self.groups.iter().all(|group| !group.kind.is_windowed())
+    }
+
+    /// Tokens between checkpoints (0 when none are kept).
+    pub fn checkpoint_stride(&self) -> usize {
+        match self.keeps_state_checkpoints() {
+            true => self.checkpoint_interval * self.block_size(),
+            false => 0,
+        }
+    }
+
+    /// Whether `seq_id`'s computed tokens end where a checkpoint would be kept (what
+    /// [`KvCache::checkpoint_state`] may save; false for unknown or swapped sequences).
+    pub fn checkpoint_due(&self, seq_id: u64) -> bool {
+        let stride = self.checkpoint_stride();
+        if stride == 0 {
+            return false;
+        }
+        self.sequence(seq_id).is_ok_and(|seq| {
+            let computed = seq.num_computed;
+            !seq.swapped
+                && seq.hashable
+                && computed != 0
+                && computed % stride == 0
+                && computed / self.block_size() <= seq.hashes.len()
+        })
+    }
+
+    /// Keeps a checkpoint of `seq_id`'s recurrent states at its computed tokens, if they end
+    /// on the checkpoint stride, its token ids are known, none is cached there yet and free
+    /// blocks hold one (see the module docs): plans the copies and returns true. The caller
+    /// runs the pending moves before the sequence's next tokens change its states.
+    pub fn checkpoint_state(&mut self, seq_id: u64) -> CoreResult<bool> {
+        let slab = self.slab_of(seq_id)?;
+        if !self.checkpoint_due(seq_id) {
+            return Ok(false);
+        }
+        let seq = &self.sequences[slab];
+        let hash = seq.hashes[seq.num_computed / self.block_size() - 1];
+        if self.find_checkpoint(hash) || self.block_pool.num_free() < self.state_blocks {
+            return Ok(false);
+        }
+        let KvCache {
+            sequences,
+            block_pool,
+            host_tier,
+            pending_moves,
+            events,
+            scratch_checkpoint: blocks,
+            ..
+        } = self;
+        // Every block is taken before any is released to the cache, so that no policy can
+        // evict one column for the next.
+        blocks.clear();
+        for &source in &sequences[slab].state {
+            let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
+            pending_moves.push(BlockMove::new(MoveKind::Copy, source, block));
+            blocks.push(block);
+        }
+        // The K/V blocks those evicted are logged as such before the blocks change roles.
+        self.sync_removed();
+        let KvCache {
+            block_pool,
+            events,
+            prefix_stats,
+            scratch_checkpoint: blocks,
+            ..
+        } = self;
+        for (column, &block) in blocks.iter().enumerate() {
+            // A column another block holds already (its twins evicted) stays as it is.
+            if block_pool.register(block, checkpoint_key(hash, column), false) {
+                events.checkpoint_cached(block);
+            }
+            block_pool.release(block);
+        }
+        blocks.clear();
+        prefix_stats.count_checkpoint();
+        Ok(true)
+    }
+
+    /// Whether every block of the checkpoint at the end of the block named `hash` is cached.
+    fn find_checkpoint(&self, hash: BlockHash) -> bool {
+        (0..self.state_blocks).all(|column| {
+            self.block_pool
+                .lookup(checkpoint_key(hash, column))
+                .is_some()
+        })
+    }
+
+    /// Cuts a lookup's `hits` leading blocks back to the longest run that ends at a cached
+    /// checkpoint, whose blocks go to `scratch_checkpoint`; `limited_by` becomes the state's
+    /// when that cuts it short. Returns the hit.
+    pub(super) fn checkpoint_hit(
+        &mut self,
+        hits: usize,
+        limited_by: &mut Option<(usize, usize)>,
+    ) -> usize {
+        self.scratch_checkpoint.clear();
+        let found = match self.keeps_state_checkpoints() {
+            true => (1..=hits).rev().find(|&end| {
+                let hash = self.scratch_hashes[end - 1];
+                // The first column rules most candidates out in one probe.
+                self.block_pool.lookup(checkpoint_key(hash, 0)).is_some()
+                    && self.find_checkpoint(hash)
+            }),
+            false => None,
+        };
+        let resumed = found.unwrap_or(0);
+        if let Some(end) = found {
+            let hash = self.scratch_hashes[end - 1];
+            for column in 0..self.state_blocks {
+                let block = self.block_pool.lookup(checkpoint_key(hash, column));
+                self.scratch_checkpoint.extend(block);
+            }
+        }
+        if resumed < hits {
+            *limited_by = Some((STATE_LIMIT, resumed));
+        }
+        resumed
+    }
+
+    /// Blocks of the checkpoint in `scratch_checkpoint` that no sequence uses: held off the
+    /// free queue while an admission allocates.
+    pub(super) fn checkpoint_held(&self) -> usize {
+        self.scratch_checkpoint
+            .iter()
+            .filter(|&&block| self.block_pool.ref_count(block) == 0)
+            .count()
+    }
+}
+
+/// Holds the checkpoint a new sequence resumes from, so that its allocations cannot take a
+/// block before the copy from it is planned.
+pub(super) fn hold_checkpoint(block_pool: &mut BlockPool, checkpoint: &[u32]) {
+    for &block in checkpoint {
+        block_pool.take_hit(block);
+    }
+}
+
+/// Plans the copies of the held `checkpoint` into a new sequence's `state` blocks, then lets
+/// the checkpoint go back to the cache (the most recently used).
+pub(super) fn resume_from_checkpoint(
+    block_pool: &mut BlockPool,
+    moves: &mut Vec<BlockMove>,
+    checkpoint: &[u32],
+    state: &[u32],
+) {
+    debug_assert!(checkpoint.is_empty() || checkpoint.len() == state.len());
+    for (&source, &block) in checkpoint.iter().zip(state) {
+        moves.push(BlockMove::new(MoveKind::Copy, source, block));
+        block_pool.release(source);
+    }
+}
