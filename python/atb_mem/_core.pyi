@@ -91,7 +91,8 @@ class KVCachePool:
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                 attention_chunk_size: int | None = None,
                 eviction_policy: Literal["lru", "lfu", "slru", "priority"] | None = None,
-                hash_block_size: int | None = None, state_bytes: int | None = None) -> Self: ...
+                hash_block_size: int | None = None, state_bytes: int | None = None,
+                state_checkpoint_interval: int | None = None) -> Self: ...
     @property
     def hash_block_size(self) -> int:
         """Tokens per prefix key: ``block_size`` unless hits finer than a block were asked for."""
@@ -119,6 +120,15 @@ class KVCachePool:
         """``(state group, slot)`` of a recurrent layer."""
     def state_table(self, seq_ids: IntsLike) -> Int32Array:
         """int32 ``[len(seq_ids), num_state_blocks]``: each (device) sequence's state blocks."""
+    @property
+    def state_checkpoint_interval(self) -> int:
+        """Blocks between two checkpoints of a sequence's recurrent states."""
+    @property
+    def checkpoint_stride(self) -> int:
+        """Tokens between two checkpoints; 0 when this cache keeps none."""
+    def checkpoint_state(self, seq_id: int) -> bool:
+        """Keeps a checkpoint of the sequence's recurrent states at its computed tokens if
+        they end on the stride; whether copies were planned."""
     @property
     def num_kv_heads(self) -> int: ...
     @property

@@ -86,6 +86,9 @@ class KVCacheStats(TypedDict):
     prefix_cache_misses_not_cached: int
     prefix_cache_misses_evicted: int
     prefix_cache_misses_window: int
+    prefix_cache_misses_state_checkpoint: int
+    # Checkpoints of recurrent states kept (a hybrid model's prefix hits resume from one).
+    state_checkpoints_saved: int
     num_groups: int  # KV-cache groups (1 without layer types)
 
 
@@ -222,12 +225,12 @@ class StateGroup(NamedTuple):
     first_column: int
 
 
-MISS_REASONS = ("block_alignment", "not_cached", "evicted", "window")
+MISS_REASONS = ("block_alignment", "not_cached", "evicted", "window", "state_checkpoint")
 """Why a prefix hit falls short, as ``stats()`` counts it: only block alignment stopped it;
 the next block was never cached; it was evicted; a windowed group lacks a block inside the
-window of the next hit point. ``explain_prefix`` may also say ``"prefix_caching_off"``, or
-``"state_checkpoint"`` for a cache with recurrent layers (no state is kept at a hit's
-position yet, so such a cache serves no prefix hit)."""
+window of the next hit point; a model with recurrent layers has no state checkpoint at the
+end of a longer hit (the hit resumes from the last one the K/V reaches, or none).
+``explain_prefix`` may also say ``"prefix_caching_off"``."""
 
 
 class GroupPrefix(NamedTuple):

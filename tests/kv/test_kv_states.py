@@ -277,27 +277,58 @@ def test_state_table_refuses_what_it_cannot_read() -> None:
 # ---- prefix caching --------------------------------------------------------------------------
 
 
-def test_a_cache_with_states_serves_no_prefix_hit() -> None:
-    prompt = list(range(13))
-    control = KVCachePool(40, BLOCK_SIZE, **DIMS, device=None)  # no states: a hit
+def test_a_hit_resumes_from_the_last_checkpoint_of_the_states() -> None:
+    """The K/V of 12 tokens is cached, the states only at 8: the hit is 8 tokens, and its
+    states are copies of the checkpoint's blocks into the new sequence's own."""
+    prompt, longer = list(range(13)), list(range(19))
     pool = hybrid()
-    assert "state_checkpoint" not in MISS_REASONS  # explain_prefix's own reason
-    for cache in (control, pool):
-        cache.alloc_sequence(1, prompt)
-        joined = cache.mark_computed(1)
-        assert joined == (3 if cache is control else 0)
-        cache.free_sequence(1)
-    assert control.alloc_sequence(2, prompt) == 12
-    assert pool.stats()["blocks_cached"] == 0
-    why = pool.explain_prefix(prompt)
-    assert (why.hit_tokens, why.reason, why.limited_by, why.tiers) == (0, "state_checkpoint",
-                                                                        None, [])
-    assert [(g.cached_tokens, g.reason) for g in why.groups] == [(0, "state_checkpoint")]
-    assert pool.alloc_sequence(2, prompt) == 0
+    assert (pool.state_checkpoint_interval, pool.checkpoint_stride) == (1, BLOCK_SIZE)
+    pool.alloc_sequence(1, prompt)
+    assert not pool.checkpoint_state(1)  # nothing computed yet
+    assert pool.mark_computed(1, 8) == 2
+    assert pool.checkpoint_state(1)
+    saves = pool.pending_moves()
+    checkpoint = saves[:, 2].tolist()
+    assert saves[:, 0].tolist() == [COPY] * STATE_BLOCKS
+    assert saves[:, 1].tolist() == row(pool, 1)
+    pool.take_pending_copies()
+    assert pool.mark_computed(1, 13) == 1  # the K/V blocks join the cache as ever
+    pool.free_sequence(1)
+    why = pool.explain_prefix(longer)
+    assert (why.hit_tokens, why.reason, why.limited_by) == (8, "state_checkpoint", None)
+    assert [(g.cached_tokens, g.reason) for g in why.groups] == [(12, "not_cached")]
+    assert pool.alloc_sequence(2, longer) == 8
+    resumes = pool.pending_moves()
+    assert resumes[:, 1].tolist() == checkpoint and resumes[:, 2].tolist() == row(pool, 2)
     stats = pool.stats()
-    assert (stats["prefix_cache_hits"], stats["prefix_cache_hit_tokens"]) == (0, 0)
+    assert stats["prefix_cache_misses_state_checkpoint"] == 1
+    assert (stats["prefix_cache_hit_tokens"], stats["state_checkpoints_saved"]) == (8, 1)
+    assert "state_checkpoint" in MISS_REASONS
+    # No checkpoint within the K/V's reach: no hit, and the reason says why.
+    other = hybrid()
+    other.alloc_sequence(1, prompt)
+    other.mark_computed(1)
+    other.free_sequence(1)
+    why = other.explain_prefix(prompt)
+    assert (why.hit_tokens, why.reason) == (0, "state_checkpoint")
+    assert other.alloc_sequence(2, prompt) == 0
     off = hybrid(enable_prefix_caching=False)
     assert off.explain_prefix(prompt).reason == "prefix_caching_off"  # off says so first
+    assert off.checkpoint_stride == 0
+
+
+def test_checkpoint_arguments_are_checked_and_a_failed_call_changes_nothing() -> None:
+    with pytest.raises(ValueError, match="state_checkpoint_interval"):
+        hybrid(state_checkpoint_interval=0)
+    with pytest.raises(ValueError, match="state_checkpoint_interval"):
+        hybrid(state_checkpoint_interval=41)
+    pool = hybrid(state_checkpoint_interval=2)
+    assert pool.checkpoint_stride == 2 * BLOCK_SIZE
+    pool.alloc_sequence(1, list(range(13)))
+    pool.mark_computed(1, 4)
+    assert not pool.checkpoint_state(1)  # not on the stride
+    for bad, error in [(99, UnknownSequenceError), (-1, TypeError), ("1", TypeError)]:
+        assert_unchanged(partial(observe, pool), error, partial(pool.checkpoint_state, bad))
 
 
 # ---- sizing ----------------------------------------------------------------------------------

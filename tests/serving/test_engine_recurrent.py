@@ -168,3 +168,77 @@ def test_reading_a_fresh_sequences_blocks_is_caught(monkeypatch: pytest.MonkeyPa
     tokens = prompt(3, 9)
     results = run_poisoned(engine, {0: [("r", tokens, greedy(6))]})
     assert results["r"][0][0] != hf_tokens(reference, tokens, 6)
+
+
+def turns(architecture: str, seed: int = 20) -> tuple[Any, list[tuple[list[int], int]]]:
+    """A 21-token prompt, then its next turn (prompt, answer, 5 tokens more), a prompt
+    sharing its first 21 tokens, and one sharing its first 17: the states at 20 and 24
+    tokens (blocks 5 and 6) were kept, at the prompt's last boundary and while it decoded,
+    but none at 16, where the K/V of the last prompt's hit ends."""
+    _, reference = model_pair(architecture)
+    first = prompt(seed, 21)
+    answer = hf_tokens(reference, first, 6)
+    return reference, [(first, 0), (first + answer + prompt(seed + 1, 5), 24),
+                       (first + prompt(seed + 2, 8), 20), (first[:17] + prompt(seed + 3, 6), 0)]
+
+
+def serve_turns(architecture: str) -> tuple[dict[str, Any], list[int], Engine, Any]:
+    """Each turn run alone, in order; returns the outputs and what each turn's admission got
+    from the prefix cache."""
+    model, _ = model_pair(architecture)
+    reference, requests = turns(architecture)
+    # Room for every checkpoint kept (5 of 33 or 18 blocks) beside the sequences.
+    engine = Engine(model, num_blocks=400, block_size=BLOCK_SIZE)
+    results: dict[str, Any] = {}
+    hits = []
+    for index, (tokens, _) in enumerate(requests):
+        before = engine.kv_cache.stats()["prefix_cache_hit_tokens"]
+        results.update(run_poisoned(engine, {0: [(f"t{index}", tokens, greedy(6))]}))
+        hits.append(engine.kv_cache.stats()["prefix_cache_hit_tokens"] - before)
+    return results, hits, engine, reference
+
+
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+def test_prefix_hits_resume_from_state_checkpoints(architecture: str) -> None:
+    """A later turn resumes from the checkpoint at the end of its hit (the K/V reaches
+    further, the states only to the last checkpoint), and its greedy tokens equal HF's."""
+    results, hits, engine, reference = serve_turns(architecture)
+    _, requests = turns(architecture)
+    assert hits == [expected for _, expected in requests]
+    for index, (tokens, _) in enumerate(requests):
+        assert results[f"t{index}"][0][0] == hf_tokens(reference, tokens, 6), index
+    stats = engine.kv_cache.stats()
+    assert stats["state_checkpoints_saved"] >= 3
+    assert stats["prefix_cache_misses_state_checkpoint"] >= 1
+    why = engine.kv_cache.explain_prefix(requests[0][0][:17] + prompt(99, 6))
+    assert (why.hit_tokens, why.reason, why.groups[0].cached_tokens) == (0, "state_checkpoint",
+                                                                          16)
+    assert stats["blocks_used"] == 0
+
+
+def test_resuming_from_the_wrong_checkpoint_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a resume copies the checkpoint kept before the one it asked for
+    (the states at 20 tokens where 24 were asked for)."""
+    copy_run = tensors.KVTensors._copy_run
+    checkpoints: list[list[int]] = []  # every save's blocks, in order
+    redirected = []
+
+    def earlier_checkpoint(self: Any, kind: int, src: np.ndarray, dst: np.ndarray) -> None:
+        if kind == tensors.MOVE_COPY:
+            where = {block: (index, column) for index, blocks in enumerate(checkpoints)
+                     for column, block in enumerate(blocks)}
+            if len(src) and all(int(block) in where for block in src):
+                index, column = where[int(src[0])]
+                if index > 0:
+                    earlier = checkpoints[index - 1]
+                    src = np.array(earlier[column:column + len(src)], dtype=src.dtype)
+                    redirected.append(index)
+            else:
+                checkpoints.append(dst.tolist())
+        copy_run(self, kind, src, dst)
+
+    monkeypatch.setattr(tensors.KVTensors, "_copy_run", earlier_checkpoint)
+    results, hits, _, reference = serve_turns("granitemoehybrid")
+    _, requests = turns("granitemoehybrid")
+    assert redirected and hits[1] == 24
+    assert results["t1"][0][0] != hf_tokens(reference, requests[1][0], 6)

@@ -42,7 +42,7 @@ _CONFIG_KEYS = {"max_pages": "num_blocks", "page_size": "block_size", **{name: n
     "num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype",
     "enable_prefix_caching", "device", "num_host_blocks", "host_prefix_cache", "eviction_policy",
     "hash_block_size", "enable_kv_events", "layer_types", "sliding_window",
-    "attention_chunk_size", "state_bytes")}}
+    "attention_chunk_size", "state_bytes", "state_checkpoint_interval")}}
 
 _DEFAULT_DEVICE = "host"
 
@@ -72,7 +72,9 @@ class KVCachePool(_CoreInterface):
     ``attention_chunk_size``: a hybrid model's KV-cache groups (see ``groups``); a window
     without ``layer_types`` makes every layer slide (Mistral). ``"linear_attention"`` layers
     (Mamba, gated delta-net) keep ``state_bytes`` per sequence each, in state blocks of the
-    same pool (``state_groups``, ``state_table``).
+    same pool (``state_groups``, ``state_table``); with prefix caching, a prefix hit resumes
+    from a checkpoint of those states kept every ``state_checkpoint_interval`` blocks
+    (default 1; ``checkpoint_state``, which a scheduler calls itself).
 
     Block 0 is the reserved null block (block tables are padded with it), so
     ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's

@@ -3,8 +3,7 @@
 Each ``step()`` is one scheduler step (continuous batching, chunked prefill, preemption),
 one forward of the model over the step's tokens through the paged attention of
 ``atb_mem.integrations.transformers``, and one sampled token per sequence that finished its
-prefill or decoded. A request of ``n`` samples is prefilled once: at its first token the
-scheduler forks it ``n - 1`` times, copy-on-write.
+prefill or decoded. A request of ``n`` samples is prefilled once, then forked ``n - 1`` times.
 """
 
 from __future__ import annotations
@@ -72,7 +71,8 @@ class Engine:
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
     store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: ``"lru"``,
     ``"lfu"``, ``"slru"`` or ``"priority"`` (``SamplingParams.retention``); ``hash_block_size``:
-    hits every that many tokens; ``kv_events`` (``ZmqEventPublisher``) gets each step's events."""
+    hits every that many tokens; ``state_checkpoint_interval``: blocks between the recurrent
+    states kept for prefix hits; ``kv_events`` (``ZmqEventPublisher``) gets the events."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
@@ -81,6 +81,7 @@ class Engine:
                  kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
                  gpu_memory_utilization: float = 0.9, eviction_policy: str = "lru",
                  kv_cache_memory_bytes: int | None = None, hash_block_size: int | None = None,
+                 state_checkpoint_interval: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
                  attention_backend: AttentionBackend = "auto") -> None:
@@ -106,11 +107,11 @@ class Engine:
             if self.plan_broadcast is not None:  # every rank holds as many blocks as the least
                 num_blocks = self.plan_broadcast.agree_on_minimum(num_blocks)
         tier = host_tier(kv_offload, num_host_blocks, block_size, shape, enable_prefix_caching)
-        self.kv_cache = KVCachePool(num_blocks, block_size, device=str(model.device),
-                                    enable_prefix_caching=enable_prefix_caching,
-                                    eviction_policy=eviction_policy,
-                                    hash_block_size=hash_block_size,
-                                    enable_kv_events=kv_events is not None, **tier, **shape)
+        self.kv_cache = KVCachePool(
+            num_blocks, block_size, device=str(model.device), eviction_policy=eviction_policy,
+            enable_prefix_caching=enable_prefix_caching, hash_block_size=hash_block_size,
+            state_checkpoint_interval=state_checkpoint_interval,
+            enable_kv_events=kv_events is not None, **tier, **shape)
         self.tiers = tier_connector(self.kv_cache, model, kv_offload, kv_store, shape,
                                     tensor_parallel_size)
         self.kv_events = kv_events
@@ -123,10 +124,8 @@ class Engine:
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_seq_id = itertools.count(1)
         self._ended: list[_Request] = []  # aborted or failed, reported by the next step()
-        self.last_step_seconds = (0.0, 0.0)
-        """(model forward, whole step) of the last ``step()``, in seconds."""
-        self.last_step_tokens = 0
-        """Tokens the last ``step()`` ran through the model."""
+        # (model forward, whole step) of the last step() in seconds; the tokens it ran.
+        self.last_step_seconds, self.last_step_tokens = (0.0, 0.0), 0
 
     # ---- tensor parallelism ----------------------------------------------------------------
 
