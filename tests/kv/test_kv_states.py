@@ -363,6 +363,29 @@ def test_the_plan_counts_the_states_the_pool_takes(layer_types: list[str],
     assert plan.bytes_per_seq == plan.blocks_per_seq * plan.bytes_per_block
     plain = plan_kv_cache(1 << 20, 0, block_size=BLOCK_SIZE, max_model_len=40, **DIMS)
     assert (plain.state_blocks_per_seq, plain.blocks_per_seq) == (0, 10)
+    assert (plain.checkpoint_bytes, plain.prefix_blocks(40)) == (0, 10)
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_the_plan_counts_what_a_cached_prefix_and_its_checkpoints_take(interval: int) -> None:
+    """A prompt computed a block at a time, with a checkpoint wherever one is due, leaves
+    as many cached blocks as ``prefix_blocks`` says, each checkpoint ``checkpoint_bytes``."""
+    plan = plan_kv_cache(1 << 20, 0, block_size=BLOCK_SIZE, max_model_len=64,
+                         layer_types=LAYERS, state_bytes=STATE_BYTES, **DIMS)
+    assert plan.checkpoint_bytes == STATE_BLOCKS * plan.bytes_per_block
+    pool = hybrid(num_blocks=100, state_checkpoint_interval=interval)
+    prompt = list(range(6 * BLOCK_SIZE + 1))
+    pool.alloc_sequence(1, prompt)
+    saved = 0
+    for computed in range(BLOCK_SIZE, len(prompt), BLOCK_SIZE):
+        pool.mark_computed(1, computed)
+        saved += pool.checkpoint_state(1)
+    pool.take_pending_copies()
+    pool.free_sequence(1)
+    assert saved == 6 // interval
+    assert pool.stats()["blocks_cached"] == plan.prefix_blocks(6 * BLOCK_SIZE, interval)
+    with pytest.raises(ValueError, match="state_checkpoint_interval"):
+        plan.prefix_blocks(4, 0)
 
 
 # ---- model configs ---------------------------------------------------------------------------

@@ -96,6 +96,25 @@ def test_plan_from_a_model_config_counts_windows(tmp_path: Path) -> None:
         assert grouped["bytes_per_block"] * 32 == plain["bytes_per_block"] * 5
 
 
+def test_plan_from_a_hybrid_model_config_shows_its_states(tmp_path: Path) -> None:
+    """A Granite-4.0-H-like config (Mamba2 and attention layers): the table gives the
+    blocks a sequence's states take and the memory of one state checkpoint."""
+    path, out = tmp_path / "config.json", tmp_path / "plan.json"
+    path.write_text(json.dumps({
+        "model_type": "granitemoehybrid", "num_hidden_layers": 4, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "dtype": "bfloat16",
+        "layers_block_type": ["mamba", "attention", "mamba", "attention"],
+        "mamba_expand": 2, "mamba_n_heads": 8, "mamba_n_groups": 1, "mamba_d_state": 5,
+        "mamba_d_conv": 4, "mamba_d_head": 16}))
+    result = atb_mem_command(*PLAN[:5], "--model-config", str(path), "--max-model-len", "512",
+                             "--block-sizes", "16", "--utilization", "0.9", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint MiB" in result.stdout and "state_checkpoint_interval" in result.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["state_blocks_per_seq"] > 0
+    assert row["checkpoint_bytes"] == row["state_blocks_per_seq"] * row["bytes_per_block"]
+
+
 def test_a_model_config_and_its_flags_do_not_mix(tmp_path: Path) -> None:
     both = atb_mem_command(*PLAN, "--model-config", str(model_config(tmp_path)))
     assert both.returncode == 2 and "drop --layers, --kv-heads, --head-dim" in both.stderr

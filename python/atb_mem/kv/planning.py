@@ -36,6 +36,22 @@ class KVCachePlan:
     sequence holds whatever its length."""
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint of a sequence's recurrent states (what a hybrid model's
+        prefix hit resumes from): ``state_blocks_per_seq`` cached blocks, kept at most once
+        every ``state_checkpoint_interval`` blocks of a prefix. 0 without recurrent layers."""
+        return self.state_blocks_per_seq * self.bytes_per_block
+
+    def prefix_blocks(self, tokens: int, state_checkpoint_interval: int = 1) -> int:
+        """Most blocks a cached prefix of ``tokens`` tokens takes: a block per group per
+        ``block_size`` tokens, and with recurrent layers a checkpoint per
+        ``state_checkpoint_interval`` blocks."""
+        blocks = tokens // self.block_size
+        checkpoints = blocks // _positive_int("state_checkpoint_interval",
+                                              state_checkpoint_interval)
+        return blocks * self.num_groups + checkpoints * self.state_blocks_per_seq
+
+    @property
     def device_tokens(self) -> int:
         """Tokens of prefix the device's blocks hold (each token takes a block per group)."""
         return (self.num_blocks - 1) * self.block_size // self.num_groups

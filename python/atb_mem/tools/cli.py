@@ -104,6 +104,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                          "host_tokens": result.host_tokens,
                          "num_disk_blocks": result.num_disk_blocks,
                          "disk_tokens": result.disk_tokens,
+                         "state_blocks_per_seq": result.state_blocks_per_seq,
+                         "checkpoint_bytes": result.checkpoint_bytes,
                          "max_num_seqs_keeping_every_block": every_block.max_num_seqs})
     if not rows:
         raise click.ClickException(errors[0])
@@ -112,6 +114,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                "max_num_seqs"] + (["keeping every block"] if groups else []) \
         + (["device tokens"] if host or disk else []) + (["host tokens"] if host else []) \
         + (["disk tokens"] if disk else [])
+    states = rows[0]["state_blocks_per_seq"] > 0
+    columns += ["state blocks/seq", "checkpoint MiB"] if states else []
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -126,11 +130,17 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
             cells.append(f"{row['host_tokens']:,}")
         if disk:
             cells.append(f"{row['disk_tokens']:,}")
+        if states:
+            cells += [str(row["state_blocks_per_seq"]), f"{row['checkpoint_bytes'] / 2**20:.2f}"]
         table.add_row(*cells)
     console.print(table)
     if groups:
         console.print(f"{rows[0]['num_groups']} KV-cache groups: sliding-window and chunked "
                       "layers cost their window, not the full length")
+    if states:
+        console.print("recurrent layers: every sequence holds its states; a prefix hit resumes "
+                      "from a checkpoint of them, cached beside the K/V (at most one per "
+                      "state_checkpoint_interval blocks of a prefix)")
     for skipped in errors:
         console.print(f"[yellow]skipped[/yellow] {skipped}")
     write_json(json_path, {"rows": rows, "skipped": errors})
