@@ -412,3 +412,30 @@ fn without_checkpoints_no_prefix_is_a_hit() {
     assert!(cache.set_hash_block_size(2).is_err());
     cache.check_invariants().unwrap();
 }
+
+#[test]
+fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
+    let mut cache = hybrid(60);
+    cache.set_state_checkpoint_interval(4).unwrap();
+    let system: Vec<u32> = (0..13).collect();
+    cache.alloc_sequence(1, Tokens::Ids(&system), None).unwrap();
+    cache.mark_computed(1, Some(13)).unwrap();
+    cache.free_sequence(1).unwrap();
+    // The next prompt shares 12 tokens of cached K/V but no state: it recomputes them, and
+    // its states after them are kept for the one after it.
+    let mut second = system[..12].to_vec();
+    second.extend([90, 91, 92, 93, 94]);
+    assert_eq!(
+        cache.alloc_sequence(2, Tokens::Ids(&second), None).unwrap(),
+        0
+    );
+    assert_eq!(cache.kv_reach(2).unwrap(), 12);
+    cache.mark_computed(2, Some(8)).unwrap();
+    assert!(!cache.checkpoint_due(2));
+    cache.mark_computed(2, Some(12)).unwrap();
+    assert!(cache.checkpoint_due(2) && cache.checkpoint_state(2).unwrap());
+    let mut third = system[..12].to_vec();
+    third.extend([70, 71]);
+    assert_eq!(cache.explain_prefix(&third, None).unwrap().hit_tokens, 12);
+    cache.check_invariants().unwrap();
+}

@@ -136,6 +136,7 @@ impl KvCache {
             limited_by,
             partial,
             queryable,
+            kv_hits,
             ..
         } = found;
         if needed > self.block_pool.num_free() {
@@ -198,6 +199,7 @@ impl KvCache {
         // written, promoted blocks with it.
         seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
+        seq.kv_reach = kv_hits;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
                 seq.hashable = true;
@@ -256,6 +258,7 @@ impl KvCache {
         child.hashes.extend_from_slice(&parent.hashes);
         child.num_computed = parent.num_computed;
         child.num_registered = parent.num_registered;
+        child.kv_reach = parent.kv_reach;
         for (table, parent_table) in child.tables.iter_mut().zip(&parent.tables) {
             table.blocks.extend_from_slice(&parent_table.blocks);
             table.released = parent_table.released;

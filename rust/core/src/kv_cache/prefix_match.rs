@@ -25,6 +25,8 @@ pub(super) struct PrefixMatch {
     pub(super) partial_held: usize,
     pub(super) queryable: usize,
     pub(super) checkpoint_held: usize,
+    /// Leading blocks every group could serve before a checkpoint cut the hit back.
+    pub(super) kv_hits: usize,
 }
 
 impl PrefixMatch {
@@ -109,6 +111,7 @@ impl KvCache {
         let mut blocks = std::mem::take(&mut self.scratch_blocks);
         blocks.resize(self.groups.len() * queries, NULL_BLOCK);
         let (mut hits, mut limited_by) = self.longest_hit(queries, &mut blocks);
+        let kv_hits = hits;
         if self.has_state() {
             hits = self.checkpoint_hit(hits, &mut limited_by);
         }
@@ -146,6 +149,7 @@ impl KvCache {
             partial_held,
             queryable,
             checkpoint_held: self.checkpoint_held(),
+            kv_hits,
         }
     }
 

@@ -39,6 +39,10 @@ pub(super) struct Sequence {
     pub(super) num_computed: usize,
     /// Leading blocks already offered to the prefix cache (hits, or registered).
     pub(super) num_registered: usize,
+    /// Leading blocks whose K/V the admission found cached, whether or not a state
+    /// checkpoint let it use them: where the prompt left what earlier ones computed, and so
+    /// where a checkpoint serves the next one that shares them (see `state_checkpoints`).
+    pub(super) kv_reach: usize,
     /// When `mark_computed` next has windowed groups' blocks to release or allocate.
     pub(super) window_bounds: WindowBounds,
     /// Changes whenever a block list or the length changes (and when a batch names the
@@ -107,6 +111,7 @@ impl Sequence {
             table.reset(0);
         }
         self.state.clear();
+        self.kv_reach = 0;
         self.partial_tokens.clear();
         self.hashes.clear();
         self.token_ids.clear();

@@ -97,7 +97,8 @@ impl KvCache {
     }
 
     /// Whether `seq_id`'s computed tokens end where a checkpoint would be kept (what
-    /// [`KvCache::checkpoint_state`] may save; false for unknown or swapped sequences).
+    /// [`KvCache::checkpoint_state`] may save; false for unknown or swapped sequences): on
+    /// the stride, or where the K/V its admission found cached ends ([`KvCache::kv_reach`]).
     pub fn checkpoint_due(&self, seq_id: u64) -> bool {
         let stride = self.checkpoint_stride();
         if stride == 0 {
@@ -108,8 +109,21 @@ impl KvCache {
             !seq.swapped
                 && seq.hashable
                 && computed != 0
-                && computed % stride == 0
+                && (computed % stride == 0 || computed == seq.kv_reach * self.block_size())
                 && computed / self.block_size() <= seq.hashes.len()
+        })
+    }
+
+    /// Tokens of `seq_id`'s prompt whose K/V its admission found cached, whether or not a
+    /// checkpoint let it use them (0 without recurrent layers). A prompt that shares a cached
+    /// prefix but finds no state at its end recomputes it; a checkpoint kept where the
+    /// sharing ends serves the next prompt that shares it (a system prompt, say), so a
+    /// scheduler ends a chunk there too.
+    pub fn kv_reach(&self, seq_id: u64) -> CoreResult<usize> {
+        let seq = self.sequence(seq_id)?;
+        Ok(match self.has_state() {
+            true => seq.kv_reach * self.block_size(),
+            false => 0,
         })
     }
 

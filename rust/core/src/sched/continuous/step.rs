@@ -264,7 +264,13 @@ impl ContinuousScheduler {
         // takes a step more, and its next turn resumes there.
         let stride = cache.checkpoint_stride();
         if stride > 0 && request.has_ids {
-            let boundary = (start + chunk - 1) / stride * stride;
+            // Where the cached K/V it shares ends comes first: a checkpoint there serves the
+            // next prompt that shares it.
+            let reach = cache.kv_reach(seq_id)?;
+            let boundary = match reach > start && reach < start + chunk {
+                true => reach,
+                false => (start + chunk - 1) / stride * stride,
+            };
             if boundary > start {
                 chunk = boundary - start;
             }
