@@ -25,9 +25,10 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def readme_examples() -> list[str]:
-    """The quickstart (README), then serving, hybrid models and KV-cache events (docs)."""
+    """The quickstart (README), then serving, hybrid models, recurrent states and KV-cache
+    events (docs)."""
     readme, serving = python_blocks(README), python_blocks(SERVING)
-    assert len(readme) == 1 and len(serving) == 3, (len(readme), len(serving))
+    assert len(readme) == 1 and len(serving) == 4, (len(readme), len(serving))
     return readme + serving
 
 
@@ -35,7 +36,7 @@ def readme_example() -> str:
     return readme_examples()[0]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2, 3])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4])
 def test_readme_example_runs(index: int) -> None:
     if index == 1:
         require_transformers()
