@@ -13,8 +13,8 @@ tokens the model computed and those the cache saved, and the memory the checkpoi
 
 Then the decode step: ``ContinuousBatchScheduler.step`` and ``on_tokens`` at the same batch
 of decoding sequences, with the state groups and attention-only (the same layers all
-attention), each with prefix caching (checkpoints) and without, alternating in one process;
-medians of ``--rounds``.
+attention), each with prefix caching (checkpoints at the default interval, and at every
+block) and without, alternating in one process; medians of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -66,23 +66,26 @@ def replay(requests: list[tuple[list[int], int]], num_blocks: int,
             "bytes_per_block": kv.bytes_per_block, "state_blocks": kv.num_state_blocks}
 
 
-def decode_step_us(states: bool, checkpoints: bool, batch: int, steps: int) -> float:
+def decode_step_us(states: bool, checkpoints: bool, batch: int, steps: int,
+                   interval: int | None = None) -> float:
     shape = SHAPE if states else \
         {k: v for k, v in SHAPE.items() if k not in ("layer_types", "state_bytes")}
     # Room for every sequence's states and K/V, whichever the model: the same batch runs.
     state_blocks = atb_mem.KVCachePool(10_000, 16, device=None,  # type: ignore[arg-type]
                                        **SHAPE).num_state_blocks
-    kv = atb_mem.KVCachePool(batch * (state_blocks + 16) + 64, 16,  # type: ignore[arg-type]
-                             device=None, enable_prefix_caching=checkpoints, **shape)
+    extra = {"state_checkpoint_interval": interval} if interval else {}
+    kv = atb_mem.KVCachePool(batch * (state_blocks + 40) + 64, 16,  # type: ignore[arg-type]
+                             device=None, enable_prefix_caching=checkpoints, **shape, **extra)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=batch,
                                                  max_num_batched_tokens=8192)
     for seq_id in range(batch):
         scheduler.add_request(seq_id, list(range(seq_id, seq_id + 100)), 10_000)
-    for _ in range(50):  # prefill and reach the steady decode
-        if scheduler.stats()["running"] == batch and not scheduler.stats()["waiting"]:
-            break
+    # Prefill, keep each prompt's checkpoint (once per request), and reach the steady decode.
+    for _ in range(50):
         plan = scheduler.step()
         scheduler.on_tokens(plan.sample_seq_ids, np.ones(len(plan.sample_seq_ids), np.int32))
+        if len(plan.decode_seq_ids) == batch and not len(plan.moves):
+            break
     assert scheduler.stats()["running"] == batch, scheduler.stats()
     start = time.perf_counter()
     for _ in range(steps):
@@ -111,13 +114,15 @@ def main() -> None:
     saved = 1 - with_["prefill_computed"] / without["prefill_computed"]
     print(f"prefill tokens computed: {saved:.1%} fewer with checkpoints")
     for batch in (64, 256):
-        variants = {"states, checkpoints": (True, True), "attention-only": (False, True),
-                    "states, no prefix caching": (True, False),
-                    "attention-only, no prefix caching": (False, False)}
+        variants = {"states, checkpoints": (True, True, None),
+                    "states, a checkpoint every block": (True, True, 1),
+                    "attention-only": (False, True, None),
+                    "states, no prefix caching": (True, False, None),
+                    "attention-only, no prefix caching": (False, False, None)}
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name, (states, checkpoints) in variants.items():
-                times[name].append(decode_step_us(states, checkpoints, batch, 200))
+            for name, (states, checkpoints, interval) in variants.items():
+                times[name].append(decode_step_us(states, checkpoints, batch, 200, interval))
         base = statistics.median(times["attention-only"])
         print(f"decode step, {batch} running (µs, and against attention-only): " + ", ".join(
             f"{name} {statistics.median(t):.1f} ({statistics.median(t) / base:.2f})"

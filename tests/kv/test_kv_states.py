@@ -281,7 +281,9 @@ def test_a_hit_resumes_from_the_last_checkpoint_of_the_states() -> None:
     """The K/V of 12 tokens is cached, the states only at 8: the hit is 8 tokens, and its
     states are copies of the checkpoint's blocks into the new sequence's own."""
     prompt, longer = list(range(13)), list(range(19))
-    pool = hybrid()
+    # By default a checkpoint per as many K/V blocks as it takes (one group here).
+    assert hybrid().state_checkpoint_interval == STATE_BLOCKS
+    pool = hybrid(state_checkpoint_interval=1)
     assert (pool.state_checkpoint_interval, pool.checkpoint_stride) == (1, BLOCK_SIZE)
     pool.alloc_sequence(1, prompt)
     assert not pool.checkpoint_state(1)  # nothing computed yet

@@ -187,8 +187,9 @@ def serve_turns(architecture: str) -> tuple[dict[str, Any], list[int], Engine, A
     from the prefix cache."""
     model, _ = model_pair(architecture)
     reference, requests = turns(architecture)
-    # Room for every checkpoint kept (5 of 33 or 18 blocks) beside the sequences.
-    engine = Engine(model, num_blocks=400, block_size=BLOCK_SIZE)
+    # Room for every checkpoint kept (5 of 33 or 18 blocks) beside the sequences; one at
+    # every block boundary, so that decoding keeps them too.
+    engine = Engine(model, num_blocks=400, block_size=BLOCK_SIZE, state_checkpoint_interval=1)
     results: dict[str, Any] = {}
     hits = []
     for index, (tokens, _) in enumerate(requests):

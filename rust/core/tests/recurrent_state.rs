@@ -25,6 +25,9 @@ fn hybrid(num_blocks: usize) -> KvCache {
     };
     let mut cache =
         KvCache::with_layer_kinds(num_blocks, BLOCK_SIZE, layout, true, &kinds).unwrap();
+    // A checkpoint takes 6 blocks, one group's K/V one: by default one per 6 blocks.
+    assert_eq!(cache.state_checkpoint_interval(), 6);
+    cache.set_state_checkpoint_interval(1).unwrap();
     cache.enable_host_tier(32).unwrap();
     cache
 }
@@ -289,7 +292,8 @@ fn checkpoints_are_kept_on_the_stride_of_known_tokens_only() {
     assert_eq!(cache.checkpoint_stride(), 8);
     let prompt: Vec<u32> = (0..13).collect();
     cache.alloc_sequence(1, Tokens::Ids(&prompt), None).unwrap();
-    for (computed, due) in [(4, false), (6, false), (8, true), (12, false)] {
+    // On the stride (8), and at the prompt's last block boundary (12) whatever the stride.
+    for (computed, due) in [(4, false), (6, false), (8, true), (12, true)] {
         cache.mark_computed(1, Some(computed)).unwrap();
         assert_eq!(cache.checkpoint_due(1), due, "{computed}");
         assert_eq!(cache.checkpoint_state(1).unwrap(), due, "{computed}");
@@ -309,7 +313,7 @@ fn checkpoints_are_kept_on_the_stride_of_known_tokens_only() {
     cache.mark_computed(4, Some(8)).unwrap();
     cache.swap_out(&[4]).unwrap();
     assert!(!cache.checkpoint_state(4).unwrap());
-    assert_eq!(cache.stats().state_checkpoints_saved, 1);
+    assert_eq!(cache.stats().state_checkpoints_saved, 2);
     cache.check_invariants().unwrap();
 }
 
@@ -438,4 +442,62 @@ fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
     third.extend([70, 71]);
     assert_eq!(cache.explain_prefix(&third, None).unwrap().hit_tokens, 12);
     cache.check_invariants().unwrap();
+}
+
+/// The scheduler ends a prompt's chunk on the checkpoint stride, saves the states there at
+/// the next step's start, and a next prompt resumes from them; a save whose copies fail is
+/// dropped and the step goes on.
+#[test]
+fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
+    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: true,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    for fail in [false, true] {
+        let mut cache = hybrid(80);
+        let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+        let prompt: Vec<u32> = (0..10).collect();
+        scheduler
+            .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
+            .unwrap();
+        let mut plan = StepPlan::default();
+        scheduler.step(&mut cache, 0, &mut plan).unwrap();
+        assert_eq!(
+            plan.prefill_tokens,
+            vec![8],
+            "the chunk ends on the last boundary"
+        );
+        let mut executed = Vec::new();
+        let execute = |moves: &[atb_mem_core::BlockMove]| {
+            executed.extend_from_slice(moves);
+            match fail {
+                true => Err(atb_mem_core::MoveFailure { attempted: 1 }),
+                false => Ok(()),
+            }
+        };
+        scheduler
+            .step_executing(&mut cache, 0, &mut plan, execute)
+            .unwrap();
+        assert_eq!(
+            executed.len(),
+            cache.num_state_blocks(),
+            "the save's copies"
+        );
+        assert_eq!(plan.prefill_tokens, vec![2], "the step goes on either way");
+        assert_eq!(
+            plan.moves.len(),
+            usize::from(!fail) * cache.num_state_blocks()
+        );
+        let saved = cache.stats().state_checkpoints_saved;
+        assert_eq!(saved, u64::from(!fail));
+        let mut next = prompt[..8].to_vec();
+        next.extend([50, 51, 52]);
+        let why = cache.explain_prefix(&next, None).unwrap();
+        assert_eq!(why.hit_tokens, if fail { 0 } else { 8 });
+        cache.check_invariants().unwrap();
+    }
 }

@@ -200,6 +200,7 @@ impl KvCache {
         seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
         seq.kv_reach = kv_hits;
+        seq.prompt_blocks = (num_tokens - 1) / block_size;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
                 seq.hashable = true;
@@ -259,6 +260,7 @@ impl KvCache {
         child.num_computed = parent.num_computed;
         child.num_registered = parent.num_registered;
         child.kv_reach = parent.kv_reach;
+        child.prompt_blocks = parent.prompt_blocks;
         for (table, parent_table) in child.tables.iter_mut().zip(&parent.tables) {
             table.blocks.extend_from_slice(&parent_table.blocks);
             table.released = parent_table.released;

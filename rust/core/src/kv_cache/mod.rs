@@ -210,13 +210,15 @@ impl KvCache {
             )
         })?;
         let state_groups = state::state_groups(recurrent, bytes_per_block / layers_per_block);
-        let state_blocks = state_groups.iter().map(|group| group.num_blocks).sum();
+        let state_blocks: usize = state_groups.iter().map(|group| group.num_blocks).sum();
         ensure!(
             state_blocks < num_blocks - 1,
             "one sequence's recurrent states take {state_blocks} blocks of this pool, which has \
              {} usable: give it more blocks, or larger ones",
             num_blocks - 1
         );
+        // A checkpoint per as many blocks of K/V as it takes (see `state_checkpoints`).
+        let checkpoint_interval = state_blocks.div_ceil(groups.len().max(1)).max(1);
         let mut cache = KvCache {
             block_pool,
             host_tier: None,
@@ -226,7 +228,7 @@ impl KvCache {
             bytes_per_block,
             state_groups,
             state_blocks,
-            checkpoint_interval: 1,
+            checkpoint_interval,
             sequences: SequenceTable::default(),
             pending_moves: Vec::new(),
             has_forked: false,

@@ -43,6 +43,9 @@ pub(super) struct Sequence {
     /// checkpoint let it use them: where the prompt left what earlier ones computed, and so
     /// where a checkpoint serves the next one that shares them (see `state_checkpoints`).
     pub(super) kv_reach: usize,
+    /// Full blocks before the last token of what the admission was given: where the states
+    /// a next prompt sharing it all would resume from lie.
+    pub(super) prompt_blocks: usize,
     /// When `mark_computed` next has windowed groups' blocks to release or allocate.
     pub(super) window_bounds: WindowBounds,
     /// Changes whenever a block list or the length changes (and when a batch names the
@@ -112,6 +115,7 @@ impl Sequence {
         }
         self.state.clear();
         self.kv_reach = 0;
+        self.prompt_blocks = 0;
         self.partial_tokens.clear();
         self.hashes.clear();
         self.token_ids.clear();

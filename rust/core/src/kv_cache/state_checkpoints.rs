@@ -8,13 +8,14 @@
 //! chain hash of the block that ends at `p` ([`checkpoint_key`], one per state block), so
 //! they are evicted by the same policy and counted in the same pool.
 //!
-//! - **Saving** ([`KvCache::checkpoint_state`]): when a sequence's computed tokens end on a
-//!   boundary of the checkpoint stride (`state_checkpoint_interval` blocks), its states are
-//!   copied into fresh blocks by copy moves, which join the cache at once: moves run in
-//!   order, so a hit planned later reads them after the copy, and a step whose moves fail
-//!   goes back to before it. A scheduler saves at the start of each step, before it plans the
-//!   sequence's next tokens, and ends prefill chunks on the stride (vLLM's `align` mode), so
-//!   every prompt leaves one at its last boundary and decoding one per stride.
+//! - **Saving** ([`KvCache::checkpoint_state`]): when a sequence's computed tokens end at
+//!   its prompt's last block boundary, where the cached K/V its prompt shared ends, or on the
+//!   checkpoint stride (`state_checkpoint_interval` blocks), its states are copied into
+//!   fresh blocks by copy moves, which join the cache at once: moves run in order, so a hit
+//!   planned later reads them after the copy. A scheduler saves at the start of each step,
+//!   before it plans the sequence's next tokens, and ends prefill chunks at those points
+//!   (vLLM's `align` mode); a step whose only moves are saves goes on without them if they
+//!   fail, so it needs no snapshot.
 //! - **Hits**: a lookup takes the attention groups' longest hit and cuts it back to the
 //!   longest checkpoint within it whose every block is cached (`state_checkpoint` when that
 //!   cuts it short). The admission holds the checkpoint's blocks while it allocates, plans a
@@ -57,8 +58,11 @@ pub fn is_checkpoint_key(key: BlockHash) -> bool {
 pub(super) const STATE_LIMIT: usize = usize::MAX;
 
 impl KvCache {
-    /// Keeps checkpoints every `blocks` blocks of a sequence (vLLM's retention interval): 1
-    /// keeps one at every block boundary a sequence's computation stops at.
+    /// Keeps checkpoints every `blocks` blocks of a sequence (vLLM's retention interval), on
+    /// top of those at a prompt's last block boundary and where the K/V it shared ends: 1
+    /// keeps one at every block boundary a sequence's computation stops at. The default
+    /// keeps one per as many blocks of K/V as a checkpoint takes, so that those kept while a
+    /// sequence decodes take at most the memory of the K/V they cover.
     pub fn set_state_checkpoint_interval(&mut self, blocks: usize) -> CoreResult<()> {
         ensure!(
             blocks != 0,
@@ -96,22 +100,33 @@ impl KvCache {
         }
     }
 
-    /// Whether `seq_id`'s computed tokens end where a checkpoint would be kept (what
-    /// [`KvCache::checkpoint_state`] may save; false for unknown or swapped sequences): on
-    /// the stride, or where the K/V its admission found cached ends ([`KvCache::kv_reach`]).
+    /// Whether [`KvCache::checkpoint_state`] would keep a checkpoint of `seq_id` now (false
+    /// for unknown or swapped sequences): its computed tokens end on the stride, or where
+    /// the K/V its admission found cached ends ([`KvCache::kv_reach`]), with known ids, no
+    /// checkpoint cached there (its first block stands for it: a checkpoint's blocks go
+    /// back to the cache first to last, so the first is evicted first), and free blocks for
+    /// one.
     pub fn checkpoint_due(&self, seq_id: u64) -> bool {
+        self.due_checkpoint(seq_id).is_some()
+    }
+
+    /// The hash of the block a due checkpoint of `seq_id` ends (see `checkpoint_due`).
+    fn due_checkpoint(&self, seq_id: u64) -> Option<BlockHash> {
         let stride = self.checkpoint_stride();
-        if stride == 0 {
-            return false;
+        if stride == 0 || self.block_pool.num_free() < self.state_blocks {
+            return None;
         }
-        self.sequence(seq_id).is_ok_and(|seq| {
-            let computed = seq.num_computed;
-            !seq.swapped
-                && seq.hashable
-                && computed != 0
-                && (computed % stride == 0 || computed == seq.kv_reach * self.block_size())
-                && computed / self.block_size() <= seq.hashes.len()
-        })
+        let seq = self.sequence(seq_id).ok()?;
+        let (computed, block_size) = (seq.num_computed, self.block_size());
+        let on_boundary = computed % stride == 0
+            || computed == seq.kv_reach * block_size
+            || computed == seq.prompt_blocks * block_size;
+        if seq.swapped || !seq.hashable || computed == 0 || !on_boundary {
+            return None;
+        }
+        let hash = *seq.hashes.get(computed / block_size - 1)?;
+        let cached = self.block_pool.lookup(checkpoint_key(hash, 0)).is_some();
+        (!cached).then_some(hash)
     }
 
     /// Tokens of `seq_id`'s prompt whose K/V its admission found cached, whether or not a
@@ -127,20 +142,26 @@ impl KvCache {
         })
     }
 
+    /// Where a checkpoint of `seq_id`'s prompt is kept whatever the stride: its last block
+    /// boundary before its last token (what the same prompt, or a longer one, asked again
+    /// resumes from; a next turn of a conversation too). 0 without recurrent layers.
+    pub fn prompt_checkpoint(&self, seq_id: u64) -> CoreResult<usize> {
+        let seq = self.sequence(seq_id)?;
+        Ok(match self.has_state() {
+            true => seq.prompt_blocks * self.block_size(),
+            false => 0,
+        })
+    }
+
     /// Keeps a checkpoint of `seq_id`'s recurrent states at its computed tokens, if they end
     /// on the checkpoint stride, its token ids are known, none is cached there yet and free
     /// blocks hold one (see the module docs): plans the copies and returns true. The caller
     /// runs the pending moves before the sequence's next tokens change its states.
     pub fn checkpoint_state(&mut self, seq_id: u64) -> CoreResult<bool> {
         let slab = self.slab_of(seq_id)?;
-        if !self.checkpoint_due(seq_id) {
+        let Some(hash) = self.due_checkpoint(seq_id) else {
             return Ok(false);
-        }
-        let seq = &self.sequences[slab];
-        let hash = seq.hashes[seq.num_computed / self.block_size() - 1];
-        if self.find_checkpoint(hash) || self.block_pool.num_free() < self.state_blocks {
-            return Ok(false);
-        }
+        };
         let KvCache {
             sequences,
             block_pool,
@@ -177,6 +198,18 @@ impl KvCache {
         blocks.clear();
         prefix_stats.count_checkpoint();
         Ok(true)
+    }
+
+    /// Forgets the checkpoints whose saving `moves` were (their copies failed): their blocks
+    /// go back to the free queue, holding nothing. (A block a later allocation of the same
+    /// step took is no checkpoint's any more: what the failed copy wrote there is written
+    /// over before it is read.)
+    pub(crate) fn forget_checkpoints(&mut self, moves: &[BlockMove]) {
+        for planned in moves {
+            self.block_pool.uncache(planned.dst);
+        }
+        let saves = moves.len() / self.state_blocks.max(1);
+        self.prefix_stats.count_checkpoints_lost(saves);
     }
 
     /// Whether every block of the checkpoint at the end of the block named `hash` is cached.

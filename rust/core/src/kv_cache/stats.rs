@@ -147,6 +147,11 @@ impl PrefixStats {
     pub(super) fn count_checkpoint(&mut self) {
         self.checkpoints_saved += 1;
     }
+
+    /// Saves whose copies failed: they were never kept.
+    pub(super) fn count_checkpoints_lost(&mut self, saves: usize) {
+        self.checkpoints_saved -= saves as u64;
+    }
 }
 
 impl KvCache {

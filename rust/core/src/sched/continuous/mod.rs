@@ -94,6 +94,8 @@ pub struct ContinuousScheduler {
     scratch_order: Vec<((u32, u64), u64)>,
     block_tables: BlockTableWriter,
     scratch_scheduled: Vec<ScheduledRow>,
+    /// Of the step's moves, the leading ones that save checkpoints (see `save_checkpoints`).
+    saved_moves: usize,
 }
 
 impl ContinuousScheduler {
@@ -123,6 +125,7 @@ impl ContinuousScheduler {
             scratch_order: Vec::new(),
             block_tables: BlockTableWriter::new(),
             scratch_scheduled: Vec::new(),
+            saved_moves: 0,
         })
     }
 

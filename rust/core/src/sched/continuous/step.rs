@@ -264,12 +264,15 @@ impl ContinuousScheduler {
         // takes a step more, and its next turn resumes there.
         let stride = cache.checkpoint_stride();
         if stride > 0 && request.has_ids {
-            // Where the cached K/V it shares ends comes first: a checkpoint there serves the
-            // next prompt that shares it.
-            let reach = cache.kv_reach(seq_id)?;
-            let boundary = match reach > start && reach < start + chunk {
-                true => reach,
-                false => (start + chunk - 1) / stride * stride,
+            // Where the cached K/V it shares ends comes first (a checkpoint there serves the
+            // next prompt that shares it), then its last block boundary, then the stride.
+            let end = start + chunk;
+            let inside = |at: usize| at > start && at < end;
+            let (reach, last) = (cache.kv_reach(seq_id)?, cache.prompt_checkpoint(seq_id)?);
+            let boundary = match (inside(reach), inside(last)) {
+                (true, _) => reach,
+                (false, true) => last,
+                (false, false) => (end - 1) / stride * stride,
             };
             if boundary > start {
                 chunk = boundary - start;
@@ -307,12 +310,18 @@ impl ContinuousScheduler {
     /// Keeps a checkpoint of every running sequence's recurrent states whose computed tokens
     /// (all computed by now: the last plan ran) end on a checkpoint boundary, before this
     /// step plans tokens that change them.
+    /// With nothing pending before them, the step's first `saved_moves` moves are theirs.
     fn save_checkpoints(&mut self, cache: &mut KvCache) -> CoreResult<()> {
+        let pending = cache.num_pending_moves();
+        self.saved_moves = 0;
         if cache.checkpoint_stride() == 0 {
             return Ok(());
         }
         for &seq_id in &self.running {
             cache.checkpoint_state(seq_id)?;
+        }
+        if pending == 0 {
+            self.saved_moves = cache.num_pending_moves();
         }
         Ok(())
     }

@@ -69,14 +69,19 @@ impl ContinuousScheduler {
             return Ok(());
         }
         // Checked whether or not executing fails, so that every test run catches it.
+        let only_saves = self.saved_moves == plan.moves.len();
         debug_assert!(
-            before.is_some(),
+            before.is_some() || only_saves,
             "a step moved blocks that step_may_move did not foresee: {:?}",
             plan.moves
         );
         let Err(MoveFailure { attempted }) = execute(&plan.moves) else {
             return Ok(());
         };
+        if before.is_none() && only_saves {
+            self.drop_failed_saves(cache, plan);
+            return Ok(());
+        }
         // Unforeseen moves would be a bug; recovering against the step's own state still
         // ends every request whose blocks they wrote.
         let before = before.unwrap_or_else(|| (self.clone(), cache.clone()));
@@ -85,6 +90,17 @@ impl ContinuousScheduler {
         self.recover_from_failed_moves(cache, before, &plan.moves, attempted, &mut aborted);
         plan.clear();
         Err(CoreError::MovesFailed { attempted, aborted })
+    }
+
+    /// A step whose only moves save checkpoints of recurrent states, and whose executor
+    /// failed, goes on without them: the checkpoints are forgotten (nothing else wrote or
+    /// read their blocks), the step's plan stands, and no snapshot was needed — cloning the
+    /// scheduler and a large cache at every step that keeps a checkpoint cost the decode
+    /// step several times over (`benches/recurrent_checkpoints.py`).
+    fn drop_failed_saves(&mut self, cache: &mut KvCache, plan: &mut StepPlan) {
+        cache.forget_checkpoints(&plan.moves);
+        plan.moves.clear();
+        self.saved_moves = 0;
     }
 
     /// Whether the next step may decide block moves (and so needs a snapshot to roll back to
@@ -137,10 +153,11 @@ impl ContinuousScheduler {
                 return true;
             }
         }
-        // A checkpoint of recurrent states is a copy: saving one, or resuming from one.
+        // Resuming from a checkpoint of recurrent states is a copy. (Saving one needs no
+        // snapshot: see `drop_failed_saves`.)
         if cache.checkpoint_stride() > 0
-            && ((!self.waiting.is_empty() && cache.block_pool().num_cached() > 0)
-                || self.running.iter().any(|&id| cache.checkpoint_due(id)))
+            && !self.waiting.is_empty()
+            && cache.block_pool().num_cached() > 0
         {
             return true;
         }
