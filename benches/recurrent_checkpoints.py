@@ -45,10 +45,11 @@ SHAPE = {"num_layers": LAYERS, "num_kv_heads": 4, "head_dim": 128, "dtype": "bfl
 BLOCK_SIZE = 64
 
 
-def replay(requests: list[tuple[list[int], int]], num_blocks: int,
-           checkpoints: bool) -> dict[str, float]:
-    kv = atb_mem.KVCachePool(num_blocks, BLOCK_SIZE, device=None,
-                             enable_prefix_caching=checkpoints, **SHAPE)  # type: ignore[arg-type]
+def replay(requests: list[tuple[list[int], int]], num_blocks: int, checkpoints: bool,
+           interval: int | None = None) -> dict[str, float]:
+    extra = {"state_checkpoint_interval": interval} if interval else {}
+    kv = atb_mem.KVCachePool(num_blocks, BLOCK_SIZE, device=None,  # type: ignore[arg-type]
+                             enable_prefix_caching=checkpoints, **SHAPE, **extra)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=32,
                                                  max_num_batched_tokens=4096)
     computed, peak_cached, pending = 0, 0, list(enumerate(requests))[::-1]
@@ -101,18 +102,20 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=3000)
     args = parser.parse_args()
     requests = prompts(args.requests)
-    with_, without = (replay(requests, args.num_blocks, on) for on in (True, False))
+    with_, every_block, without = (replay(requests, args.num_blocks, on, interval)
+                                   for on, interval in ((True, None), (True, 1), (False, None)))
     mib = with_["bytes_per_block"] / 2**20
     print(f"{args.requests} requests, {args.num_blocks} blocks of {BLOCK_SIZE} tokens "
           f"({mib:.2f} MiB each); a checkpoint is {with_['state_blocks']} blocks "
           f"({with_['state_blocks'] * mib:.1f} MiB)")
-    for name, row in (("checkpoints", with_), ("none", without)):
+    for name, row in (("checkpoints", with_), ("every block", every_block), ("none", without)):
         print(f"{name:>12}: prefill computed {row['prefill_computed']:>9,}, saved "
               f"{row['hit_tokens']:>9,}, checkpoints kept {row['checkpoints']:>6,}, peak "
               f"cached {row['peak_cached_blocks']:>5,} blocks "
               f"({row['peak_cached_blocks'] * mib / 1024:.2f} GiB)")
-    saved = 1 - with_["prefill_computed"] / without["prefill_computed"]
-    print(f"prefill tokens computed: {saved:.1%} fewer with checkpoints")
+    for name, row in (("checkpoints", with_), ("every block", every_block)):
+        saved = 1 - row["prefill_computed"] / without["prefill_computed"]
+        print(f"prefill tokens computed: {saved:.1%} fewer with {name}")
     for batch in (64, 256):
         variants = {"states, checkpoints": (True, True, None),
                     "states, a checkpoint every block": (True, True, 1),
