@@ -123,3 +123,39 @@ def test_serve_refuses_an_unknown_offload_tier_in_one_line(tmp_path: Path) -> No
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("atb-mem: error:") and "unknown tiers ['tape']" in last, last
     assert "Traceback" not in result.stderr
+
+
+def test_serve_keeps_a_hybrid_models_states_for_prefix_hits(tmp_path: Path) -> None:
+    """A Granite 4.0-H checkpoint (Mamba2 layers) served with --state-checkpoint-interval:
+    the same prompt asked twice is a prefix hit the second time (its states resume from a
+    checkpoint), as /metrics says."""
+    import httpx
+
+    save_tiny_checkpoint(tmp_path, "granitemoehybrid")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
+         "--device", "cpu", "--num-blocks", "256", "--block-size", "4",
+         "--served-model-name", "tiny", "--state-checkpoint-interval", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_healthy(process, port, 120)
+        for _ in range(2):
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                                  json={"model": "tiny", "prompt": "hello world " * 6,
+                                        "max_tokens": 3}, timeout=60)
+            assert response.status_code == 200, response.text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        hits = [line for line in metrics.splitlines()
+                if line.startswith("atb_mem_kv_cache_prefix_cache_hits")]
+        assert hits and float(hits[0].split()[-1]) > 0, hits
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    bad = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
+                          "--state-checkpoint-interval", "0"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "--state-checkpoint-interval" in bad.stderr

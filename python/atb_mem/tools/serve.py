@@ -44,6 +44,10 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 @click.option("--hash-block-size", type=click.IntRange(min=1), default=None,
               help="Prefix hits every N tokens (N divides --block-size), not only at whole "
                    "blocks: the shared part of a block is copied, not recomputed.")
+@click.option("--state-checkpoint-interval", type=click.IntRange(min=1), default=None,
+              help="Models with recurrent layers (Mamba, gated delta-net): keep their states "
+                   "for prefix hits every N blocks while decoding [default: as many blocks "
+                   "as one takes].")
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
@@ -84,7 +88,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, kv_offload: tuple[tuple[str, Any], ...],
           kv_store: str | None, eviction_policy: str, hash_block_size: int | None,
-          no_prefix_caching: bool,
+          state_checkpoint_interval: int | None, no_prefix_caching: bool,
           gpu_memory_utilization: float, attention_backend: str,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
@@ -120,6 +124,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
         "kv_offload": offload_tiers(kv_offload), "kv_store": kv_store,
         "eviction_policy": eviction_policy, "hash_block_size": hash_block_size,
+        "state_checkpoint_interval": state_checkpoint_interval,
         "gpu_memory_utilization": gpu_memory_utilization,
         "attention_backend": attention_backend}
     workers: list[subprocess.Popen[bytes]] = []

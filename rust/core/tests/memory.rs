@@ -130,8 +130,8 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
         // Measured 346 and 330 (the slab and index grow by doubling, so part of this is
         // reserve; 24 of it is the header of the token-id list KV events keep, empty
         // here, 24 that of the recurrent states' block list, empty too, 40 the one group
-        // table on the heap, 8 the box a retention config would go in, 8 where the cached
-        // K/V a hybrid's prompt shares ends); without prefix caching a sequence keeps no
+        // table on the heap, 8 the box a retention config would go in, 8 the block counts a
+        // hybrid's checkpoints are kept at); without prefix caching a sequence keeps no
         // token ids.
         let per_sequence_limit = if enable_prefix_caching { 358.0 } else { 342.0 };
         assert!(

@@ -501,3 +501,22 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
         cache.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn checkpoints_are_not_demoted_to_the_host_prefix_cache() {
+    let mut cache = hybrid(40);
+    cache.enable_host_prefix_cache().unwrap();
+    let prompt: Vec<u32> = (0..13).collect();
+    leave_checkpoint(&mut cache, &prompt, 8);
+    assert_eq!(cache.block_pool().num_cached(), 3 + 6);
+    // Every free block taken: the K/V blocks go to the host, the checkpoint's do not (no
+    // hit resumes from a host copy of one).
+    let free = cache.num_free_blocks();
+    cache
+        .alloc_sequence(9, Tokens::Count((free - 6) * BLOCK_SIZE), None)
+        .unwrap();
+    assert_eq!(cache.block_pool().num_cached(), 0);
+    assert_eq!(cache.num_host_cached_blocks(), 3);
+    assert_eq!(cache.host_prefix_counters().demoted, 3);
+    cache.check_invariants().unwrap();
+}

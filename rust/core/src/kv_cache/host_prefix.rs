@@ -15,6 +15,7 @@
 //! move is planned, so no demotion before that can reuse it, and one after is ordered after
 //! the move that reads it.
 
+use super::state_checkpoints::is_checkpoint_key;
 use super::swap::HostTier;
 use super::{KvCache, KvEventLog, NO_BLOCK};
 use crate::alloc::{BlockHash, BlockPool};
@@ -40,7 +41,8 @@ pub struct HostPrefixCounters {
 
 /// Allocates a device block for a sequence. If that evicts a cached block and a host prefix
 /// tier is on, the block's contents are demoted first: a (device → host) move is planned
-/// before anything can write the block again (see the module docs).
+/// before anything can write the block again (see the module docs). A block of a state
+/// checkpoint is not: hits resume only from checkpoints on the device.
 #[inline]
 pub(super) fn allocate_device(
     block_pool: &mut BlockPool,
@@ -53,7 +55,7 @@ pub(super) fn allocate_device(
         .allocate_evicting()
         .ok_or_else(CoreError::no_block)?;
     if let (Some(key), Some(tier)) = (evicted, host_tier) {
-        if tier.pool.enable_prefix_caching() {
+        if tier.pool.enable_prefix_caching() && !is_checkpoint_key(key) {
             demote(tier, moves, events, block, key);
         }
     }

@@ -199,8 +199,9 @@ impl KvCache {
         // written, promoted blocks with it.
         seq.num_computed = hits * block_size + partial;
         seq.num_registered = first_promoted;
-        seq.kv_reach = kv_hits;
-        seq.prompt_blocks = (num_tokens - 1) / block_size;
+        // Block counts stay below MAX_BLOCKS (2**25): they fit.
+        seq.kv_reach = kv_hits as u32;
+        seq.prompt_blocks = ((num_tokens - 1) / block_size) as u32;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
                 seq.hashable = true;

@@ -42,10 +42,10 @@ pub(super) struct Sequence {
     /// Leading blocks whose K/V the admission found cached, whether or not a state
     /// checkpoint let it use them: where the prompt left what earlier ones computed, and so
     /// where a checkpoint serves the next one that shares them (see `state_checkpoints`).
-    pub(super) kv_reach: usize,
+    pub(super) kv_reach: u32,
     /// Full blocks before the last token of what the admission was given: where the states
     /// a next prompt sharing it all would resume from lie.
-    pub(super) prompt_blocks: usize,
+    pub(super) prompt_blocks: u32,
     /// When `mark_computed` next has windowed groups' blocks to release or allocate.
     pub(super) window_bounds: WindowBounds,
     /// Changes whenever a block list or the length changes (and when a batch names the

@@ -119,8 +119,8 @@ impl KvCache {
         let seq = self.sequence(seq_id).ok()?;
         let (computed, block_size) = (seq.num_computed, self.block_size());
         let on_boundary = computed % stride == 0
-            || computed == seq.kv_reach * block_size
-            || computed == seq.prompt_blocks * block_size;
+            || computed == seq.kv_reach as usize * block_size
+            || computed == seq.prompt_blocks as usize * block_size;
         if seq.swapped || !seq.hashable || computed == 0 || !on_boundary {
             return None;
         }
@@ -137,7 +137,7 @@ impl KvCache {
     pub fn kv_reach(&self, seq_id: u64) -> CoreResult<usize> {
         let seq = self.sequence(seq_id)?;
         Ok(match self.has_state() {
-            true => seq.kv_reach * self.block_size(),
+            true => seq.kv_reach as usize * self.block_size(),
             false => 0,
         })
     }
@@ -148,7 +148,7 @@ impl KvCache {
     pub fn prompt_checkpoint(&self, seq_id: u64) -> CoreResult<usize> {
         let seq = self.sequence(seq_id)?;
         Ok(match self.has_state() {
-            true => seq.prompt_blocks * self.block_size(),
+            true => seq.prompt_blocks as usize * self.block_size(),
             false => 0,
         })
     }
