@@ -339,6 +339,11 @@ fn a_checkpoint_missing_a_block_serves_no_hit() {
         cache.alloc_sequence(2, Tokens::Ids(&prompt), None).unwrap(),
         0
     );
+    // Computed again, the checkpoint is made whole: its surviving blocks stay, the missing
+    // ones are saved anew, and the next prompt resumes from it.
+    cache.mark_computed(2, Some(4)).unwrap();
+    assert!(cache.checkpoint_state(2).unwrap());
+    assert_eq!(cache.explain_prefix(&prompt, None).unwrap().hit_tokens, 4);
     cache.check_invariants().unwrap();
 }
 

@@ -101,11 +101,10 @@ impl KvCache {
     }
 
     /// Whether [`KvCache::checkpoint_state`] would keep a checkpoint of `seq_id` now (false
-    /// for unknown or swapped sequences): its computed tokens end on the stride, or where
-    /// the K/V its admission found cached ends ([`KvCache::kv_reach`]), with known ids, no
-    /// checkpoint cached there (its first block stands for it: a checkpoint's blocks go
-    /// back to the cache first to last, so the first is evicted first), and free blocks for
-    /// one.
+    /// for unknown or swapped sequences): its computed tokens end at its prompt's last block
+    /// boundary, where the K/V its admission found cached ends ([`KvCache::kv_reach`]), or on
+    /// the stride, with known ids, no whole checkpoint cached there (one that lost blocks to
+    /// evictions is made whole again), and free blocks for one.
     pub fn checkpoint_due(&self, seq_id: u64) -> bool {
         self.due_checkpoint(seq_id).is_some()
     }
@@ -125,8 +124,7 @@ impl KvCache {
             return None;
         }
         let hash = *seq.hashes.get(computed / block_size - 1)?;
-        let cached = self.block_pool.lookup(checkpoint_key(hash, 0)).is_some();
-        (!cached).then_some(hash)
+        (!self.find_checkpoint(hash)).then_some(hash)
     }
 
     /// Tokens of `seq_id`'s prompt whose K/V its admission found cached, whether or not a
