@@ -142,3 +142,32 @@ def test_a_host_prefix_cache_needs_a_host_tier_and_prefix_caching() -> None:
                             enable_prefix_caching=False)
     kv = atb_mem.KVCachePool(8, 4, device=None, num_host_blocks=4, host_prefix_cache=True)
     assert kv.host_prefix_cache and kv.stats()["host_blocks_cached"] == 0
+
+
+def test_waiting_for_saves_ends_once_the_writer_has_written_them(tmp_path: Path) -> None:
+    """Saves land on the writer's thread; ``wait_for_saves`` says whether they all did in
+    time (a store held up keeps it waiting, and it gives up after its timeout)."""
+    import threading
+
+    from atb_mem import KVCachePool
+    from atb_mem.kv.tiers import TierConnector
+
+    release = threading.Event()
+
+    class HeldUpDisk(DiskStore):
+        def put(self, key: str, value: bytes) -> bool:
+            release.wait(30)
+            return super().put(key, value)
+
+    kv = KVCachePool(8, 4, num_layers=1, num_kv_heads=1, head_dim=4)
+    connector = TierConnector(kv, [HeldUpDisk(tmp_path, 1 << 20, min_seen=1)], "model")
+    try:
+        assert connector.wait_for_saves(0)  # nothing pending
+        connector._save_block(1, "model/00ff", ([0, 255], None, [1, 2, 3, 4]))
+        assert not connector.wait_for_saves(0.05)
+        release.set()
+        assert connector.wait_for_saves(30)
+        assert connector.counters.saved_blocks == 1
+    finally:
+        release.set()
+        connector.close()

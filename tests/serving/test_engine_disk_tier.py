@@ -44,6 +44,8 @@ def run_round(engine: Engine, label: str) -> list[list[int]]:
         request_id = f"{label}-{index}"
         produced.append(run_poisoned(engine, {0: [(request_id, tokens, GREEDY)]})
                         [request_id][0][0])
+    # Saves land on the tier's own thread: the next round counts on them.
+    assert engine.tiers is not None and engine.tiers.wait_for_saves(60)
     return produced
 
 

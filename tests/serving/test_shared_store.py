@@ -72,12 +72,15 @@ def test_repeated_prompts_come_back_from_the_store_and_match_hf() -> None:
     with mooncake_master() as master:
         engine = Engine(model, num_blocks=8, block_size=4, max_num_seqs=1, kv_store=master.url)
         try:
+            assert engine.tiers is not None
             for round_ in range(2):
                 for index, prompt in enumerate(PROMPTS):
                     request_id = f"{round_}-{index}"
                     results = run_poisoned(engine, {0: [(request_id, prompt, GREEDY)]})
                     assert results[request_id][0][0] == expected[index], request_id
-            assert engine.tiers is not None
+                # The saves are written on the tier's thread: the second round counts on
+                # them having landed (on a loaded machine they may land after its lookups).
+                assert engine.tiers.wait_for_saves(60)
             assert engine.tiers.counters.loaded_by_tier == {"MOONCAKE": 4 * len(PROMPTS)}
         finally:
             engine.shutdown()

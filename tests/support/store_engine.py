@@ -24,6 +24,7 @@ def main(checkpoint: str, url: str, prompts_json: str) -> None:
         [output] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0))
         tokens.append(output.outputs[0].token_ids)
     assert engine.tiers is not None
+    assert engine.tiers.wait_for_saves(60)  # another engine looks them up once this prints
     print(json.dumps({"tokens": tokens, "loaded_blocks": engine.tiers.counters.loaded_blocks}),
           flush=True)
     sys.stdin.read()

@@ -101,6 +101,7 @@ class TierConnector:
         self._events = bool(kv_cache.enable_kv_events)
         self._loads: list[_Load] = []
         self._counting = threading.Lock()  # saves are counted on the workers
+        self._saves_done = threading.Condition(self._counting)
 
     @property
     def counters(self) -> TierCounters:
@@ -327,6 +328,8 @@ class TierConnector:
         finally:
             with self._counting:
                 self._pending_saves -= 1
+                if self._pending_saves == 0:
+                    self._saves_done.notify_all()
         if not taken:
             return
         with self._counting:
@@ -345,6 +348,13 @@ class TierConnector:
                     store.medium, False, [key_hash(old) for old in evicted], None, [])
             self.kv_cache._record_tier_event(store.medium, True, [hash_words], parent,
                                              token_ids)
+
+    def wait_for_saves(self, timeout_s: float) -> bool:
+        """Waits, at most ``timeout_s`` seconds, until every save handed to the writer has
+        landed in the stores (or failed); returns whether it did. Serving never needs this:
+        a block saved late is only a later hit."""
+        with self._saves_done:
+            return self._saves_done.wait_for(lambda: self._pending_saves == 0, timeout_s)
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)
