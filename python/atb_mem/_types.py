@@ -89,6 +89,7 @@ class KVCacheStats(TypedDict):
     prefix_cache_misses_state_checkpoint: int
     # Checkpoints of recurrent states kept (a hybrid model's prefix hits resume from one).
     state_checkpoints_saved: int
+    state_checkpoints_failed: int  # dropped: their copies failed
     num_groups: int  # KV-cache groups (1 without layer types)
 
 

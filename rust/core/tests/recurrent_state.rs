@@ -451,7 +451,8 @@ fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
 
 /// The scheduler ends a prompt's chunk on the checkpoint stride, saves the states there at
 /// the next step's start, and a next prompt resumes from them; a save whose copies fail is
-/// dropped and the step goes on.
+/// dropped and the step goes on — but with a host prefix cache, whose demotions of what the
+/// save evicts are moves too, the step is one transaction and fails whole.
 #[test]
 fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
     use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
@@ -462,8 +463,11 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
         preemption: Preemption::Recompute,
         watermark: 0.0,
     };
-    for fail in [false, true] {
+    for (fail, host_prefix) in [(false, false), (true, false), (true, true)] {
         let mut cache = hybrid(80);
+        if host_prefix {
+            cache.enable_host_prefix_cache().unwrap();
+        }
         let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         let prompt: Vec<u32> = (0..10).collect();
         scheduler
@@ -484,9 +488,18 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
                 false => Ok(()),
             }
         };
-        scheduler
-            .step_executing(&mut cache, 0, &mut plan, execute)
-            .unwrap();
+        let stepped = scheduler.step_executing(&mut cache, 0, &mut plan, execute);
+        if host_prefix {
+            assert!(
+                matches!(stepped, Err(CoreError::MovesFailed { .. })),
+                "{stepped:?}"
+            );
+            assert_eq!(cache.stats().state_checkpoints_saved, 0);
+            assert_eq!(cache.explain_prefix(&prompt, None).unwrap().hit_tokens, 0);
+            cache.check_invariants().unwrap();
+            continue;
+        }
+        stepped.unwrap();
         assert_eq!(
             executed.len(),
             cache.num_state_blocks(),
@@ -497,8 +510,12 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
             plan.moves.len(),
             usize::from(!fail) * cache.num_state_blocks()
         );
-        let saved = cache.stats().state_checkpoints_saved;
-        assert_eq!(saved, u64::from(!fail));
+        let stats = cache.stats();
+        let counted = (
+            stats.state_checkpoints_saved,
+            stats.state_checkpoints_failed,
+        );
+        assert_eq!(counted, (u64::from(!fail), u64::from(fail)));
         let mut next = prompt[..8].to_vec();
         next.extend([50, 51, 52]);
         let why = cache.explain_prefix(&next, None).unwrap();
@@ -524,4 +541,47 @@ fn checkpoints_are_not_demoted_to_the_host_prefix_cache() {
     assert_eq!(cache.num_host_cached_blocks(), 3);
     assert_eq!(cache.host_prefix_counters().demoted, 3);
     cache.check_invariants().unwrap();
+}
+
+/// A lookup that finds a checkpoint and is not followed by an admission (`explain_prefix`,
+/// a budget check) leaves nothing behind for the next admission, one of a token count.
+#[test]
+fn a_checkpoint_found_by_a_lookup_alone_is_not_taken_by_the_next_admission() {
+    let mut cache = hybrid(60);
+    let prompt: Vec<u32> = (0..13).collect();
+    leave_checkpoint(&mut cache, &prompt, 8);
+    assert_eq!(cache.explain_prefix(&prompt, None).unwrap().hit_tokens, 8);
+    let free = cache.num_free_blocks();
+    cache.alloc_sequence(2, Tokens::Count(5), None).unwrap();
+    assert_eq!(
+        cache.num_pending_moves(),
+        0,
+        "no copy into a fresh sequence's states"
+    );
+    assert_eq!(cache.num_free_blocks(), free - 2 - cache.num_state_blocks());
+    cache.free_sequence(2).unwrap();
+    assert_eq!(cache.num_free_blocks(), free);
+    cache.check_invariants().unwrap();
+}
+
+/// Without chunked prefill a prompt runs whole: no chunk ends where a checkpoint would be.
+#[test]
+fn without_chunked_prefill_a_hybrid_prompt_is_not_split_for_its_checkpoint() {
+    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
+    let mut cache = hybrid(80);
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 64,
+        enable_chunked_prefill: false,
+        preemption: Preemption::Recompute,
+        watermark: 0.0,
+    };
+    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let prompt: Vec<u32> = (0..10).collect();
+    scheduler
+        .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
+        .unwrap();
+    let mut plan = StepPlan::default();
+    scheduler.step(&mut cache, 0, &mut plan).unwrap();
+    assert_eq!(plan.prefill_tokens, vec![10]);
 }

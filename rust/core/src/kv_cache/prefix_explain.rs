@@ -141,6 +141,8 @@ impl KvCache {
                 _ => tiers.push((medium, length)),
             }
         }
+        // What the lookup found is no admission's to take.
+        self.scratch_checkpoint.clear();
         Ok(PrefixExplanation {
             tiers,
             partial_tokens: found.partial,

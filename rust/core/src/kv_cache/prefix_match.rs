@@ -84,10 +84,11 @@ impl KvCache {
         self.scratch_hashes.clear();
         self.scratch_blocks.clear();
         self.scratch_partial.clear();
+        // Filled by this lookup only: an admission holds what it finds.
+        self.scratch_checkpoint.clear();
         let Tokens::Ids(ids) = tokens else {
             return PrefixMatch::default();
         };
-        self.scratch_checkpoint.clear();
         if !self.block_pool.enable_prefix_caching() {
             return PrefixMatch::default();
         }

@@ -203,10 +203,13 @@ impl KvCache {
     /// step took is no checkpoint's any more: what the failed copy wrote there is written
     /// over before it is read.)
     pub(crate) fn forget_checkpoints(&mut self, moves: &[BlockMove]) {
-        for planned in moves {
+        let copies = moves
+            .iter()
+            .filter(|planned| planned.kind == MoveKind::Copy);
+        for planned in copies.clone() {
             self.block_pool.uncache(planned.dst);
         }
-        let saves = moves.len() / self.state_blocks.max(1);
+        let saves = copies.count() / self.state_blocks.max(1);
         self.prefix_stats.count_checkpoints_lost(saves);
     }
 

@@ -40,8 +40,10 @@ pub struct KvCacheStats {
     /// Admissions whose prefix hit fell short, indexed by [`MissReason`] (the
     /// `MissReason::COUNTED` ones).
     pub prefix_cache_misses: [u64; 6],
-    /// Checkpoints of recurrent states kept (see `state_checkpoints`).
+    /// Checkpoints of recurrent states kept (see `state_checkpoints`), and those dropped
+    /// because their copies failed.
     pub state_checkpoints_saved: u64,
+    pub state_checkpoints_failed: u64,
     /// KV-cache groups (1 without layer types).
     pub num_groups: usize,
 }
@@ -102,6 +104,7 @@ impl Figures for KvCacheStats {
             "prefix_cache_misses_window" => self.prefix_cache_misses[3],
             "prefix_cache_misses_state_checkpoint" => self.prefix_cache_misses[5],
             "state_checkpoints_saved" => self.state_checkpoints_saved,
+            "state_checkpoints_failed" => self.state_checkpoints_failed,
             "num_groups" => self.num_groups,
         ]
     }
@@ -120,6 +123,7 @@ pub(super) struct PrefixStats {
     /// Admissions whose prefix hit fell short, by [`MissReason`].
     misses: [u64; 6],
     checkpoints_saved: u64,
+    checkpoints_failed: u64,
 }
 
 impl PrefixStats {
@@ -150,7 +154,10 @@ impl PrefixStats {
 
     /// Saves whose copies failed: they were never kept.
     pub(super) fn count_checkpoints_lost(&mut self, saves: usize) {
-        self.checkpoints_saved -= saves as u64;
+        let saves = saves as u64;
+        debug_assert!(saves <= self.checkpoints_saved);
+        self.checkpoints_saved = self.checkpoints_saved.saturating_sub(saves);
+        self.checkpoints_failed += saves;
     }
 }
 
@@ -214,6 +221,7 @@ impl KvCache {
             host_prefix: self.host_prefix_counters(),
             prefix_cache_misses: self.prefix_stats.misses,
             state_checkpoints_saved: self.prefix_stats.checkpoints_saved,
+            state_checkpoints_failed: self.prefix_stats.checkpoints_failed,
             num_groups: self.groups.len(),
         }
     }

@@ -158,8 +158,9 @@ fn checkpoints_are_kept_and_hits_resume_from_them() {
         total.swaps += counts.swaps;
     }
     println!("{total:?}");
+    // Half the configurations prefill whole: those keep checkpoints only on the stride.
     assert!(
-        total.checkpoints > 1000 && total.hit_tokens > 200,
+        total.checkpoints > 1000 && total.hit_tokens > 150,
         "{total:?}"
     );
     assert!(total.failures > 20 && total.swaps > 20, "{total:?}");

@@ -259,11 +259,12 @@ impl ContinuousScheduler {
         }
         let request = self.request(seq_id)?;
         let start = request.num_computed;
-        // A chunk that passes a checkpoint boundary stops at the last one it passes, so the
-        // next step finds the states there to keep (vLLM's `align`): a hybrid model's prompt
-        // takes a step more, and its next turn resumes there.
+        // A chunk that passes where a checkpoint of recurrent states is kept stops there, so
+        // the next step finds the states to keep (vLLM's `align`): a hybrid model's prompt
+        // takes a step more, and the next one sharing it resumes there. Only with chunked
+        // prefill: without it, a prompt runs whole (and keeps fewer checkpoints).
         let stride = cache.checkpoint_stride();
-        if stride > 0 && request.has_ids {
+        if stride > 0 && request.has_ids && may_split {
             // Where the cached K/V it shares ends comes first (a checkpoint there serves the
             // next prompt that shares it), then its last block boundary, then the stride.
             let end = start + chunk;
@@ -320,7 +321,8 @@ impl ContinuousScheduler {
         for &seq_id in &self.running {
             cache.checkpoint_state(seq_id)?;
         }
-        if pending == 0 {
+        // With a host prefix cache, what the saves evict is demoted by moves of their own.
+        if pending == 0 && !cache.host_prefix_cache() {
             self.saved_moves = cache.num_pending_moves();
         }
         Ok(())

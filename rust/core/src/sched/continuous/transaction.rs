@@ -153,11 +153,13 @@ impl ContinuousScheduler {
                 return true;
             }
         }
-        // Resuming from a checkpoint of recurrent states is a copy. (Saving one needs no
-        // snapshot: see `drop_failed_saves`.)
+        // Resuming from a checkpoint of recurrent states is a copy. Saving one needs no
+        // snapshot (see `drop_failed_saves`), unless a host prefix cache demotes what the
+        // save evicts, or what a decode evicts once the save took the uncached blocks.
         if cache.checkpoint_stride() > 0
-            && !self.waiting.is_empty()
-            && cache.block_pool().num_cached() > 0
+            && ((!self.waiting.is_empty() && cache.block_pool().num_cached() > 0)
+                || (cache.host_prefix_cache()
+                    && self.running.iter().any(|&id| cache.checkpoint_due(id))))
         {
             return true;
         }
