@@ -13,9 +13,9 @@
 //!   checkpoint stride (`state_checkpoint_interval` blocks), its states are copied into
 //!   fresh blocks by copy moves, which join the cache at once: moves run in order, so a hit
 //!   planned later reads them after the copy. A scheduler saves at the start of each step,
-//!   before it plans the sequence's next tokens, and ends prefill chunks at those points
-//!   (vLLM's `align` mode); a step whose only moves are saves goes on without them if they
-//!   fail, so it needs no snapshot.
+//!   before it plans the sequence's next tokens, and with chunked prefill ends prefill
+//!   chunks at those points (vLLM's `align` mode); a step whose only moves are saves goes on
+//!   without them if they fail, so it needs no snapshot.
 //! - **Hits**: a lookup takes the attention groups' longest hit and cuts it back to the
 //!   longest checkpoint within it whose every block is cached (`state_checkpoint` when that
 //!   cuts it short). The admission holds the checkpoint's blocks while it allocates, plans a
