@@ -106,17 +106,24 @@ impl KvCache {
     /// the stride, with known ids, no whole checkpoint cached there (one that lost blocks to
     /// evictions is made whole again), and free blocks for one.
     pub fn checkpoint_due(&self, seq_id: u64) -> bool {
-        self.due_checkpoint(seq_id).is_some()
+        let slab = self.slab_of(seq_id);
+        slab.is_ok_and(|slab| self.due_checkpoint(slab).is_some())
     }
 
-    /// The hash of the block a due checkpoint of `seq_id` ends (see `checkpoint_due`).
-    fn due_checkpoint(&self, seq_id: u64) -> Option<BlockHash> {
+    /// The hash of the block a due checkpoint of the sequence in `slab` ends (see
+    /// `checkpoint_due`). Called for every running sequence at every step: most leave at
+    /// the first test, a computed length inside a block.
+    #[inline]
+    fn due_checkpoint(&self, slab: u32) -> Option<BlockHash> {
+        let seq = &self.sequences[slab];
+        let (computed, block_size) = (seq.num_computed, self.block_size());
         let stride = self.checkpoint_stride();
-        if stride == 0 || self.block_pool.num_free() < self.state_blocks {
+        if computed % block_size != 0 || stride == 0 {
             return None;
         }
-        let seq = self.sequence(seq_id).ok()?;
-        let (computed, block_size) = (seq.num_computed, self.block_size());
+        if self.block_pool.num_free() < self.state_blocks {
+            return None;
+        }
         let on_boundary = computed % stride == 0
             || computed == seq.kv_reach as usize * block_size
             || computed == seq.prompt_blocks as usize * block_size;
@@ -157,7 +164,7 @@ impl KvCache {
     /// runs the pending moves before the sequence's next tokens change its states.
     pub fn checkpoint_state(&mut self, seq_id: u64) -> CoreResult<bool> {
         let slab = self.slab_of(seq_id)?;
-        let Some(hash) = self.due_checkpoint(seq_id) else {
+        let Some(hash) = self.due_checkpoint(slab) else {
             return Ok(false);
         };
         let KvCache {
