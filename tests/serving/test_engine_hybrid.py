@@ -6,8 +6,6 @@ slides fails it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -16,26 +14,15 @@ from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     HYBRID_ARCHITECTURES,
     WINDOW,
-    hf_greedy,
+    greedy,
+    hf_tokens,
     model_pair,
     require_transformers,
     run_poisoned,
 )
+from tests.support.models import random_prompt as prompt
 
 BLOCK_SIZE = 4
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
-    reference.generation_config.eos_token_id = None  # like ignore_eos
-    return hf_greedy(reference, tokens, count)
 
 
 @pytest.mark.parametrize("architecture", HYBRID_ARCHITECTURES)

@@ -3,7 +3,9 @@ keep their conv and SSM states in the pool's state blocks; greedy tokens equal H
 ``generate`` alone, in chunks, in a continuous batch with preemption (both modes) and for
 forked samples, with every unused block poisoned (NaN) before every step. Negative controls
 show the comparison sees the states: a fork whose state is not copied, and a state read where
-a sequence starts afresh, get other tokens."""
+a sequence starts afresh, and a resume from the wrong checkpoint, get other tokens. Prefix
+hits resume from checkpoints of the states (see ``atb_mem.kv`` and the core's
+``state_checkpoints``)."""
 
 from __future__ import annotations
 
@@ -18,27 +20,16 @@ from atb_mem.kv import tensors
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     RECURRENT_ARCHITECTURES,
-    hf_greedy,
+    greedy,
+    hf_tokens,
     model_pair,
     run_poisoned,
 )
+from tests.support.models import random_prompt as prompt
 
 BLOCK_SIZE = 4
 # A state takes 11 (Granite) or 6 (Qwen3-Next) blocks per recurrent layer, 3 such layers.
 NUM_BLOCKS = 160
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
-    reference.generation_config.eos_token_id = None  # like ignore_eos
-    return hf_greedy(reference, tokens, count)
 
 
 @pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)

@@ -125,6 +125,26 @@ def hf_greedy(reference: Any, prompt: list[int], max_new_tokens: int) -> list[in
     return tokens
 
 
+def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
+    """``hf_greedy`` for ``count`` tokens whatever they are (as ``ignore_eos``)."""
+    reference.generation_config.eos_token_id = None
+    return hf_greedy(reference, tokens, count)
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    """Token ids of the tiny models' vocabulary, past the special ones."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
+
+
+def greedy(max_tokens: int) -> Any:
+    """``SamplingParams`` for ``max_tokens`` greedy tokens, EOS ignored."""
+    from atb_mem.serving import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 def poison_unused_blocks(kv_cache: Any) -> int:
     """Fills every block no sequence holds and the prefix cache does not keep with NaN, so a
     stale read turns the logits into NaN. Returns how many blocks."""
