@@ -128,7 +128,8 @@ class KVCachePool:
         """Tokens between two checkpoints; 0 when this cache keeps none."""
     def checkpoint_state(self, seq_id: int) -> bool:
         """Keeps a checkpoint of the sequence's recurrent states at its computed tokens if
-        they end on the stride; whether copies were planned."""
+        they end at its prompt's last block boundary, where its shared prefix ended, or on
+        the stride; whether copies were planned."""
     @property
     def num_kv_heads(self) -> int: ...
     @property

@@ -14,6 +14,7 @@ from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     HYBRID_ARCHITECTURES,
     WINDOW,
+    assert_each_matches_hf,
     greedy,
     hf_tokens,
     model_pair,
@@ -78,10 +79,7 @@ def test_continuous_batch_with_preemption_and_prefix_hits(architecture: str,
                     max_num_batched_tokens=24, preemption=preemption,  # type: ignore[arg-type]
                     num_host_blocks=40 if preemption == "swap" else None)
     results = run_poisoned(engine, mixed_requests())
-    for requests in mixed_requests().values():
-        for request_id, tokens, params in requests:
-            assert results[request_id][0][0] == hf_tokens(reference, tokens, params.max_tokens), \
-                request_id
+    assert_each_matches_hf(results, reference, mixed_requests())
     assert engine.scheduler.stats()["preemptions"] > 0
     assert engine.kv_cache.stats()["prefix_cache_hits"] > 0
     assert engine.kv_cache.stats()["blocks_used"] == 0

@@ -20,6 +20,7 @@ from atb_mem.kv import tensors
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     RECURRENT_ARCHITECTURES,
+    assert_each_matches_hf,
     greedy,
     hf_tokens,
     model_pair,
@@ -96,10 +97,7 @@ def test_continuous_batch_with_preemption(architecture: str, preemption: str) ->
 
     engine.scheduler.step = counting_swaps  # type: ignore[method-assign]
     results = run_poisoned(engine, mixed_requests())
-    for requests in mixed_requests().values():
-        for request_id, tokens, params in requests:
-            assert results[request_id][0][0] == hf_tokens(reference, tokens, params.max_tokens), \
-                request_id
+    assert_each_matches_hf(results, reference, mixed_requests())
     assert engine.scheduler.stats()["preemptions"] > 0
     if preemption == "swap":  # a swapped sequence takes its states along, not only its K/V
         assert sum(swapped_out) > engine.kv_cache.num_state_blocks

@@ -131,6 +131,15 @@ def hf_tokens(reference: Any, tokens: list[int], count: int) -> list[int]:
     return hf_greedy(reference, tokens, count)
 
 
+def assert_each_matches_hf(results: dict[str, Any], reference: Any,
+                           arrivals: dict[int, list[tuple[str, list[int], Any]]]) -> None:
+    """Every request of ``arrivals`` (``run_poisoned``'s) got HF's greedy tokens."""
+    for requests in arrivals.values():
+        for request_id, tokens, params in requests:
+            expected = hf_tokens(reference, tokens, params.max_tokens)
+            assert results[request_id][0][0] == expected, request_id
+
+
 def random_prompt(seed: int, length: int) -> list[int]:
     """Token ids of the tiny models' vocabulary, past the special ones."""
     import numpy as np

@@ -73,8 +73,9 @@ class KVCachePool(_CoreInterface):
     without ``layer_types`` makes every layer slide (Mistral). ``"linear_attention"`` layers
     (Mamba, gated delta-net) keep ``state_bytes`` per sequence each, in state blocks of the
     same pool (``state_groups``, ``state_table``); with prefix caching, a prefix hit resumes
-    from a checkpoint of those states kept every ``state_checkpoint_interval`` blocks
-    (default 1; ``checkpoint_state``, which a scheduler calls itself).
+    from a checkpoint of those states, kept at a prompt's last block boundary, where its
+    shared prefix ends, and every ``state_checkpoint_interval`` blocks (default: as many as a
+    checkpoint takes; ``checkpoint_state``, which a scheduler calls itself).
 
     Block 0 is the reserved null block (block tables are padded with it), so
     ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's

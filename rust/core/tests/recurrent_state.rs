@@ -2,8 +2,13 @@
 //! fork, moved by swaps, counted in every budget, and never a prefix hit without a checkpoint.
 
 use atb_mem_core::{
-    AttentionKind, CoreError, KvCache, KvDtype, KvLayout, LayerKind, MissReason, MoveKind, Tokens,
+    AttentionKind, CoreError, KvCache, KvDtype, KvLayout, LayerKind, MissReason, MoveKind,
+    StepPlan, Tokens,
 };
+
+#[path = "support/scheduler.rs"]
+mod scheduler;
+use scheduler::scheduler;
 
 const BLOCK_SIZE: usize = 4;
 /// Bytes of one layer's K/V slot in a block: 2 × 4 tokens × 1 head × 2 dims × 2 bytes.
@@ -455,20 +460,12 @@ fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
 /// save evicts are moves too, the step is one transaction and fails whole.
 #[test]
 fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
-    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
-    let config = SchedulerConfig {
-        max_num_seqs: 4,
-        max_num_batched_tokens: 64,
-        enable_chunked_prefill: true,
-        preemption: Preemption::Recompute,
-        watermark: 0.0,
-    };
     for (fail, host_prefix) in [(false, false), (true, false), (true, true)] {
         let mut cache = hybrid(80);
         if host_prefix {
             cache.enable_host_prefix_cache().unwrap();
         }
-        let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+        let mut scheduler = scheduler(&cache, 4, 64, 0.0);
         let prompt: Vec<u32> = (0..10).collect();
         scheduler
             .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
@@ -567,16 +564,11 @@ fn a_checkpoint_found_by_a_lookup_alone_is_not_taken_by_the_next_admission() {
 /// Without chunked prefill a prompt runs whole: no chunk ends where a checkpoint would be.
 #[test]
 fn without_chunked_prefill_a_hybrid_prompt_is_not_split_for_its_checkpoint() {
-    use atb_mem_core::{ContinuousScheduler, Preemption, SchedulerConfig, StepPlan};
     let mut cache = hybrid(80);
-    let config = SchedulerConfig {
-        max_num_seqs: 4,
-        max_num_batched_tokens: 64,
-        enable_chunked_prefill: false,
-        preemption: Preemption::Recompute,
-        watermark: 0.0,
-    };
-    let mut scheduler = ContinuousScheduler::new(config, &cache).unwrap();
+    let mut scheduler = scheduler(&cache, 4, 64, 0.0);
+    let mut config = scheduler.config();
+    config.enable_chunked_prefill = false;
+    scheduler.set_config(config, &cache).unwrap();
     let prompt: Vec<u32> = (0..10).collect();
     scheduler
         .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)

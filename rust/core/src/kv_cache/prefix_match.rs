@@ -31,12 +31,12 @@ pub(super) struct PrefixMatch {
 
 impl PrefixMatch {
     /// Blocks of the free queue an admission of `num_blocks` blocks (`eager_groups` taking
-    /// theirs now) and `state_blocks` state blocks takes and keeps. Its partial hit's unused sources, and the unused blocks
-    /// of the checkpoint it resumes from, are held off the queue only while it allocates, so
-    /// they count only in whether the hit fits: a partial hit that does not is given up
-    /// (`sources` cleared), and a hit whose checkpoint does not, entirely (`checkpoint`
-    /// cleared: without a state its K/V is no use). A hit saves compute, and must never keep a
-    /// request that fits without it waiting.
+    /// theirs now) and `state_blocks` state blocks takes and keeps. Its partial hit's unused
+    /// sources, and the unused blocks of the checkpoint it resumes from, are held off the
+    /// queue only while it allocates, so they count only in whether the hit fits: a partial
+    /// hit that does not is given up (`sources` cleared), and a hit whose checkpoint does
+    /// not, entirely (`checkpoint` cleared: without a state its K/V is no use). A hit saves
+    /// compute, and must never keep a request that fits without it waiting.
     pub(super) fn need(
         &mut self,
         num_blocks: usize,

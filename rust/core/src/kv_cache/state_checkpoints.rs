@@ -220,7 +220,8 @@ impl KvCache {
         self.prefix_stats.count_checkpoints_lost(saves);
     }
 
-    /// Whether every block of the checkpoint at the end of the block named `hash` is cached.
+    /// Whether every block of the checkpoint at the end of the block named `hash` is cached
+    /// (asked column by column: a missing first one answers in one probe).
     fn find_checkpoint(&self, hash: BlockHash) -> bool {
         (0..self.state_blocks).all(|column| {
             self.block_pool
@@ -239,12 +240,10 @@ impl KvCache {
     ) -> usize {
         self.scratch_checkpoint.clear();
         let found = match self.keeps_state_checkpoints() {
-            true => (1..=hits).rev().find(|&end| {
-                let hash = self.scratch_hashes[end - 1];
-                // The first column rules most candidates out in one probe.
-                self.block_pool.lookup(checkpoint_key(hash, 0)).is_some()
-                    && self.find_checkpoint(hash)
-            }),
+            // The first column rules most candidates out in one probe.
+            true => (1..=hits)
+                .rev()
+                .find(|&end| self.find_checkpoint(self.scratch_hashes[end - 1])),
             false => None,
         };
         let resumed = found.unwrap_or(0);

@@ -309,9 +309,9 @@ impl ContinuousScheduler {
     }
 
     /// Keeps a checkpoint of every running sequence's recurrent states whose computed tokens
-    /// (all computed by now: the last plan ran) end on a checkpoint boundary, before this
-    /// step plans tokens that change them.
-    /// With nothing pending before them, the step's first `saved_moves` moves are theirs.
+    /// (all computed by now: the last plan ran) end where one is kept, before this step plans
+    /// tokens that change them. With nothing pending before them, the step's first
+    /// `saved_moves` moves are theirs.
     fn save_checkpoints(&mut self, cache: &mut KvCache) -> CoreResult<()> {
         let pending = cache.num_pending_moves();
         self.saved_moves = 0;
