@@ -386,8 +386,12 @@ def test_the_plan_counts_what_a_cached_prefix_and_its_checkpoints_take(interval:
     pool.free_sequence(1)
     assert saved == 6 // interval
     assert pool.stats()["blocks_cached"] == plan.prefix_blocks(6 * BLOCK_SIZE, interval)
-    with pytest.raises(ValueError, match="state_checkpoint_interval"):
-        plan.prefix_blocks(4, 0)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="state_checkpoint_interval"):
+            plan.prefix_blocks(4, bad)  # type: ignore[arg-type]
+    for tokens in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="tokens"):
+            plan.prefix_blocks(tokens)  # type: ignore[arg-type]
 
 
 # ---- model configs ---------------------------------------------------------------------------

@@ -163,6 +163,9 @@ def test_waiting_for_saves_ends_once_the_writer_has_written_them(tmp_path: Path)
     connector = TierConnector(kv, [HeldUpDisk(tmp_path, 1 << 20, min_seen=1)], "model")
     try:
         assert connector.wait_for_saves(0)  # nothing pending
+        for bad in (-1, float("nan"), float("inf"), None, "1"):
+            with pytest.raises(ValueError, match="timeout_s"):
+                connector.wait_for_saves(bad)  # type: ignore[arg-type]
         connector._save_block(1, "model/00ff", ([0, 255], None, [1, 2, 3, 4]))
         assert not connector.wait_for_saves(0.05)
         release.set()

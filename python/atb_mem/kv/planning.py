@@ -45,7 +45,9 @@ class KVCachePlan:
     def prefix_blocks(self, tokens: int, state_checkpoint_interval: int = 1) -> int:
         """Most blocks a cached prefix of ``tokens`` tokens takes: a block per group per
         ``block_size`` tokens, and with recurrent layers a checkpoint per
-        ``state_checkpoint_interval`` blocks."""
+        ``state_checkpoint_interval`` blocks (1, the most)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         blocks = tokens // self.block_size
         checkpoints = blocks // _positive_int("state_checkpoint_interval",
                                               state_checkpoint_interval)

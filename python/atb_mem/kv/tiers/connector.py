@@ -353,6 +353,10 @@ class TierConnector:
         """Waits, at most ``timeout_s`` seconds, until every save handed to the writer has
         landed in the stores (or failed); returns whether it did. Serving never needs this:
         a block saved late is only a later hit."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not 0 <= timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got "
+                             f"{timeout_s!r}")
         with self._saves_done:
             return self._saves_done.wait_for(lambda: self._pending_saves == 0, timeout_s)
 
