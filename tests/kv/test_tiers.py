@@ -1,5 +1,5 @@
 """The tiers below the host, piece by piece: a block's frame, the disk tier's capacity, its
-LRU and its write rule, keys, and the shared store's URL."""
+LRU, its write rule and the files it owns, keys, and the shared store's URL."""
 
 from __future__ import annotations
 
@@ -32,9 +32,18 @@ def test_keys_name_the_chain_hash_and_give_it_back() -> None:
     assert block_key("other", words) != key
 
 
+def disk(path: Path, capacity_bytes: int, layout: str = "m", value_bytes: int = 100,
+         min_seen: int = 2) -> DiskStore:
+    """A disk tier registered for ``layout``'s values of ``value_bytes``, as the connector
+    registers it."""
+    store = DiskStore(path, capacity_bytes, min_seen=min_seen)
+    store.register_layout(layout, value_bytes)
+    return store
+
+
 def test_the_disk_tier_writes_on_the_second_sighting_and_evicts_the_oldest(
         tmp_path: Path) -> None:
-    store = DiskStore(tmp_path, capacity_bytes=3 * 100)
+    store = disk(tmp_path, capacity_bytes=3 * 100)
     values = {f"atb/m/{index:032x}": bytes([index]) * 100 for index in range(4)}
     keys = list(values)
     assert not store.put(keys[0], values[keys[0]]), "seen once: not written"
@@ -50,7 +59,7 @@ def test_the_disk_tier_writes_on_the_second_sighting_and_evicts_the_oldest(
     assert [key_hash(old) for old in store.take_evicted()] == [key_hash(keys[1])]
     assert store.used_bytes == 300
     # A later run finds what this one left.
-    assert DiskStore(tmp_path, capacity_bytes=300).exists(keys) == [True, False, True, True]
+    assert disk(tmp_path, capacity_bytes=300).exists(keys) == [True, False, True, True]
 
 
 def test_bad_disk_tier_settings_are_clear_errors(tmp_path: Path) -> None:
@@ -59,6 +68,49 @@ def test_bad_disk_tier_settings_are_clear_errors(tmp_path: Path) -> None:
             DiskStore(tmp_path, capacity)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_seen"):
         DiskStore(tmp_path, 100, min_seen=0)
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="path is empty"):
+            DiskStore(empty, 100)
+    with pytest.raises(TypeError, match="path"):
+        DiskStore(None, 100)  # type: ignore[arg-type]
+    # A capacity that holds no value is refused before anything is created.
+    with pytest.raises(ValueError, match=r"capacity .* of 99 bytes holds no block of 100 bytes"):
+        disk(tmp_path / "tier", 99, value_bytes=100)
+    assert not (tmp_path / "tier").exists()
+
+
+def test_the_disk_tier_counts_and_evicts_only_the_files_of_its_layout(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.kv"
+    notes.write_bytes(b"n" * 1000)
+    (tmp_path / "draft.part").write_bytes(b"d")
+    other = disk(tmp_path, 300, layout="n")
+    for _ in range(2):
+        other.put("atb/n/" + "0" * 32, b"o" * 100)
+    store = disk(tmp_path, 300)
+    assert store.used_bytes == 0 and store.layout_path == tmp_path / "m"
+    for index in range(5):  # evicts two of its own
+        for _ in range(2):
+            store.put(f"atb/m/{index:032x}", bytes([index]) * 100)
+    assert store.used_bytes == 300 and len(list((tmp_path / "m").glob("*.kv"))) == 3
+    assert notes.read_bytes() == b"n" * 1000 and (tmp_path / "draft.part").exists()
+    assert other.exists(["atb/n/" + "0" * 32]) == [True] and other.used_bytes == 100
+    # An identity that cannot name a folder as it is names it by its digest.
+    assert disk(tmp_path, 300, layout="org/model@rev").layout_path.parent == tmp_path
+
+
+def test_a_lost_file_is_forgotten_and_its_next_save_writes_it(tmp_path: Path) -> None:
+    store = disk(tmp_path, 300)
+    key, value = "atb/m/" + "ef" * 16, b"z" * 100
+    store.put(key, value)
+    assert store.put(key, value), "seen twice: written"
+    assert store.layout_path is not None
+    (store.layout_path / (key.replace("/", "-") + ".kv")).unlink()
+    assert store.exists([key]) == [True], "nothing looked yet"
+    assert store.get(key) is None
+    assert store.exists([key]) == [False] and store.used_bytes == 0
+    assert [key_hash(old) for old in store.take_evicted()] == [key_hash(key)]
+    assert store.put(key, value), "written again at its next save"
+    assert store.get(key) == value
 
 
 def test_store_urls() -> None:
@@ -102,7 +154,7 @@ def test_concurrent_saves_of_one_key_write_it_once(tmp_path: Path) -> None:
     counted once, and the tier still writable."""
     import threading
 
-    store = DiskStore(tmp_path, capacity_bytes=1 << 20, min_seen=1)
+    store = disk(tmp_path, capacity_bytes=1 << 20, value_bytes=4096, min_seen=1)
     key, value = "atb/m/" + "ab" * 16, b"x" * 4096
     start = threading.Barrier(8)
 
@@ -117,14 +169,15 @@ def test_concurrent_saves_of_one_key_write_it_once(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert store.writable and store.exists([key]) == [True]
-    assert store.used_bytes == len(value) == sum(f.stat().st_size for f in tmp_path.iterdir())
+    assert store.used_bytes == len(value) == sum(f.stat().st_size
+                                                 for f in (tmp_path / "m").iterdir())
 
 
 def test_a_damaged_file_is_dropped_and_written_anew(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path, capacity_bytes=1 << 20, min_seen=1)
+    store = disk(tmp_path, capacity_bytes=1 << 20, value_bytes=80, min_seen=1)
     key, value = "atb/m/" + "cd" * 16, frame(b"y" * 64)
     assert store.put(key, value)
-    path = next(tmp_path.glob("*.kv"))
+    path = next((tmp_path / "m").glob("*.kv"))
     path.write_bytes(value[:10])
     assert unframe(store.get(key), 64) is None
     store.discard(key)

@@ -12,6 +12,7 @@ poisoned (NaN) before every step.
 Faults:
 
 - a corrupted or truncated file is detected by its checksum, and that prefix is recomputed;
+- a file deleted under the engine is recomputed once, and written anew by that recompute;
 - with the checksum check off, the corrupted chunk changes the tokens (the negative control);
 - a directory that cannot be written is refused at start-up;
 - one that fails at run time stops the writes, and the engine serves on.
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atb_mem.kv.tiers import block_key
+from atb_mem.kv.tiers import block_key, unframe
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import hf_greedy, model_pair, run_poisoned
 
@@ -65,10 +66,17 @@ def damage(chunk: Path, how: str = "corrupt") -> None:
                       else value[:len(value) // 2])
 
 
-def chunk_of(engine: Engine, path: Path, prompt: list[int], index: int) -> Path:
+def folder_of(engine: Engine) -> Path:
+    """The folder of the engine's disk tier (named by its identity, under the directory)."""
     assert engine.tiers is not None
+    folder: Path = engine.tiers.stores[0].layout_path  # type: ignore[attr-defined]
+    return folder
+
+
+def chunk_of(engine: Engine, path: Path, prompt: list[int], index: int) -> Path:
+    assert engine.tiers is not None and folder_of(engine).parent == path
     key = block_key(engine.tiers.identity, engine.kv_cache.block_hashes(prompt)[index])
-    return path / (key.replace("/", "-") + ".kv")
+    return folder_of(engine) / (key.replace("/", "-") + ".kv")
 
 
 def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> None:
@@ -76,9 +84,9 @@ def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> N
     engine = disk_engine(model, tmp_path)
     expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
     assert run_round(engine, "first") == expected
-    assert not list(tmp_path.glob("*.kv")), "blocks seen once are not written"
+    assert not list(folder_of(engine).glob("*.kv")), "blocks seen once are not written"
     assert run_round(engine, "second") == expected
-    assert len(list(tmp_path.glob("*.kv"))) >= 16  # 4 full blocks of each prompt
+    assert len(list(folder_of(engine).glob("*.kv"))) >= 16  # 4 full blocks of each prompt
     assert engine.tiers is not None
     before = engine.tiers.counters.loaded_blocks
     assert run_round(engine, "third") == expected
@@ -114,11 +122,27 @@ def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, how: str) ->
     assert run_round(engine, "third") == expected
     assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
     assert engine.scheduler.stats()["load_failures"] == 1
-    # The damaged file was dropped: seen twice more, the block is written anew and loads.
-    assert not chunk.exists()
-    assert run_round(engine, "fourth") == expected and chunk.exists()
+    # The damaged file was dropped, and the recompute wrote the block anew: it loads.
+    assert unframe(chunk.read_bytes(), engine.kv_cache.bytes_per_block) is not None
     before = engine.tiers.counters.loaded_blocks
-    assert run_round(engine, "fifth") == expected
+    assert run_round(engine, "fourth") == expected
+    assert engine.tiers.counters.loaded_blocks - before == 16
+    assert engine.tiers.counters.load_failures == 1
+
+
+def test_a_lost_file_is_recomputed_once_and_written_anew(tmp_path: Path) -> None:
+    """A block file deleted under a running engine: the next request's load fails and it
+    recomputes (HF's tokens), that recompute writes the block again, and the request after
+    loads every block from disk."""
+    engine, expected = written(tmp_path)
+    assert engine.tiers is not None
+    chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
+    chunk.unlink()
+    assert run_round(engine, "third") == expected
+    assert engine.tiers.counters.load_failures == 1
+    assert chunk.exists(), "the recompute wrote the lost block anew"
+    before = engine.tiers.counters.loaded_blocks
+    assert run_round(engine, "fourth") == expected
     assert engine.tiers.counters.loaded_blocks - before == 16
     assert engine.tiers.counters.load_failures == 1
 
@@ -177,15 +201,15 @@ def test_an_unwritable_directory_is_refused_at_start_up(tmp_path: Path) -> None:
 
 
 def test_a_directory_that_fails_at_run_time_stops_the_writes(tmp_path: Path) -> None:
-    """The tier's directory is replaced by a file mid-run (a real OSError on every write,
+    """The tier's folder is replaced by a file mid-run (a real OSError on every write,
     even for root, unlike a read-only mode): writes stop with a warning, serving goes on."""
     model, reference = model_pair("llama")
     path = tmp_path / "tier"
     engine = disk_engine(model, path)
     expected = [hf_greedy(reference, tokens, GREEDY.max_tokens) for tokens in PROMPTS]
     run_round(engine, "first")
-    path.rmdir()
-    path.write_text("no longer a directory")
+    folder_of(engine).rmdir()
+    folder_of(engine).write_text("no longer a directory")
     assert run_round(engine, "second") == expected
     assert engine.tiers is not None
     store = engine.tiers.stores[0]

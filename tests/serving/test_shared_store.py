@@ -3,6 +3,7 @@
 - Two engine processes share one master: the prompts engine A prefilled are loaded by engine
   B from A's blocks, and B's greedy tokens equal HF's.
 - Engines of different models share nothing: their keys differ.
+- A client buffer below one block (every put would fail) is refused at start-up.
 - The master is killed mid-run (kill -9): requests recompute, none is lost, and the engine
   keeps serving and counts the failed lookups.
 """
@@ -100,6 +101,28 @@ def test_engines_of_different_models_share_nothing() -> None:
         finally:
             for engine in engines:
                 engine.shutdown()
+
+
+def test_a_buffer_below_one_block_is_refused_at_start_up() -> None:
+    """Every put would fail for the engine's life: the error names ``buffer`` and the bytes
+    of a block (2,048 of K/V and its 16-byte frame), which Mooncake's allocator rounds up
+    to 2,304. A buffer of exactly that is taken, and its puts land."""
+    model, _ = model_pair("llama")
+    with mooncake_master() as master:
+        for buffer in ("1KiB", "0", "2064"):
+            url = master.url.replace("buffer=16MiB", f"buffer={buffer}")
+            with pytest.raises(ValueError, match=f"buffer={buffer}.*buffer of "
+                                                 f".*2064 bytes.*buffer=2304"):
+                Engine(model, num_blocks=8, block_size=4, kv_store=url)
+        engine = Engine(model, num_blocks=8, block_size=4,
+                        kv_store=master.url.replace("buffer=16MiB", "buffer=2304"))
+        try:
+            engine.generate([PROMPTS[0]], GREEDY)
+            assert engine.tiers is not None and engine.tiers.wait_for_saves(60)
+            assert engine.tiers.counters.saved_by_tier == {"MOONCAKE": 4}
+            assert engine.tiers.counters.store_errors == 0
+        finally:
+            engine.shutdown()
 
 
 def test_the_store_killed_mid_run_costs_recomputes_only(caplog: pytest.LogCaptureFixture

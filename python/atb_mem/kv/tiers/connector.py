@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.kv.tiers.store import KVStore, block_key, frame, key_hash, unframe
+from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, key_hash, unframe
 
 __all__ = ["LOAD_SECONDS_BUCKETS", "TierConnector", "TierCounters"]
 
@@ -85,6 +85,15 @@ class TierConnector:
         tensors = kv_cache.tensors
         if tensors is None:
             raise ValueError("tiers below the host need a KV cache with bytes (a device)")
+        try:  # a store that cannot hold a block refuses it now, not on every later put
+            for store in stores:
+                register = getattr(store, "register_layout", None)
+                if register is not None:
+                    register(identity, framed_size(kv_cache.bytes_per_block))
+        except Exception:
+            for store in stores:
+                store.close()
+            raise
         self.kv_cache, self.stores, self.identity = kv_cache, stores, identity
         self.checksum, self.load_timeout_s = checksum, load_timeout_s
         self._counters = TierCounters()

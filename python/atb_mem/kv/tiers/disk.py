@@ -2,14 +2,25 @@
 and least-recently-used eviction. It needs no server. Only blocks seen at least
 ``min_seen`` times are written (KVBM's rule), so one-off prompts do not wear the disk.
 
-A directory that cannot be created or written is an error at start-up. A write that fails at
-run time (the disk is full, or went read-only) stops writing with one warning; reads go on.
+The tier touches only files it wrote: they live in a folder of the directory named by the
+identity of the model and the layout (``register_layout``), and only that folder's ``*.kv``
+files are counted against the capacity and evicted. So the directory may hold other files,
+and engines of other models or layouts, each with its own folder and its own capacity.
+
+A path that is empty, a directory that cannot be created or written, a capacity below one
+block, or, in the tier's folder, a ``*.kv`` link to nothing or a ``*.part`` directory is an
+error at start-up. A write that fails at run time (the disk is full, or went read-only) stops
+writing with one warning; reads go on. A file that cannot be read (deleted or replaced under
+the engine) is forgotten: that load fails, and the next save of the block writes it anew.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,16 +33,30 @@ log = logging.getLogger("atb_mem.tiers")
 # Keys whose sightings are counted before the counts are forgotten.
 _MAX_TRACKED = 1 << 16
 
+# An identity that can name the layout's folder as it is; any other is named by its digest.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def _name(key: str) -> str:
+    return key.replace("/", "-")
+
 
 class DiskStore:
-    """``KVStore`` over the files of ``path`` (created if need be), at most
-    ``capacity_bytes`` of them. Files left by an earlier run are kept, oldest first."""
+    """``KVStore`` over the files of ``path``, at most ``capacity_bytes`` of them for the
+    layout the connector registers. Files an earlier run of that layout left are kept, oldest
+    first."""
 
     name = "DISK"
     medium = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  min_seen: int = 2) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"the disk tier's path must be a str or a path, got "
+                            f"{type(path).__name__}")
+        if not os.fspath(path).strip():  # Path("") is the working directory
+            raise ValueError("the disk tier's path is empty: name the directory it may fill "
+                             "(kv_offload disk=(PATH, SIZE))")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                 or capacity_bytes < 1:
             raise ValueError(f"the disk tier's capacity must be a positive number of bytes, "
@@ -39,14 +64,8 @@ class DiskStore:
         if isinstance(min_seen, bool) or not isinstance(min_seen, int) or min_seen < 1:
             raise ValueError(f"min_seen must be a positive int, got {min_seen!r}")
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / ".atb-mem-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as error:
-            raise ValueError(f"the disk tier's directory {str(self.path)!r} is not writable: "
-                             f"{error.strerror or error}") from None
+        self.layout_path: Path | None = None
+        """The folder of this tier's files (once ``register_layout`` named it)."""
         self.capacity_bytes = capacity_bytes
         self.min_seen = min_seen
         self.writable = True
@@ -57,32 +76,85 @@ class DiskStore:
         self._evicted: list[str] = []  # keys evicted since take_evicted
         self._writing: set[str] = set()  # keys whose file is being written
         self._bytes = 0
-        for partial in self.path.glob("*.part"):  # a write an earlier run did not finish
-            partial.unlink(missing_ok=True)
-        for file in sorted(self.path.glob("*.kv"), key=lambda file: file.stat().st_mtime):
-            self._files[file.stem] = file.stat().st_size
-            self._bytes += file.stat().st_size
+
+    def register_layout(self, identity: str, value_bytes: int) -> None:
+        """Opens the folder of ``identity`` (created if need be) and takes the files an
+        earlier run left there as held. Nothing is written before: a capacity below one
+        value of ``value_bytes`` is refused first."""
+        if self.layout_path is not None:
+            raise RuntimeError(f"the disk tier at {str(self.path)!r} serves one layout")
+        if not isinstance(identity, str) or not identity:
+            raise ValueError(f"the layout identity must be a non-empty str, got {identity!r}")
+        if self.capacity_bytes < value_bytes:
+            raise ValueError(f"the disk tier's capacity (kv_offload disk SIZE) of "
+                             f"{self.capacity_bytes} bytes holds no block of {value_bytes} "
+                             f"bytes")
+        folder = self.path / (identity if _PLAIN_NAME.fullmatch(identity)
+                              else hashlib.sha256(identity.encode()).hexdigest()[:32])
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / ".atb-mem-probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(f"the disk tier's directory {str(self.path)!r} is not writable: "
+                             f"{error.strerror or error}") from None
+        found = self._scan(folder)
+        with self._lock:
+            self.layout_path = folder
+            for _, name, size in sorted(found):
+                self._files[name] = size
+                self._bytes += size
+
+    @staticmethod
+    def _scan(folder: Path) -> list[tuple[float, str, int]]:
+        """(mtime, name, size) of the files an earlier run left in ``folder``; refuses what
+        would make a later read or write fail for good."""
+        found = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(".part"):
+                    if entry.is_dir(follow_symlinks=False):
+                        raise ValueError(f"the disk tier's folder {str(folder)!r} holds a "
+                                         f"directory {entry.name!r} where it writes files: "
+                                         f"remove it")
+                    os.unlink(entry.path)  # a write an earlier run did not finish
+                elif entry.name.endswith(".kv"):
+                    try:
+                        status = entry.stat()
+                    except FileNotFoundError:
+                        raise ValueError(f"the disk tier's folder {str(folder)!r} holds "
+                                         f"{entry.name!r}, a link to nothing: remove "
+                                         f"it") from None
+                    if not stat.S_ISREG(status.st_mode):
+                        raise ValueError(f"the disk tier's folder {str(folder)!r} holds "
+                                         f"{entry.name!r}, which is not a file: remove it")
+                    found.append((status.st_mtime, entry.name[:-len(".kv")], status.st_size))
+        return found
 
     def _file(self, key: str) -> Path:
-        return self.path / (key.replace("/", "-") + ".kv")
+        if self.layout_path is None:
+            raise RuntimeError("the disk tier has no layout yet: call register_layout first")
+        return self.layout_path / (_name(key) + ".kv")
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return [key.replace("/", "-") in self._files for key in keys]
+            return [_name(key) in self._files for key in keys]
 
     def get(self, key: str) -> bytes | None:
-        name = key.replace("/", "-")
+        name = _name(key)
         with self._lock:
             if name not in self._files:
                 return None
             self._files.move_to_end(name)
         try:
             return self._file(key).read_bytes()
-        except OSError:
+        except OSError:  # deleted or replaced under the engine: no longer held
+            self._forget(name)
             return None
 
     def put(self, key: str, value: bytes) -> bool:
-        name = key.replace("/", "-")
+        name = _name(key)
         with self._lock:
             if len(self._seen) > _MAX_TRACKED:
                 self._seen.clear()  # forget counts rather than grow without bound
@@ -121,14 +193,20 @@ class DiskStore:
 
     def discard(self, key: str) -> None:
         """Drops a block whose file turned out damaged, so a later save writes it anew."""
-        name = key.replace("/", "-")
+        if self._forget(_name(key)):
+            self._file(key).unlink(missing_ok=True)
+
+    def _forget(self, name: str) -> bool:
+        """Stops holding ``name`` (whether it was held). Its next save writes it at once: it
+        was seen often enough to be written before, and a load just missed it."""
         with self._lock:
             size = self._files.pop(name, None)
             if size is None:
-                return
+                return False
             self._bytes -= size
             self._evicted.append(name)
-        self._file(key).unlink(missing_ok=True)
+            self._seen[name] = self.min_seen - 1
+        return True
 
     def take_evicted(self) -> list[str]:
         """The keys (as file names) evicted since the last call."""

@@ -7,7 +7,10 @@ by URL::
 ``HOST:PORT`` is ``mooncake_master``'s RPC address; ``metadata`` its HTTP metadata server
 (default: port 8080 on the same host); ``segment`` the memory this engine lends the store
 (every client lends some: a block lives in the segment of the client that put it);
-``buffer`` the client's transfer buffer, at least one block.
+``buffer`` the client's transfer buffer, which must hold one block (its allocator rounds a
+block up to an eighth of its power of two: a 2,064-byte one takes 2,304 bytes), or every put
+would fail; a smaller one is refused at start-up. A few blocks' worth lets loads and saves
+run at once.
 
 Mooncake answers failures with codes and empty values rather than exceptions, so every call
 here returns None or False on any failure, and the caller recomputes. A master that is gone
@@ -37,6 +40,16 @@ RETRY_AFTER_S = 5.0
 # Mooncake's codes for a store it cannot reach (RPC failed, transfer failed): only these,
 # and exceptions, count the store down; a refusal (no space, say) does not.
 UNREACHABLE = frozenset({-900, -800})
+
+
+def buffer_bytes_for(value_bytes: int) -> int:
+    """The bytes a value of ``value_bytes`` takes in a Mooncake client's buffer. Its
+    OffsetAllocator rounds every allocation up to a size class with 3 mantissa bits (an
+    eighth of the size's power of two), and a buffer holds a class only if it is as large."""
+    if value_bytes < 8:
+        return value_bytes
+    step = 1 << (value_bytes.bit_length() - 4)
+    return -(-value_bytes // step) * step
 
 
 def parse_mooncake_url(url: str) -> dict[str, Any]:
@@ -84,10 +97,19 @@ class MooncakeStore:
         if result[0] != 0:
             raise ValueError(f"kv_store {url!r}: Mooncake's setup failed with code {result[0]}")
         self.url = url
+        self.buffer_bytes: int = settings["buffer"]
         self.errors = 0
         """Calls that failed (the store unreachable, or refusing)."""
         self._store = store
         self._down_until = 0.0
+
+    def register_layout(self, identity: str, value_bytes: int) -> None:
+        """Refuses a client buffer that cannot hold one value of ``value_bytes``."""
+        needed = buffer_bytes_for(value_bytes)
+        if self.buffer_bytes < needed:
+            raise ValueError(f"kv_store {self.url!r}: its buffer of {self.buffer_bytes} bytes "
+                             f"holds no block of {value_bytes} bytes, which takes {needed} "
+                             f"bytes of Mooncake's client buffer: give buffer={needed} or more")
 
     def _up(self) -> bool:
         return time.monotonic() >= self._down_until

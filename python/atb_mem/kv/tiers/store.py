@@ -18,14 +18,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["KVStore", "block_key", "frame", "key_hash", "layout_identity", "unframe"]
+__all__ = ["KVStore", "block_key", "frame", "framed_size", "key_hash", "layout_identity",
+           "unframe"]
 
 _MAGIC = b"ATBK"
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32, payload length
 
 
 class KVStore(Protocol):
-    """A tier below the host: a disk directory, or a store shared across engines."""
+    """A tier below the host: a disk directory, or a store shared across engines.
+
+    A store may also have ``register_layout(identity, value_bytes)``, which the connector
+    calls once before any other call: the identity its keys carry and the framed size of
+    every value. The store raises ValueError there if it cannot hold a value (the error is
+    the engine's at start-up); the disk tier keeps its files in a folder of that identity."""
 
     name: str
     """The tier in metrics (``"DISK"``, ``"MOONCAKE"``)."""
@@ -48,6 +54,11 @@ def frame(payload: bytes | memoryview, checksum: bool = True) -> bytes:
     """``payload`` with its header: length and CRC-32 (0 when ``checksum`` is off)."""
     crc = zlib.crc32(payload) if checksum else 0
     return _HEADER.pack(_MAGIC, crc, len(payload)) + bytes(payload)
+
+
+def framed_size(payload_bytes: int) -> int:
+    """The bytes ``frame`` makes of a payload of ``payload_bytes``."""
+    return _HEADER.size + payload_bytes
 
 
 def unframe(value: bytes | None, expected_len: int, checksum: bool = True) -> bytes | None:
