@@ -36,7 +36,7 @@ def test_a_reused_prefix_against_a_flood_of_one_off_prompts(policy: str, survive
 
 
 def test_the_policy_is_named_and_a_bad_one_refused() -> None:
-    assert atb_mem.KVCachePool(8, 4, device=None).eviction_policy == "lru"
+    assert atb_mem.KVCachePool(8, 4, device=None).eviction_policy == "priority"
     assert atb_mem.KVCachePool(8, 4, device=None, eviction_policy="slru").eviction_policy == \
         "slru"
     with pytest.raises(ValueError, match="unknown eviction_policy 'mru'"):

@@ -45,13 +45,39 @@ def system_hit(kv: Any) -> int:
 
 
 @pytest.mark.parametrize("policy, pinned, survives", [
-    ("priority", True, True), ("priority", False, False), ("lru", True, False)])
-def test_a_pinned_system_prompt_survives_a_flood(policy: str, pinned: bool,
+    ("priority", True, True), ("priority", False, False), (None, True, True)])
+def test_a_pinned_system_prompt_survives_a_flood(policy: str | None, pinned: bool,
                                                   survives: bool) -> None:
+    """The default policy honours retention: a request that asks for it gets it."""
     kv = atb_mem.KVCachePool(24, BLOCK_SIZE, device=None, eviction_policy=policy)
     run(kv, 1, [*SYSTEM, 5, 6, 7], pinned)
     flood(kv)
     assert system_hit(kv) == (len(SYSTEM) if survives else 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru"])
+def test_retention_under_a_policy_that_ignores_it_is_refused(policy: str) -> None:
+    kv = atb_mem.KVCachePool(24, BLOCK_SIZE, device=None, eviction_policy=policy)
+    kv.alloc_sequence(1, [*SYSTEM, 5])
+    before = kv.stats()
+    with pytest.raises(ValueError, match=f"eviction_policy='priority'.*'{policy}'"):
+        pin(kv, 1)
+    assert kv.stats() == before
+    kv.set_retention(1, [])  # asking for nothing is no retention, under any policy
+
+
+def test_on_a_tie_the_longer_duration_holds() -> None:
+    """Two ranges of one priority over the same tokens: the pin without an end holds,
+    whichever comes first."""
+    for durations in [(SECOND_NS // 4, None), (None, SECOND_NS // 4)]:
+        kv = atb_mem.KVCachePool(24, BLOCK_SIZE, device=None, eviction_policy="priority")
+        kv.alloc_sequence(1, [*SYSTEM, 5, 6, 7])
+        kv.set_retention(1, [(0, len(SYSTEM), 100, duration) for duration in durations])
+        kv.mark_computed(1)
+        kv.free_sequence(1)
+        kv.advance_clock(SECOND_NS)
+        flood(kv)
+        assert system_hit(kv) == len(SYSTEM), durations
 
 
 def test_a_pin_ends_with_its_duration() -> None:

@@ -62,7 +62,7 @@ CASES = [
     ("atb_mem.KVCachePool(num_blocks=2**26, block_size=1, device=None, "
      "enable_prefix_caching=False)", "num_blocks"),
     ("atb_mem.KVCachePool(num_blocks=16, block_size=1, device=None, num_host_blocks=2**27 - 1)",
-     "num_blocks"),
+     "num_host_blocks"),
     ("atb_mem.MemPool(2**46)", "capacity"),
     ("atb_mem._core.HostRegion(2**46)", "nbytes"),
 ]
@@ -102,7 +102,8 @@ REFUSED = [
     (lambda: atb_mem.KVCachePool(2**27 + 1, 1, device=None), "num_blocks"),
     (lambda: atb_mem.KVCachePool(2**62, 1, device=None), "num_blocks"),
     (lambda: atb_mem.KVCachePool(2**63 - 1, 1, device=None), "num_blocks"),
-    (lambda: atb_mem.KVCachePool(16, 1, device=None, num_host_blocks=2**63 - 2), "num_blocks"),
+    (lambda: atb_mem.KVCachePool(16, 1, device=None, num_host_blocks=2**63 - 2),
+     "num_host_blocks"),
     (lambda: atb_mem.MemPool(4096, max_allocations=2**26 + 1), "max_allocations"),
     (lambda: atb_mem.MemPool(4096, max_allocations=2**32 - 1), "max_allocations"),
 ]
@@ -120,3 +121,22 @@ def test_refusal_names_the_bytes() -> None:
         atb_mem.KVCachePool(2, 16, device=None).batch_table(2**28, 1)
     with pytest.raises(ValueError, match=r"num_blocks = 4611686018427387904.*bytes"):
         atb_mem.KVCachePool(2**62, 1, device=None)
+
+
+COUNTS = ["hash_block_size", "state_checkpoint_interval", "num_host_blocks", "sliding_window",
+          "attention_chunk_size", "num_layers", "num_kv_heads", "head_dim", "state_bytes"]
+
+
+@pytest.mark.parametrize("argument", COUNTS)
+@pytest.mark.parametrize("value", [0, -1, 2**64])
+def test_a_bad_count_names_its_argument(argument: str, value: int) -> None:
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        atb_mem.KVCachePool(16, 4, device=None, **{argument: value})
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**64])
+def test_a_bad_size_names_its_argument_and_unit(value: int) -> None:
+    with pytest.raises(ValueError, match=r"^block_size \(tokens\)"):
+        atb_mem.KVCachePool(16, value, device=None)
+    with pytest.raises(ValueError, match=r"^num_blocks \(blocks"):
+        atb_mem.KVCachePool(value, 4, device=None)

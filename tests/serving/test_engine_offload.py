@@ -93,11 +93,22 @@ def test_negative_control_poisoned_host_copies_change_the_tokens(
     ({"disk": ("/tmp", "1 parsec")}, "is not a size"),
     ({"host": "1 parsec"}, "is not a size"),
     ({"host": 10}, "holds no block"),
+    ({"host": 2**70}, r"kv_offload host=1180591620717411303424 \(.* bytes\) is more than this "
+                      "machine's memory"),
+    ({"host": "1024TiB"}, "kv_offload host='1024TiB'.*machine's memory"),
 ])
 def test_a_bad_kv_offload_is_a_clear_error(bad: dict[str, Any], message: str) -> None:
     model, _ = model_pair("llama")
     with pytest.raises(ValueError, match=message):
         Engine(model, num_blocks=8, block_size=BLOCK_SIZE, kv_offload=bad)
+
+
+@pytest.mark.parametrize("argument", ["hash_block_size", "state_checkpoint_interval"])
+@pytest.mark.parametrize("value", [0, -1, 2**64])
+def test_a_bad_count_names_its_argument(argument: str, value: int) -> None:
+    model, _ = model_pair("llama")
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        Engine(model, num_blocks=8, block_size=BLOCK_SIZE, **{argument: value})
 
 
 def test_the_engine_takes_an_eviction_policy() -> None:

@@ -63,8 +63,10 @@ class KVCachePool(_CoreInterface):
     ``host_prefix_cache=True`` it also keeps the cached blocks the device evicts, and a prefix
     lookup that misses on the device promotes them back (``explain_prefix`` says which tier
     each part of a hit comes from). ``eviction_policy``: which cached block goes first when a
-    block is needed, ``"lru"`` (the default), ``"lfu"``, ``"slru"`` or ``"priority"`` (what
-    ``set_retention`` asks for; see ``atb_mem.kv.retention``).
+    block is needed, ``"priority"`` (the default: least recently used first among the blocks
+    of one retention priority, so plain LRU until ``set_retention`` asks for more; see
+    ``atb_mem.kv.retention``), ``"lru"``, ``"lfu"`` or ``"slru"`` (which keep no priorities
+    and refuse ``set_retention``).
     ``hash_block_size``: prefix keys every that many tokens (dividing ``block_size``), so a
     prompt that shares only the first part of a cached block copies that part instead of
     recomputing it (``explain_prefix(...).partial_tokens``).

@@ -6,7 +6,8 @@ A token asks for the highest priority of the ranges that hold it (generated toke
 least wanted token's: it is reused only whole. Priorities run from 0 (evicted first) to 100
 (kept longest); a duration ends a priority (it falls back to 35), ``None`` keeps it while
 the block is cached. A cached block another request hits keeps the highest priority any of
-them gave it. At most 64 ranges. Other eviction policies ignore all of this.
+them gave it. At most 64 ranges. ``"priority"`` is the default eviction policy; the others
+keep no priorities and refuse a retention that asks for any.
 """
 
 from __future__ import annotations

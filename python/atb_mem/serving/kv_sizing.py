@@ -87,7 +87,21 @@ def host_tier(kv_offload: Mapping[str, Any] | None, num_host_blocks: int | None,
     if blocks < 1:
         raise ValueError(f"kv_offload host={kv_offload['host']!r} holds no block of "
                          f"{bytes_per_block} bytes")
+    memory = _host_memory_bytes()
+    if memory is not None and size > memory:  # it is reserved whole at start-up
+        raise ValueError(f"kv_offload host={kv_offload['host']!r} ({size} bytes) is more "
+                         f"than this machine's memory ({memory} bytes)")
     return {"num_host_blocks": blocks, "host_prefix_cache": True}
+
+
+def _host_memory_bytes() -> int | None:
+    """The machine's physical memory, where the OS says."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def lower_tiers(kv_offload: Mapping[str, Any] | None, kv_store: str | None) -> list[Any]:
@@ -113,13 +127,16 @@ def lower_tiers(kv_offload: Mapping[str, Any] | None, kv_store: str | None) -> l
 
 def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | None,
                    kv_store: str | None, shape: dict[str, Any],
-                   tensor_parallel_size: int) -> Any:
+                   tensor_parallel_size: int, kv_identity: str | None = None) -> Any:
     """The connector to the tiers below the host (None without any). Their blocks are keyed
-    by the model (its checkpoint and config), the cache's layout and the rank's share of the
-    heads, so engines share a block only when its bytes would be the same."""
+    by the model (a digest of every byte of its weights, or the ``kv_identity`` its user
+    names it by, and its config), the cache's layout and the rank's share of the heads, so
+    engines share a block only when its bytes would be the same."""
+    import json
     import os
 
     from atb_mem.kv.tiers import TierConnector, layout_identity
+    from atb_mem.serving.model_identity import weights_digest
 
     below = (kv_offload or {}).get("disk") is not None or kv_store is not None
     if not below:
@@ -132,25 +149,13 @@ def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | No
     if tensor_parallel_size != 1:  # the workers would not load their shards
         raise ValueError("the disk tier and kv_store serve engines without tensor parallelism")
     stores = lower_tiers(kv_offload, kv_store)
-    config = model.config
+    # Where the checkpoint was loaded from says nothing of its bytes: engines that loaded
+    # the same weights from different paths share blocks.
+    config = {key: value for key, value in model.config.to_dict().items()
+              if key != "_name_or_path"}
+    weights = f"named:{kv_identity}" if kv_identity is not None else weights_digest(model)
     identity = layout_identity(
-        checkpoint=str(getattr(config, "name_or_path", "")), config=config.to_json_string(),
-        weights=weights_fingerprint(model), block_size=kv_cache.block_size,
-        shape=repr(sorted(shape.items())), rank=os.environ.get("RANK", "0"))
+        config=json.dumps(config, sort_keys=True, default=str), weights=weights,
+        block_size=kv_cache.block_size, shape=repr(sorted(shape.items())),
+        rank=os.environ.get("RANK", "0"))
     return TierConnector(kv_cache, stores, identity)
-
-
-def weights_fingerprint(model: Any) -> str:
-    """A digest of a sample of every parameter (its first 1,024 values): two fine-tunes
-    behind one path and one config differ here, so they share no block."""
-    import hashlib
-
-    import torch
-
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            sample = parameter.detach().reshape(-1)[:1024].float().cpu().numpy()
-            digest.update(name.encode())
-            digest.update(sample.tobytes())
-    return digest.hexdigest()[:16]

@@ -38,9 +38,14 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
                    "repeatable, one per tier.")
 @click.option("--kv-store", default=None, metavar="URL",
               help="A KV store shared across engines: mooncake://HOST:PORT[?metadata=URL].")
+@click.option("--kv-identity", default=None, metavar="NAME",
+              help="Names the weights in the disk tier's and the store's keys (e.g. "
+                   "org/model@revision) instead of a digest of every weight byte.")
 @click.option("--eviction-policy", type=click.Choice(["lru", "lfu", "slru", "priority"]),
-              default="lru",
-              show_default=True, help="Which cached block the prefix cache gives up first.")
+              default="priority", show_default=True,
+              help="Which cached block the prefix cache gives up first. 'priority' (LRU "
+                   "unless a request asks for retention) honours requests' retention; the "
+                   "others refuse it.")
 @click.option("--hash-block-size", type=click.IntRange(min=1), default=None,
               help="Prefix hits every N tokens (N divides --block-size), not only at whole "
                    "blocks: the shared part of a block is copied, not recomputed.")
@@ -87,9 +92,9 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           device: str | None, dtype: str, block_size: int, num_blocks: int | None,
           max_num_seqs: int, max_num_batched_tokens: int, preemption: str,
           num_host_blocks: int | None, kv_offload: tuple[tuple[str, Any], ...],
-          kv_store: str | None, eviction_policy: str, hash_block_size: int | None,
-          state_checkpoint_interval: int | None, no_prefix_caching: bool,
-          gpu_memory_utilization: float, attention_backend: str,
+          kv_store: str | None, kv_identity: str | None, eviction_policy: str,
+          hash_block_size: int | None, state_checkpoint_interval: int | None,
+          no_prefix_caching: bool, gpu_memory_utilization: float, attention_backend: str,
           max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
           kv_events_replay_endpoint: str | None, kv_events_topic: str,
@@ -123,6 +128,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "max_num_batched_tokens": max_num_batched_tokens, "preemption": preemption,
         "num_host_blocks": num_host_blocks, "enable_prefix_caching": not no_prefix_caching,
         "kv_offload": offload_tiers(kv_offload), "kv_store": kv_store,
+        "kv_identity": kv_identity,
         "eviction_policy": eviction_policy, "hash_block_size": hash_block_size,
         "state_checkpoint_interval": state_checkpoint_interval,
         "gpu_memory_utilization": gpu_memory_utilization,

@@ -10,6 +10,9 @@
 //! - scheduling: continuous batching over the cache ([`ContinuousScheduler`], one
 //!   [`StepPlan`] per step) and whole-request batching ([`RequestBatcher`]).
 //!
+//! Beside them, [`content_digests`] names a model's weights by every byte, so that tiers
+//! shared across engines never serve one model's K/V to another.
+//!
 //! The core manages indices, never bytes: whatever must move (copy-on-write, swaps) comes back
 //! as one ordered list of [`BlockMove`]s for the caller's backing to execute.
 //!
@@ -20,6 +23,7 @@ mod error;
 #[macro_use]
 mod figures;
 mod alloc;
+mod content_digest;
 mod kv_cache;
 mod layout;
 mod sched;
@@ -29,6 +33,7 @@ pub use alloc::{
     PrefixCacheCounters, DEFAULT_PRIORITY, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_PRIORITY,
     MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
 };
+pub use content_digest::{content_digests, Digest, PIECE_BYTES};
 pub use error::{CoreError, CoreResult};
 pub use figures::{Figure, Figures};
 pub use kv_cache::{

@@ -82,15 +82,43 @@ fn a_pinned_system_prompt_survives_a_flood_that_lru_loses_it_to() {
     );
     flood(&mut pinned);
     assert_eq!(system_hit(&mut pinned), SYSTEM);
-    // Negative controls: the same traffic under LRU, and unpinned under the priority policy.
-    for (policy, config) in [
-        (EvictionPolicy::Lru, Some(pin(MAX_PRIORITY, None))),
-        (EvictionPolicy::Priority, None),
-    ] {
+    // Negative controls: unpinned under the priority policy, and under LRU (which refuses
+    // the pin: it keeps no priorities).
+    for policy in [EvictionPolicy::Lru, EvictionPolicy::Priority] {
         let mut plain = cache(policy);
-        run_once(&mut plain, 1, &with_message(5_000), config.as_ref());
+        run_once(&mut plain, 1, &with_message(5_000), None);
         flood(&mut plain);
         assert_eq!(system_hit(&mut plain), 0, "{policy:?}");
+    }
+}
+
+#[test]
+fn the_default_policy_keeps_a_pin_and_the_others_refuse_one() {
+    let mut default = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    assert_eq!(default.eviction_policy(), EvictionPolicy::Priority);
+    run_once(
+        &mut default,
+        1,
+        &with_message(5_000),
+        Some(&pin(MAX_PRIORITY, None)),
+    );
+    flood(&mut default);
+    assert_eq!(system_hit(&mut default), SYSTEM);
+    for policy in [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Slru,
+    ] {
+        let mut cache = cache(policy);
+        cache
+            .alloc_sequence(1, Tokens::Ids(&with_message(5_000)), None)
+            .unwrap();
+        let error = cache
+            .set_retention(1, &pin(MAX_PRIORITY, None))
+            .unwrap_err();
+        assert!(error.to_string().contains("eviction_policy='priority'"));
+        cache.set_retention(1, &RetentionConfig::default()).unwrap();
+        cache.check_invariants().unwrap();
     }
 }
 

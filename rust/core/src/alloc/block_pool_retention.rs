@@ -3,6 +3,7 @@
 
 use super::BlockPool;
 use crate::alloc::eviction::DEFAULT_PRIORITY;
+use crate::error::CoreResult;
 
 impl BlockPool {
     /// A cached block's retention priority (the default unless the policy keeps them).
@@ -21,6 +22,11 @@ impl BlockPool {
             self.free_queue.remove(block);
             self.enqueue_cached(block);
         }
+    }
+
+    /// Reserves what priorities given for a duration take (see `Retention`), once.
+    pub fn reserve_expiries(&mut self) -> CoreResult<()> {
+        self.retention.reserve_expiries()
     }
 
     /// Moves the retention clock to `now_ns`: priorities whose duration ended fall back to

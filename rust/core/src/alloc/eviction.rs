@@ -6,7 +6,7 @@
 //! its last holder lets it go (always at the tail: least recently used first within a
 //! queue), and eviction takes the head of the first non-empty queue.
 //!
-//! - `lru`: one queue, least recently used first (vLLM's, and the default).
+//! - `lru`: one queue, least recently used first (vLLM's).
 //! - `lfu`: a queue per hit count (saturating at [`LFU_LEVELS`]), the fewest hits first,
 //!   least recently used first among equals.
 //! - `slru`: segmented LRU. A block hit while cached is *protected*; the others are on
@@ -16,7 +16,9 @@
 //! - `priority`: a queue per retention priority (0 to [`MAX_PRIORITY`]), the lowest first,
 //!   least recently used first within one (TensorRT-LLM's `KvCacheRetentionConfig`). A block
 //!   carries the highest priority any request gave it until that priority's duration ends,
-//!   then [`DEFAULT_PRIORITY`] (see `retention`). The other policies ignore priorities.
+//!   then [`DEFAULT_PRIORITY`] (see `retention`). The default: where no request gives a
+//!   priority, every block is at the default and this is `lru`. The other policies keep no
+//!   priorities and refuse a request's retention.
 //!
 //! The victim is the head of the first non-empty evictable queue, found from the free queue
 //! set's bitmap of non-empty queues: O(1) for every policy.
@@ -38,10 +40,12 @@ pub const DEFAULT_PRIORITY: u8 = 35;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
-    #[default]
     Lru,
     Lfu,
     Slru,
+    /// The default: with no request asking for a priority it evicts exactly as `Lru`, and a
+    /// request that asks for retention gets it.
+    #[default]
     Priority,
 }
 

@@ -20,7 +20,7 @@ mod retention;
 mod sub_block_index;
 
 pub use block_hash::BlockHash;
-pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_SLOTS, NULL_BLOCK};
+pub use block_pool::{BlockPool, PrefixCacheCounters, MAX_BLOCKS, MAX_SLOTS, NULL_BLOCK};
 pub use eviction::{EvictionPolicy, DEFAULT_PRIORITY, LFU_LEVELS, MAX_PRIORITY, PROTECTED_SHARE};
 pub use fallible::MAX_BOOKKEEPING_BYTES;
 pub use mem_pool::{AlignmentPolicy, MemPool, MemPoolStats, PoolAllocation};

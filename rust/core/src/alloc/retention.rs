@@ -7,7 +7,9 @@
 //! ends: expiries wait in a min-heap, checked when the clock advances, so an expiry costs
 //! O(log n) once and nothing while it waits. A block whose priority changed later leaves a
 //! stale heap entry behind (its time no longer matches), skipped when it comes up; the heap
-//! is compacted when stale entries outnumber the blocks.
+//! is compacted when stale entries outnumber the blocks. The heap's room is reserved by the
+//! first retention that has a duration (`reserve_expiries`), so a cache whose requests never
+//! ask for one (the default policy's usual case) does not pay for it.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -34,23 +36,32 @@ impl Retention {
         total_bytes(&[
             array_bytes::<u8>(num_blocks),
             array_bytes::<u64>(num_blocks),
-            array_bytes::<Reverse<(u64, u32)>>(Self::most_expiries(num_blocks)),
         ])
     }
 
     /// Priorities for `num_blocks` blocks, all at the default.
     pub fn new(num_blocks: usize, what: &str) -> CoreResult<Self> {
-        let mut expiries = BinaryHeap::new();
-        // Room for every entry it keeps before compacting: giving never allocates.
-        let most = Self::most_expiries(num_blocks);
-        expiries
-            .try_reserve_exact(most + 1)
-            .map_err(|_| out_of_host_memory(array_bytes::<Reverse<(u64, u32)>>(most), what))?;
         Ok(Retention {
             priority: try_filled_vec(num_blocks, DEFAULT_PRIORITY, what)?,
             expires_at: try_filled_vec(num_blocks, NEVER, what)?,
-            expiries,
+            expiries: BinaryHeap::new(),
             clock: 0,
+        })
+    }
+
+    /// Room for every expiry the heap keeps before compacting, so that giving a priority
+    /// for a duration never allocates. Called before the first such priority is given.
+    pub fn reserve_expiries(&mut self) -> CoreResult<()> {
+        let most = Self::most_expiries(self.priority.len()) + 1;
+        if self.priority.is_empty() || self.expiries.capacity() >= most {
+            return Ok(());
+        }
+        let additional = most - self.expiries.len();
+        self.expiries.try_reserve_exact(additional).map_err(|_| {
+            out_of_host_memory(
+                array_bytes::<Reverse<(u64, u32)>>(most),
+                "the retention durations' expiries",
+            )
         })
     }
 
@@ -146,6 +157,7 @@ mod tests {
     #[test]
     fn priorities_rise_and_end_when_their_duration_does() {
         let mut retention = Retention::new(4, "test").unwrap();
+        retention.reserve_expiries().unwrap();
         assert_eq!(retention.priority(1), DEFAULT_PRIORITY);
         assert!(
             retention.give(1, 10, None, true),
@@ -177,10 +189,17 @@ mod tests {
     #[test]
     fn stale_expiries_are_compacted() {
         let mut retention = Retention::new(2, "test").unwrap();
+        retention.reserve_expiries().unwrap();
+        let room = retention.expiries.capacity();
         for duration in 1..1000 {
             retention.give(1, 50, Some(duration), false);
         }
         assert!(retention.expiries.len() <= 2 * 2 + 16 + 1);
+        assert_eq!(
+            retention.expiries.capacity(),
+            room,
+            "giving never allocated"
+        );
         let mut expired = Vec::new();
         retention.advance(10_000, |block| expired.push(block));
         assert_eq!(expired, [1]);

@@ -3,8 +3,9 @@
 //!
 //! A token asks for the highest priority of the ranges that hold it (the config's default
 //! where none does); a full block takes its least wanted token's when it joins the cache,
-//! and raises cached blocks the sequence hits to it. The `priority` eviction policy evicts the lowest priority first; the other
-//! policies keep no priorities, and a config changes nothing there.
+//! and raises cached blocks the sequence hits to it. The `priority` eviction policy (the
+//! default) evicts the lowest priority first; the other policies keep no priorities and
+//! refuse a config that asks for any.
 
 use super::KvCache;
 use crate::alloc::{EvictionPolicy, DEFAULT_PRIORITY, MAX_PRIORITY, NULL_BLOCK};
@@ -74,12 +75,25 @@ impl RetentionConfig {
         Ok(())
     }
 
+    /// Whether it asks for anything a cache without priorities would not do anyway.
+    pub fn asks_for_retention(&self) -> bool {
+        !self.ranges.is_empty()
+            || self.decode.is_some()
+            || self.default_priority != DEFAULT_PRIORITY
+    }
+
+    fn has_durations(&self) -> bool {
+        let ranges = self.ranges.iter().map(|range| range.duration_ns);
+        let decode = self.decode.map(|(_, duration)| duration);
+        ranges.chain(decode).any(|duration| duration.is_some())
+    }
+
     /// What token `t` asks for: the highest of the ranges (and the decode retention) that
-    /// hold it, the default where none does.
+    /// hold it, the longest of those on a tie, the default where none does.
     fn for_token(&self, t: usize) -> (u8, Option<u64>) {
         let mut best: Option<(u8, Option<u64>)> = None;
         let mut consider = |priority: u8, duration: Option<u64>| {
-            if best.is_none_or(|(top, _)| priority > top) {
+            if best.is_none_or(|top| wanted((priority, duration)) > wanted(top)) {
                 best = Some((priority, duration));
             }
         };
@@ -113,7 +127,7 @@ impl RetentionConfig {
         let mut least = self.for_token(start);
         for t in pieces {
             let asked = self.for_token(t);
-            if asked.0 < least.0 {
+            if wanted(asked) < wanted(least) {
                 least = asked;
             }
         }
@@ -121,12 +135,18 @@ impl RetentionConfig {
     }
 }
 
+/// How much a priority for a duration is wanted: the higher priority, then the longer
+/// duration (none: for as long as the block is cached).
+fn wanted((priority, duration): (u8, Option<u64>)) -> (u8, u64) {
+    (priority, duration.unwrap_or(u64::MAX))
+}
+
 impl KvCache {
     /// Sets what `seq_id` asks the cache to keep (see the module docs); the cached blocks
     /// it holds take it now (a hit raises them), the rest when they join the cache.
     /// `decode_from` past the sequence's length means its current length.
     pub fn set_retention(&mut self, seq_id: u64, config: &RetentionConfig) -> CoreResult<()> {
-        config.validate()?;
+        self.prepare_retention(config)?;
         let slab = self.slab_of(seq_id)?;
         let KvCache {
             sequences,
@@ -156,6 +176,24 @@ impl KvCache {
                     block_pool.retain(block, priority, duration, false);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a bad `config`, or one that asks for retention from a cache whose eviction
+    /// policy keeps no priorities (a request that asks to be kept is kept, or told why
+    /// not); reserves what its durations will take, so that no later step allocates for it.
+    pub fn prepare_retention(&mut self, config: &RetentionConfig) -> CoreResult<()> {
+        config.validate()?;
+        let policy = self.eviction_policy();
+        ensure!(
+            policy == EvictionPolicy::Priority || !config.asks_for_retention(),
+            "retention needs eviction_policy='priority' (the default); this cache evicts by \
+             '{}', which keeps no priorities",
+            policy.name()
+        );
+        if config.has_durations() {
+            self.block_pool.reserve_expiries()?;
         }
         Ok(())
     }
@@ -216,5 +254,30 @@ mod tests {
         assert_eq!(config.for_tokens(28, 36), (35, None));
         assert_eq!(config.for_tokens(32, 40), (60, Some(7)));
         assert_eq!(RetentionConfig::default().for_tokens(0, 8), (35, None));
+    }
+
+    #[test]
+    fn on_a_tie_the_longer_duration_holds() {
+        let range = |duration_ns| TokenRetention {
+            start: 0,
+            end: Some(16),
+            priority: 100,
+            duration_ns,
+        };
+        for ranges in [
+            vec![range(Some(300)), range(None)],
+            vec![range(None), range(Some(300))],
+            vec![range(Some(300)), range(Some(900))],
+        ] {
+            let longest = ranges
+                .iter()
+                .map(|range| wanted((100, range.duration_ns)))
+                .max();
+            let config = RetentionConfig {
+                ranges,
+                ..RetentionConfig::default()
+            };
+            assert_eq!(Some(wanted(config.for_tokens(0, 8))), longest);
+        }
     }
 }

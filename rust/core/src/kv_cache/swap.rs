@@ -25,6 +25,12 @@ impl HostTier {
         block_size: usize,
         keep_prefixes: bool,
     ) -> CoreResult<Self> {
+        // Named here: the host pool's own error would blame a `num_blocks` nobody passed.
+        ensure!(
+            num_host_blocks < crate::alloc::MAX_BLOCKS,
+            "num_host_blocks = {num_host_blocks} is more than a host tier manages ({})",
+            crate::alloc::MAX_BLOCKS - 1
+        );
         Ok(HostTier {
             pool: BlockPool::new(num_host_blocks + 1, block_size, keep_prefixes)?,
             scratch_moves: crate::alloc::fallible::try_filled_vec(

@@ -3,7 +3,63 @@
 use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvLayout};
 use pyo3::prelude::*;
 
+use crate::convert::count;
 use crate::errors::IntoPyResult;
+
+/// `#[pyo3(from_py_with = ...)]` converters of `KVCachePool(...)`'s counts whose errors name
+/// the argument and its unit (PyO3 names the argument of a `TypeError` only); the optional
+/// ones take `None` as not given.
+macro_rules! named_counts {
+    ($($argument:ident: $type:ty = $what:literal >= $minimum:literal;)+) => {$(
+        pub(super) fn $argument(obj: &Bound<'_, PyAny>) -> PyResult<$type> {
+            named_count(obj, $what, $minimum)
+        }
+    )+};
+}
+
+trait FromCount: Sized {
+    fn none() -> Option<Self>;
+    fn some(value: usize) -> Self;
+}
+
+impl FromCount for usize {
+    fn none() -> Option<Self> {
+        None
+    }
+    fn some(value: usize) -> Self {
+        value
+    }
+}
+
+impl FromCount for Option<usize> {
+    fn none() -> Option<Self> {
+        Some(None)
+    }
+    fn some(value: usize) -> Self {
+        Some(value)
+    }
+}
+
+fn named_count<T: FromCount>(obj: &Bound<'_, PyAny>, what: &str, minimum: i64) -> PyResult<T> {
+    match T::none() {
+        Some(none) if obj.is_none() => Ok(none),
+        _ => count(obj, what, minimum).map(T::some),
+    }
+}
+
+named_counts! {
+    num_blocks: usize = "num_blocks (blocks, with the null block 0)" >= 2;
+    block_size: usize = "block_size (tokens)" >= 1;
+    num_layers: Option<usize> = "num_layers" >= 1;
+    num_kv_heads: Option<usize> = "num_kv_heads" >= 1;
+    head_dim: Option<usize> = "head_dim (values per head)" >= 1;
+    num_host_blocks: Option<usize> = "num_host_blocks (blocks)" >= 1;
+    sliding_window: Option<usize> = "sliding_window (tokens)" >= 1;
+    attention_chunk_size: Option<usize> = "attention_chunk_size (tokens)" >= 1;
+    hash_block_size: Option<usize> = "hash_block_size (tokens)" >= 1;
+    state_bytes: Option<usize> = "state_bytes (bytes)" >= 1;
+    state_checkpoint_interval: Option<usize> = "state_checkpoint_interval (blocks)" >= 1;
+}
 
 /// `KVCachePool(...)`'s arguments, converted and checked one by one.
 pub(super) struct CacheArgs {

@@ -48,44 +48,45 @@ impl PyKvCachePool {
                         state_checkpoint_interval=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: Count<2>,
-        block_size: Count<1>,
-        num_layers: Option<Count<1>>,
-        num_kv_heads: Option<Count<1>>,
-        head_dim: Option<Count<1>>,
+        #[pyo3(from_py_with = construct::num_blocks)] num_blocks: usize,
+        #[pyo3(from_py_with = construct::block_size)] block_size: usize,
+        #[pyo3(from_py_with = construct::num_layers)] num_layers: Option<usize>,
+        #[pyo3(from_py_with = construct::num_kv_heads)] num_kv_heads: Option<usize>,
+        #[pyo3(from_py_with = construct::head_dim)] head_dim: Option<usize>,
         dtype: Option<Dtype>,
         enable_prefix_caching: bool,
-        num_host_blocks: Option<Count<1>>,
+        #[pyo3(from_py_with = construct::num_host_blocks)] num_host_blocks: Option<usize>,
         host_prefix_cache: bool,
         enable_kv_events: bool,
         layer_types: Option<LayerTypes>,
-        sliding_window: Option<Count<1>>,
-        attention_chunk_size: Option<Count<1>>,
+        #[pyo3(from_py_with = construct::sliding_window)] sliding_window: Option<usize>,
+        #[pyo3(from_py_with = construct::attention_chunk_size)] attention_chunk_size: Option<usize>,
         eviction_policy: Option<String>,
-        hash_block_size: Option<Count<1>>,
-        state_bytes: Option<Count<1>>,
-        state_checkpoint_interval: Option<Count<1>>,
+        #[pyo3(from_py_with = construct::hash_block_size)] hash_block_size: Option<usize>,
+        #[pyo3(from_py_with = construct::state_bytes)] state_bytes: Option<usize>,
+        #[pyo3(from_py_with = construct::state_checkpoint_interval)]
+        state_checkpoint_interval: Option<usize>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
-            num_blocks: num_blocks.0,
-            block_size: block_size.0,
+            num_blocks,
+            block_size,
             layout: KvLayout {
-                num_layers: num_layers.map_or(1, Count::get),
-                num_kv_heads: num_kv_heads.map_or(1, Count::get),
-                head_dim: head_dim.map_or(1, Count::get),
+                num_layers: num_layers.unwrap_or(1),
+                num_kv_heads: num_kv_heads.unwrap_or(1),
+                head_dim: head_dim.unwrap_or(1),
                 dtype: dtype.map_or(KvDtype::Float16, |dtype| dtype.0),
             },
             enable_prefix_caching,
-            num_host_blocks: num_host_blocks.map(Count::get),
+            num_host_blocks,
             host_prefix_cache,
             enable_kv_events,
             layer_types: layer_types.map(|names| names.0),
-            sliding_window: sliding_window.map(Count::get),
-            attention_chunk_size: attention_chunk_size.map(Count::get),
+            sliding_window,
+            attention_chunk_size,
             eviction_policy,
-            hash_block_size: hash_block_size.map(Count::get),
-            state_bytes: state_bytes.map(Count::get),
-            state_checkpoint_interval: state_checkpoint_interval.map(Count::get),
+            hash_block_size,
+            state_bytes,
+            state_checkpoint_interval,
         })?;
         Ok(PyKvCachePool {
             cache: PyLock::new(cache),
@@ -98,7 +99,8 @@ impl PyKvCachePool {
         Ok(self.lock()?.host_prefix_cache())
     }
 
-    /// Which cached block goes first: `"lru"`, `"lfu"` or `"slru"`.
+    /// Which cached block goes first: `"priority"` (the default), `"lru"`, `"lfu"` or
+    /// `"slru"`.
     #[getter]
     fn eviction_policy(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.eviction_policy().name())

@@ -198,7 +198,7 @@ impl ContinuousScheduler {
         seq_id: u64,
         mut config: RetentionConfig,
     ) -> CoreResult<()> {
-        config.validate()?;
+        cache.prepare_retention(&config)?;
         let request = self.request_mut(seq_id)?;
         let admitted = cache.contains(seq_id) && request.state != State::Waiting;
         // Kept as every admission gives it, so that an admission copies nothing.

@@ -1,0 +1,76 @@
+"""What names a model's K/V in the tiers that engines share (disk, Mooncake): a digest of
+every byte of its weights, or the name its user gives (``kv_identity``).
+
+Two models with one config and one checkpoint path can still differ anywhere in their
+weights (a fine-tune that changed one embedding row): only the bytes tell them apart. The
+digest is the core's (``_core.content_digests``: BLAKE3 over 8 MiB pieces on every thread,
+the GIL released), once at start-up; see ``benches/weights_digest.py`` for its speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+from atb_mem import _core
+
+__all__ = ["checked_kv_identity", "weights_digest"]
+
+# Bytes copied off an accelerator before they are hashed and let go: bounds the host memory
+# the digest of a model on a GPU takes.
+_DEVICE_BATCH_BYTES = 1 << 30
+
+
+def checked_kv_identity(kv_identity: object) -> str | None:
+    """``kv_identity`` as given, refused unless ``None`` or a non-empty str."""
+    if kv_identity is None:
+        return None
+    if not isinstance(kv_identity, str):
+        raise TypeError(f"kv_identity must be a str naming the model's weights (e.g. "
+                        f"'org/model@revision'), got {type(kv_identity).__name__}")
+    if not kv_identity.strip():
+        raise ValueError("kv_identity must name the model's weights (e.g. "
+                         "'org/model@revision'), got an empty string")
+    return kv_identity
+
+
+def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    # Buffers too: quantization scales or a model's own tables are K/V inputs like weights.
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def weights_digest(model: Any, threads: int | None = None) -> str:
+    """A hex digest of every byte of ``model``'s parameters and buffers, with their names,
+    dtypes and shapes. ``threads``: torch's thread count by default."""
+    import torch
+
+    if threads is None:
+        threads = torch.get_num_threads()
+    digest = hashlib.sha256()
+    headers: list[bytes] = []
+    arrays: list[Any] = []
+    copied = 0
+
+    def flush() -> None:
+        for header, part in zip(headers, _core.content_digests(arrays, threads), strict=True):
+            digest.update(len(header).to_bytes(8, "little"))
+            digest.update(header)
+            digest.update(part)
+        headers.clear()
+        arrays.clear()
+
+    with torch.no_grad():
+        for name, tensor in _named_tensors(model):
+            data = tensor.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+                copied += data.numel() * data.element_size()
+            headers.append(f"{name}|{data.dtype}|{tuple(data.shape)}".encode())
+            arrays.append(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            if copied >= _DEVICE_BATCH_BYTES:
+                flush()
+                copied = 0
+    flush()
+    return digest.hexdigest()
