@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from atb_mem.serving.kv_sizing import host_tier, kv_cache_shape, num_kv_blocks, 
 from atb_mem.serving.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from atb_mem.serving.prompts import Prompt, eos_token_ids, prompt_list, prompt_token_ids
 from atb_mem.serving.sampler import sample, sample_generator
+from atb_mem.serving.step_failures import planned_step, run_forward
 
 if TYPE_CHECKING:
     import torch
@@ -219,6 +220,12 @@ class Engine:
             request.error = error
             self._end(request, "error")
 
+    def _fail_sequences(self, seq_ids: Iterable[int], error: str) -> None:
+        """Fails the requests of ``seq_ids``; ids of no unfinished request are ignored."""
+        for seq_id in seq_ids:
+            if seq_id in self._by_seq:  # a request's later samples leave it as it fails
+                self.fail_request(self._by_seq[seq_id][0].request_id, error)
+
     def _end(self, request: _Request, reason: FinishReason) -> None:
         """Ends every unfinished sample of ``request`` (their blocks are freed)."""
         self._requests.pop(request.request_id, None)
@@ -245,11 +252,12 @@ class Engine:
 
         A failure confined to some requests ends them with ``"error"`` and the others go on:
         a row that cannot be sampled or whose output cannot be processed fails its request;
-        a forward that raises fails the requests of its batch."""
+        a forward that raises fails the requests of its batch; a block move that destroys
+        requests' bytes fails them and the step is planned again (``step_failures``)."""
         began = time.perf_counter()
         if self.tiers is not None:  # loads that arrived run from this step (waits if idle)
             self.tiers.poll(self.scheduler, 0.01 if not self.last_step_tokens else 0.0)
-        plan = self.scheduler.step()
+        plan = planned_step(self.scheduler, self._fail_sequences)
         if self.tiers is not None:
             self.tiers.forget(plan.finished_seq_ids)
             self.tiers.start_loads(plan)
@@ -259,18 +267,8 @@ class Engine:
         model_seconds = 0.0
         if plan.num_batched_tokens:
             forward = time.perf_counter()
-            try:
-                logits = self.runner.execute(plan)
-            except BaseException as error:
-                # The plan's rows would wait forever for their tokens: end their requests
-                # (blocks freed, reported by this step) and go on, unless told to stop.
-                for seq_id in plan.seq_ids.tolist():
-                    if seq_id in self._by_seq:
-                        self.fail_request(self._by_seq[seq_id][0].request_id,
-                                          f"the model's forward failed: {error}")
-                if not isinstance(error, Exception):
-                    raise
-            else:
+            logits = run_forward(self.runner, plan, self._fail_sequences)
+            if logits is not None:
                 model_seconds = time.perf_counter() - forward
                 if self.tiers is not None:  # computed blocks, written through below
                     self.tiers.save(plan)
@@ -384,14 +382,14 @@ class Engine:
         try:
             for request_id, prompt, one in zip(ids, prompts, params, strict=True):
                 self.add_request(request_id, prompt, one)
-        except BaseException:
+            results = {request_id: self._requests[request_id] for request_id in ids}
+            while self._requests:
+                self.step()
+        except BaseException:  # a refused prompt, a step that raised: the engine stays idle
             for request_id in ids:
                 self.abort_request(request_id)
             self._ended.clear()
             raise
-        results = {request_id: self._requests[request_id] for request_id in ids}
-        while self._requests:
-            self.step()
         return [RequestOutput(request.request_id, request.prompt_token_ids,
                               [CompletionOutput(one.index, list(one.token_ids), one.text,
                                                 one.finish_reason) for one in request.samples],
