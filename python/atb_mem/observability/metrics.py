@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from atb_mem._types import MISS_REASONS
+from atb_mem.kv.tiers.counters import TierCounters
 
 if TYPE_CHECKING:
     from atb_mem import ContinuousBatchScheduler, DynamicBatchScheduler, KVCachePool, MemPool
@@ -102,24 +103,30 @@ class AtbMemCollector(Collector):
                      stats["fragmentation"], labels)
         yield _gauge(f"{prefix}_kv_cache_sequences", "Live sequences.",
                      stats["num_sequences"], labels)
+        # A block loaded from a tier below the host is a hit too: the cache counted its
+        # lookup as a miss (the load came after), the connector counts the load.
+        counters = self.tiers.counters if self.tiers is not None else TierCounters()
+        hits, queries = stats["prefix_cache_hits"] + counters.loaded_blocks, \
+            stats["prefix_cache_queries"]
         yield _gauge(f"{prefix}_kv_cache_prefix_cache_hit_ratio",
-                     "Prefix-cache block hits over lookups since start.",
-                     stats["prefix_cache_hit_rate"], labels)
+                     "Prefix-cache block hits (from any tier) over lookups since start.",
+                     hits / queries if queries else 0.0, labels)
         yield _counter(f"{prefix}_kv_cache_prefix_cache_queries",
-                       "Full blocks looked up in the prefix cache.",
-                       stats["prefix_cache_queries"], labels)
+                       "Full blocks looked up in the prefix cache.", queries, labels)
         yield _counter(f"{prefix}_kv_cache_prefix_cache_hits",
-                       "Full blocks found in the prefix cache.",
-                       stats["prefix_cache_hits"], labels)
+                       "Full blocks found in the prefix cache or loaded from a tier below "
+                       "the host (prefix_cache_hit_tokens says which tier).", hits, labels)
         yield _counter(f"{prefix}_kv_cache_evictions", "Cached blocks reused for other data.",
                        stats["evictions"], labels)
         misses = CounterMetricFamily(f"{prefix}_kv_cache_prefix_cache_misses",
-                                     "Admissions whose prefix hit fell short, by reason "
-                                     "(KVCachePool.explain_prefix says which).",
+                                     "Admissions whose prefix hit, from every tier, fell "
+                                     "short, by reason (explain_prefix says which).",
                                      labels=[*labels, "reason"])
         for reason in MISS_REASONS:
+            # Less the admissions whose load then served every block the prompt can hit.
+            missed = stats[f"prefix_cache_misses_{reason}"]  # type: ignore[literal-required]
             misses.add_metric([*labels.values(), reason],
-                              stats[f"prefix_cache_misses_{reason}"])  # type: ignore[literal-required]
+                              max(0, missed - counters.filled_misses.get(reason, 0)))
         yield misses
         yield from self._tiers(stats)
 
@@ -164,7 +171,7 @@ class AtbMemCollector(Collector):
     def _lower_tiers(self, tiers: TierConnector, bytes_per_block: int) -> Iterator[Metric]:
         """The disk tier and the shared store: bytes each way per tier, failed loads and
         their damaged blocks, failed store calls, and the load latency histogram."""
-        from atb_mem.kv.tiers.connector import LOAD_SECONDS_BUCKETS
+        from atb_mem.kv.tiers.counters import LOAD_SECONDS_BUCKETS
 
         prefix, labels = self.namespace, self.labels
         counters = tiers.counters
@@ -177,7 +184,8 @@ class AtbMemCollector(Collector):
                 moved.add_metric([*labels.values(), tier, direction], blocks * bytes_per_block)
         yield moved
         yield _counter(f"{prefix}_kv_tier_load_failures",
-                       "Loads that failed (a block missing, damaged or late): recomputed.",
+                       "Loads that failed (a block missing, damaged or late, or the copy "
+                       "to the device): recomputed.",
                        counters.load_failures, labels)
         yield _counter(f"{prefix}_kv_tier_damaged_blocks",
                        "Blocks a load found missing, truncated or corrupted.",

@@ -2,7 +2,8 @@
 engines (Mooncake Store), under one connector that looks prompts up in them, loads what they
 hold while other requests run, and writes computed blocks through to them."""
 
-from atb_mem.kv.tiers.connector import TierConnector, TierCounters
+from atb_mem.kv.tiers.connector import TierConnector
+from atb_mem.kv.tiers.counters import TierCounters
 from atb_mem.kv.tiers.disk import DiskStore
 from atb_mem.kv.tiers.mooncake import MooncakeStore, parse_mooncake_url
 from atb_mem.kv.tiers.store import KVStore, block_key, frame, layout_identity, unframe
