@@ -17,6 +17,7 @@ from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     ARCHITECTURES,
     hf_greedy,
+    hf_tokens,
     model_pair,
     poison_unused_blocks,
     require_torch,
@@ -97,3 +98,54 @@ def test_a_shifted_slot_map_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     corrupt(monkeypatch, lambda step: {"slot_mappings": [slots + 1
                                                          for slots in step.slot_mappings]})
     assert mismatches("llama") > 0
+
+
+def left_padded(tokens: list[list[int]]) -> tuple[Any, Any]:
+    """A batch of prompts of different lengths, left-padded with 0, and its attention mask."""
+    torch = require_torch()
+    width = max(len(one) for one in tokens)
+    ids = torch.tensor([[0] * (width - len(one)) + one for one in tokens])
+    mask = torch.tensor([[0] * (width - len(one)) + [1] * len(one) for one in tokens])
+    return ids, mask
+
+
+def hf_batch(model: Any, tokens: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """``model.generate`` over a left-padded batch: wrong without the padding mask."""
+    torch = require_torch()
+    ids, mask = left_padded(tokens)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    generated: list[list[int]] = out[:, ids.shape[1]:].tolist()
+    return generated
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "granitemoehybrid"])
+def test_the_model_runs_as_transformers_would_outside_the_engines_steps(
+        architecture: str) -> None:
+    """After ``Engine(model)`` the user's model still generates HF's tokens on its own —
+    greedily, over a left-padded batch (padding mask) and for a sliding window (Mistral) or
+    recurrent mixers (Granite 4.0-H) — also between the engine's steps, and the engine still
+    equals HF afterwards (unused blocks NaN-poisoned)."""
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=48, block_size=4)
+    prompts = [prompt(21, 11), prompt(22, 4), prompt(23, 8)]
+    expected = hf_batch(reference, prompts, 6)
+    assert hf_batch(model, prompts, 6) == expected
+    assert hf_greedy(model, prompts[0], 6) == hf_greedy(reference, prompts[0], 6)
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for index, tokens in enumerate(prompts):
+        engine.add_request(str(index), tokens, params)
+    results: dict[str, list[int]] = {str(index): [] for index in range(len(prompts))}
+    steps = 0
+    while engine.has_unfinished_requests():
+        poison_unused_blocks(engine.kv_cache)
+        for output in engine.step():
+            results[output.request_id] += output.outputs[0].token_ids
+        steps += 1
+        if steps == 2:  # the user's own generate, between two steps
+            assert hf_batch(model, prompts, 6) == expected
+    assert hf_batch(model, prompts, 6) == expected  # and once the engine is idle
+    assert results == {str(index): hf_tokens(reference, tokens, 8)
+                       for index, tokens in enumerate(prompts)}

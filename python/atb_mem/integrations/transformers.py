@@ -1,10 +1,10 @@
 """Hugging Face transformers models over atb-mem's paged KV cache.
 
 transformers (≥ 5) looks attention up by name in ``AttentionInterface``; this module registers
-``"atb_mem_paged"`` there. A model switched to it (:func:`use_paged_attention`) keeps its own
-code for everything else — projections, rotary embeddings, q/k norms, experts — and calls back
-here once per layer with the step's new queries, keys and values. The attention function
-writes the new K/V into the cache's slots (ATB's ReshapeAndCache) and attends over each
+``"atb_mem_paged"`` there. A model switched to it (by ``ModelRunner``, for each step only) keeps
+its own code for everything else — projections, rotary embeddings, q/k norms, experts — and
+calls back here once per layer with the step's new queries, keys and values. The attention
+function writes the new K/V into the cache's slots (ATB's ReshapeAndCache) and attends over each
 sequence's paged K/V, causal within the sequence's new tokens, with grouped-query heads.
 
 The step it serves is described by a :class:`StepAttention` built once per step from the
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atb_mem._types import AttentionBackend
+from atb_mem.integrations.attention_switch import AttentionSwitch
 from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep, attention_kernel
 from atb_mem.integrations.layer_attention import (
     FULL_ATTENTION,
@@ -216,7 +217,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     import torch
 
     step = _current_step.get()
-    if step is None:
+    if step is None:  # only a model switched for good (use_paged_attention) gets here
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention runs inside a step: call the "
                            "model through atb_mem's ModelRunner (or within paged_step)")
     group = step.layer_groups[module.layer_idx]
@@ -294,7 +295,8 @@ def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
 
 
 def use_paged_attention(model: Any) -> None:
-    """Registers the attention function and switches ``model`` to it."""
+    """Registers the attention function and switches ``model`` to it for good, for a caller
+    that runs every forward inside ``paged_step`` (``ModelRunner`` switches it per step)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
@@ -370,7 +372,8 @@ class ModelRunner:
                              for layer, attention in enumerate(self.layers)]
         self.recurrent = RecurrentStates(model, kv_cache, self.layers) \
             if any(attention.is_recurrent for attention in self.layers) else None
-        use_paged_attention(model)
+        # Only inside a step: outside, the user's model runs as transformers would.
+        self.attention = AttentionSwitch(model, ATTN_IMPLEMENTATION, paged_attention_forward)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the model over the plan's tokens; float32 logits ``[len(sample_seq_ids), V]``."""
@@ -388,7 +391,8 @@ class ModelRunner:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)
 
-        with torch.inference_mode(), paged_step(step), recurrent_step(self.recurrent, plan):
+        with torch.inference_mode(), paged_step(step), self.attention.active(), \
+                recurrent_step(self.recurrent, plan):
             output = self.model(input_ids=tensor(input_ids)[None],
                                 position_ids=tensor(plan.positions)[None], use_cache=False,
                                 logits_to_keep=tensor(plan.logits_indices))

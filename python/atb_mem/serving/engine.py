@@ -67,7 +67,7 @@ class Engine:
     ``num_blocks=None`` sizes the cache: on an accelerator from its free memory with
     ``plan_kv_cache`` (``gpu_memory_utilization``); on the host from ``kv_cache_memory_bytes``
     (default: what ``max_num_seqs`` sequences of the model's full length need, at most 4 GiB).
-    The model is switched to atb-mem's attention (``model.set_attn_implementation``).
+    The model runs atb-mem's attention only inside a step; outside, as transformers would.
     ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
     store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: ``"lru"``,
