@@ -106,6 +106,24 @@ def test_continuous_batch_with_preemption(architecture: str, preemption: str) ->
     assert engine.kv_cache.stats()["blocks_used"] == 0
 
 
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHITECTURES)
+def test_a_forked_request_arriving_under_load_waits_for_its_states(architecture: str) -> None:
+    """A greedy n=2 request that arrives while two others run: its second sample's states
+    need blocks of their own when it forks, so it is admitted only once they are free (it
+    was admitted at once, and its fork failed). Both samples equal HF's."""
+    model, reference = model_pair(architecture)
+    engine = Engine(model, num_blocks=CONTINUOUS_BLOCKS[architecture], block_size=BLOCK_SIZE,
+                    max_num_seqs=5, max_num_batched_tokens=16)
+    pair = prompt(7, 5)
+    arrivals = {0: [("a", prompt(1, 6), greedy(10)), ("b", prompt(2, 5), greedy(8))],
+                2: [("pair", pair, dataclasses.replace(greedy(6), n=2))]}
+    results = run_poisoned(engine, arrivals)
+    expected = hf_tokens(reference, pair, 6)
+    assert [results["pair"][index] for index in range(2)] == [(expected, "length")] * 2
+    assert_each_matches_hf(results, reference, {0: arrivals[0]})
+    assert engine.kv_cache.stats()["blocks_used"] == 0
+
+
 def forked_and_alone(architecture: str) -> tuple[dict[str, Any], list[list[int]]]:
     model, _ = model_pair(architecture)
     engine = Engine(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)

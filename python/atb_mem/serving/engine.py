@@ -70,17 +70,20 @@ class Engine:
     The model runs atb-mem's attention only inside a step; outside, as transformers would.
     ``kv_offload={"host": "8GiB", "disk": (PATH, "100GiB")}``: a host tier that keeps the
     prefix blocks the device evicts, and a disk tier below; ``kv_store="mooncake://H:P"``: a
-    store shared across engines (see ``atb_mem.kv.tiers``); ``eviction_policy``: ``"lru"``,
-    ``"lfu"``, ``"slru"`` or ``"priority"`` (``SamplingParams.retention``); ``hash_block_size``:
-    hits every that many tokens; ``state_checkpoint_interval``: blocks between the recurrent
-    states kept for prefix hits; ``kv_events`` (``ZmqEventPublisher``) gets the events."""
+    store shared across engines (see ``atb_mem.kv.tiers``), whose blocks are keyed by a digest
+    of every weight byte, or by ``kv_identity`` (``"org/model@revision"``) where given;
+    ``eviction_policy``: ``"priority"`` (``SamplingParams.retention``; LRU where no request
+    asks), ``"lru"``, ``"lfu"`` or ``"slru"``; ``hash_block_size``: hits every that many
+    tokens; ``state_checkpoint_interval``: blocks between the recurrent states kept for prefix
+    hits; ``kv_events`` (``ZmqEventPublisher``) gets the events."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
-                 gpu_memory_utilization: float = 0.9, eviction_policy: str = "lru",
+                 kv_identity: str | None = None, gpu_memory_utilization: float = 0.9,
+                 eviction_policy: str = "priority",
                  kv_cache_memory_bytes: int | None = None, hash_block_size: int | None = None,
                  state_checkpoint_interval: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
@@ -114,7 +117,7 @@ class Engine:
             state_checkpoint_interval=state_checkpoint_interval,
             enable_kv_events=kv_events is not None, **tier, **shape)
         self.tiers = tier_connector(self.kv_cache, model, kv_offload, kv_store, shape,
-                                    tensor_parallel_size)
+                                    tensor_parallel_size, kv_identity)
         self.kv_events = kv_events
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,

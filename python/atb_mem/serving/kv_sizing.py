@@ -127,7 +127,7 @@ def lower_tiers(kv_offload: Mapping[str, Any] | None, kv_store: str | None) -> l
 
 def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | None,
                    kv_store: str | None, shape: dict[str, Any],
-                   tensor_parallel_size: int, kv_identity: str | None = None) -> Any:
+                   tensor_parallel_size: int, kv_identity: object = None) -> Any:
     """The connector to the tiers below the host (None without any). Their blocks are keyed
     by the model (a digest of every byte of its weights, or the ``kv_identity`` its user
     names it by, and its config), the cache's layout and the rank's share of the heads, so
@@ -136,8 +136,9 @@ def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | No
     import os
 
     from atb_mem.kv.tiers import TierConnector, layout_identity
-    from atb_mem.serving.model_identity import weights_digest
+    from atb_mem.serving.model_identity import checked_kv_identity, weights_digest
 
+    kv_identity = checked_kv_identity(kv_identity)
     below = (kv_offload or {}).get("disk") is not None or kv_store is not None
     if not below:
         return None

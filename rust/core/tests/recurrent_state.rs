@@ -2,40 +2,16 @@
 //! fork, moved by swaps, counted in every budget, and never a prefix hit without a checkpoint.
 
 use atb_mem_core::{
-    AttentionKind, CoreError, KvCache, KvDtype, KvLayout, LayerKind, MissReason, MoveKind,
-    StepPlan, Tokens,
+    AttentionKind, CoreError, KvCache, KvLayout, LayerKind, MissReason, MoveKind, StepPlan, Tokens,
 };
 
 #[path = "support/scheduler.rs"]
 mod scheduler;
 use scheduler::scheduler;
 
-const BLOCK_SIZE: usize = 4;
-/// Bytes of one layer's K/V slot in a block: 2 × 4 tokens × 1 head × 2 dims × 2 bytes.
-const SLOT_BYTES: usize = 32;
-
-/// Layers `[recurrent, recurrent, full, recurrent, recurrent, full]`, each state 2.5 slots:
-/// groups of two layers, two state groups of three blocks each.
-fn hybrid(num_blocks: usize) -> KvCache {
-    let state = LayerKind::Recurrent {
-        state_bytes: SLOT_BYTES * 5 / 2,
-    };
-    let full = LayerKind::Attention(AttentionKind::Full);
-    let kinds = [state, state, full, state, state, full];
-    let layout = KvLayout {
-        num_layers: kinds.len(),
-        num_kv_heads: 1,
-        head_dim: 2,
-        dtype: KvDtype::Float16,
-    };
-    let mut cache =
-        KvCache::with_layer_kinds(num_blocks, BLOCK_SIZE, layout, true, &kinds).unwrap();
-    // A checkpoint takes 6 blocks, one group's K/V one: by default one per 6 blocks.
-    assert_eq!(cache.state_checkpoint_interval(), 6);
-    cache.set_state_checkpoint_interval(1).unwrap();
-    cache.enable_host_tier(32).unwrap();
-    cache
-}
+#[path = "support/recurrent.rs"]
+mod recurrent;
+use recurrent::{hybrid, BLOCK_SIZE, SLOT_BYTES};
 
 #[test]
 fn states_are_grouped_sized_and_placed() {

@@ -28,6 +28,8 @@ mod coverage;
 mod event_mirror;
 #[path = "scheduler_model/faults.rs"]
 mod faults;
+#[path = "scheduler_model/forks.rs"]
+mod forks;
 #[path = "support/state.rs"]
 mod state;
 #[path = "scheduler_model/states.rs"]
@@ -51,6 +53,8 @@ struct Harness {
     /// Ids of each request: prompt then sampled (None for a counted prompt).
     ids: HashMap<u64, Vec<Option<u32>>>,
     forks: Vec<u64>,
+    /// Samples each request was added with and has not forked yet.
+    planned_forks: HashMap<u64, usize>,
     plan: StepPlan,
     next_id: u64,
     counts: Counts,
@@ -130,6 +134,7 @@ impl Harness {
             },
             ids: HashMap::new(),
             forks: Vec::new(),
+            planned_forks: HashMap::new(),
             plan: StepPlan::default(),
             next_id: 1,
             counts: Counts::default(),
@@ -160,6 +165,7 @@ impl Harness {
                 tail,
                 by_count,
                 max_new,
+                samples,
             } => {
                 // Three templates, or six with a host prefix cache.
                 let template = match self.host_prefix {
@@ -176,9 +182,10 @@ impl Harness {
                 };
                 if self
                     .scheduler
-                    .add_request(&self.cache, seq_id, tokens, *max_new, 1, 0, 0)
+                    .add_request(&self.cache, seq_id, tokens, *max_new, *samples, 0, 0)
                     .is_ok()
                 {
+                    self.planned_forks.insert(seq_id, samples - 1);
                     let known = prompt.iter().map(|&t| (!by_count).then_some(t)).collect();
                     self.ids.insert(seq_id, known);
                     if !by_count {
@@ -204,6 +211,8 @@ impl Harness {
                     .is_ok()
                 {
                     for id in &sample {
+                        // Samples not forked at the first token are given up.
+                        self.planned_forks.remove(id);
                         // A prompt given as a count has no ids at all, not even sampled ones.
                         let ids = self.ids.get_mut(id).unwrap();
                         let known = ids[0].is_some();
@@ -222,27 +231,7 @@ impl Harness {
                     self.forget(id);
                 }
             }
-            Op::Fork { pick } => {
-                let running: Vec<u64> = self
-                    .live_requests()
-                    .into_iter()
-                    .filter(|&id| self.cache.contains(id) && !self.cache.is_swapped(id).unwrap())
-                    .collect();
-                if let Some(&parent) = running.get(pick % running.len().max(1)) {
-                    let child = 1_000_000 + self.next_id;
-                    self.next_id += 1;
-                    // A fork shares the K/V but takes blocks for its own states: with states
-                    // it can run out of blocks, and then it changes nothing.
-                    let before = state(&self.scheduler, &self.cache);
-                    match self.cache.fork(parent, child) {
-                        Ok(()) => self.forks.push(child),
-                        Err(CoreError::OutOfBlocks { .. }) if self.cache.num_state_blocks() > 0 => {
-                            assert_eq!(state(&self.scheduler, &self.cache), before);
-                        }
-                        Err(error) => panic!("fork {parent} → {child}: {error}"),
-                    }
-                }
-            }
+            Op::Fork { pick } => self.fork_behind_its_back(*pick),
             Op::ForkRequest { pick } => self.fork_request(*pick),
             Op::Tamper { pick, how } => self.tamper(*pick, *how),
             Op::FinishLoad { pick, ok } => self.finish_load(*pick, *ok),
@@ -257,46 +246,9 @@ impl Harness {
         }
     }
 
-    /// Forks a sampled request with known ids (a counted prompt's values name its sequence,
-    /// so a child could not hold them). It must work exactly when the parent still runs on
-    /// the device, awaiting its token.
-    fn fork_request(&mut self, pick: usize) {
-        let sampled = &self.plan.sample_seq_ids;
-        let Some(&parent) = sampled.get(pick % sampled.len().max(1)) else {
-            return;
-        };
-        let Some(ids) = self
-            .ids
-            .get(&parent)
-            .filter(|ids| ids[0].is_some())
-            .cloned()
-        else {
-            return;
-        };
-        let on_device = self.cache.contains(parent) && !self.cache.is_swapped(parent).unwrap();
-        let child = self.next_id;
-        self.next_id += 1;
-        let before = state(&self.scheduler, &self.cache);
-        let forked = self.scheduler.fork(&mut self.cache, parent, child);
-        if let Err(CoreError::OutOfBlocks { .. }) = forked {
-            // The child's states need blocks of their own.
-            assert!(
-                self.cache.num_state_blocks() > 0,
-                "fork of {parent}: {forked:?}"
-            );
-            assert_eq!(state(&self.scheduler, &self.cache), before);
-            return;
-        }
-        assert_eq!(forked.is_ok(), on_device, "fork of {parent}: {forked:?}");
-        if forked.is_ok() {
-            self.ids.insert(child, ids);
-            self.plan.sample_seq_ids.push(child);
-            self.counts.forked_requests += 1;
-        }
-    }
-
     fn forget(&mut self, seq_id: u64) {
         self.ids.remove(&seq_id);
+        self.planned_forks.remove(&seq_id);
     }
 
     /// One step through the core's transaction, the executor simulated: with `fail`, the

@@ -119,6 +119,7 @@ fn a_deferred_free_is_foreseen_as_an_eviction() {
         tail,
         by_count,
         max_new: 1,
+        samples: 1,
     };
     let ops = vec![
         add(5, vec![0; 6], false),

@@ -22,6 +22,8 @@ pub enum Op {
         tail: Vec<u32>,
         by_count: bool,
         max_new: usize,
+        /// Samples the request runs side by side (forked at its first token).
+        samples: usize,
     },
     /// Plan a step; if it has moves and `fail` is set, executing them fails at that move.
     Step {
@@ -59,8 +61,8 @@ pub enum Op {
 
 pub fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0usize..3, 0usize..9, prop::collection::vec(0u32..4, 1..7), prop::bool::weighted(0.2), 1usize..9)
-            .prop_map(|(template, keep, tail, by_count, max_new)| Op::Add { template, keep, tail, by_count, max_new }),
+        3 => (0usize..3, 0usize..9, prop::collection::vec(0u32..4, 1..7), prop::bool::weighted(0.2), 1usize..9, 1usize..3)
+            .prop_map(|(template, keep, tail, by_count, max_new, samples)| Op::Add { template, keep, tail, by_count, max_new, samples }),
         6 => prop::option::weighted(0.5, 0usize..9).prop_map(|fail| Op::Step { fail }),
         4 => (0u32..4).prop_map(|token| Op::Sample { token }),
         1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),
@@ -75,8 +77,8 @@ pub fn op() -> impl Strategy<Value = Op> {
 /// later requests ask for again (a host prefix cache's workload), with failures injected.
 pub fn tier_op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0usize..3, 2usize..9, prop::collection::vec(0u32..4, 1..4), Just(false), 1usize..4)
-            .prop_map(|(template, keep, tail, by_count, max_new)| Op::Add { template, keep, tail, by_count, max_new }),
+        4 => (0usize..3, 2usize..9, prop::collection::vec(0u32..4, 1..4), Just(false), 1usize..4, Just(1usize))
+            .prop_map(|(template, keep, tail, by_count, max_new, samples)| Op::Add { template, keep, tail, by_count, max_new, samples }),
         6 => prop::option::weighted(0.3, 0usize..9).prop_map(|fail| Op::Step { fail }),
         6 => (0u32..4).prop_map(|token| Op::Sample { token }),
         1 => (0usize..16).prop_map(|pick| Op::Abort { pick }),

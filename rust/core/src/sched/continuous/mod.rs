@@ -31,6 +31,7 @@
 
 mod block_tables;
 mod config;
+mod fork_reserve;
 mod loads;
 mod recovery;
 mod requests;
@@ -85,6 +86,8 @@ pub struct ContinuousScheduler {
     /// `samples_to_fork` summed over every request: while 0 (no request of several
     /// samples), seats are the running sequences and need no walk over them.
     unforked_samples: usize,
+    /// State blocks kept free for the forks of admitted requests (see `fork_reserve`).
+    fork_reserve: usize,
     scratch_slots: Vec<i32>,
     /// The slots of this step's decodes in every group (`[decodes, groups]`), as their
     /// tokens were appended.
@@ -119,6 +122,7 @@ impl ContinuousScheduler {
             deferred_frees: Vec::new(),
             forked_since_step: 0,
             unforked_samples: 0,
+            fork_reserve: 0,
             scratch_slots: Vec::new(),
             decode_slots: Vec::new(),
             scratch_ids: Vec::new(),

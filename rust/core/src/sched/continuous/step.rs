@@ -34,6 +34,7 @@ impl ContinuousScheduler {
             self.preempt(cache, victim, plan)?;
         }
         self.forked_since_step = 0;
+        self.fork_reserve = self.blocks_for_forks(cache);
         self.decode_slots.clear();
         self.save_checkpoints(cache)?;
         let mut budget = self.config.max_num_batched_tokens;
@@ -116,8 +117,8 @@ impl ContinuousScheduler {
         // A decode: one more slot, which may need a block and a copy-on-write one in each
         // group: make room by preempting the newest, lowest-priority sequences (possibly
         // this one).
-        while cache.num_free_blocks() < 2 * cache.num_groups() {
-            if cache.blocks_to_append(seq_id, 1)? <= cache.num_free_blocks() {
+        while self.free_blocks(cache) < 2 * cache.num_groups() {
+            if cache.blocks_to_append(seq_id, 1)? <= self.free_blocks(cache) {
                 break;
             }
             let victim = self.pick_victim(seq_id);
@@ -152,9 +153,13 @@ impl ContinuousScheduler {
         while let Some(&key) = self.swapped.first() {
             let seq_id = key.2;
             let blocks = cache.num_held_blocks(seq_id)?;
-            let wanted = 1 + self.request(seq_id)?.samples_to_fork;
+            let request = self.request(seq_id)?;
+            let (wanted, forks) = (
+                1 + request.samples_to_fork,
+                Self::fork_blocks(request, cache),
+            );
             if seats + wanted > self.config.max_num_seqs
-                || blocks + self.watermark_blocks(cache) > cache.num_free_blocks()
+                || blocks + forks + self.watermark_blocks(cache) > self.free_blocks(cache)
             {
                 break;
             }
@@ -162,6 +167,7 @@ impl ContinuousScheduler {
             self.swapped.remove(&key);
             self.resume(seq_id, State::Running);
             seats += wanted;
+            self.fork_reserve += forks;
         }
         Ok(())
     }
@@ -204,6 +210,7 @@ impl ContinuousScheduler {
             };
             let seq_id = key.2;
             let watermark = self.watermark_blocks(cache);
+            let free = self.free_blocks(cache);
             let max_num_seqs = self.config.max_num_seqs;
             let request = self.request_mut(seq_id)?;
             // A request waits for seats for all its samples (vLLM v0 counts a sequence
@@ -212,19 +219,21 @@ impl ContinuousScheduler {
             if seats + wanted > max_num_seqs {
                 break;
             }
+            let forks = Self::fork_blocks(request, cache);
             let total = request.num_tokens();
             // Hashed once while it waits, not at every step's check.
             request.hash_blocks(cache.block_size());
             let (tokens, hashes) = (request.tokens(), &request.block_hashes);
             // Windowed groups take a prompt's blocks chunk by chunk (`schedule_prefill`).
             let needed = cache.blocks_to_admit_hashed(tokens, hashes)?;
-            if needed + watermark > cache.num_free_blocks() {
+            if needed + forks + watermark > free {
                 break;
             }
             let cached = cache.admit_sequence_hashed(seq_id, tokens, hashes)?;
             self.retain_admitted(cache, seq_id)?;
             self.waiting.remove(&key);
             seats += wanted;
+            self.fork_reserve += forks;
             self.request_mut(seq_id)?.num_computed = cached;
             if self.start_load(cache, seq_id, cached, &mut plan.loads)? {
                 continue; // it runs once its loads are reported
@@ -280,7 +289,7 @@ impl ContinuousScheduler {
             }
         }
         let block_size = cache.block_size();
-        while cache.blocks_to_compute(seq_id, start + chunk)? > cache.num_free_blocks() {
+        while cache.blocks_to_compute(seq_id, start + chunk)? > self.free_blocks(cache) {
             // A shorter chunk (down to a block boundary) may fit; else make room.
             let shorter = ((start + chunk - 1) / block_size * block_size).saturating_sub(start);
             if may_split && shorter > 0 {
@@ -358,6 +367,11 @@ impl ContinuousScheduler {
         self.running.retain(|&id| id != seq_id);
         self.num_preemptions += 1;
         plan.preempted_seq_ids.push(seq_id);
+        // Running no more, it forks nothing until it is back.
+        if let Some(request) = self.requests.get(&seq_id) {
+            let forks = Self::fork_blocks(request, cache);
+            self.fork_reserve = self.fork_reserve.saturating_sub(forks);
+        }
         let Some(request) = self.requests.get_mut(&seq_id) else {
             return Ok(());
         };

@@ -110,8 +110,10 @@ impl ContinuousScheduler {
     /// demotion (an allocation that may evict a cached block).
     fn step_may_move(&self, cache: &KvCache) -> bool {
         // A decode may need a block and a copy in each group; a prefill chunk, blocks in each
-        // windowed group: either may preempt by swapping out.
-        let decode_need = self.running.len() * 2 * cache.num_groups();
+        // windowed group: either may preempt by swapping out, beyond the blocks kept for
+        // forks.
+        let decode_need =
+            self.running.len() * 2 * cache.num_groups() + self.blocks_for_forks(cache);
         let windowed = cache.groups().iter().any(|g| g.kind.is_windowed());
         if cache.host_prefix_cache() {
             // Admissions: waiting or swapped requests, or requests a lowered max_num_seqs
