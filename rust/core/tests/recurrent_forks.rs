@@ -116,3 +116,22 @@ fn decodes_preempt_rather_than_take_the_blocks_kept_for_a_fork() {
     );
     scheduler.check_invariants(&cache).unwrap();
 }
+
+#[test]
+fn a_request_whose_forks_could_never_fit_is_refused() {
+    // 39 usable blocks: a 4-block prompt's first token takes 5 and its states 6, and four
+    // forks' states (24) fit beside them; five forks' (30) never would: it would wait for
+    // ever.
+    let cache = hybrid(40);
+    let mut scheduler = scheduler(&cache, 8, 256, 0.0);
+    let ids = prompt(100, 4);
+    let error = scheduler
+        .add_request(&cache, 1, Tokens::Ids(&ids), 8, 6, 0, 0)
+        .unwrap_err();
+    assert!(error.to_string().contains("recurrent states"), "{error}");
+    assert_eq!(scheduler.num_waiting(), 0);
+    scheduler
+        .add_request(&cache, 1, Tokens::Ids(&ids), 8, 5, 0, 0)
+        .unwrap();
+    scheduler.check_invariants(&cache).unwrap();
+}

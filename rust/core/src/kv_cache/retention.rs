@@ -212,8 +212,12 @@ pub(super) fn retain_joined(
     index: usize,
     block: u32,
 ) {
+    // Without a config it keeps the default priority its last contents left it with: the
+    // default policy's common case costs nothing here.
+    let Some(config) = config else {
+        return;
+    };
     if block_pool.eviction_policy() == EvictionPolicy::Priority {
-        let config = config.unwrap_or(&NO_RETENTION);
         let block_size = block_pool.block_size();
         let (priority, duration) = config.for_tokens(index * block_size, (index + 1) * block_size);
         block_pool.retain(block, priority, duration, true);

@@ -162,7 +162,7 @@ impl ContinuousScheduler {
             &config,
             cache,
             seq_id,
-            prompt_len + max_new_tokens,
+            (prompt_len, max_new_tokens),
             num_samples,
         )
     }
@@ -177,7 +177,7 @@ impl ContinuousScheduler {
                 &config,
                 cache,
                 seq_id,
-                request.prompt_len + request.max_new_tokens,
+                (request.prompt_len, request.max_new_tokens),
                 1 + request.samples_to_fork,
             )?;
         }

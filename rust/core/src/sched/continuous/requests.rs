@@ -12,9 +12,10 @@ pub(super) fn check_request(
     config: &SchedulerConfig,
     cache: &KvCache,
     seq_id: u64,
-    longest: usize,
+    (prompt_len, max_new_tokens): (usize, usize),
     num_samples: usize,
 ) -> CoreResult<()> {
+    let longest = prompt_len + max_new_tokens;
     let room = config.room(cache);
     if longest > room {
         return Err(refused(
@@ -24,6 +25,24 @@ pub(super) fn check_request(
                 config.watermark
             ),
         ));
+    }
+    // At its first token it forks, each fork's recurrent states in blocks of its own beside
+    // the prompt's: a cache that cannot hold them all at once never runs it.
+    let forks = num_samples.saturating_sub(1) * cache.num_state_blocks();
+    if forks > 0 {
+        let usable = (cache.num_blocks() - 1).saturating_sub(config.watermark_blocks(cache));
+        let beside = cache.tokens_in_blocks(usable.saturating_sub(forks));
+        if prompt_len + 1 > beside {
+            return Err(refused(
+                seq_id,
+                format!(
+                    "forks {} samples at its first token, whose recurrent states take {forks} \
+                     more blocks: beside them the cache fits {beside} tokens, not its \
+                     {prompt_len}-token prompt",
+                    num_samples - 1
+                ),
+            ));
+        }
     }
     if num_samples > config.max_num_seqs {
         return Err(refused(
@@ -146,7 +165,8 @@ impl ContinuousScheduler {
             "the prompt, max_new_tokens and num_samples must be at least 1"
         );
         let longest = prompt.len() + max_new_tokens;
-        check_request(&self.config, cache, seq_id, longest, num_samples)?;
+        let lengths = (prompt.len(), max_new_tokens);
+        check_request(&self.config, cache, seq_id, lengths, num_samples)?;
         if !self.config.enable_chunked_prefill && longest > self.config.max_num_batched_tokens {
             return Err(refused(
                 seq_id,
