@@ -155,7 +155,7 @@ impl BlockPool {
             evicted: EvictionHistory::new(table_blocks, &what)?,
             sub_blocks: None,
             retention: match keeps_priorities {
-                true => Retention::new(num_blocks, &what)?,
+                true => Retention::new(num_blocks),
                 false => Retention::default(),
             },
         })

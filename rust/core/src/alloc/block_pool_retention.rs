@@ -24,6 +24,11 @@ impl BlockPool {
         }
     }
 
+    /// Allocates what the blocks' priorities take (see `Retention`), once.
+    pub fn keep_priorities(&mut self) -> CoreResult<()> {
+        self.retention.keep_priorities()
+    }
+
     /// Reserves what priorities given for a duration take (see `Retention`), once.
     pub fn reserve_expiries(&mut self) -> CoreResult<()> {
         self.retention.reserve_expiries()

@@ -7,9 +7,11 @@
 //! ends: expiries wait in a min-heap, checked when the clock advances, so an expiry costs
 //! O(log n) once and nothing while it waits. A block whose priority changed later leaves a
 //! stale heap entry behind (its time no longer matches), skipped when it comes up; the heap
-//! is compacted when stale entries outnumber the blocks. The heap's room is reserved by the
-//! first retention that has a duration (`reserve_expiries`), so a cache whose requests never
-//! ask for one (the default policy's usual case) does not pay for it.
+//! is compacted when stale entries outnumber the blocks.
+//!
+//! Nothing is allocated until a request asks for a priority (`keep_priorities`), nor the
+//! heap until one asks for a duration (`reserve_expiries`): until then every block is at the
+//! default, and the policy — the default one — costs what LRU does, in time and in memory.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -23,7 +25,9 @@ const NEVER: u64 = u64::MAX;
 
 #[derive(Debug, Clone, Default)]
 pub struct Retention {
-    /// Per block; empty unless the policy keeps priorities.
+    /// Blocks of the pool, kept for the arrays below.
+    num_blocks: usize,
+    /// Per block; empty until a request asks for a priority.
     priority: Vec<u8>,
     /// Per block, when its priority ends (`NEVER` for none).
     expires_at: Vec<u64>,
@@ -39,19 +43,31 @@ impl Retention {
         ])
     }
 
-    /// Priorities for `num_blocks` blocks, all at the default.
-    pub fn new(num_blocks: usize, what: &str) -> CoreResult<Self> {
-        Ok(Retention {
-            priority: try_filled_vec(num_blocks, DEFAULT_PRIORITY, what)?,
-            expires_at: try_filled_vec(num_blocks, NEVER, what)?,
-            expiries: BinaryHeap::new(),
-            clock: 0,
-        })
+    /// Priorities for `num_blocks` blocks, all at the default (nothing allocated yet).
+    pub fn new(num_blocks: usize) -> Self {
+        Retention {
+            num_blocks,
+            ..Retention::default()
+        }
+    }
+
+    /// Allocates the per-block priorities, all at the default, once: called before the
+    /// first priority is given. Does nothing for a pool that keeps none.
+    pub fn keep_priorities(&mut self) -> CoreResult<()> {
+        if self.priority.len() == self.num_blocks {
+            return Ok(());
+        }
+        let what = format!("retention priorities of {} blocks", self.num_blocks);
+        let priority = try_filled_vec(self.num_blocks, DEFAULT_PRIORITY, &what)?;
+        self.expires_at = try_filled_vec(self.num_blocks, NEVER, &what)?;
+        self.priority = priority;
+        Ok(())
     }
 
     /// Room for every expiry the heap keeps before compacting, so that giving a priority
     /// for a duration never allocates. Called before the first such priority is given.
     pub fn reserve_expiries(&mut self) -> CoreResult<()> {
+        self.keep_priorities()?;
         let most = Self::most_expiries(self.priority.len()) + 1;
         if self.priority.is_empty() || self.expiries.capacity() >= most {
             return Ok(());
@@ -156,7 +172,8 @@ mod tests {
 
     #[test]
     fn priorities_rise_and_end_when_their_duration_does() {
-        let mut retention = Retention::new(4, "test").unwrap();
+        let mut retention = Retention::new(4);
+        assert!(!retention.give(1, 10, None, true), "nothing kept before it is asked");
         retention.reserve_expiries().unwrap();
         assert_eq!(retention.priority(1), DEFAULT_PRIORITY);
         assert!(
@@ -188,7 +205,7 @@ mod tests {
 
     #[test]
     fn stale_expiries_are_compacted() {
-        let mut retention = Retention::new(2, "test").unwrap();
+        let mut retention = Retention::new(2);
         retention.reserve_expiries().unwrap();
         let room = retention.expiries.capacity();
         for duration in 1..1000 {

@@ -192,6 +192,9 @@ impl KvCache {
              '{}', which keeps no priorities",
             policy.name()
         );
+        if config.asks_for_retention() {
+            self.block_pool.keep_priorities()?;
+        }
         if config.has_durations() {
             self.block_pool.reserve_expiries()?;
         }
