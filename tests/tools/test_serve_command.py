@@ -42,7 +42,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         [sys.executable, "-m", "atb_mem", "serve", str(tmp_path), "--port", str(port),
          "--device", "cpu", "--num-blocks", "64", "--served-model-name", "tiny",
          "--kv-offload", "host=1MiB", "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
-         "--eviction-policy", "slru",
+         "--eviction-policy", "slru", "--kv-identity", "tiny@test",
          "--config", str(config), "--kv-events-endpoint", "tcp://127.0.0.1:*",
          "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -122,6 +122,19 @@ def test_serve_refuses_an_unknown_offload_tier_in_one_line(tmp_path: Path) -> No
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("atb-mem: error:") and "unknown tiers ['tape']" in last, last
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_refuses_an_empty_kv_identity_in_one_line(tmp_path: Path) -> None:
+    save_tiny_checkpoint(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
+                             "--device", "cpu", "--num-blocks", "64",
+                             "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
+                             "--kv-identity", " "],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("atb-mem: error:") and "kv_identity" in last, last
     assert "Traceback" not in result.stderr
 
 
