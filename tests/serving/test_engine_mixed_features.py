@@ -19,7 +19,7 @@ import pytest
 
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.serving import Engine, SamplingParams
-from tests.support.models import hf_tokens, model_pair, poison_unused_blocks, random_prompt
+from tests.support.models import hf_tokens, model_pair, random_prompt, run_with_errors
 
 SEEDS = range(60)
 Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
@@ -72,25 +72,6 @@ def inject_one_failure(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
     return failed
 
 
-def run(engine: Engine, arrivals: Arrivals) -> dict[str, Any]:
-    arrivals = dict(arrivals)
-    results: dict[str, Any] = {}
-    step = 0
-    while engine.has_unfinished_requests() or arrivals:
-        for request_id, tokens, params in arrivals.pop(step, []):
-            engine.add_request(request_id, tokens, params)
-        poison_unused_blocks(engine.kv_cache)
-        for output in engine.step():
-            result = results.setdefault(output.request_id, {"error": None})
-            result["error"] = output.error
-            for one in output.outputs:
-                got, _ = result.get(one.index, ([], None))
-                result[one.index] = (got + one.token_ids, one.finish_reason)
-        step += 1
-        assert step < 2000, "the engine does not finish"
-    return results
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_mixed_features_match_hf(seed: int, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,13 +102,13 @@ def test_mixed_features_match_hf(seed: int, tmp_path: Path,
             # Another model of the same config wrote its blocks of this workload's system
             # prompt there first: none may be served to this one.
             other = Engine(retrained(model, system[0]), kv_offload=dict(offload), **options)
-            run(other, {0: [("other", [*system, 5], SamplingParams(max_tokens=2))]})
+            run_with_errors(other, {0: [("other", [*system, 5], SamplingParams(max_tokens=2))]})
             assert other.tiers is not None and other.tiers.wait_for_saves(60)
             other.shutdown()
     engine = Engine(model, kv_offload=offload or None, **options)
     arrivals = workload(rng, system, recurrent)
     failed = inject_one_failure(monkeypatch, rng)
-    results = run(engine, arrivals)
+    results, _ = run_with_errors(engine, arrivals)
     for requests in arrivals.values():
         for request_id, tokens, params in requests:
             result = results[request_id]

@@ -17,7 +17,8 @@ import atb_mem
 from atb_mem.kv.tensors import MOVE_COPY, MOVE_TO_DEVICE, MOVE_TO_HOST, KVTensors
 from atb_mem.serving import Engine, SamplingParams
 from atb_mem.serving.step_failures import MOVE_ATTEMPTS
-from tests.support.models import hf_tokens, model_pair, poison_unused_blocks, random_prompt
+from tests.support.models import hf_tokens, model_pair, random_prompt
+from tests.support.models import run_with_errors as run
 
 BLOCK_SIZE = 4
 # Where each kind of move reads and writes: (source tier, destination tier).
@@ -107,28 +108,6 @@ def workload(seed: int) -> dict[int, list[tuple[str, list[int], SamplingParams]]
                                 ignore_eos=True, n=2 if rng.random() < 0.3 else 1)
         arrivals.setdefault(int(rng.integers(0, 10)), []).append((f"r{index}", tokens, params))
     return arrivals
-
-
-def run(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]
-        ) -> tuple[dict[str, Any], list[int]]:
-    """Steps until idle, poisoning unused blocks first; each request's samples' tokens and
-    finish reasons and its error, and the tokens each step ran."""
-    arrivals = dict(arrivals)
-    results: dict[str, Any] = {}
-    ran: list[int] = []
-    while engine.has_unfinished_requests() or arrivals:
-        for request_id, tokens, params in arrivals.pop(len(ran), []):
-            engine.add_request(request_id, tokens, params)
-        poison_unused_blocks(engine.kv_cache)
-        for output in engine.step():
-            result = results.setdefault(output.request_id, {"error": None})
-            result["error"] = output.error
-            for one in output.outputs:
-                got, _ = result.get(one.index, ([], None))
-                result[one.index] = (got + one.token_ids, one.finish_reason)
-        ran.append(engine.last_step_tokens)
-        assert len(ran) < 1000, "the engine does not finish"
-    return results, ran
 
 
 def expected_tokens(reference: Any, arrivals: dict[int, list[tuple[str, list[int],

@@ -185,6 +185,28 @@ def run_poisoned(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any
     return results
 
 
+def run_with_errors(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any]]]
+                    ) -> tuple[dict[str, Any], list[int]]:
+    """``run_poisoned`` that also keeps each request's error (``results[id]["error"]``),
+    and the tokens each step ran."""
+    arrivals = dict(arrivals)
+    results: dict[str, Any] = {}
+    ran: list[int] = []
+    while engine.has_unfinished_requests() or arrivals:
+        for request_id, tokens, params in arrivals.pop(len(ran), []):
+            engine.add_request(request_id, tokens, params)
+        poison_unused_blocks(engine.kv_cache)
+        for output in engine.step():
+            result = results.setdefault(output.request_id, {"error": None})
+            result["error"] = output.error
+            for one in output.outputs:
+                got, _ = result.get(one.index, ([], None))
+                result[one.index] = (got + one.token_ids, one.finish_reason)
+        ran.append(engine.last_step_tokens)
+        assert len(ran) < 2000, "the engine does not finish"
+    return results, ran
+
+
 CORPUS = ["the cache holds blocks of tokens", "a block table maps a sequence to its blocks",
           "prefix caching shares the blocks of a common prompt", "hello world",
           "paged attention reads keys and values through the block table"] * 4
