@@ -36,6 +36,8 @@ mod state;
 mod states;
 #[path = "scheduler_model/tiers.rs"]
 mod tiers;
+#[path = "scheduler_model/turns.rs"]
+mod turns;
 #[path = "scheduler_model/workload.rs"]
 mod workload;
 use event_mirror::EventMirror;
@@ -65,6 +67,8 @@ struct Harness {
     store: Option<HashMap<BlockHash, Vec<u64>>>,
     /// Loads planned and not reported yet: (request, [(device block, hash)]).
     loads: Vec<(u64, Vec<(u32, BlockHash)>)>,
+    /// The tokens of requests that ended, which a next turn continues (see `turns`).
+    ended: Vec<Vec<u32>>,
 }
 
 /// What a run exercised, to show the model test is not vacuous.
@@ -86,6 +90,8 @@ struct Counts {
     promotions: u64,
     /// Prompt tokens copied from partly shared blocks (`hash_block_size`).
     partial_hit_tokens: u64,
+    /// Of those copies, the ones from an ended sequence's last block, cached by its pieces.
+    tail_copies: usize,
     /// Lower-tier loads reported, and of those failed.
     loads: usize,
     failed_loads: usize,
@@ -143,6 +149,7 @@ impl Harness {
             // Lower tiers serve caches of full-attention layers.
             store: (host_prefix && all_full(kinds) && states.is_none()).then(HashMap::new),
             loads: Vec::new(),
+            ended: Vec::new(),
         }
     }
 
@@ -235,6 +242,11 @@ impl Harness {
             Op::ForkRequest { pick } => self.fork_request(*pick),
             Op::Tamper { pick, how } => self.tamper(*pick, *how),
             Op::FinishLoad { pick, ok } => self.finish_load(*pick, *ok),
+            Op::NextTurn {
+                pick,
+                tail,
+                max_new,
+            } => self.next_turn(*pick, tail, *max_new),
             Op::FreeFork { pick } => {
                 if !self.forks.is_empty() {
                     let child = self.forks.swap_remove(pick % self.forks.len());
@@ -247,6 +259,7 @@ impl Harness {
     }
 
     fn forget(&mut self, seq_id: u64) {
+        self.remember_ended(seq_id);
         self.ids.remove(&seq_id);
         self.planned_forks.remove(&seq_id);
     }
@@ -297,6 +310,9 @@ impl Harness {
                         MoveKind::Copy => self.counts.copies += 1,
                         _ => self.counts.swaps += 1,
                     }
+                    let pool = self.cache.block_pool();
+                    let from_tail = planned.kind == MoveKind::Copy && pool.is_pieces(planned.src);
+                    self.counts.tail_copies += usize::from(from_tail);
                 }
                 let hit = self.plan.positions.windows(2).any(|pair| pair[1] < pair[0])
                     || self.plan.positions.first().is_some_and(|&p| p > 0);

@@ -54,6 +54,9 @@ enum Cached {
     Yes {
         remember: bool,
     },
+    /// Findable by the sub-keys of its leading pieces only (see `keep_pieces`): no full key,
+    /// so no lookup, KV event, eviction history or lower tier ever names it.
+    Pieces,
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +85,8 @@ pub struct BlockPool {
     sub_blocks: Option<SubBlockIndex>,
     /// Cached blocks' retention priorities (kept for the priority policy only).
     retention: Retention,
+    /// Blocks cached as `Cached::Pieces`.
+    num_pieces: usize,
 }
 
 impl BlockPool {
@@ -158,6 +163,7 @@ impl BlockPool {
                 true => Retention::new(num_blocks),
                 false => Retention::default(),
             },
+            num_pieces: 0,
         })
     }
 
@@ -185,15 +191,20 @@ impl BlockPool {
 
     #[inline]
     fn unregister(&mut self, block: u32) {
-        if self.record_removed {
-            self.removed
-                .push((self.block_hashes[block as usize], block));
+        match self.cached[block as usize] {
+            Cached::Pieces => self.num_pieces -= 1,
+            _ => {
+                if self.record_removed {
+                    self.removed
+                        .push((self.block_hashes[block as usize], block));
+                }
+                let hashes = &self.block_hashes;
+                self.prefix_table
+                    .remove(block, hashes[block as usize].0[0], |other| {
+                        hashes[other as usize].0[0]
+                    });
+            }
         }
-        let hashes = &self.block_hashes;
-        self.prefix_table
-            .remove(block, hashes[block as usize].0[0], |other| {
-                hashes[other as usize].0[0]
-            });
         self.cached[block as usize] = Cached::No;
         // Its priority (and any expiry waiting for it) went with its contents.
         self.retention.reset(block);
@@ -259,10 +270,10 @@ impl BlockPool {
         self.prefix_table.len()
     }
 
-    /// The hashes of the blocks the prefix cache holds, in block order.
+    /// The hashes of the blocks the prefix cache holds by their full keys, in block order.
     pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
         (1..self.num_blocks() as u32)
-            .filter(|&block| self.is_cached(block))
+            .filter(|&block| self.is_cached(block) && !self.is_pieces(block))
             .map(|block| self.block_hashes[block as usize])
     }
 
@@ -312,10 +323,11 @@ impl BlockPool {
             if self.cached[block as usize] == (Cached::Yes { remember: true }) {
                 self.evicted.record(hash);
             }
+            // Pieces are no full block to demote, nor one a lookup could miss.
+            evicted = (!self.is_pieces(block)).then_some(hash);
             self.unregister(block);
             self.num_evictable -= 1;
             self.counters.evictions += 1;
-            evicted = Some(hash);
         }
         self.ref_counts[block as usize] = 1;
         Some((block, evicted))
@@ -485,6 +497,7 @@ impl BlockPool {
         }
         let mut evictable = 0;
         let mut registered = 0;
+        let mut pieces = 0;
         for block in 1..num_blocks as u32 {
             let count = self.ref_counts[block as usize];
             if count != holders[block as usize] {
@@ -499,7 +512,14 @@ impl BlockPool {
                     seen[block as usize]
                 ));
             }
-            if self.is_cached(block) {
+            if self.is_pieces(block) {
+                // Held only while an admission plans its copy, within one call.
+                if count != 0 {
+                    return Err(format!("block {block} of pieces has {count} holders"));
+                }
+                pieces += 1;
+                evictable += 1;
+            } else if self.is_cached(block) {
                 registered += 1;
                 if self.find_cached(self.block_hashes[block as usize]) != Some(block) {
                     return Err(format!("cached block {block} is not findable by its hash"));
@@ -513,6 +533,12 @@ impl BlockPool {
             return Err(format!(
                 "{evictable} evictable blocks, counter says {}",
                 self.num_evictable
+            ));
+        }
+        if pieces != self.num_pieces {
+            return Err(format!(
+                "{pieces} blocks of pieces, counter says {}",
+                self.num_pieces
             ));
         }
         if registered != self.prefix_table.len() {

@@ -1,5 +1,6 @@
 //! The block pool's sub-block keys (see `sub_block_index`): turned on, registered with a
-//! block that joins the cache, looked up, dropped with the block's cache entry.
+//! block that joins the cache, looked up, dropped with the block's cache entry; and blocks
+//! cached by those keys alone (`keep_pieces`).
 
 use super::{BlockPool, Cached};
 use crate::alloc::block_hash::BlockHash;
@@ -28,12 +29,63 @@ impl BlockPool {
         self.sub_blocks.as_ref().map_or(0, SubBlockIndex::per_block)
     }
 
-    /// Indexes a block that just joined the prefix cache under its sub-block keys.
+    /// Indexes a block that just joined the prefix cache under its sub-block keys (`keys`,
+    /// one per leading piece: every piece but the last of a full block, the whole computed
+    /// ones of a block of pieces). A block of pieces whose every key a newer block took
+    /// over can be found no more: it becomes free.
     pub fn register_sub_blocks(&mut self, block: u32, keys: &[BlockHash]) {
-        if let Some(sub_blocks) = self.sub_blocks.as_mut() {
-            debug_assert!(self.cached[block as usize] != Cached::No);
-            sub_blocks.insert(block, keys);
+        let Some(sub_blocks) = self.sub_blocks.as_mut() else {
+            return;
+        };
+        debug_assert!(self.cached[block as usize] != Cached::No);
+        sub_blocks.insert(block, keys);
+        while let Some(older) = self
+            .sub_blocks
+            .as_mut()
+            .and_then(SubBlockIndex::pop_keyless)
+        {
+            if self.is_pieces(older) {
+                self.uncache(older);
+            }
         }
+    }
+
+    /// Whether `keep_pieces` would take `block`: held by its last holder only, and not
+    /// cached (a full block has its key; a block a fork shares is the fork's to write).
+    pub fn can_keep_pieces(&self, block: u32) -> bool {
+        self.sub_blocks.is_some()
+            && self.ref_counts[block as usize] == 1
+            && self.cached[block as usize] == Cached::No
+    }
+
+    /// Caches `block`, which its last holder is about to release, as a block known by the
+    /// sub-keys of its computed leading pieces only (registered next, or deferred), under
+    /// `identity` (its last piece's key), which `holds` checks: evicted like any cached
+    /// block, named by no KV event, never demoted (see `kv_cache::partial_hits`).
+    pub fn keep_pieces(&mut self, block: u32, identity: BlockHash) {
+        debug_assert!(self.can_keep_pieces(block));
+        self.block_hashes[block as usize] = identity;
+        self.cached[block as usize] = Cached::Pieces;
+        self.hits[block as usize] = 0; // new contents, no history
+        self.retention.reset(block);
+        self.num_pieces += 1;
+    }
+
+    /// Whether `block` is still cached with the contents `key` names: its full key, or a
+    /// block of pieces' identity.
+    pub fn holds(&self, block: u32, key: BlockHash) -> bool {
+        self.is_cached(block) && self.block_hashes[block as usize] == key
+    }
+
+    /// Whether `block` is cached by the sub-keys of its pieces only.
+    #[inline]
+    pub fn is_pieces(&self, block: u32) -> bool {
+        self.cached.get(block as usize) == Some(&Cached::Pieces)
+    }
+
+    /// Blocks cached by the sub-keys of their pieces only.
+    pub fn num_piece_blocks(&self) -> usize {
+        self.num_pieces
     }
 
     /// Whether `block` is indexed by its sub-block keys.

@@ -9,8 +9,10 @@
 //! (copied, since the block itself belongs to the prefix it completes).
 //!
 //! Entries are `block · per_block + (j - 1)`; the table holds ids only (its keys live in
-//! `keys`), like the full-key table. Sub-keys live exactly as long as the block's full key:
-//! the pool drops them when the block leaves the prefix cache.
+//! `keys`), like the full-key table. Sub-keys live exactly as long as the block's cache
+//! entry: the pool drops them when the block leaves the prefix cache. A block known by its
+//! pieces only (an ended sequence's last, partly computed block) has fewer: one per whole
+//! computed piece.
 
 use crate::alloc::block_hash::BlockHash;
 use crate::alloc::fallible::{array_bytes, total_bytes, try_filled_vec};
@@ -25,6 +27,8 @@ pub struct SubBlockIndex {
     /// Per block, whether its sub-keys are in `table`.
     indexed: Vec<bool>,
     table: IndexTable,
+    /// Blocks the last `insert` took every held key from (see `pop_keyless`).
+    keyless: Vec<u32>,
 }
 
 impl SubBlockIndex {
@@ -50,6 +54,7 @@ impl SubBlockIndex {
             keys: try_filled_vec(entries, BlockHash::default(), what)?,
             indexed: try_filled_vec(num_blocks, false, what)?,
             table: IndexTable::new(entries, what)?,
+            keyless: Vec::new(),
         })
     }
 
@@ -57,13 +62,15 @@ impl SubBlockIndex {
         self.per_block
     }
 
-    /// Indexes `block` under `keys` (`s_1 ..`, `per_block` of them). Blocks whose first
-    /// pieces agree share those sub-keys (a system prompt that ends inside a block, and
+    /// Indexes `block` under `keys` (`s_1 ..`, at most `per_block` of them). Blocks whose
+    /// first pieces agree share those sub-keys (a system prompt that ends inside a block, and
     /// every request's block there): the newest holds each key, as the one evicted last,
-    /// so equal keys never pile up in the table.
+    /// so equal keys never pile up in the table. Older blocks left holding no key are kept
+    /// for `pop_keyless`: a block known only by its pieces is of no use any more then.
     pub fn insert(&mut self, block: u32, keys: &[BlockHash]) {
-        debug_assert_eq!(keys.len(), self.per_block);
+        debug_assert!(keys.len() <= self.per_block);
         debug_assert!(!self.indexed[block as usize]);
+        self.keyless.clear();
         let first = block as usize * self.per_block;
         for (j, &key) in keys.iter().enumerate() {
             self.keys[first + j] = key;
@@ -71,10 +78,27 @@ impl SubBlockIndex {
                 let keys = &self.keys;
                 self.table
                     .remove(older, key.0[0], |id| keys[id as usize].0[0]);
+                self.keyless.push(older / self.per_block as u32);
             }
             self.table.insert((first + j) as u32, key.0[0]);
         }
         self.indexed[block as usize] = true;
+        self.keyless.sort_unstable();
+        self.keyless.dedup();
+        let mut keyless = std::mem::take(&mut self.keyless);
+        keyless.retain(|&older| !self.holds_any(older));
+        self.keyless = keyless;
+    }
+
+    /// A block the last `insert` took every held key from, once each.
+    pub fn pop_keyless(&mut self) -> Option<u32> {
+        self.keyless.pop()
+    }
+
+    fn holds_any(&self, block: u32) -> bool {
+        let first = block as usize * self.per_block;
+        (first..first + self.per_block)
+            .any(|entry| self.find_entry(self.keys[entry]) == Some(entry as u32))
     }
 
     pub fn is_indexed(&self, block: u32) -> bool {
@@ -115,6 +139,7 @@ impl SubBlockIndex {
         self.keys.capacity() * std::mem::size_of::<BlockHash>()
             + self.indexed.capacity()
             + self.table.heap_bytes()
+            + self.keyless.capacity() * 4
     }
 
     /// Checks that every table entry is an indexed block's own (none outlives its block)
@@ -189,5 +214,24 @@ mod tests {
         assert_eq!(index.find(key(1)), None);
         assert_eq!(index.find(key(2)), Some((1, 2)));
         index.check(|block| block == 1).unwrap();
+    }
+
+    #[test]
+    fn a_block_of_fewer_pieces_and_the_blocks_it_leaves_keyless() {
+        let mut index = SubBlockIndex::new(8, 3, "test").unwrap();
+        index.insert(1, &[key(1)]);
+        assert_eq!(index.pop_keyless(), None);
+        index.insert(2, &[key(1), key(2), key(3)]);
+        // Block 1's only key went to block 2.
+        assert_eq!(index.pop_keyless(), Some(1));
+        assert_eq!(index.pop_keyless(), None);
+        index.insert(3, &[key(1), key(2)]);
+        assert_eq!(index.pop_keyless(), None, "block 2 keeps key(3)");
+        assert_eq!(index.find(key(2)), Some((3, 2)));
+        index.remove(1);
+        index.remove(3);
+        assert_eq!(index.find(key(3)), Some((2, 3)));
+        assert_eq!(index.find(key(1)), None);
+        index.check(|block| block == 2).unwrap();
     }
 }

@@ -374,7 +374,8 @@ impl KvCache {
     }
 
     /// Ends a sequence. Its blocks are released last-first, so that when they are cached
-    /// the tail of a prefix is evicted before its head.
+    /// the tail of a prefix is evicted before its head. With `hash_block_size`, its last,
+    /// partly computed block stays cached by its computed pieces (see `partial_hits`).
     ///
     /// With windowed groups, block `i` of every group goes back together, and a windowed
     /// block released earlier that is still cached is touched then too: a hit at block `k`
@@ -383,6 +384,7 @@ impl KvCache {
     /// early, those blocks would otherwise be evicted first and no hit would survive).
     pub fn free_sequence(&mut self, seq_id: u64) -> CoreResult<()> {
         let slab = self.sequences.remove(seq_id)?;
+        self.keep_last_pieces(slab);
         let KvCache {
             sequences,
             block_pool,

@@ -16,6 +16,17 @@
 //!   engine's own saving, invisible to them, so a router never overestimates a hit.
 //! - A block's sub-keys live exactly as long as its device cache entry; a copy demoted to
 //!   the host tier, and the tiers below, serve whole blocks only.
+//!
+//! The longest cached prefix at a piece boundary includes the computed pieces of an ended
+//! sequence's last, partly filled block: when its last holder frees it, that block stays
+//! cached, known by the sub-keys of its whole computed pieces only (`Cached::Pieces` in the
+//! block pool). It has no full key, so no KV event names it (a router's hashes are of full
+//! blocks), no eviction is demoted to the host tier for it, and a lookup of whole blocks
+//! never finds it; it is evicted like any cached block, first among its sequence's blocks
+//! (released first). A block a fork still shares is not cached: the fork writes into it.
+//! A running sequence's last block is not offered either: it is still being written, and
+//! a copy of it would have to be ordered against the appends and copy-on-writes of the
+//! same step, for a prefix its own sequence will have cached as a full block soon.
 //! - Only caches whose every group attends fully: a windowed group's hit needs a window of
 //!   blocks ending at the hit, which a copied piece does not give.
 //!
@@ -28,9 +39,10 @@
 //! Omitting `hash_block_size` (or setting it to `block_size`) changes nothing at all.
 
 use super::groups::group_key;
+use super::retention::retain_joined;
 use super::sequence::Sequence;
 use super::{BlockMove, KvCache, MoveKind};
-use crate::alloc::{BlockHash, BlockPool};
+use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
 use crate::error::CoreResult;
 
 impl KvCache {
@@ -84,10 +96,11 @@ impl KvCache {
     pub(crate) fn publish_sub_blocks(&mut self) {
         let deferred = &mut self.deferred_sub_blocks;
         let per_block = self.block_pool.sub_blocks_per_block();
-        for (at, &(block, key)) in deferred.blocks.iter().enumerate() {
-            let same = self.block_pool.lookup(key) == Some(block);
+        for (at, &(block, key, count)) in deferred.blocks.iter().enumerate() {
+            let same = self.block_pool.holds(block, key);
             if same && !self.block_pool.has_sub_blocks(block) {
-                let keys = &deferred.keys[at * per_block..(at + 1) * per_block];
+                let first = at * per_block;
+                let keys = &deferred.keys[first..first + count];
                 self.block_pool.register_sub_blocks(block, keys);
             }
         }
@@ -144,6 +157,75 @@ impl KvCache {
         self.scratch_partial.clear();
         (0, queryable)
     }
+
+    /// Gives up the partial hit of sequence `seq_id`, just admitted, whose next block a lower
+    /// tier loads whole: the load rewrites the copied pieces (a failed one with garbage), so
+    /// they count as computed only with the block, and an end before then caches none of
+    /// them (`keep_last_pieces`). The copy runs in vain.
+    pub(crate) fn forget_partial_hit(&mut self, seq_id: u64) -> CoreResult<()> {
+        let slab = self.slab_of(seq_id)?;
+        let block_size = self.block_size();
+        let seq = &mut self.sequences[slab];
+        seq.num_computed = seq.num_computed / block_size * block_size;
+        Ok(())
+    }
+
+    /// Before an ending sequence's blocks go back: caches the whole computed pieces of its
+    /// last, partly computed block by their sub-keys, in every group or in none (a hit
+    /// needs them all; see the module docs). Deferred like a full block's sub-keys when a
+    /// scheduler's step ends it: what that step marked is computed only once it ran.
+    pub(super) fn keep_last_pieces(&mut self, slab: u32) {
+        let per_block = self.block_pool.sub_blocks_per_block();
+        if per_block == 0 {
+            return;
+        }
+        let (block_size, piece) = (self.block_size(), self.hash_block_size());
+        let KvCache {
+            sequences,
+            block_pool,
+            scratch_sub_keys: keys,
+            deferred_sub_blocks: deferred,
+            ..
+        } = self;
+        let seq = &sequences[slab];
+        let index = seq.num_computed / block_size;
+        let pieces = seq.num_computed % block_size / piece;
+        let start = index * block_size;
+        // A hashable sequence keeps its token ids while sub-block keys are on; a swapped
+        // one's blocks are on the host, which serves whole blocks only.
+        let tokens = match seq.token_ids.get(start..start + pieces * piece) {
+            Some(tokens) if pieces > 0 && seq.hashable && !seq.swapped => tokens,
+            _ => return,
+        };
+        let ours = |table: &super::sequence::GroupTable| {
+            let block = table.blocks.get(index).copied().unwrap_or(NULL_BLOCK);
+            block != NULL_BLOCK && block_pool.can_keep_pieces(block)
+        };
+        if !seq.tables.iter().all(ours) {
+            return;
+        }
+        let parent = match index {
+            0 => seq.root_hash,
+            _ => seq.hashes[index - 1],
+        };
+        for (group, table) in seq.tables.iter().enumerate() {
+            let block = table.blocks[index];
+            keys.clear();
+            keys.extend(piece_keys(parent, tokens, piece).map(|key| group_key(key, group)));
+            let identity = keys[pieces - 1];
+            block_pool.keep_pieces(block, identity);
+            retain_joined(block_pool, seq.retention.as_deref(), index, block);
+            match deferred.active {
+                true => {
+                    deferred.blocks.push((block, identity, pieces));
+                    deferred.keys.extend_from_slice(keys);
+                    let padded = deferred.keys.len() + per_block - pieces;
+                    deferred.keys.resize(padded, BlockHash::default());
+                }
+                false => block_pool.register_sub_blocks(block, keys),
+            }
+        }
+    }
 }
 
 /// The keys of the leading `piece`-token pieces of `tokens`, chained after `parent`: `s_1`,
@@ -160,11 +242,12 @@ fn piece_keys(
 }
 
 /// Sub-keys of blocks that joined the prefix cache during a scheduler's step, with the key
-/// each block joined under (`keys`: `per_block` per block).
+/// each block joined under (a block of pieces: its identity) and how many sub-keys it has
+/// (`keys`: `per_block` places per block).
 #[derive(Debug, Clone, Default)]
 pub(super) struct DeferredSubBlocks {
     active: bool,
-    blocks: Vec<(u32, BlockHash)>,
+    blocks: Vec<(u32, BlockHash, usize)>,
     keys: Vec<BlockHash>,
 }
 
@@ -203,7 +286,7 @@ pub(super) fn index_sub_blocks(
     let pieces = piece_keys(parent, tokens, piece).take(per_block);
     keys.extend(pieces.map(|key| group_key(key, group)));
     match deferred.active {
-        true => deferred.blocks.push((block, key)),
+        true => deferred.blocks.push((block, key, per_block)),
         false => block_pool.register_sub_blocks(block, keys),
     }
 }

@@ -12,7 +12,8 @@ use crate::error::CoreResult;
 #[repr(u8)]
 pub enum MissReason {
     /// Every full block before the last prompt token is served: the hit ends where block
-    /// alignment ends it (the last token is always computed; a partial block is never cached).
+    /// alignment ends it (the last token is always computed; a partial block is cached only
+    /// by its pieces, with `hash_block_size`).
     BlockAlignment = 0,
     /// The next block was never cached (or was evicted longer ago than the history reaches).
     NotCached = 1,

@@ -5,6 +5,7 @@ use atb_mem_core::AttentionKind;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
+use super::turns::turn_op;
 use super::workload::*;
 use super::{run, run_policy, Counts};
 use atb_mem_core::EvictionPolicy;
@@ -64,7 +65,8 @@ fn hybrid_models_release_windows_and_still_hit() {
 
 /// Prefix keys at every token (`hash_block_size = 1`) on blocks of 2 to 4 tokens, with and
 /// without a host prefix tier, under every policy: every computed byte survives the partial
-/// hits' copies, injected failures and preemptions, and partial hits happen often.
+/// hits' copies, injected failures and preemptions, and partial hits happen often, from
+/// full blocks and from ended sequences' last blocks (cached by their pieces) alike.
 #[test]
 fn sub_block_hits_keep_every_computed_byte() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
@@ -72,7 +74,7 @@ fn sub_block_hits_keep_every_computed_byte() {
     for case in 0..300 {
         let config = config().new_tree(&mut runner).unwrap().current();
         let block_size = 2 + case % 3;
-        let ops = prop::collection::vec(tier_op(), STEPS)
+        let ops = prop::collection::vec(turn_op(), STEPS)
             .new_tree(&mut runner)
             .unwrap()
             .current();
@@ -80,10 +82,12 @@ fn sub_block_hits_keep_every_computed_byte() {
         let kinds = (vec![AttentionKind::Full], block_size);
         let counts = run_policy(config, &kinds, ops, case % 2 == 0, (policy, 1));
         total.partial_hit_tokens += counts.partial_hit_tokens;
+        total.tail_copies += counts.tail_copies;
         total.failures += counts.failures;
         total.hit_steps += counts.hit_steps;
     }
     println!("{total:?}");
     assert!(total.partial_hit_tokens > 300, "{total:?}");
+    assert!(total.tail_copies > 30, "{total:?}");
     assert!(total.failures > 20 && total.hit_steps > 100, "{total:?}");
 }

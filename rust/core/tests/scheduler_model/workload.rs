@@ -57,6 +57,12 @@ pub enum Op {
         pick: usize,
         ok: bool,
     },
+    /// A prompt that continues an ended request's tokens with `tail` (see `turns`).
+    NextTurn {
+        pick: usize,
+        tail: Vec<u32>,
+        max_new: usize,
+    },
 }
 
 pub fn op() -> impl Strategy<Value = Op> {

@@ -93,7 +93,7 @@ impl ContinuousScheduler {
     /// waits in the loading state. Returns whether it did.
     pub(super) fn start_load(
         &mut self,
-        cache: &KvCache,
+        cache: &mut KvCache,
         seq_id: u64,
         cached: usize,
         loads: &mut Vec<BlockLoad>,
@@ -115,6 +115,7 @@ impl ContinuousScheduler {
         request.loading_blocks = to - from;
         // A partial hit's pieces of block `from` come again with the whole block.
         request.num_computed = from * block_size;
+        cache.forget_partial_hit(seq_id)?;
         self.loading.push(seq_id);
         self.load_counters.started += 1;
         Ok(true)

@@ -165,10 +165,12 @@ impl ContinuousScheduler {
         {
             return true;
         }
-        // An admission whose prompt shares the first pieces of a cached block copies them.
+        // An admission whose prompt shares the first pieces of a cached block (a full one,
+        // or an ended sequence's last block, cached by its pieces) copies them.
+        let pool = cache.block_pool();
         let sub_block_hits = cache.hash_block_size() < cache.block_size()
             && !self.waiting.is_empty()
-            && cache.block_pool().num_cached() > 0;
+            && pool.num_cached() + pool.num_piece_blocks() > 0;
         if sub_block_hits {
             return true;
         }
