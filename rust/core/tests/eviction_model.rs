@@ -239,6 +239,8 @@ impl Model {
 
 fn run(policy: EvictionPolicy, ops: Vec<Op>) {
     let mut pool = BlockPool::with_policy(NUM_BLOCKS, 4, true, policy).unwrap();
+    // What a cache does when a request first asks for a priority.
+    pool.keep_priorities().unwrap();
     let mut model = Model::new(policy);
     // One entry per reference a holder has.
     let mut held: Vec<u32> = Vec::new();

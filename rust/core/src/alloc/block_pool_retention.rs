@@ -13,7 +13,7 @@ impl BlockPool {
 
     /// Gives a cached block a retention priority (see `retention`): `fresh` when its
     /// contents just joined the cache. An unused block moves to its new queue. Nothing
-    /// happens unless the policy keeps priorities.
+    /// happens unless the policy keeps priorities and `keep_priorities` has run.
     pub fn retain(&mut self, block: u32, priority: u8, duration_ns: Option<u64>, fresh: bool) {
         if !self.is_cached(block) || !self.retention.give(block, priority, duration_ns, fresh) {
             return;

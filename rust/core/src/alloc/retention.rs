@@ -173,7 +173,10 @@ mod tests {
     #[test]
     fn priorities_rise_and_end_when_their_duration_does() {
         let mut retention = Retention::new(4);
-        assert!(!retention.give(1, 10, None, true), "nothing kept before it is asked");
+        assert!(
+            !retention.give(1, 10, None, true),
+            "nothing kept before it is asked"
+        );
         retention.reserve_expiries().unwrap();
         assert_eq!(retention.priority(1), DEFAULT_PRIORITY);
         assert!(
