@@ -170,9 +170,16 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
             Op::StartOver(row) if row < rows.len() => {
                 // The same id, a new (shorter) list: the row must not keep the old one.
                 cache.free_sequence(rows[row]).unwrap();
-                cache
+                if cache
                     .alloc_sequence(rows[row], Tokens::Ids(&[2]), None)
-                    .unwrap();
+                    .is_err()
+                {
+                    // Forks still hold the blocks it freed, and nothing else is free: it
+                    // leaves the table.
+                    table.remove(rows[row]).unwrap();
+                    last_slots.swap_remove(row);
+                    continue;
+                }
                 // The row holds the old list until the next append brings it up to date.
                 if table.append_tokens(&mut cache, None).is_ok() {
                     appended(&mut cache, &rows, &mut last_slots);
