@@ -1,9 +1,9 @@
 //! Building a `KVCachePool`'s core from its converted arguments.
 
-use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvLayout};
+use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvDtype, KvLayout};
 use pyo3::prelude::*;
 
-use crate::convert::count;
+use crate::convert::{count, Dtype};
 use crate::errors::IntoPyResult;
 
 /// `#[pyo3(from_py_with = ...)]` converters of `KVCachePool(...)`'s counts whose errors name
@@ -58,7 +58,7 @@ named_counts! {
     attention_chunk_size: Option<usize> = "attention_chunk_size (tokens)" >= 1;
     hash_block_size: Option<usize> = "hash_block_size (tokens)" >= 1;
     state_bytes: Option<usize> = "state_bytes (bytes)" >= 1;
-    state_checkpoint_interval: Option<usize> = "state_checkpoint_interval (blocks)" >= 1;
+    interval: Option<usize> = "state_checkpoint_interval (blocks)" >= 1;
 }
 
 /// `KVCachePool(...)`'s arguments, converted and checked one by one.
@@ -79,6 +79,21 @@ pub(super) struct CacheArgs {
     pub state_bytes: Option<usize>,
     /// Blocks between two checkpoints of a sequence's recurrent states.
     pub state_checkpoint_interval: Option<usize>,
+}
+
+/// The layout of `KVCachePool(...)`'s shape arguments; each defaults to one (float16).
+pub(super) fn layout(
+    num_layers: Option<usize>,
+    num_kv_heads: Option<usize>,
+    head_dim: Option<usize>,
+    dtype: Option<Dtype>,
+) -> KvLayout {
+    KvLayout {
+        num_layers: num_layers.unwrap_or(1),
+        num_kv_heads: num_kv_heads.unwrap_or(1),
+        head_dim: head_dim.unwrap_or(1),
+        dtype: dtype.map_or(KvDtype::Float16, |dtype| dtype.0),
+    }
 }
 
 pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {

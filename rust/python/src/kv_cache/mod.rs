@@ -11,7 +11,7 @@ mod rows;
 mod state;
 pub mod transfer;
 
-use atb_mem_core::{pairs_of, BatchTable, KvCache, KvDtype, KvLayout, MoveKind};
+use atb_mem_core::{pairs_of, BatchTable, KvCache, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -64,18 +64,12 @@ impl PyKvCachePool {
         eviction_policy: Option<String>,
         #[pyo3(from_py_with = construct::hash_block_size)] hash_block_size: Option<usize>,
         #[pyo3(from_py_with = construct::state_bytes)] state_bytes: Option<usize>,
-        #[pyo3(from_py_with = construct::state_checkpoint_interval)]
-        state_checkpoint_interval: Option<usize>,
+        #[pyo3(from_py_with = construct::interval)] state_checkpoint_interval: Option<usize>,
     ) -> PyResult<Self> {
         let cache = construct::build(construct::CacheArgs {
             num_blocks,
             block_size,
-            layout: KvLayout {
-                num_layers: num_layers.unwrap_or(1),
-                num_kv_heads: num_kv_heads.unwrap_or(1),
-                head_dim: head_dim.unwrap_or(1),
-                dtype: dtype.map_or(KvDtype::Float16, |dtype| dtype.0),
-            },
+            layout: construct::layout(num_layers, num_kv_heads, head_dim, dtype),
             enable_prefix_caching,
             num_host_blocks,
             host_prefix_cache,
@@ -99,8 +93,7 @@ impl PyKvCachePool {
         Ok(self.lock()?.host_prefix_cache())
     }
 
-    /// Which cached block goes first: `"priority"` (the default), `"lru"`, `"lfu"` or
-    /// `"slru"`.
+    /// Which cached block goes first: `"priority"` (the default), `"lru"`, `"lfu"`, `"slru"`.
     #[getter]
     fn eviction_policy(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.eviction_policy().name())
