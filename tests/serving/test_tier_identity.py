@@ -125,3 +125,20 @@ def test_content_digests_cover_every_byte_and_refuse_what_is_not_bytes() -> None
         _core.content_digests([data[::2]])
     with pytest.raises(TypeError):
         _core.content_digests([np.zeros(4, dtype=np.float32)])
+
+
+def test_the_digest_reads_the_values_whatever_their_layout_or_dtype() -> None:
+    """A transposed (non-contiguous) parameter with the same values digests the same; bf16
+    weights are read as their bytes, and one changed value changes the digest."""
+    torch = require_torch()
+    layer = torch.nn.Linear(4, 3)
+    digest = weights_digest(layer)
+    with torch.no_grad():
+        layer.weight.data = layer.weight.data.t().contiguous().t()
+    assert not layer.weight.is_contiguous()
+    assert weights_digest(layer) == digest
+    half = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    before = weights_digest(half)
+    with torch.no_grad():
+        half.weight[2, 3] += 1
+    assert weights_digest(half) != before

@@ -17,8 +17,8 @@ from atb_mem import _core
 
 __all__ = ["checked_kv_identity", "weights_digest"]
 
-# Bytes copied off an accelerator before they are hashed and let go: bounds the host memory
-# the digest of a model on a GPU takes.
+# Bytes copied (off an accelerator, or made contiguous) before they are hashed and let go:
+# bounds the host memory the digest of a model on a GPU takes.
 _DEVICE_BATCH_BYTES = 1 << 30
 
 
@@ -64,11 +64,11 @@ def weights_digest(model: Any, threads: int | None = None) -> str:
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
             data = tensor.detach()
-            if data.device.type != "cpu":
-                data = data.cpu()
+            if data.device.type != "cpu" or not data.is_contiguous():
+                data = data.cpu().contiguous()
                 copied += data.numel() * data.element_size()
             headers.append(f"{name}|{data.dtype}|{tuple(data.shape)}".encode())
-            arrays.append(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            arrays.append(data.reshape(-1).view(torch.uint8).numpy())
             if copied >= _DEVICE_BATCH_BYTES:
                 flush()
                 copied = 0
