@@ -22,6 +22,10 @@ def test_a_frame_detects_truncation_corruption_and_the_wrong_length() -> None:
     assert unframe(corrupt, len(payload)) is None
     assert unframe(corrupt, len(payload), checksum=False) is not None  # what the check buys
     assert unframe(None, 4) is None and unframe(b"short", 4) is None
+    keyed = frame(payload, key="atb/m/01")
+    assert unframe(keyed, len(payload), key="atb/m/01") == payload
+    assert unframe(keyed, len(payload), key="atb/m/02") is None, "another key's block"
+    assert unframe(keyed, len(payload)) is None and unframe(value, len(payload), key="k") is None
 
 
 def test_keys_name_the_chain_hash_and_give_it_back() -> None:

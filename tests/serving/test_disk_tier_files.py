@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from atb_mem.kv.tiers.store import framed_size
 from atb_mem.serving import Engine
 from tests.serving.test_engine_disk_tier import BLOCK_SIZE, GREEDY, PROMPTS, run_round
 from tests.support.models import hf_greedy, model_pair
 
-# One block of the tiny llama at BLOCK_SIZE: 2,048 bytes of K/V and its 16-byte frame.
-FRAMED_BLOCK = 2048 + 16
+# One block of the tiny llama at BLOCK_SIZE: 2,048 bytes of K/V and its frame.
+FRAMED_BLOCK = framed_size(2048)
 
 
 def engine_on(path: Path | str, capacity: str, block_size: int = BLOCK_SIZE) -> Engine:

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from atb_mem.kv.tiers import block_key, unframe
+from atb_mem.kv.tiers.store import framed_size
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import hf_greedy, model_pair, run_poisoned
 
@@ -61,8 +62,9 @@ def written(path: Path) -> tuple[Engine, list[list[int]]]:
 
 
 def damage(chunk: Path, how: str = "corrupt") -> None:
-    value = chunk.read_bytes()
-    chunk.write_bytes(value[:16] + b"\x7f" * (len(value) - 16) if how == "corrupt"
+    """Overwrites the payload past the header, or cuts the file in half."""
+    value, header = chunk.read_bytes(), framed_size(0)
+    chunk.write_bytes(value[:header] + b"\x7f" * (len(value) - header) if how == "corrupt"
                       else value[:len(value) // 2])
 
 
@@ -114,6 +116,19 @@ def test_repeated_prompts_are_loaded_from_disk_and_match_hf(tmp_path: Path) -> N
     assert samples["atb_mem_kv_tier_load_failures_total"][()] == 0
 
 
+def test_a_file_swapped_for_another_valid_block_is_detected(tmp_path: Path) -> None:
+    """Every block's file is intact on its own; one holding another prompt's block (a file
+    moved, or a copy restored over the wrong name) is caught by the key its header carries,
+    recomputed, and written anew."""
+    engine, expected = written(tmp_path)
+    chunk = chunk_of(engine, tmp_path, PROMPTS[0], 1)
+    chunk.write_bytes(chunk_of(engine, tmp_path, PROMPTS[1], 1).read_bytes())
+    assert run_round(engine, "third") == expected
+    assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
+    assert run_round(engine, "fourth") == expected
+    assert engine.tiers.counters.load_failures == 1
+
+
 @pytest.mark.parametrize("how", ["corrupt", "truncate"])
 def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, how: str) -> None:
     engine, expected = written(tmp_path)
@@ -123,7 +138,8 @@ def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, how: str) ->
     assert engine.tiers is not None and engine.tiers.counters.load_failures == 1
     assert engine.scheduler.stats()["load_failures"] == 1
     # The damaged file was dropped, and the recompute wrote the block anew: it loads.
-    assert unframe(chunk.read_bytes(), engine.kv_cache.bytes_per_block) is not None
+    key = block_key(engine.tiers.identity, engine.kv_cache.block_hashes(PROMPTS[0])[1])
+    assert unframe(chunk.read_bytes(), engine.kv_cache.bytes_per_block, key=key) is not None
     before = engine.tiers.counters.loaded_blocks
     assert run_round(engine, "fourth") == expected
     assert engine.tiers.counters.loaded_blocks - before == 16

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from atb_mem.kv.tiers.store import framed_size
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import hf_greedy, model_pair, run_poisoned, save_tiny_checkpoint
 from tests.support.mooncake import mooncake_master, require_mooncake
@@ -105,14 +106,15 @@ def test_engines_of_different_models_share_nothing() -> None:
 
 def test_a_buffer_below_one_block_is_refused_at_start_up() -> None:
     """Every put would fail for the engine's life: the error names ``buffer`` and the bytes
-    of a block (2,048 of K/V and its 16-byte frame), which Mooncake's allocator rounds up
-    to 2,304. A buffer of exactly that is taken, and its puts land."""
+    of a block (2,048 of K/V and its frame), which Mooncake's allocator rounds up to 2,304.
+    A buffer of exactly that is taken, and its puts land."""
     model, _ = model_pair("llama")
+    framed = framed_size(2048)
     with mooncake_master() as master:
-        for buffer in ("1KiB", "0", "2064"):
+        for buffer in ("1KiB", "0", str(framed)):
             url = master.url.replace("buffer=16MiB", f"buffer={buffer}")
             with pytest.raises(ValueError, match=f"buffer={buffer}.*buffer of "
-                                                 f".*2064 bytes.*buffer=2304"):
+                                                 f".*{framed} bytes.*buffer=2304"):
                 Engine(model, num_blocks=8, block_size=4, kv_store=url)
         engine = Engine(model, num_blocks=8, block_size=4,
                         kv_store=master.url.replace("buffer=16MiB", "buffer=2304"))

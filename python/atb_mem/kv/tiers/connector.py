@@ -210,7 +210,7 @@ class TierConnector(WriteThrough):
             found = None
             for store in self.stores:
                 value = store.get(key)
-                payload = unframe(value, self._block_bytes, self.checksum)
+                payload = unframe(value, self._block_bytes, self.checksum, key)
                 if payload is not None:
                     found = (payload, store.name)
                     break

@@ -115,7 +115,7 @@ class WriteThrough:
                 self._counters.dropped_saves += 1
                 return
             self._pending_saves += 1
-        value = frame(bytes(backend.bytes_of(staging)), self.checksum)
+        value = frame(bytes(backend.bytes_of(staging)), self.checksum, key)
         self._writer.submit(self._put, key, value, name,
                             self.stores if stores is None else stores)
 

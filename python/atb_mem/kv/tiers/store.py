@@ -3,9 +3,10 @@
 A ``KVStore`` maps a key to the bytes of one KV block (every layer's K and V, as
 ``KVTensors`` lays one block out). Keys name a block by the prefix cache's chain hash plus an
 identity of the model and the layout (``block_key``), so engines that share a store share
-blocks only when their K/V bytes would be the same. Every value is framed with its length and
-a CRC-32 (``frame``/``unframe``): a truncated or corrupted chunk is detected on load, the load
-fails, and the block is recomputed — never served.
+blocks only when their K/V bytes would be the same. Every value is framed with its length, a
+CRC-32 and a digest of its key (``frame``/``unframe``): a truncated or corrupted chunk, or an
+intact one under another block's key (a file moved or restored over the wrong name), is
+detected on load, the load fails, and the block is recomputed — never served.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import numpy as np
 __all__ = ["KVStore", "block_key", "frame", "framed_size", "key_hash", "layout_identity",
            "unframe"]
 
-_MAGIC = b"ATBK"
-_HEADER = struct.Struct("<4sIQ")  # magic, crc32, payload length
+_MAGIC = b"ATB2"
+_HEADER = struct.Struct("<4sIQ16s")  # magic, crc32, payload length, key digest
+_NO_KEY = bytes(16)
 
 
 class KVStore(Protocol):
@@ -50,10 +52,16 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-def frame(payload: bytes | memoryview, checksum: bool = True) -> bytes:
-    """``payload`` with its header: length and CRC-32 (0 when ``checksum`` is off)."""
+def _key_digest(key: str | None) -> bytes:
+    return _NO_KEY if key is None else hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def frame(payload: bytes | memoryview, checksum: bool = True, key: str | None = None
+          ) -> bytes:
+    """``payload`` with its header: length, CRC-32 (0 when ``checksum`` is off) and a
+    digest of the ``key`` it is stored under."""
     crc = zlib.crc32(payload) if checksum else 0
-    return _HEADER.pack(_MAGIC, crc, len(payload)) + bytes(payload)
+    return _HEADER.pack(_MAGIC, crc, len(payload), _key_digest(key)) + bytes(payload)
 
 
 def framed_size(payload_bytes: int) -> int:
@@ -61,14 +69,17 @@ def framed_size(payload_bytes: int) -> int:
     return _HEADER.size + payload_bytes
 
 
-def unframe(value: bytes | None, expected_len: int, checksum: bool = True) -> bytes | None:
+def unframe(value: bytes | None, expected_len: int, checksum: bool = True,
+            key: str | None = None) -> bytes | None:
     """The payload of a framed value, or None if it is missing, truncated, of the wrong
-    length or (with ``checksum``) corrupted."""
+    length, framed for another ``key`` or (with ``checksum``) corrupted."""
     if value is None or len(value) < _HEADER.size:
         return None
-    magic, crc, length = _HEADER.unpack_from(value)
+    magic, crc, length, framed_key = _HEADER.unpack_from(value)
     payload = value[_HEADER.size:]
     if magic != _MAGIC or length != expected_len or len(payload) != length:
+        return None
+    if framed_key != _key_digest(key):
         return None
     if checksum and zlib.crc32(payload) != crc:
         return None
