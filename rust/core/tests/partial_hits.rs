@@ -13,14 +13,9 @@ use run_once::run_once;
 mod scheduler;
 use scheduler::scheduler;
 
-const BLOCK_SIZE: usize = 8;
-const PIECE: usize = 2;
-
-fn cache(num_blocks: usize, hash_block_size: usize) -> KvCache {
-    let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.set_hash_block_size(hash_block_size).unwrap();
-    cache
-}
+#[path = "support/pieces.rs"]
+mod pieces;
+use pieces::{cache, BLOCK_SIZE, PIECE};
 
 fn cached_prompt() -> Vec<u32> {
     (0..20).collect() // blocks [0..8) and [8..16) full, 4 tokens in the third

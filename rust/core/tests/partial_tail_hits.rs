@@ -7,9 +7,7 @@
 //! served 128 tokens to a prompt sharing 200 with it. Here blocks hold 8 tokens and pieces
 //! 2, so that prompt is 15 tokens long and the other shares 12.
 
-use atb_mem_core::{
-    BlockMove, EvictionPolicy, KvCache, KvEventKind, KvLayout, Medium, MoveKind, Tokens,
-};
+use atb_mem_core::{BlockMove, EvictionPolicy, KvCache, KvEventKind, Medium, MoveKind, Tokens};
 
 #[path = "support/run_once.rs"]
 mod run_once;
@@ -17,14 +15,9 @@ use run_once::run_once;
 #[path = "support/scheduler.rs"]
 mod scheduler;
 
-const BLOCK_SIZE: usize = 8;
-const PIECE: usize = 2;
-
-fn cache(num_blocks: usize, hash_block_size: usize) -> KvCache {
-    let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.set_hash_block_size(hash_block_size).unwrap();
-    cache
-}
+#[path = "support/pieces.rs"]
+mod pieces;
+use pieces::{cache, BLOCK_SIZE, PIECE};
 
 fn first_prompt() -> Vec<u32> {
     (0..15).collect() // one full block, 7 tokens (3 whole pieces) in the second
