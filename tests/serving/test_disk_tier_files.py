@@ -103,3 +103,24 @@ def test_what_the_tier_cannot_use_in_its_folder_is_a_start_up_error(
     with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}.*own"):
         engine_on(tmp_path, "16MiB")
     assert os.path.lexists(folder / ("own.kv" if entry == "dangling link" else "own.part"))
+
+
+def test_a_write_another_engine_has_in_progress_survives_start_up(tmp_path: Path) -> None:
+    """Engines of one model share the identity's folder: one starting up removes the partial
+    writes that processes no longer running left, never one a live engine is writing."""
+    import subprocess
+    import sys
+
+    first = engine_on(tmp_path, "16MiB")
+    folder = layout_folder(first)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    live = folder / f"block.{os.getpid()}-1.part"
+    dead = folder / f"block.{gone}-1.part"
+    for partial in (live, dead):
+        partial.write_bytes(b"half a block")
+    second = engine_on(tmp_path, "16MiB")
+    assert live.exists(), "a live engine's write was deleted under it"
+    assert not dead.exists(), "a dead process's partial write was left behind"
+    first.shutdown()
+    second.shutdown()

@@ -12,6 +12,8 @@ block, or, in the tier's folder, a ``*.kv`` link to nothing or a ``*.part`` dire
 error at start-up. A write that fails at run time (the disk is full, or went read-only) stops
 writing with one warning; reads go on. A file that cannot be read (deleted or replaced under
 the engine) is forgotten: that load fails, and the next save of the block writes it anew.
+Engines of one model on one machine may share the folder: a write goes to a ``*.part`` file
+named by its process, and one starting up removes only those of processes no longer running.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 def _name(key: str) -> str:
     return key.replace("/", "-")
+
+
+def _writer_alive(part_name: str) -> bool:
+    """Whether the process that writes ``NAME.PID-THREAD.part`` still runs. A name without
+    a pid is an older version's. A pid means something on this machine only: engines on
+    several hosts should not share one folder."""
+    match = re.fullmatch(r".*\.(\d+)-\d+\.part", part_name)
+    if match is None:
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or not a pid we can ask about
+    return True
 
 
 class DiskStore:
@@ -118,7 +136,8 @@ class DiskStore:
                         raise ValueError(f"the disk tier's folder {str(folder)!r} holds a "
                                          f"directory {entry.name!r} where it writes files: "
                                          f"remove it")
-                    os.unlink(entry.path)  # a write an earlier run did not finish
+                    if not _writer_alive(entry.name):  # a write a dead process left
+                        Path(entry.path).unlink(missing_ok=True)
                 elif entry.name.endswith(".kv"):
                     try:
                         status = entry.stat()
@@ -173,7 +192,10 @@ class DiskStore:
             self._writing.add(name)
             self._bytes += len(value)
         try:
-            partial = self._file(key).with_name(f"{name}.{threading.get_ident()}.part")
+            # Named by its writer, so that an engine starting on this folder knows whether
+            # the write is still under way.
+            writer = f"{os.getpid()}-{threading.get_ident()}"
+            partial = self._file(key).with_name(f"{name}.{writer}.part")
             partial.write_bytes(value)
             partial.replace(self._file(key))  # readers never see half a file
         except OSError as error:
