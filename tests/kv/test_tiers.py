@@ -231,3 +231,27 @@ def test_waiting_for_saves_ends_once_the_writer_has_written_them(tmp_path: Path)
     finally:
         release.set()
         connector.close()
+
+
+def test_a_store_whose_write_raises_does_not_keep_the_block_from_the_others(
+        tmp_path: Path) -> None:
+    from atb_mem import KVCachePool
+    from atb_mem.kv.tiers import TierConnector
+
+    class RaisingDisk(DiskStore):
+        def put(self, key: str, value: bytes) -> bool:
+            raise OSError("the device went away")
+
+    kv = KVCachePool(8, 4, num_layers=1, num_kv_heads=1, head_dim=4)
+    failing = RaisingDisk(tmp_path / "a", 1 << 20, min_seen=1)
+    working = DiskStore(tmp_path / "b", 1 << 20, min_seen=1)
+    connector = TierConnector(kv, [failing, working], "model")
+    try:
+        connector._save_block(1, "model/00ff", ([0, 255], None, [1, 2, 3, 4]))
+        assert connector.wait_for_saves(30)
+        counters = connector.counters
+        assert counters.saved_by_tier == {working.name: 1} and counters.saved_blocks == 1
+        assert counters.store_errors == 1 and counters.raised_puts == 1
+        assert working.exists(["model/00ff"]) == [True]
+    finally:
+        connector.close()

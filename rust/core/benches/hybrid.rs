@@ -80,7 +80,7 @@ fn decoding(grouped: bool, busy: bool) -> (ContinuousScheduler, KvCache, Vec<i32
     for seq_id in 0..SEQUENCES {
         let ids = prompt(seq_id as u32, PROMPT);
         scheduler
-            .add_request(&cache, seq_id, Tokens::Ids(&ids), 8192, 1, 0, 0)
+            .add_request(&mut cache, seq_id, Tokens::Ids(&ids), 8192, 1, 0, 0)
             .unwrap();
     }
     let mut plan = StepPlan::default();

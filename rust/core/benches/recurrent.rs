@@ -80,7 +80,7 @@ fn decoding(states: bool, batch: usize, interval: Option<usize>) -> (ContinuousS
     for seq_id in 0..batch as u64 {
         let ids: Vec<u32> = (seq_id as u32..seq_id as u32 + PROMPT as u32).collect();
         scheduler
-            .add_request(&cache, seq_id, Tokens::Ids(&ids), 10_000, 1, 0, 0)
+            .add_request(&mut cache, seq_id, Tokens::Ids(&ids), 10_000, 1, 0, 0)
             .unwrap();
     }
     let (mut plan, mut scratch) = (StepPlan::default(), Default::default());

@@ -82,15 +82,15 @@ fn a_window_only_model_holds_as_many_tokens_as_blocks_allow() {
 
 #[test]
 fn admission_agrees_with_appends() {
-    let cache = cache(&[sliding(64), FULL, sliding(64)], 40, 4);
+    let mut cache = cache(&[sliding(64), FULL, sliding(64)], 40, 4);
     let mut scheduler = ContinuousScheduler::new(config(8, 0.0), &cache).unwrap();
     let most = cache.max_seq_tokens();
     assert!(most > 30, "{most}");
     scheduler
-        .add_request(&cache, 1, Tokens::Count(most - 8), 8, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Count(most - 8), 8, 1, 0, 0)
         .unwrap();
     let error = scheduler
-        .add_request(&cache, 2, Tokens::Count(most - 8), 9, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Count(most - 8), 9, 1, 0, 0)
         .unwrap_err();
     assert!(error.to_string().contains("the cache fits"), "{error}");
 }
@@ -130,14 +130,14 @@ fn a_request_waits_for_seats_for_all_its_samples() {
     let mut cache = cache(&[FULL], 64, 4);
     let mut scheduler = ContinuousScheduler::new(config(4, 0.0), &cache).unwrap();
     let error = scheduler
-        .add_request(&cache, 9, Tokens::Count(5), 3, 5, 0, 0)
+        .add_request(&mut cache, 9, Tokens::Count(5), 3, 5, 0, 0)
         .unwrap_err();
     assert!(error.to_string().contains("max_num_seqs=4"), "{error}");
     scheduler
-        .add_request(&cache, 1, Tokens::Count(5), 3, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Count(5), 3, 1, 0, 0)
         .unwrap();
     scheduler
-        .add_request(&cache, 2, Tokens::Count(5), 3, 4, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Count(5), 3, 4, 0, 0)
         .unwrap();
     let plan = step(&mut scheduler, &mut cache);
     // Request 2 needs four seats and one is taken: it waits.
@@ -163,7 +163,7 @@ fn a_request_waits_for_seats_for_all_its_samples() {
         .unwrap();
     // Four running: a newcomer waits, and nobody was preempted for the forks.
     scheduler
-        .add_request(&cache, 3, Tokens::Count(2), 3, 1, 0, 0)
+        .add_request(&mut cache, 3, Tokens::Count(2), 3, 1, 0, 0)
         .unwrap();
     let plan = step(&mut scheduler, &mut cache);
     assert_eq!(plan.decode_seq_ids.len(), 4);
@@ -179,7 +179,7 @@ fn a_change_that_strands_a_request_is_refused() {
     let mut cache = cache(&[FULL], 33, 4);
     let mut scheduler = ContinuousScheduler::new(config(8, 0.0), &cache).unwrap();
     scheduler
-        .add_request(&cache, 1, Tokens::Count(80), 4, 3, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Count(80), 4, 3, 0, 0)
         .unwrap();
     let before = format!("{:?}", scheduler.config());
     let error = scheduler

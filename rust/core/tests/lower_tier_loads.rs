@@ -53,11 +53,11 @@ fn a_loading_request_waits_with_its_blocks_then_runs_from_the_loaded_prefix() {
     let (mut scheduler, mut cache) = setup(4);
     let ids = prompt(0);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 4, 1, 0, 0)
         .unwrap();
     scheduler.offer_external_prefix(&cache, 1, 2).unwrap();
     scheduler
-        .add_request(&cache, 2, Tokens::Ids(&prompt(100)), 4, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Ids(&prompt(100)), 4, 1, 0, 0)
         .unwrap();
     let plan = step(&mut scheduler, &mut cache);
     // Request 1 loads blocks 0 and 1 (their hashes name the prompt's chain); 2 runs.
@@ -94,7 +94,7 @@ fn a_failed_load_is_recomputed() {
     let (mut scheduler, mut cache) = setup(4);
     let ids = prompt(0);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 4, 1, 0, 0)
         .unwrap();
     scheduler.offer_external_prefix(&cache, 1, 3).unwrap();
     assert_eq!(step(&mut scheduler, &mut cache).loads.len(), 3);
@@ -112,11 +112,11 @@ fn a_failed_load_is_recomputed() {
 fn loading_requests_hold_their_seats() {
     let (mut scheduler, mut cache) = setup(1);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
         .unwrap();
     scheduler.offer_external_prefix(&cache, 1, 1).unwrap();
     scheduler
-        .add_request(&cache, 2, Tokens::Ids(&prompt(100)), 4, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Ids(&prompt(100)), 4, 1, 0, 0)
         .unwrap();
     let plan = step(&mut scheduler, &mut cache);
     assert!(
@@ -130,7 +130,7 @@ fn loading_requests_hold_their_seats() {
 fn an_abort_during_a_load_frees_its_blocks_once_reported() {
     let (mut scheduler, mut cache) = setup(4);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
         .unwrap();
     scheduler.offer_external_prefix(&cache, 1, 3).unwrap();
     step(&mut scheduler, &mut cache);
@@ -149,10 +149,10 @@ fn an_abort_during_a_load_frees_its_blocks_once_reported() {
 fn bad_offers_and_reports_change_nothing() {
     let (mut scheduler, mut cache) = setup(4);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
         .unwrap();
     scheduler
-        .add_request(&cache, 2, Tokens::Count(13), 4, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Count(13), 4, 1, 0, 0)
         .unwrap();
     let before = state(&scheduler, &cache);
     assert!(
@@ -199,10 +199,10 @@ fn windowed_caches_do_not_load() {
         num_layers: 2,
         ..KvLayout::default()
     };
-    let cache = KvCache::with_layer_kinds(64, BLOCK_SIZE, layout, true, &kinds).unwrap();
+    let mut cache = KvCache::with_layer_kinds(64, BLOCK_SIZE, layout, true, &kinds).unwrap();
     let mut scheduler = ContinuousScheduler::new(config(4), &cache).unwrap();
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)
         .unwrap();
     let error = scheduler.offer_external_prefix(&cache, 1, 1).unwrap_err();
     assert!(error.to_string().contains("full-attention"), "{error}");

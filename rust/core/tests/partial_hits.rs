@@ -208,7 +208,7 @@ fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
     let mut scheduler = scheduler(&cache, 2, 64, 0.0);
     let ids = sharing(13, 4 * BLOCK_SIZE - 1);
     scheduler
-        .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
         .unwrap();
     let mut plan = StepPlan::default();
     scheduler.step(&mut cache, 0, &mut plan).unwrap();
@@ -231,7 +231,7 @@ fn the_watermark_does_not_count_a_held_source() {
                                                         // first 4 tokens of a cached block, whose source it holds while it allocates: 9.
     let ids = sharing(4, 8 * BLOCK_SIZE - 1);
     scheduler
-        .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
         .unwrap();
     let mut plan = StepPlan::default();
     scheduler.step(&mut cache, 0, &mut plan).unwrap();

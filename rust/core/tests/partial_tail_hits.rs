@@ -201,7 +201,7 @@ fn a_loaded_block_is_not_computed_by_its_copied_pieces() {
     // The first prompt's tokens and more: its second block is full, and a store holds it.
     let ids: Vec<u32> = (0..20).collect();
     scheduler
-        .add_request(&cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
+        .add_request(&mut cache, 2, Tokens::Ids(&ids), 1, 1, 0, 0)
         .unwrap();
     scheduler.offer_external_prefix(&cache, 2, 2).unwrap();
     let mut plan = StepPlan::default();

@@ -40,7 +40,7 @@ fn busy() -> (ContinuousScheduler, KvCache) {
     for (seq_id, first) in [(1, 100), (2, 200)] {
         let ids = prompt(first, 9);
         scheduler
-            .add_request(&cache, seq_id, Tokens::Ids(&ids), 64, 1, 0, 0)
+            .add_request(&mut cache, seq_id, Tokens::Ids(&ids), 64, 1, 0, 0)
             .unwrap();
     }
     let plan = step(&mut scheduler, &mut cache);
@@ -56,7 +56,7 @@ fn a_request_waits_for_its_forks_states_then_forks() {
     // states, not for its second sample's states.
     let ids = prompt(300, 1);
     scheduler
-        .add_request(&cache, 3, Tokens::Ids(&ids), 8, 2, 0, 0)
+        .add_request(&mut cache, 3, Tokens::Ids(&ids), 8, 2, 0, 0)
         .unwrap();
     let plan = step(&mut scheduler, &mut cache);
     assert!(
@@ -81,7 +81,7 @@ fn decodes_preempt_rather_than_take_the_blocks_kept_for_a_fork() {
     let mut scheduler = scheduler(&cache, 8, 4, 0.0);
     let ids = prompt(100, 9);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 12, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 12, 1, 0, 0)
         .unwrap();
     let mut plan = step(&mut scheduler, &mut cache);
     while plan.sample_seq_ids.is_empty() {
@@ -94,7 +94,7 @@ fn decodes_preempt_rather_than_take_the_blocks_kept_for_a_fork() {
     // rather than take a block kept for the fork.
     let ids = prompt(300, 5);
     scheduler
-        .add_request(&cache, 3, Tokens::Ids(&ids), 4, 2, 0, 0)
+        .add_request(&mut cache, 3, Tokens::Ids(&ids), 4, 2, 0, 0)
         .unwrap();
     let mut forked = false;
     for _ in 0..100 {
@@ -122,16 +122,16 @@ fn a_request_whose_forks_could_never_fit_is_refused() {
     // 39 usable blocks: a 4-block prompt's first token takes 5 and its states 6, and four
     // forks' states (24) fit beside them; five forks' (30) never would: it would wait for
     // ever.
-    let cache = hybrid(40);
+    let mut cache = hybrid(40);
     let mut scheduler = scheduler(&cache, 8, 256, 0.0);
     let ids = prompt(100, 4);
     let error = scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 8, 6, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 8, 6, 0, 0)
         .unwrap_err();
     assert!(error.to_string().contains("recurrent states"), "{error}");
     assert_eq!(scheduler.num_waiting(), 0);
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 8, 5, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 8, 5, 0, 0)
         .unwrap();
     scheduler.check_invariants(&cache).unwrap();
 }

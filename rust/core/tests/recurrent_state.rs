@@ -444,7 +444,7 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
         let mut scheduler = scheduler(&cache, 4, 64, 0.0);
         let prompt: Vec<u32> = (0..10).collect();
         scheduler
-            .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
+            .add_request(&mut cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
             .unwrap();
         let mut plan = StepPlan::default();
         scheduler.step(&mut cache, 0, &mut plan).unwrap();
@@ -547,7 +547,7 @@ fn without_chunked_prefill_a_hybrid_prompt_is_not_split_for_its_checkpoint() {
     scheduler.set_config(config, &cache).unwrap();
     let prompt: Vec<u32> = (0..10).collect();
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&prompt), 1, 1, 0, 0)
         .unwrap();
     let mut plan = StepPlan::default();
     scheduler.step(&mut cache, 0, &mut plan).unwrap();

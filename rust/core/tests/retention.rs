@@ -184,7 +184,7 @@ fn a_schedulers_request_priority_counts_at_eviction() {
     // evict request 1's blocks first, as the older.
     for (seq_id, ids, priority) in [(1u64, &urgent, 0u32), (2, &background, 30)] {
         scheduler
-            .add_request(&cache, seq_id, Tokens::Ids(ids), 1, 1, priority, 0)
+            .add_request(&mut cache, seq_id, Tokens::Ids(ids), 1, 1, priority, 0)
             .unwrap();
     }
     assert!(scheduler
@@ -253,7 +253,7 @@ fn retention_after_admission_counts_the_request_priority() {
     let mut scheduler = scheduler(&cache, 1, 64, 0.0);
     let ids: Vec<u32> = (500..520).collect();
     scheduler
-        .add_request(&cache, 1, Tokens::Ids(&ids), 4, 1, 30, 0)
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 4, 1, 30, 0)
         .unwrap();
     let mut plan = StepPlan::default();
     scheduler.step(&mut cache, 0, &mut plan).unwrap(); // admitted: its 5 blocks at 35 - 30
@@ -277,4 +277,33 @@ fn retention_after_admission_counts_the_request_priority() {
     };
     scheduler.set_retention(&mut cache, 1, config).unwrap();
     assert_eq!(priorities(&cache), [60, 60, 5, 5, 5]);
+}
+
+#[test]
+fn a_scheduling_priority_readies_the_priorities_when_the_request_is_added() {
+    // The default policy keeps no priorities until a request asks: a request whose scheduling
+    // priority lowers its retention asks when it is added, so its admission, inside a step,
+    // allocates nothing (a failed allocation there would leave the step half done).
+    let mut cache = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut scheduler = scheduler(&cache, 1, 64, 0.0);
+    let ids: Vec<u32> = (500..520).collect();
+    scheduler
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 4, 1, 0, 0)
+        .unwrap();
+    let unprioritized = cache.heap_bytes().0;
+    scheduler
+        .add_request(&mut cache, 2, Tokens::Ids(&ids), 4, 1, 30, 0)
+        .unwrap();
+    let readied = cache.heap_bytes().0;
+    assert!(readied > unprioritized, "nothing readied at add_request");
+    let mut plan = StepPlan::default();
+    scheduler.step(&mut cache, 0, &mut plan).unwrap();
+    assert_eq!(cache.heap_bytes().0, readied, "the step allocated");
+    // Under a policy that keeps none, a scheduling priority is only a scheduling one.
+    let mut lru = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    lru.set_eviction_policy(EvictionPolicy::Lru).unwrap();
+    let mut lru_scheduler = scheduler::scheduler(&lru, 1, 64, 0.0);
+    lru_scheduler
+        .add_request(&mut lru, 1, Tokens::Ids(&ids), 4, 1, 30, 0)
+        .unwrap();
 }

@@ -189,7 +189,7 @@ impl Harness {
                 };
                 if self
                     .scheduler
-                    .add_request(&self.cache, seq_id, tokens, *max_new, *samples, 0, 0)
+                    .add_request(&mut self.cache, seq_id, tokens, *max_new, *samples, 0, 0)
                     .is_ok()
                 {
                     self.planned_forks.insert(seq_id, samples - 1);

@@ -27,7 +27,7 @@ fn decoding() -> (ContinuousScheduler, KvCache) {
     for (seq_id, length) in [(86u64, 7usize), (87, 8), (88, 5)] {
         let tokens: Vec<u32> = (0..length as u32).map(|t| t + seq_id as u32).collect();
         scheduler
-            .add_request(&cache, seq_id, Tokens::Ids(&tokens), 4, 1, 0, 0)
+            .add_request(&mut cache, seq_id, Tokens::Ids(&tokens), 4, 1, 0, 0)
             .unwrap();
     }
     let mut plan = StepPlan::default();
@@ -58,7 +58,7 @@ fn a_sequence_freed_behind_the_schedulers_back_fails_the_step_unchanged() {
 fn a_sequence_allocated_behind_the_schedulers_back_fails_the_step_unchanged() {
     let (mut scheduler, mut cache) = decoding();
     scheduler
-        .add_request(&cache, 90, Tokens::Count(4), 2, 1, 0, 0)
+        .add_request(&mut cache, 90, Tokens::Count(4), 2, 1, 0, 0)
         .unwrap();
     cache.alloc_sequence(90, Tokens::Count(3), None).unwrap();
     let before = state(&scheduler, &cache);

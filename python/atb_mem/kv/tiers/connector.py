@@ -91,7 +91,8 @@ class TierConnector(WriteThrough):
         """What the tiers did so far: a copy, taken now (the writer counts on its thread)."""
         with self._counting:
             counters = self._counters.copy()
-        counters.store_errors = sum(getattr(store, "errors", 0) for store in self.stores)
+        counters.store_errors = counters.raised_puts + sum(getattr(store, "errors", 0)
+                                                           for store in self.stores)
         return counters
 
     # ---- a new request ---------------------------------------------------------------------

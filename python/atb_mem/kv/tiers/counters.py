@@ -30,6 +30,8 @@ class TierCounters:
     """Saves dropped: the writer was ``MAX_PENDING_SAVES`` behind, or copying out failed."""
     store_errors: int = 0
     """Calls to the stores that failed (unreachable, refusing, a failed write)."""
+    raised_puts: int = 0
+    """Of ``store_errors``, writes that raised rather than returned False."""
     loaded_by_tier: dict[str, int] = field(default_factory=dict)
     saved_by_tier: dict[str, int] = field(default_factory=dict)
     filled_misses: dict[str, int] = field(default_factory=dict)

@@ -124,7 +124,7 @@ class WriteThrough:
         """Writes one block through to ``stores``; with KV events, says where it went (and
         what the disk evicted for it), so routers can score the tiers."""
         try:
-            taken = [store for store in stores if store.put(key, value)]
+            taken = [store for store in stores if self._put_into(store, key, value)]
         finally:
             with self._counting:
                 self._pending_saves -= 1
@@ -148,6 +148,17 @@ class WriteThrough:
                     store.medium, False, [key_hash(old) for old in evicted], None, [])
             self.kv_cache._record_tier_event(store.medium, True, [hash_words], parent,
                                              token_ids)
+
+    def _put_into(self, store: KVStore, key: str, value: bytes) -> bool:
+        """``store.put``, a raise counted as a failed call: the other stores still get the
+        block."""
+        try:
+            return store.put(key, value)
+        except Exception as error:
+            with self._counting:
+                self._counters.raised_puts += 1
+            log.warning("atb-mem: writing a block to the %s tier failed: %s", store.name, error)
+            return False
 
     def wait_for_saves(self, timeout_s: float) -> bool:
         """Waits, at most ``timeout_s`` seconds, until every save handed to the writer has

@@ -17,7 +17,8 @@
 //!   least recently used first within one (TensorRT-LLM's `KvCacheRetentionConfig`). A block
 //!   carries the highest priority any request gave it until that priority's duration ends,
 //!   then [`DEFAULT_PRIORITY`] (see `retention`). The default: where no request gives a
-//!   priority, every block is at the default and this is `lru`. The other policies keep no
+//!   priority (a retention, or a scheduling priority, which lowers its blocks' retention),
+//!   every block is at the default and this is `lru`. The other policies keep no
 //!   priorities and refuse a request's retention.
 //!
 //! The victim is the head of the first non-empty evictable queue, found from the free queue

@@ -50,7 +50,7 @@ impl Harness {
         let tokens = Tokens::Ids(&prompt);
         if self
             .scheduler
-            .add_request(&self.cache, seq_id, tokens, max_new, 1, 0, 0)
+            .add_request(&mut self.cache, seq_id, tokens, max_new, 1, 0, 0)
             .is_ok()
         {
             self.planned_forks.insert(seq_id, 0);

@@ -207,10 +207,10 @@ impl PyContinuousScheduler {
     ) -> PyResult<()> {
         let priority = u32::try_from(priority.get())
             .map_err(|_| value_error("priority must be below 2**32"))?;
-        let cache = self.pool.get().lock()?;
+        let mut cache = self.pool.get().lock()?;
         self.lock()?
             .add_request(
-                &cache,
+                &mut cache,
                 seq_id.0,
                 prompt.tokens(),
                 max_new_tokens.get(),

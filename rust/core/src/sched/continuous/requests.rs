@@ -61,6 +61,15 @@ fn retention_lowering(priority: u32) -> u8 {
     u8::try_from(priority).unwrap_or(u8::MAX)
 }
 
+/// What a request of scheduling `priority` that asked for no retention keeps.
+fn lowered_retention(priority: u32, prompt_len: usize) -> RetentionConfig {
+    RetentionConfig {
+        decode_from: prompt_len,
+        default_priority: DEFAULT_PRIORITY.saturating_sub(retention_lowering(priority)),
+        ..RetentionConfig::default()
+    }
+}
+
 fn refused(seq_id: u64, reason: String) -> CoreError {
     CoreError::RequestRefused { seq_id, reason }
 }
@@ -145,11 +154,13 @@ impl Request {
 
 impl ContinuousScheduler {
     /// Queues a request of `num_samples` sequences (forked from it at its first token).
-    /// Refuses one that could never fit the cache or the batch.
+    /// Refuses one that could never fit the cache or the batch. Under the priority policy a
+    /// scheduling `priority` lowers its blocks' retention (see `retain_admitted`): the cache
+    /// is readied for that here, so that no step allocates for it.
     #[allow(clippy::too_many_arguments)]
     pub fn add_request(
         &mut self,
-        cache: &KvCache,
+        cache: &mut KvCache,
         seq_id: u64,
         prompt: Tokens<'_>,
         max_new_tokens: usize,
@@ -176,6 +187,9 @@ impl ContinuousScheduler {
                     self.config.max_num_batched_tokens
                 ),
             ));
+        }
+        if cache.eviction_policy() == EvictionPolicy::Priority && retention_lowering(priority) > 0 {
+            cache.prepare_retention(&lowered_retention(priority, prompt.len()))?;
         }
         let token_ids = match prompt {
             Tokens::Ids(ids) => ids.to_vec(),
@@ -246,14 +260,10 @@ impl ContinuousScheduler {
         ) {
             (Some(config), _) => cache.set_retention(seq_id, config),
             (None, 0) => Ok(()),
-            (None, lowering) => {
-                let config = RetentionConfig {
-                    decode_from: request.prompt_len,
-                    default_priority: DEFAULT_PRIORITY.saturating_sub(lowering),
-                    ..RetentionConfig::default()
-                };
-                cache.set_retention(seq_id, &config)
-            }
+            (None, _) => cache.set_retention(
+                seq_id,
+                &lowered_retention(request.priority, request.prompt_len),
+            ),
         }
     }
 
