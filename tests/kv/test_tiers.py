@@ -4,6 +4,7 @@ LRU, its write rule and the files it owns, keys, and the shared store's URL."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -255,3 +256,36 @@ def test_a_store_whose_write_raises_does_not_keep_the_block_from_the_others(
         assert working.exists(["model/00ff"]) == [True]
     finally:
         connector.close()
+
+
+def test_a_partial_write_removed_under_the_tier_costs_the_block_not_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another engine's start-up that cannot tell a write is live (another PID namespace)
+    removes it: that save is lost, and the tier goes on taking blocks."""
+    store = DiskStore(tmp_path, 1 << 20, min_seen=1)
+    store.register_layout("model", len(frame(b"x" * 64)))
+    replace = Path.replace
+
+    def removed_first(self: Path, target: Any) -> Any:
+        if self.name.endswith(".part") and "00aa" in self.name:
+            self.unlink()
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", removed_first)
+    assert not store.put("atb/model/" + "00aa" * 8, frame(b"x" * 64))
+    assert store.writable and store.exists(["atb/model/" + "00aa" * 8]) == [False]
+    assert store.put("atb/model/" + "00bb" * 8, frame(b"y" * 64))
+    assert store.exists(["atb/model/" + "00bb" * 8]) == [True]
+
+
+def test_evictions_nobody_reads_are_not_kept_for_ever(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from atb_mem.kv.tiers import disk
+
+    monkeypatch.setattr(disk, "_MAX_TRACKED", 8)
+    value = frame(b"z" * 64)
+    store = DiskStore(tmp_path, len(value), min_seen=1)  # room for one block: each evicts
+    store.register_layout("model", len(value))
+    for index in range(disk._MAX_TRACKED + 10):
+        assert store.put(f"atb/model/{index:032x}", value)
+    assert len(store.take_evicted()) == disk._MAX_TRACKED

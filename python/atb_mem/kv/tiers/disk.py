@@ -24,7 +24,7 @@ import os
 import re
 import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -91,7 +91,9 @@ class DiskStore:
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
         self._seen: dict[str, int] = {}
-        self._evicted: list[str] = []  # keys evicted since take_evicted
+        # Keys evicted since take_evicted (KV events read them); the newest only, when no
+        # one does.
+        self._evicted: deque[str] = deque(maxlen=_MAX_TRACKED)
         self._writing: set[str] = set()  # keys whose file is being written
         self._bytes = 0
 
@@ -199,11 +201,19 @@ class DiskStore:
             partial.write_bytes(value)
             partial.replace(self._file(key))  # readers never see half a file
         except OSError as error:
+            # A partial write removed under it (by an engine that could not tell it was
+            # live) costs this block, not the tier.
+            folder = self.layout_path
+            lost = isinstance(error, FileNotFoundError) and folder is not None \
+                and folder.is_dir()
             with self._lock:
                 self._writing.discard(name)
                 self._bytes -= len(value)
-                self.writable = False
+                self.writable = self.writable and lost
                 self.errors += 1
+            if lost:
+                log.warning("atb-mem: a disk tier write was removed before it landed: %s", key)
+                return False
             log.warning("atb-mem: the disk tier stops taking blocks: writing %s failed: %s",
                         self.path, error.strerror or error)
             return False
@@ -233,7 +243,8 @@ class DiskStore:
     def take_evicted(self) -> list[str]:
         """The keys (as file names) evicted since the last call."""
         with self._lock:
-            evicted, self._evicted = self._evicted, []
+            evicted = list(self._evicted)
+            self._evicted.clear()
         return evicted
 
     @property
