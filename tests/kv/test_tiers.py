@@ -289,3 +289,9 @@ def test_evictions_nobody_reads_are_not_kept_for_ever(tmp_path: Path,
     for index in range(disk._MAX_TRACKED + 10):
         assert store.put(f"atb/model/{index:032x}", value)
     assert len(store.take_evicted()) == disk._MAX_TRACKED
+
+
+def test_a_path_under_home_is_read_as_a_shell_reads_it(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert DiskStore("~/kv", 1 << 20).path == tmp_path / "kv"

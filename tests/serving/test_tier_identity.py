@@ -142,3 +142,18 @@ def test_the_digest_reads_the_values_whatever_their_layout_or_dtype() -> None:
     with torch.no_grad():
         half.weight[2, 3] += 1
     assert weights_digest(half) != before
+
+
+def test_unloaded_weights_are_a_clear_error_and_config_tables_do_not_count() -> None:
+    torch = require_torch()
+    with torch.device("meta"):
+        unloaded = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"meta device.*kv_identity"):
+        weights_digest(unloaded)
+    layer = torch.nn.Linear(4, 3)
+    layer.register_buffer("table", torch.arange(4.0), persistent=False)
+    digest = weights_digest(layer)
+    layer.table += 1  # recomputed at run time, as a rotary table may be
+    assert weights_digest(layer) == digest
+    layer.register_buffer("scale", torch.ones(3))  # saved with the weights: it counts
+    assert weights_digest(layer) != digest

@@ -36,9 +36,12 @@ def checked_kv_identity(kv_identity: object) -> str | None:
 
 
 def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
-    # Buffers too: quantization scales or a model's own tables are K/V inputs like weights.
+    # Persistent buffers too (quantization scales, a model's own tables: K/V inputs like
+    # weights); not the ones derived from the config at load time (rotary tables), which
+    # a run may recompute.
     yield from model.named_parameters()
-    yield from model.named_buffers()
+    persistent = model.state_dict(keep_vars=True).keys()
+    yield from ((name, buffer) for name, buffer in model.named_buffers() if name in persistent)
 
 
 def weights_digest(model: Any, threads: int | None = None) -> str:
@@ -64,6 +67,10 @@ def weights_digest(model: Any, threads: int | None = None) -> str:
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
             data = tensor.detach()
+            if data.device.type == "meta":
+                raise ValueError(f"the model's {name!r} is not loaded (on the meta device): "
+                                 f"its weights cannot be read to key the tiers' blocks; load "
+                                 f"them, or give kv_identity")
             if data.device.type != "cpu" or not data.is_contiguous():
                 data = data.cpu().contiguous()
                 copied += data.numel() * data.element_size()

@@ -81,7 +81,7 @@ class DiskStore:
                              f"got {capacity_bytes!r}")
         if isinstance(min_seen, bool) or not isinstance(min_seen, int) or min_seen < 1:
             raise ValueError(f"min_seen must be a positive int, got {min_seen!r}")
-        self.path = Path(path)
+        self.path = Path(path).expanduser()  # "~/kv" as a shell reads it
         self.layout_path: Path | None = None
         """The folder of this tier's files (once ``register_layout`` named it)."""
         self.capacity_bytes = capacity_bytes
