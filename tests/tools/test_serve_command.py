@@ -69,17 +69,23 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert out.rstrip().endswith("atb-mem: stopped")
 
 
+def refusal(checkpoint: Path, *options: str) -> str:
+    """The one line ``atb-mem serve`` exits 1 with, for a checkpoint and bad options."""
+    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(checkpoint),
+                             "--device", "cpu", "--num-blocks", "64", *options],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after transformers' loading bar
+    assert last.startswith("atb-mem: error:"), last
+    return last
+
+
 def test_serve_refuses_a_bad_config_file_in_one_line(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path)
     config = tmp_path / "serve.json"
     config.write_text('{"max_num_seqs": 0}')
-    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
-                             "--device", "cpu", "--num-blocks", "64", "--config", str(config)],
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]  # after transformers' loading bar
-    assert last.startswith("atb-mem: error:") and "max_num_seqs" in last
-    assert "Traceback" not in result.stderr
+    assert "max_num_seqs" in refusal(tmp_path, "--config", str(config))
 
 
 def test_serve_starts_its_own_tensor_parallel_ranks(tmp_path: Path) -> None:
@@ -115,27 +121,13 @@ def test_serve_starts_its_own_tensor_parallel_ranks(tmp_path: Path) -> None:
 
 def test_serve_refuses_an_unknown_offload_tier_in_one_line(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
-                             "--device", "cpu", "--num-blocks", "64",
-                             "--kv-offload", "tape=1GiB"],
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("atb-mem: error:") and "unknown tiers ['tape']" in last, last
-    assert "Traceback" not in result.stderr
+    assert "unknown tiers ['tape']" in refusal(tmp_path, "--kv-offload", "tape=1GiB")
 
 
 def test_serve_refuses_an_empty_kv_identity_in_one_line(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "atb_mem", "serve", str(tmp_path),
-                             "--device", "cpu", "--num-blocks", "64",
-                             "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
-                             "--kv-identity", " "],
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("atb-mem: error:") and "kv_identity" in last, last
-    assert "Traceback" not in result.stderr
+    assert "kv_identity" in refusal(tmp_path, "--kv-offload", f"disk={tmp_path / 'disk'}:16MiB",
+                                    "--kv-identity", " ")
 
 
 def test_serve_keeps_a_hybrid_models_states_for_prefix_hits(tmp_path: Path) -> None:

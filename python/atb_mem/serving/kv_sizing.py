@@ -87,21 +87,13 @@ def host_tier(kv_offload: Mapping[str, Any] | None, num_host_blocks: int | None,
     if blocks < 1:
         raise ValueError(f"kv_offload host={kv_offload['host']!r} holds no block of "
                          f"{bytes_per_block} bytes")
-    memory = _host_memory_bytes()
-    if memory is not None and size > memory:  # it is reserved whole at start-up
+    from atb_mem.kv.cache_pool import device_memory
+
+    _, memory = device_memory("host")
+    if size > memory:  # it is reserved whole at start-up
         raise ValueError(f"kv_offload host={kv_offload['host']!r} ({size} bytes) is more "
                          f"than this machine's memory ({memory} bytes)")
     return {"num_host_blocks": blocks, "host_prefix_cache": True}
-
-
-def _host_memory_bytes() -> int | None:
-    """The machine's physical memory, where the OS says."""
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def lower_tiers(kv_offload: Mapping[str, Any] | None, kv_store: str | None) -> list[Any]:
