@@ -162,6 +162,11 @@ class DiskStore:
         with self._lock:
             return [_name(key) in self._files for key in keys]
 
+    def files_exist(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key's file is in the folder now, whoever wrote it (``exists`` knows
+        this tier's own writes only): the lookup of a process that reads what others write."""
+        return [self._file(key).is_file() for key in keys]
+
     def get(self, key: str) -> bytes | None:
         name = _name(key)
         with self._lock:

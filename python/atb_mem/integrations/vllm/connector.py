@@ -1,0 +1,311 @@
+"""``AtbMemConnector``: vLLM's KV connector (API v1) over atb-mem's host, disk and store tiers.
+
+vLLM loads it by config::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "AtbMemConnector",
+        "kv_connector_module_path": "atb_mem.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host": "8GiB"}}'
+
+Its scheduler role (in vLLM's engine-core process) is ``TierScheduler``; its worker role
+(beside the model, one per rank) is ``TierWorker``. This module only converts vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from atb_mem.integrations.vllm.scheduler import HOST, Scheduled, TierMoves, TierScheduler
+from atb_mem.integrations.vllm.settings import ConnectorSettings
+from atb_mem.integrations.vllm.worker import TierWorker
+from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore, layout_identity
+
+__all__ = ["AtbMemConnector", "AtbMemConnectorMetadata", "AtbMemConnectorStats"]
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+_SOURCES = {HOST: CacheHitSource.HOST, "DISK": CacheHitSource.DISK}
+# A worker with nothing to compute waits this long for a disk or store load.
+_IDLE_WAIT_S = 0.005
+
+
+@dataclass
+class AtbMemConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's moves, from the scheduler side to every worker."""
+
+    moves: TierMoves = field(default_factory=TierMoves)
+
+
+@dataclass
+class AtbMemConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Counts since the last report: ``loaded_blocks_TIER``, ``saved_blocks_TIER``,
+    ``loaded_bytes``, ``saved_bytes``, ``load_failures``, ``corrupt_blocks``, ``loads``,
+    ``load_seconds_sum``, ``hit_tokens``, ``lookups``, ``host_full``, ..."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> AtbMemConnectorStats:
+        for name, amount in other.data.items():
+            self.data[name] = self.data.get(name, 0) + amount
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def weights_identity(model: str, revision: str | None) -> str:
+    """What names the weights: a digest of a local checkpoint's weight files (so two
+    checkpoints share blocks only when their bytes are the same), else the hub name and
+    revision."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return f"{model}@{revision or 'main'}"
+    import numpy as np
+
+    from atb_mem._core import content_digests
+
+    files = sorted(path for path in folder.iterdir() if path.suffix in _WEIGHT_FILES)
+    if not files:
+        raise ValueError(f"{model!r} holds no weight files to name its KV blocks by: set "
+                         f"kv_connector_extra_config['kv_identity']")
+    buffers = [np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size
+               else np.zeros(0, np.uint8) for path in files]
+    digest = hashlib.sha256()
+    for path, piece in zip(files, content_digests(buffers), strict=True):
+        digest.update(path.name.encode() + b"\0" + piece)
+    return digest.hexdigest()
+
+
+def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, int, int]:
+    """(layout identity, vLLM block size, bytes of a block across one rank's layers)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"AtbMemConnector serves models of one KV-cache group (full "
+                         f"attention); this one has {len(groups)}")
+    spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
+    parallel = vllm_config.parallel_config
+    attention = getattr(vllm_config, "attention_config", None)
+    identity = layout_identity(
+        weights=weights, dtype=str(spec.dtype), block_size=spec.block_size,
+        kv_heads=spec.num_kv_heads, head_size=spec.head_size, layers=layers,
+        spec=type(spec).__name__, layout=getattr(kv_cache_config, "kv_cache_layout", None),
+        backend=str(getattr(attention, "backend", None)),
+        device=vllm_config.device_config.device_type,
+        tensor_parallel=parallel.tensor_parallel_size,
+        pipeline_parallel=parallel.pipeline_parallel_size)
+    return identity, spec.block_size, spec.page_size_bytes * layers
+
+
+def _open_stores(settings: ConnectorSettings) -> list[KVStore]:
+    stores: list[KVStore] = []
+    try:
+        if settings.disk_path is not None:
+            stores.append(DiskStore(settings.disk_path, settings.disk_bytes,
+                                    min_seen=settings.disk_min_seen))
+        if settings.store_url is not None:
+            stores.append(MooncakeStore(settings.store_url))
+    except Exception:
+        for store in stores:
+            store.close()
+        raise
+    return stores
+
+
+class _DiskLookup:
+    """The scheduler's view of the disk tier, which the workers (other processes) write:
+    whether a block's file is there now."""
+
+    name, medium = "DISK", "disk"
+
+    def __init__(self, store: DiskStore) -> None:
+        self.store = store
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self.store.files_exist(keys)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """atb-mem's tiers under vLLM's KV cache (see ``atb_mem.integrations.vllm``)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        model = vllm_config.model_config
+        weights = self.settings.kv_identity or weights_identity(model.model, model.revision)
+        layout, block_size, block_bytes = _layout(vllm_config, kv_cache_config, weights)
+        hash_block_size = self.settings.hash_block_size_for(block_size)
+        num_host_blocks = self.settings.num_host_blocks(block_bytes)
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        identities = [f"{layout}-tp{rank}" for rank in range(ranks)]
+        stores = _open_stores(self.settings)
+        self._scheduler: TierScheduler | None = None
+        self._worker: TierWorker | None = None
+        self._layout = layout
+        try:
+            for store in stores:
+                register = getattr(store, "register_layout", None)
+                if register is not None and role == KVConnectorRole.SCHEDULER:
+                    register(layout, 1)  # the workers check the capacity
+            if role == KVConnectorRole.SCHEDULER:
+                lookups = [_DiskLookup(store) if isinstance(store, DiskStore) else store
+                           for store in stores]
+                self._scheduler = TierScheduler(
+                    block_size=block_size, hash_block_size=hash_block_size,
+                    num_host_blocks=num_host_blocks,
+                    eviction_policy=self.settings.eviction_policy, stores=lookups,
+                    identities=identities,
+                    enable_kv_events=bool(getattr(vllm_config.kv_events_config,
+                                                  "enable_kv_cache_events", False)))
+            else:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                self._worker = TierWorker(
+                    num_host_blocks=num_host_blocks, stores=stores, layout=layout,
+                    identity=identities[get_tensor_model_parallel_rank()],
+                    load_timeout_s=self.settings.load_timeout_s)
+        except Exception:
+            for store in stores:
+                store.close()
+            raise
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def _moves(self) -> TierMoves:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, AtbMemConnectorMetadata)
+        return metadata.moves
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_loads(self._moves())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # host loads land before the forward; disk and store ones before scheduling
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole blocks of every layer are saved in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._moves())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        assert self._worker is not None
+        idle = self.has_connector_metadata() and self._moves().idle
+        done = self._worker.finished(_IDLE_WAIT_S if idle else 0.0)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            counters = self._worker.take_counters()
+        elif self._scheduler is not None:
+            counters = self._scheduler.take_counters()
+        else:
+            return None
+        return AtbMemConnectorStats(data=counters) if counters else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
+            return 0, False  # their blocks' keys would need what the tokens do not say
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        salt = None if lora is None and request.cache_salt is None else \
+            f"{lora}\0{request.cache_salt}"
+        return self._scheduler.lookup(request.request_id, request.all_token_ids,
+                                      num_computed_tokens, salt)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0],
+                                  num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._scheduler.hit_tokens(request.request_id).items():
+            source = _SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + tokens
+        return sources
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled = [Scheduled(new.req_id, new.num_computed_tokens, counts[new.req_id],
+                               new.block_ids[0], True)
+                     for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for at, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[at]
+            scheduled.append(Scheduled(req_id, cached.num_computed_tokens[at], counts[req_id],
+                                       None if new_blocks is None else new_blocks[0],
+                                       req_id in cached.resumed_req_ids))
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        return AtbMemConnectorMetadata(self._scheduler.build(scheduled, idle))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request.request_id), None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if self._scheduler is None:
+            return []
+        events: list[KVCacheEvent] = []
+        for event in self._scheduler.take_events():
+            hashes = [int(words[0]) << 64 | int(words[1]) for words in
+                      event.block_hashes.reshape(-1, 2)] if hasattr(event, "block_hashes") \
+                else []
+            if type(event).__name__ == "BlockStored":
+                parent = event.parent_block_hash
+                events.append(BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None if parent is None else
+                    int(parent[0]) << 64 | int(parent[1]),
+                    token_ids=event.token_ids.tolist(), block_size=self._scheduler.block_size,
+                    lora_id=None, medium="CPU", lora_name=None))
+            elif type(event).__name__ == "BlockRemoved":
+                events.append(BlockRemoved(block_hashes=hashes, medium="CPU"))
+        return events
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return AtbMemConnectorStats(data=dict(data or {}))
+

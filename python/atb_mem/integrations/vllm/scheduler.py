@@ -1,0 +1,311 @@
+"""The scheduler side of ``AtbMemConnector``: which tokens of a request the tiers serve, and
+the moves each step makes. No vLLM in here (the connector converts its objects), so it is
+tested against recorded call sequences.
+
+Where the index lives, and why it cannot drift from the bytes: the host tier's index is a
+``KVCachePool`` in vLLM's scheduler process, whose block ids *are* the host blocks of every
+worker (each worker holds a preallocated buffer of the same number of blocks, for its own
+shard). Workers never choose a block: they execute, in step order, the moves this side put
+in the step's metadata. A block joins the index (``mark_computed``) in the step whose
+metadata carries its save; any later step's load of it runs after that save on every worker,
+because workers run steps in order, and within one step every load runs before every save
+(``start_load_kv`` precedes ``wait_for_save``), so a block the index evicts and hands to a
+save is read by this step's loads first. A request pins the host blocks it hit until it
+ends. The disk and the store are asked which keys they hold; what they lose in between is a
+failed load, which vLLM recomputes.
+
+A request's life here:
+
+- ``lookup`` (vLLM's ``get_num_new_matched_tokens``): its tokens are allocated in the index
+  (hits pinned, at ``hash_block_size`` granularity: a hit ending inside a block is served by
+  copying the cached block whole), then the disk and the store are asked for the blocks
+  after the host's hit. A repeated lookup (not scheduled, or preempted) starts over.
+- ``allocated`` (``update_state_after_alloc``): the loads into the request's vLLM blocks:
+  host blocks synchronously before the forward, disk and store blocks asynchronously.
+- ``build`` (``build_connector_meta``): the full blocks each scheduled request completes this
+  step are saved once: vLLM block → its host block after the forward (then cached in the
+  index), and put to the stores that lacked them (a host hit is a sighting too, so a hot
+  prompt reaches the disk, which writes on its second sighting).
+- ``finished`` (``request_finished``): its host blocks are unpinned; what was saved stays
+  cached. Saves run within their step, so vLLM never waits to free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from atb_mem._core import KVCachePool, OutOfMemoryError
+from atb_mem.kv.tiers.store import KVStore, block_key
+
+__all__ = ["HOST", "Scheduled", "TierMoves", "TierScheduler"]
+
+HOST = "HOST"
+"""The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
+
+
+@dataclass
+class TierMoves:
+    """One step's moves, executed by every worker in this order. Plain lists: it travels
+    pickled to worker processes."""
+
+    host_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, host block): a hit ending inside a block, copied whole into the
+    request's own block first (the index counts its pieces as computed there)."""
+    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, vLLM block): copied before the forward, after ``host_copies``."""
+    store_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Per request: (hash word 0, hash word 1, vLLM block), fetched asynchronously."""
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    """(vLLM block, host block): copied after the forward."""
+    puts: list[tuple[bool, int, int, int, tuple[str, ...]]] = field(default_factory=list)
+    """(from host, block, hash word 0, hash word 1, stores): written to those stores after
+    the saves, from the host block (or, without a host tier, the vLLM block)."""
+    idle: bool = False
+    """No forward this step: a worker may wait a little for its loads."""
+
+    def __bool__(self) -> bool:
+        return bool(self.host_copies or self.host_loads or self.store_loads or self.saves
+                    or self.puts)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """A request vLLM scheduled this step, as ``build`` needs it."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_block_ids: Sequence[int] | None = None
+    resumed: bool = False
+    """``new_block_ids`` replace the request's blocks (it came back from preemption)."""
+
+
+@dataclass
+class _Request:
+    tokens: Sequence[int]
+    """The request's tokens, read live (vLLM appends the ones it samples)."""
+    salt: str | None
+    seq_id: int | None
+    """Its sequence in the host index (None: no host tier, or the index was full)."""
+    hashes: np.ndarray
+    num_computed: int
+    host_table: list[int]
+    host_whole: int
+    partial: bool
+    """Whether the host's hit ends inside block ``host_whole`` (copied into its own)."""
+    holders: list[tuple[str, ...]]
+    """Per block from ``host_whole`` on, before the last token: the stores holding it."""
+    store_run: int
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    vllm_blocks: list[int] = field(default_factory=list)
+    committed: bool = False
+    saved: int = 0
+
+
+class TierScheduler:
+    """The tiers' index and planner for vLLM blocks of ``block_size`` tokens.
+
+    ``stores`` are lookup handles (``exists``) of the disk and the store, keyed per worker
+    rank by ``identities`` (a block is held only when every rank's shard is)."""
+
+    def __init__(self, *, block_size: int, hash_block_size: int, num_host_blocks: int,
+                 eviction_policy: str, stores: Sequence[KVStore], identities: Sequence[str],
+                 enable_kv_events: bool = False) -> None:
+        self.block_size = block_size
+        self.stores = list(stores)
+        self.identities = list(identities)
+        self.host = num_host_blocks > 0
+        # Block 0 is the index's null block; without a host tier it only hashes.
+        self.index = KVCachePool(num_host_blocks + 1 if self.host else 2, block_size,
+                                 hash_block_size=hash_block_size,
+                                 eviction_policy=eviction_policy,  # type: ignore[arg-type]
+                                 enable_kv_events=enable_kv_events)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count(1)
+        self._pending = TierMoves()
+        self.counters: dict[str, int] = {"lookups": 0, "host_full": 0, "hit_tokens": 0}
+
+    # ---- a request arrives (or comes back) --------------------------------------------------
+
+    def lookup(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int,
+               salt: str | None = None) -> tuple[int, bool]:
+        """Tokens past vLLM's ``num_computed_tokens`` (block aligned) the tiers serve, and
+        whether any come from the disk or the store (an asynchronous load)."""
+        self._release(req_id)
+        self.counters["lookups"] += 1
+        snapshot = list(tokens)
+        block_size, count = self.block_size, len(snapshot)
+        most = (count - 1) // block_size if count else 0
+        hashes = self.index.block_hashes(snapshot, cache_salt=salt) if count else \
+            np.zeros((0, 2), np.uint64)
+        seq_id: int | None = None
+        host_hit, table = 0, []
+        if self.host and count:
+            seq_id = next(self._seq_ids)
+            try:
+                host_hit = self.index.alloc_sequence(seq_id, snapshot, cache_salt=salt)
+            except OutOfMemoryError:  # every host block pinned: served by the stores only
+                self.counters["host_full"] += 1
+                seq_id = None
+            else:
+                table = self.index.block_table(seq_id).tolist()
+                # Executed in this step before any save: the source, cached but not
+                # pinned, keeps its bytes until then.
+                self._pending.host_copies.extend(
+                    (int(src), int(dst)) for src, dst in self.index.take_pending_copies())
+        host_whole = host_hit // block_size
+        holders = self._holders(hashes[host_whole:most])
+        run = next((at for at, held in enumerate(holders) if not held), len(holders))
+        # A whole block from a store brings the pieces the host's copy has.
+        total = (host_whole + run) * block_size if run else host_hit
+        partial = not run and host_hit % block_size > 0
+        self._requests[req_id] = _Request(
+            tokens, salt, seq_id, hashes, num_computed_tokens, table, host_whole, partial,
+            holders, run)
+        external = max(0, total - num_computed_tokens)
+        loads_stores = external > 0 and host_whole + run > num_computed_tokens // block_size \
+            and run > 0
+        return external, loads_stores
+
+    def _holders(self, hashes: np.ndarray) -> list[tuple[str, ...]]:
+        """The stores holding every rank's shard of each block: one batched call each."""
+        if not self.stores or not len(hashes):
+            return [() for _ in range(len(hashes))]
+        keys = [block_key(identity, words) for words in hashes for identity in self.identities]
+        ranks = len(self.identities)
+        held_by: list[list[str]] = [[] for _ in range(len(hashes))]
+        for store in self.stores:
+            held = store.exists(keys)
+            for at in range(len(hashes)):
+                if all(held[at * ranks:(at + 1) * ranks]):
+                    held_by[at].append(store.name)
+        return [tuple(names) for names in held_by]
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM gave the request ``block_ids`` and takes ``num_external_tokens`` from the tiers
+        (which may be fewer than offered): plans their loads."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return
+        request.vllm_blocks = list(block_ids)
+        if request.committed:  # the second call, once an asynchronous load ended
+            return
+        request.committed = True
+        if num_external_tokens <= 0:
+            return
+        block_size = self.block_size
+        begin, end = request.num_computed, request.num_computed + num_external_tokens
+        for index in range(begin // block_size, -(-end // block_size)):
+            tokens = min(end, (index + 1) * block_size) - max(begin, index * block_size)
+            target = request.vllm_blocks[index]
+            if index < request.host_whole + request.partial:
+                tier = HOST
+                self._pending.host_loads.append((request.host_table[index], target))
+            else:
+                tier = request.holders[index - request.host_whole][0]
+                words = request.hashes[index]
+                self._pending.store_loads.setdefault(req_id, []).append(
+                    (int(words[0]), int(words[1]), target))
+            request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens
+        self.counters["hit_tokens"] += num_external_tokens
+
+    def hit_tokens(self, req_id: str) -> dict[str, int]:
+        """The tokens each tier served the request (its last admission)."""
+        request = self._requests.get(req_id)
+        return dict(request.hit_tokens) if request is not None else {}
+
+    # ---- each step --------------------------------------------------------------------------
+
+    def build(self, scheduled: Iterable[Scheduled], idle: bool = False) -> TierMoves:
+        """The step's moves: the loads planned since the last step, then the saves and puts
+        of the full blocks the scheduled requests complete in it."""
+        moves, self._pending = self._pending, TierMoves()
+        moves.idle = idle
+        for step in scheduled:
+            request = self._requests.get(step.req_id)
+            if request is None:
+                continue
+            if step.new_block_ids is not None:
+                if step.resumed:
+                    request.vllm_blocks = list(step.new_block_ids)
+                else:
+                    request.vllm_blocks.extend(step.new_block_ids)
+            end = step.num_computed_tokens + step.num_scheduled_tokens
+            full = min(end, len(request.tokens)) // self.block_size
+            if full > request.saved:
+                self._plan_saves(request, min(full, len(request.vllm_blocks)), moves)
+        return moves
+
+    def _plan_saves(self, request: _Request, full: int, moves: TierMoves) -> None:
+        block_size = self.block_size
+        if len(request.hashes) < full:
+            request.hashes = self.index.block_hashes(list(request.tokens[:full * block_size]),
+                                                     cache_salt=request.salt)
+        if request.seq_id is not None:
+            self._extend(request, full * block_size)
+        host = request.seq_id is not None
+        for index in range(request.saved, full):
+            if host and index >= request.host_whole:
+                moves.saves.append((request.vllm_blocks[index], request.host_table[index]))
+            at = index - request.host_whole
+            held = request.holders[at] if 0 <= at < len(request.holders) else ()
+            lacking = tuple(store.name for store in self.stores if store.name not in held)
+            if lacking:
+                words = request.hashes[index]
+                block = request.host_table[index] if host else request.vllm_blocks[index]
+                moves.puts.append((host, block, int(words[0]), int(words[1]), lacking))
+        if host:
+            self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
+        request.saved = full
+
+    def _extend(self, request: _Request, tokens: int) -> None:
+        """Grows the request's index sequence to ``tokens`` (its decoded blocks); where the
+        index is full, the request stops saving to the host (what it saved stays)."""
+        seq_id = request.seq_id
+        assert seq_id is not None
+        length = self.index.seq_len(seq_id)
+        if tokens <= length:
+            return
+        try:
+            self.index.append_tokens([seq_id], tokens - length,
+                                     token_ids=list(request.tokens[length:tokens]))
+        except OutOfMemoryError:
+            self.counters["host_full"] += 1
+            self.index.free_sequence(seq_id)
+            request.seq_id = None
+            return
+        request.host_table = self.index.block_table(seq_id).tolist()
+
+    # ---- a request ends ---------------------------------------------------------------------
+
+    def finished(self, req_id: str) -> bool:
+        """The request ended (finished, aborted or failed): its host blocks are unpinned.
+        Returns whether vLLM must keep its blocks: never, as saves run within their step."""
+        self._release(req_id)
+        return False
+
+    def _release(self, req_id: str) -> None:
+        request = self._requests.pop(req_id, None)
+        if request is not None and request.seq_id is not None:
+            # What stays cached is what the index counts computed: the hits, the copied
+            # pieces and the blocks whose saves were planned, each in a step's moves.
+            self.index.free_sequence(request.seq_id)
+
+    def take_counters(self) -> dict[str, int]:
+        """The counts since the last call."""
+        counters = {name: amount for name, amount in self.counters.items() if amount}
+        self.counters = dict.fromkeys(self.counters, 0)
+        return counters
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def take_events(self) -> Any:
+        """The host index's KV events since the last call."""
+        return self.index.take_events()

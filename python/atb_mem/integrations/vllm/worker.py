@@ -1,0 +1,280 @@
+"""The worker side of ``AtbMemConnector``: it copies whole blocks between vLLM's layer caches
+and the tiers, exactly as the scheduler side's ``TierMoves`` say, and decides nothing.
+
+Bytes inside a vLLM block are in the attention backend's layout (the CPU backend stores the
+K half transposed), so blocks move whole and are never sliced into tokens. The host tier is
+one preallocated buffer ``[num_host_blocks + 1, layers, *block]`` (block 0 unused, as in
+the index); a block's bytes for the disk or the store are that row, framed with a checksum
+and its key. Disk and store reads run on threads; what they fetched is copied into vLLM's
+blocks on the worker's thread, after the step's forward, and the request reported done
+(``finished``) with, for a block that was missing, damaged or late, its vLLM block in
+``load_errors``: vLLM recomputes from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from atb_mem.integrations.vllm.scheduler import HOST, TierMoves
+from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, unframe
+
+__all__ = ["TierWorker"]
+
+log = logging.getLogger("atb_mem.vllm")
+
+# Writes queued beyond this are dropped (counted): a tier slower than prefill must not grow
+# host memory without bound.
+MAX_PENDING_PUTS = 256
+
+
+@dataclass
+class _Load:
+    req_id: str
+    blocks: list[int]
+    future: Future[list[tuple[bytes, str] | None]]
+    started: float
+
+
+class TierWorker:
+    """Executes ``TierMoves`` over the layer caches registered with ``register``."""
+
+    def __init__(self, *, num_host_blocks: int, stores: Sequence[KVStore], layout: str,
+                 identity: str, load_timeout_s: float = 30.0) -> None:
+        self.num_host_blocks = num_host_blocks
+        self.stores = list(stores)
+        self.layout, self.identity = layout, identity
+        self.load_timeout_s = load_timeout_s
+        self._views: list[Any] = []
+        self._host: Any = None
+        self._staging: Any = None
+        self._block_bytes = 0
+        self._loads: list[_Load] = []
+        self._errors: set[int] = set()
+        self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="atb-mem-vllm-save")
+        self._lock = threading.Lock()  # the counters, which the writer updates too
+        self._pending_puts = 0
+        self.counters: dict[str, float] = {}
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: int) -> int:
+        """Takes vLLM's layer caches (each with a dimension of ``num_blocks`` blocks) and
+        allocates the host tier; returns the bytes of one block across layers."""
+        import torch
+
+        views = []
+        for name, cache in kv_caches.items():
+            dims = [dim for dim, size in enumerate(cache.shape) if size == num_blocks]
+            if not dims:
+                raise ValueError(f"vLLM's cache of layer {name!r}, shaped "
+                                 f"{tuple(cache.shape)}, has no dimension of {num_blocks} "
+                                 f"blocks")
+            views.append(cache.movedim(dims[0], 0))
+        shapes = {(tuple(view.shape[1:]), view.dtype) for view in views}
+        if len(shapes) != 1:
+            raise ValueError(f"AtbMemConnector needs every layer's block alike, got {shapes}")
+        (block_shape, dtype), = shapes
+        self._views = views
+        shape = (len(views), *block_shape)
+        pin = views[0].device.type == "cuda"
+        if self.num_host_blocks:
+            self._host = torch.empty((self.num_host_blocks + 1, *shape), dtype=dtype,
+                                     pin_memory=pin)
+        self._staging = torch.empty((1, *shape), dtype=dtype, pin_memory=pin)
+        self._block_bytes = self._staging[0].numel() * self._staging.element_size()
+        for store in self.stores:
+            register_layout = getattr(store, "register_layout", None)
+            if register_layout is not None:
+                register_layout(self.layout, framed_size(self._block_bytes))
+        return self._block_bytes
+
+    # ---- block copies -----------------------------------------------------------------------
+
+    def _to_vllm(self, source: Any, rows: Any, blocks: Sequence[int]) -> None:
+        """``source[rows]`` (host rows ``[k, layers, *block]``) into vLLM ``blocks``."""
+        import torch
+
+        target = torch.tensor(list(blocks), dtype=torch.long, device=self._views[0].device)
+        for layer, view in enumerate(self._views):
+            view[target] = source[rows, layer].to(view.device, non_blocking=False)
+
+    def _from_vllm(self, target: Any, rows: Any, blocks: Sequence[int]) -> None:
+        import torch
+
+        source = torch.tensor(list(blocks), dtype=torch.long, device=self._views[0].device)
+        for layer, view in enumerate(self._views):
+            target[rows, layer] = view[source].to(target.device)
+
+    def _bytes_of(self, from_host: bool, block: int) -> bytes:
+        """One block's bytes, copied now (the block may be overwritten after this step)."""
+        if from_host:
+            row = self._host[block]
+        else:
+            self._from_vllm(self._staging, [0], [block])
+            row = self._staging[0]
+        return bytes(row.view(-1).view(dtype=_uint8()).numpy())
+
+    # ---- a step -----------------------------------------------------------------------------
+
+    def start_loads(self, moves: TierMoves) -> None:
+        """The host copies and loads now (before the forward that reads them); the disk and
+        store fetches on threads."""
+        if moves.host_copies:
+            src, dst = zip(*moves.host_copies, strict=True)
+            self._host[list(dst)] = self._host[list(src)]
+        if moves.host_loads:
+            rows, blocks = zip(*moves.host_loads, strict=True)
+            self._to_vllm(self._host, list(rows), blocks)
+            self._count(**{f"loaded_blocks_{HOST}": len(rows)},
+                        loaded_bytes=len(rows) * self._block_bytes)
+        for req_id, loads in moves.store_loads.items():
+            keys = [block_key(self.identity, (high, low)) for high, low, _ in loads]
+            self._loads.append(_Load(req_id, [block for _, _, block in loads],
+                                     self._fetchers.submit(self._fetch, keys),
+                                     time.perf_counter()))
+
+    def _fetch(self, keys: list[str]) -> list[tuple[bytes, str] | None]:
+        """Each key's checked payload and the store it came from; stops at the first block
+        no store has intact (the load failed from there)."""
+        found: list[tuple[bytes, str] | None] = []
+        for key in keys:
+            payload = None
+            for store in self.stores:
+                try:
+                    value = store.get(key)
+                except Exception as error:
+                    log.warning("atb-mem: reading from the %s tier failed: %s", store.name,
+                                error)
+                    value = None
+                payload = unframe(value, self._block_bytes, True, key)
+                if payload is not None:
+                    found.append((payload, store.name))
+                    break
+                if value is not None and hasattr(store, "discard"):
+                    store.discard(key)  # damaged: a later save writes it anew
+                    self._count(corrupt_blocks=1)
+            if payload is None:
+                found.append(None)
+                break
+        return found
+
+    def save(self, moves: TierMoves) -> None:
+        """After the forward: vLLM blocks → host blocks, then the puts to the stores."""
+        if moves.saves:
+            blocks, rows = zip(*moves.saves, strict=True)
+            self._from_vllm(self._host, list(rows), blocks)
+            self._count(**{f"saved_blocks_{HOST}": len(rows)},
+                        saved_bytes=len(rows) * self._block_bytes)
+        for from_host, block, high, low, names in moves.puts:
+            with self._lock:
+                if self._pending_puts >= MAX_PENDING_PUTS:
+                    self.counters["dropped_puts"] = self.counters.get("dropped_puts", 0) + 1
+                    continue
+                self._pending_puts += 1
+            key = block_key(self.identity, (high, low))
+            stores = [store for store in self.stores if store.name in names]
+            self._writer.submit(self._put, key, self._bytes_of(from_host, block), stores)
+
+    def _put(self, key: str, payload: bytes, stores: list[KVStore]) -> None:
+        try:
+            value = frame(payload, True, key)
+            for store in stores:
+                try:
+                    if store.put(key, value):
+                        self._count(**{f"saved_blocks_{store.name}": 1})
+                except Exception as error:
+                    self._count(store_errors=1)
+                    log.warning("atb-mem: writing to the %s tier failed: %s", store.name,
+                                error)
+        finally:
+            with self._lock:
+                self._pending_puts -= 1
+
+    def finished(self, wait_s: float = 0.0) -> set[str]:
+        """Copies the fetches that arrived into their vLLM blocks; returns the requests
+        whose loads ended (a failed one too: its blocks are in ``load_errors``)."""
+        if not self._loads:
+            return set()
+        if wait_s > 0 and not any(load.future.done() for load in self._loads):
+            try:
+                self._loads[0].future.exception(timeout=wait_s)
+            except TimeoutError:
+                pass
+        now, done = time.perf_counter(), set()
+        for load in list(self._loads):
+            late = now - load.started > self.load_timeout_s
+            if not load.future.done() and not late:
+                continue
+            self._loads.remove(load)
+            done.add(load.req_id)
+            landed = 0
+            if load.future.done():
+                try:
+                    landed = self._land(load)
+                except Exception as error:  # a copy that failed: recomputed
+                    log.warning("atb-mem: landing a load failed: %s", error)
+            else:
+                load.future.cancel()
+                log.warning("atb-mem: a load took over %s s: its blocks are recomputed",
+                            self.load_timeout_s)
+            if landed < len(load.blocks):
+                self._errors.update(load.blocks[landed:])
+                self._count(load_failures=1)
+            self._count(load_seconds_sum=time.perf_counter() - load.started, loads=1)
+        return done
+
+    def _land(self, load: _Load) -> int:
+        """Copies a fetch's leading intact blocks in; returns how many."""
+        landed = 0
+        view = self._staging[0].view(-1).view(dtype=_uint8()).numpy()
+        for block, found in zip(load.blocks, load.future.result(), strict=False):
+            if found is None:
+                break
+            payload, tier = found
+            view[:] = np.frombuffer(payload, dtype=np.uint8)
+            self._to_vllm(self._staging, [0], [block])
+            landed += 1
+            self._count(**{f"loaded_blocks_{tier}": 1}, loaded_bytes=len(payload))
+        return landed
+
+    def load_errors(self) -> set[int]:
+        """vLLM blocks whose loads failed since the last call."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def _count(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self.counters[name] = self.counters.get(name, 0) + amount
+
+    def take_counters(self) -> dict[str, float]:
+        """The counts since the last call."""
+        with self._lock:
+            counters, self.counters = self.counters, {}
+        return counters
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def close(self) -> None:
+        self._fetchers.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+        for store in self.stores:
+            store.close()
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
