@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from atb_mem.integrations.vllm.metrics import AtbMemConnectorStats, AtbMemPromMetrics
 from atb_mem.integrations.vllm.scheduler import HOST, Scheduled, TierMoves, TierScheduler
 from atb_mem.integrations.vllm.settings import ConnectorSettings
 from atb_mem.integrations.vllm.worker import TierWorker
@@ -44,27 +45,6 @@ class AtbMemConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's moves, from the scheduler side to every worker."""
 
     moves: TierMoves = field(default_factory=TierMoves)
-
-
-@dataclass
-class AtbMemConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Counts since the last report: ``loaded_blocks_TIER``, ``saved_blocks_TIER``,
-    ``loaded_bytes``, ``saved_bytes``, ``load_failures``, ``corrupt_blocks``, ``loads``,
-    ``load_seconds_sum``, ``hit_tokens``, ``lookups``, ``host_full``, ..."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> AtbMemConnectorStats:
-        for name, amount in other.data.items():
-            self.data[name] = self.data.get(name, 0) + amount
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 def weights_identity(model: str, revision: str | None) -> str:
@@ -149,6 +129,9 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        # A tier is a cache: a block it fails to load is recomputed, never the request's
+        # end. vLLM's scheduler reads the policy after making its connector.
+        transfer.kv_load_failure_policy = "recompute"
         model = vllm_config.model_config
         weights = self.settings.kv_identity or weights_identity(model.model, model.revision)
         layout, block_size, block_bytes = _layout(vllm_config, kv_cache_config, weights)
@@ -308,4 +291,10 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVConnectorStats | None:
         return AtbMemConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> AtbMemPromMetrics:
+        return AtbMemPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -125,10 +125,15 @@ class TierScheduler:
                                  hash_block_size=hash_block_size,
                                  eviction_policy=eviction_policy,  # type: ignore[arg-type]
                                  enable_kv_events=enable_kv_events)
+        # The longest sequence the index can hold: it raises ValueError, not
+        # OutOfMemoryError, for a longer one.
+        self._max_tokens = num_host_blocks * block_size
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
-        self.counters: dict[str, int] = {"lookups": 0, "host_full": 0, "hit_tokens": 0}
+        self.counters: dict[str, int] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
+                                         "store_errors": 0}
+        self._errors_seen = 0
 
     # ---- a request arrives (or comes back) --------------------------------------------------
 
@@ -148,6 +153,8 @@ class TierScheduler:
         if self.host and count:
             seq_id = next(self._seq_ids)
             try:
+                if count > self._max_tokens:
+                    raise OutOfMemoryError("longer than the host tier")
                 host_hit = self.index.alloc_sequence(seq_id, snapshot, cache_salt=salt)
             except OutOfMemoryError:  # every host block pinned: served by the stores only
                 self.counters["host_full"] += 1
@@ -272,6 +279,8 @@ class TierScheduler:
         if tokens <= length:
             return
         try:
+            if tokens > self._max_tokens:
+                raise OutOfMemoryError("longer than the host tier")
             self.index.append_tokens([seq_id], tokens - length,
                                      token_ids=list(request.tokens[length:tokens]))
         except OutOfMemoryError:
@@ -297,7 +306,10 @@ class TierScheduler:
             self.index.free_sequence(request.seq_id)
 
     def take_counters(self) -> dict[str, int]:
-        """The counts since the last call."""
+        """The counts since the last call (a store's failed lookups in ``store_errors``)."""
+        errors = sum(getattr(store, "errors", 0) for store in self.stores)
+        self.counters["store_errors"] += errors - self._errors_seen
+        self._errors_seen = errors
         counters = {name: amount for name, amount in self.counters.items() if amount}
         self.counters = dict.fromkeys(self.counters, 0)
         return counters

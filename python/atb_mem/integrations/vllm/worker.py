@@ -62,6 +62,7 @@ class TierWorker:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="atb-mem-vllm-save")
         self._lock = threading.Lock()  # the counters, which the writer updates too
         self._pending_puts = 0
+        self._errors_seen = 0
         self.counters: dict[str, float] = {}
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -257,7 +258,10 @@ class TierWorker:
                 self.counters[name] = self.counters.get(name, 0) + amount
 
     def take_counters(self) -> dict[str, float]:
-        """The counts since the last call."""
+        """The counts since the last call (a store's failed calls in ``store_errors``)."""
+        errors = sum(getattr(store, "errors", 0) for store in self.stores)
+        self._count(store_errors=errors - self._errors_seen)
+        self._errors_seen = errors
         with self._lock:
             counters, self.counters = self.counters, {}
         return counters

@@ -1,0 +1,157 @@
+"""``AtbMemConnector`` inside vLLM's CPU build, end to end: a tiny random-weight Llama (fp32,
+token-id prompts, greedy), vLLM's prefix caching off so that only the connector can serve a
+repeat. Every output is compared token for token (and logprob) with vLLM without the
+connector, and every test asserts how many tokens vLLM took from the connector, so none
+passes with zero hits. vLLM starts in 20-45 s here: each test starts as few as it needs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.vllm_process import VllmProcess, tiny_llama, token_prompt
+from tests.support.mooncake import mooncake_master
+
+P = token_prompt(1, 300)
+Q = P[:176] + token_prompt(2, 100)  # shares 128 + 3·16 tokens with P
+S = P[:64] + token_prompt(3, 150)  # shares 4·16 tokens, inside P's first block
+U = token_prompt(4, 290)
+V = token_prompt(5, 270)
+W = token_prompt(6, 280)
+PROMPTS = [P, Q, S, U, V, W]
+HOST = {"host": "64MiB", "hash_block_size": 16}
+FAULTS = "tests.integrations.vllm.faulty_connectors"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
+    """vLLM alone: each prompt's tokens and logprobs."""
+    log = tmp_path_factory.mktemp("alone") / "vllm.log"
+    with VllmProcess(model, log, [{"prompts": PROMPTS}]) as vllm:
+        result = vllm.run()
+    assert result["cached"] == [0] * len(PROMPTS)
+    return {tuple(prompt): (tokens, logprobs) for prompt, tokens, logprobs in
+            zip(PROMPTS, result["tokens"], result["logprobs"], strict=True)}
+
+
+def assert_as_alone(expected: dict[tuple[int, ...], Any], prompts: list[list[int]],
+                    result: dict[str, Any]) -> None:
+    for at, prompt in enumerate(prompts):
+        tokens, logprobs = expected[tuple(prompt)]
+        assert result["tokens"][at] == tokens, f"prompt {at}: tokens differ from vLLM alone"
+        assert all(math.isclose(a, b, abs_tol=1e-4)
+                   for a, b in zip(result["logprobs"][at], logprobs, strict=True)), \
+            f"prompt {at}: logprobs differ from vLLM alone"
+
+
+def test_the_host_tier_serves_repeats_and_hits_finer_than_a_block(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    prompts = [P, P, Q, S]
+    with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": prompts}], HOST) as vllm:
+        result = vllm.run()
+    # 300 tokens: two whole 128-token blocks; Q: one block and three 16-token pieces of
+    # the next, copied whole; S: four pieces of the first.
+    assert result["cached"] == [0, 256, 176, 64]
+    counters = result["counters"]
+    assert counters["vllm:external_prefix_cache_hits"] == 256 + 176 + 64
+    assert counters["vllm:atb_mem_loaded_blocks{HOST}"] == 2 + 2 + 1
+    assert_as_alone(expected, prompts, result)
+
+
+def test_loading_zeros_instead_changes_the_tokens(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    """The negative control: the comparison above can fail."""
+    with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": [P, P]}], HOST,
+                     connector="ZeroLoadsConnector", module=FAULTS) as vllm:
+        result = vllm.run()
+    assert result["cached"] == [0, 256]
+    assert result["tokens"][0] == expected[tuple(P)][0]
+    assert result["tokens"][1] != expected[tuple(P)][0]
+
+
+def _disk_files(folder: Path, prompt: list[int]) -> list[Path]:
+    """The disk tier's files of ``prompt``'s whole blocks, in order."""
+    import atb_mem
+
+    hashes = atb_mem.KVCachePool(2, 128, hash_block_size=16).block_hashes(prompt)
+    files = []
+    for words in hashes[:(len(prompt) - 1) // 128]:
+        found = list(folder.glob(f"*/*{int(words[0]):016x}{int(words[1]):016x}.kv"))
+        assert len(found) == 1, f"no disk file for a block of the prompt: {found}"
+        files.append(found[0])
+    return files
+
+
+def test_a_fresh_vllm_loads_from_the_disk_tier_and_recomputes_damaged_files(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    tiers = {**HOST, "disk": [str(disk), "64MiB"]}
+    # The disk writes a block on its second sighting: the repeat, served by the host.
+    first = [P, P, U, U, V, V]
+    with VllmProcess(model, tmp_path / "first.log", [{"prompts": first}], tiers) as vllm:
+        result = vllm.run()
+    assert result["cached"] == [0, 256] * 3
+    assert_as_alone(expected, first, result)
+    files = {tuple(prompt): _disk_files(disk, prompt) for prompt in (P, U, V)}
+
+    phases: list[dict[str, Any]] = [{"prompts": [P]}, {"prompts": [U]}, {"prompts": [V]}]
+    with VllmProcess(model, tmp_path / "second.log", phases, tiers) as vllm:
+        result = vllm.run()
+        assert result["cached"] == [256]
+        assert result["counters"]["vllm:atb_mem_loaded_blocks{DISK}"] == 2
+        assert_as_alone(expected, [P], result)
+
+        damaged = files[tuple(U)][0]
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+        result = vllm.run()
+        assert_as_alone(expected, [U], result)
+        counters = result["counters"]
+        assert counters["vllm:atb_mem_load_failures"] == 1
+        assert counters["vllm:atb_mem_corrupt_blocks"] == 1
+        assert counters["vllm:atb_mem_loaded_blocks{DISK}"] == 2
+
+        truncated = files[tuple(V)][1]
+        truncated.write_bytes(truncated.read_bytes()[:100])
+        result = vllm.run()
+        assert_as_alone(expected, [V], result)
+        counters = result["counters"]
+        assert counters["vllm:atb_mem_load_failures"] == 2
+        assert counters["vllm:atb_mem_loaded_blocks{DISK}"] == 3  # V's first block landed
+
+
+def test_two_vllm_processes_share_blocks_through_mooncake(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    with mooncake_master() as master:
+        tiers = {**HOST, "store": master.url}
+        writer = VllmProcess(model, tmp_path / "writer.log", [{"prompts": [P, W]}], tiers)
+        reader = VllmProcess(model, tmp_path / "reader.log",
+                             [{"prompts": [P]}, {"prompts": [W]}], tiers)
+        with writer, reader:
+            assert_as_alone(expected, [P, W], writer.run())
+            result = reader.run()
+            assert result["cached"] == [256]
+            assert result["counters"]["vllm:atb_mem_loaded_blocks{MOONCAKE}"] == 2
+            assert_as_alone(expected, [P], result)
+
+            master.kill()  # W's blocks are in the writer's segment, the master is gone
+            result = reader.run()
+            assert result["cached"] == [0]
+            assert_as_alone(expected, [W], result)
+            assert result["counters"].get("vllm:atb_mem_store_errors", 0) >= 1
+
+
+def test_a_bad_extra_config_fails_start_up_naming_the_key(model: Path, tmp_path: Path) -> None:
+    message = VllmProcess(model, tmp_path / "vllm.log", [], {"host": "64MiB", "hoast": 1}
+                          ).start_error()
+    assert "unknown key 'hoast'" in message
