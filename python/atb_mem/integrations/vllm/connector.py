@@ -13,6 +13,7 @@ Its scheduler role (in vLLM's engine-core process) is ``TierScheduler``; its wor
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from atb_mem.integrations.vllm.metrics import AtbMemConnectorStats, AtbMemPromMetrics
-from atb_mem.integrations.vllm.scheduler import HOST, Scheduled, TierMoves, TierScheduler
+from atb_mem.integrations.vllm.scheduler import (
+    HOST,
+    Scheduled,
+    StoreLookup,
+    TierMoves,
+    TierScheduler,
+)
 from atb_mem.integrations.vllm.settings import ConnectorSettings
 from atb_mem.integrations.vllm.worker import TierWorker
 from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore, layout_identity
@@ -77,6 +84,9 @@ def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, 
         raise ValueError(f"AtbMemConnector serves models of one KV-cache group (full "
                          f"attention); this one has {len(groups)}")
     spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
+    if type(spec).__name__ != "FullAttentionSpec":
+        raise ValueError(f"AtbMemConnector serves full-attention models; this one's KV cache "
+                         f"is {type(spec).__name__}")
     parallel = vllm_config.parallel_config
     attention = getattr(vllm_config, "attention_config", None)
     identity = layout_identity(
@@ -85,17 +95,21 @@ def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, 
         spec=type(spec).__name__, layout=getattr(kv_cache_config, "kv_cache_layout", None),
         backend=str(getattr(attention, "backend", None)),
         device=vllm_config.device_config.device_type,
-        tensor_parallel=parallel.tensor_parallel_size,
-        pipeline_parallel=parallel.pipeline_parallel_size)
+        tensor_parallel=parallel.tensor_parallel_size)
     return identity, spec.block_size, spec.page_size_bytes * layers
 
 
-def _open_stores(settings: ConnectorSettings) -> list[KVStore]:
+def _open_stores(settings: ConnectorSettings, disk_identities: list[str],
+                 ranks: int) -> list[KVStore]:
+    """The disk tier (a folder per rank identity in ``disk_identities``, each with its share
+    of the capacity) and the store. The scheduler side asks for every rank's folder; a
+    worker for its own."""
     stores: list[KVStore] = []
     try:
         if settings.disk_path is not None:
-            stores.append(DiskStore(settings.disk_path, settings.disk_bytes,
-                                    min_seen=settings.disk_min_seen))
+            stores.extend(DiskStore(settings.disk_path, settings.disk_bytes // ranks,
+                                    min_seen=settings.disk_min_seen)
+                          for _ in disk_identities)
         if settings.store_url is not None:
             stores.append(MooncakeStore(settings.store_url))
     except Exception:
@@ -107,18 +121,30 @@ def _open_stores(settings: ConnectorSettings) -> list[KVStore]:
 
 class _DiskLookup:
     """The scheduler's view of the disk tier, which the workers (other processes) write:
-    whether a block's file is there now."""
+    whether a block's file is in its rank's folder now."""
 
     name, medium = "DISK", "disk"
 
-    def __init__(self, store: DiskStore) -> None:
-        self.store = store
+    def __init__(self, folders: dict[str, DiskStore]) -> None:
+        self.folders = folders
 
-    def exists(self, keys: list[str]) -> list[bool]:
-        return self.store.files_exist(keys)
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        # A key is atb/IDENTITY/HASH (store.block_key).
+        return [self.folders[key.split("/")[1]].files_exist([key])[0] for key in keys]
 
     def close(self) -> None:
-        self.store.close()
+        for store in self.folders.values():
+            store.close()
+
+
+def _check_parallelism(vllm_config: Any) -> int:
+    """The tensor-parallel ranks; pipeline stages would write different layers under one
+    key, so they are refused."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError(f"AtbMemConnector does not support pipeline parallelism "
+                         f"(pipeline_parallel_size={parallel.pipeline_parallel_size})")
+    return int(parallel.tensor_parallel_size)
 
 
 class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -132,43 +158,50 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # A tier is a cache: a block it fails to load is recomputed, never the request's
         # end. vLLM's scheduler reads the policy after making its connector.
         transfer.kv_load_failure_policy = "recompute"
+        ranks = _check_parallelism(vllm_config)
         model = vllm_config.model_config
         weights = self.settings.kv_identity or weights_identity(model.model, model.revision)
         layout, block_size, block_bytes = _layout(vllm_config, kv_cache_config, weights)
         hash_block_size = self.settings.hash_block_size_for(block_size)
         num_host_blocks = self.settings.num_host_blocks(block_bytes)
-        ranks = vllm_config.parallel_config.tensor_parallel_size
         identities = [f"{layout}-tp{rank}" for rank in range(ranks)]
-        stores = _open_stores(self.settings)
         self._scheduler: TierScheduler | None = None
         self._worker: TierWorker | None = None
-        self._layout = layout
-        try:
-            for store in stores:
-                register = getattr(store, "register_layout", None)
-                if register is not None and role == KVConnectorRole.SCHEDULER:
-                    register(layout, 1)  # the workers check the capacity
-            if role == KVConnectorRole.SCHEDULER:
-                lookups = [_DiskLookup(store) if isinstance(store, DiskStore) else store
-                           for store in stores]
-                self._scheduler = TierScheduler(
-                    block_size=block_size, hash_block_size=hash_block_size,
-                    num_host_blocks=num_host_blocks,
-                    eviction_policy=self.settings.eviction_policy, stores=lookups,
-                    identities=identities,
-                    enable_kv_events=bool(getattr(vllm_config.kv_events_config,
-                                                  "enable_kv_cache_events", False)))
-            else:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        if role == KVConnectorRole.SCHEDULER:
+            stores = _open_stores(self.settings, identities, ranks)
+            disks = [store for store in stores if isinstance(store, DiskStore)]
+            try:
+                for store in stores:  # the workers check the capacity against a block
+                    register = getattr(store, "register_layout", None)
+                    if register is not None:
+                        register(identities[disks.index(store)] if store in disks
+                                 else layout, 1)
+            except Exception:
+                for store in stores:
+                    store.close()
+                raise
+            lookups: list[StoreLookup] = [store for store in stores if store not in disks]
+            if disks:
+                lookups.insert(0, _DiskLookup(dict(zip(identities, disks, strict=True))))
+            self._scheduler = TierScheduler(
+                block_size=block_size, hash_block_size=hash_block_size,
+                num_host_blocks=num_host_blocks,
+                eviction_policy=self.settings.eviction_policy, stores=lookups,
+                identities=identities,
+                enable_kv_events=bool(getattr(vllm_config.kv_events_config,
+                                              "enable_kv_cache_events", False)))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-                self._worker = TierWorker(
-                    num_host_blocks=num_host_blocks, stores=stores, layout=layout,
-                    identity=identities[get_tensor_model_parallel_rank()],
-                    load_timeout_s=self.settings.load_timeout_s)
-        except Exception:
-            for store in stores:
-                store.close()
-            raise
+            identity = identities[get_tensor_model_parallel_rank()]
+            self._worker = TierWorker(
+                num_host_blocks=num_host_blocks,
+                stores=_open_stores(self.settings, [identity], ranks), layout=identity,
+                identity=identity, load_timeout_s=self.settings.load_timeout_s)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a save that never happened is only a later miss
 
     # ---- worker side ------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class AtbMemConnectorStats(KVConnectorStats):  # type: ignore[misc]
     ``load_seconds_sum``, ``hit_tokens``, ``lookups``, ``host_full``, ..."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> AtbMemConnectorStats:
         for name, amount in other.data.items():

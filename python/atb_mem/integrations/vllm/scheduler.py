@@ -35,17 +35,27 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
-from atb_mem.kv.tiers.store import KVStore, block_key
+from atb_mem.kv.tiers.store import block_key
 
-__all__ = ["HOST", "Scheduled", "TierMoves", "TierScheduler"]
+__all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
+
+
+class StoreLookup(Protocol):
+    """What the scheduler side asks a disk or a store: which keys it holds now."""
+
+    name: str
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -99,7 +109,7 @@ class _Request:
     partial: bool
     """Whether the host's hit ends inside block ``host_whole`` (copied into its own)."""
     holders: list[tuple[str, ...]]
-    """Per block from ``host_whole`` on, before the last token: the stores holding it."""
+    """Per block before the last token's: the stores holding it."""
     store_run: int
     hit_tokens: dict[str, int] = field(default_factory=dict)
     vllm_blocks: list[int] = field(default_factory=list)
@@ -114,7 +124,7 @@ class TierScheduler:
     rank by ``identities`` (a block is held only when every rank's shard is)."""
 
     def __init__(self, *, block_size: int, hash_block_size: int, num_host_blocks: int,
-                 eviction_policy: str, stores: Sequence[KVStore], identities: Sequence[str],
+                 eviction_policy: str, stores: Sequence[StoreLookup], identities: Sequence[str],
                  enable_kv_events: bool = False) -> None:
         self.block_size = block_size
         self.stores = list(stores)
@@ -131,7 +141,7 @@ class TierScheduler:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
-        self.counters: dict[str, int] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
+        self.counters: dict[str, float] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
                                          "store_errors": 0}
         self._errors_seen = 0
 
@@ -166,8 +176,9 @@ class TierScheduler:
                 self._pending.host_copies.extend(
                     (int(src), int(dst)) for src, dst in self.index.take_pending_copies())
         host_whole = host_hit // block_size
-        holders = self._holders(hashes[host_whole:most])
-        run = next((at for at, held in enumerate(holders) if not held), len(holders))
+        holders = self._holders(hashes[:most])
+        after = holders[host_whole:]
+        run = next((at for at, held in enumerate(after) if not held), len(after))
         # A whole block from a store brings the pieces the host's copy has.
         total = (host_whole + run) * block_size if run else host_hit
         partial = not run and host_hit % block_size > 0
@@ -214,7 +225,7 @@ class TierScheduler:
                 tier = HOST
                 self._pending.host_loads.append((request.host_table[index], target))
             else:
-                tier = request.holders[index - request.host_whole][0]
+                tier = request.holders[index][0]
                 words = request.hashes[index]
                 self._pending.store_loads.setdefault(req_id, []).append(
                     (int(words[0]), int(words[1]), target))
@@ -259,8 +270,7 @@ class TierScheduler:
         for index in range(request.saved, full):
             if host and index >= request.host_whole:
                 moves.saves.append((request.vllm_blocks[index], request.host_table[index]))
-            at = index - request.host_whole
-            held = request.holders[at] if 0 <= at < len(request.holders) else ()
+            held = request.holders[index] if index < len(request.holders) else ()
             lacking = tuple(store.name for store in self.stores if store.name not in held)
             if lacking:
                 words = request.hashes[index]
@@ -305,7 +315,7 @@ class TierScheduler:
             # pieces and the blocks whose saves were planned, each in a step's moves.
             self.index.free_sequence(request.seq_id)
 
-    def take_counters(self) -> dict[str, int]:
+    def take_counters(self) -> dict[str, float]:
         """The counts since the last call (a store's failed lookups in ``store_errors``)."""
         errors = sum(getattr(store, "errors", 0) for store in self.stores)
         self.counters["store_errors"] += errors - self._errors_seen

@@ -135,8 +135,9 @@ class ConnectorSettings:
         than the machine has."""
         if self.host_bytes == 0:
             return 0
-        page = os.sysconf("SC_PAGE_SIZE")
-        if self.host_bytes > os.sysconf("SC_PHYS_PAGES") * page:
+        from atb_mem.kv.cache_pool import device_memory
+
+        if self.host_bytes > device_memory("host")[1]:
             raise _fail("host", f"{self.host_bytes} bytes is more than this machine's memory")
         blocks = self.host_bytes // block_bytes
         if blocks < 1:

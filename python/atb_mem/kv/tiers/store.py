@@ -93,7 +93,7 @@ def layout_identity(**parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def block_key(identity: str, hash_words: np.ndarray) -> str:
+def block_key(identity: str, hash_words: np.ndarray | Sequence[int]) -> str:
     """The store key of the block whose chain hash is ``hash_words`` (two uint64)."""
     return f"atb/{identity}/{int(hash_words[0]):016x}{int(hash_words[1]):016x}"
 
