@@ -155,3 +155,33 @@ def test_a_bad_extra_config_fails_start_up_naming_the_key(model: Path, tmp_path:
     message = VllmProcess(model, tmp_path / "vllm.log", [], {"host": "64MiB", "hoast": 1}
                           ).start_error()
     assert "unknown key 'hoast'" in message
+
+
+def test_an_abort_and_preemptions_while_disk_loads_are_in_flight_free_everything(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    tiers = {**HOST, "disk": [str(disk), "64MiB"]}
+    with VllmProcess(model, tmp_path / "first.log", [{"prompts": [P, P, U, U]}], tiers) as vllm:
+        vllm.run()
+    # Every disk read takes a second; nine blocks of 128 tokens for three requests that
+    # grow to six blocks each: vLLM preempts while U's load is in flight.
+    phases: list[dict[str, Any]] = [
+        {"abort": P, "prompts": [Q]},
+        {"prompts": [U, V, W], "together": True, "max_tokens": 400}]
+    with VllmProcess(model, tmp_path / "second.log", phases, tiers,
+                     connector="SlowStoresConnector", module=FAULTS, in_process=True,
+                     num_blocks=10, max_model_len=1024) as vllm:
+        result = vllm.run()
+        assert result["waited"], "the aborted request never waited for its disk load"
+        assert result["cached"] == [128]  # Q's first block is P's, on the disk
+        assert_as_alone(expected, [Q], result)
+        assert result["held"] == {"free_blocks": 9, "requests": 0, "connector_requests": 0,
+                                  "loading": 0}
+
+        result = vllm.run()
+        assert result["counters"]["vllm:num_preemptions"] > 0
+        assert result["counters"]["vllm:atb_mem_loaded_blocks{DISK}"] >= 1 + 2
+        for at, prompt in enumerate([U, V, W]):
+            assert result["tokens"][at][:8] == expected[tuple(prompt)][0]
+        assert result["held"] == {"free_blocks": 9, "requests": 0, "connector_requests": 0,
+                                  "loading": 0}

@@ -5,13 +5,18 @@ prompts, vLLM's prefix caching off so that only the connector serves a repeat), 
 ``READY``, then per phase waits for a line on stdin (the test acts in between: corrupts a
 file, kills a server; ``stop`` ends it) and prints ``RESULT {json}``: each prompt's greedy
 tokens, their logprobs, ``num_cached_tokens``, and vLLM's counters. Requests of a phase run
-one after another, so a repeat can hit what the one before it saved.
+one after another, so a repeat can hit what the one before it saved, or ``together``. With
+``in_process`` vLLM's scheduler and worker run in this process: a phase may first ``abort``
+a request while its load is in flight, and its result says what vLLM and the connector
+still hold once every request ended (``held``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from typing import Any
 
 
@@ -27,8 +32,48 @@ def _counters(llm: Any) -> dict[str, float]:
     return found
 
 
+def _drained(llm: Any) -> dict[str, int]:
+    """Steps (with 1-token requests) until vLLM holds no request and no load is in flight
+    (an aborted request's load ends on a later step); then what is still held."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    worker = get_kv_transfer_group()._worker
+    for _ in range(200):
+        if not scheduler.requests and not worker.num_loading:
+            break
+        llm.generate([{"prompt_token_ids": [7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        time.sleep(0.05)
+    pool = scheduler.kv_cache_manager.block_pool
+    return {"free_blocks": pool.get_num_free_blocks(), "requests": len(scheduler.requests),
+            "connector_requests": scheduler.connector._scheduler.num_requests,
+            "loading": worker.num_loading}
+
+
+def _abort_in_flight(llm: Any, prompt: list[int], params: Any) -> bool:
+    """Starts ``prompt``, aborts it while its disk or store load is in flight; whether it
+    was seen waiting for that load."""
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    engine.add_request("in-flight", {"prompt_token_ids": prompt}, params)
+    waiting = False
+    for _ in range(100):
+        engine.step()
+        if any(request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+               for request in scheduler.requests.values()):
+            waiting = True
+            break
+    engine.abort_request(["in-flight"])
+    return waiting
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
+    if job.get("in_process"):  # the scheduler and the worker inspectable from here
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     arguments: dict[str, Any] = dict(
@@ -36,6 +81,10 @@ def main() -> None:
         enable_prefix_caching=False, max_model_len=job.get("max_model_len", 2048),
         max_num_seqs=job.get("max_num_seqs", 8), enforce_eager=True, disable_log_stats=False,
         seed=0)
+    if job.get("in_process"):
+        arguments["distributed_executor_backend"] = "uni"
+    if job.get("num_blocks"):
+        arguments["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("extra") is not None:
         arguments["kv_transfer_config"] = {
             "kv_connector": job.get("connector", "AtbMemConnector"),
@@ -53,15 +102,22 @@ def main() -> None:
             break
         params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0,
                                 logprobs=0)
-        result: dict[str, list[Any]] = {"tokens": [], "logprobs": [], "cached": []}
-        for prompt in phase["prompts"]:
-            output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        result: dict[str, Any] = {"tokens": [], "logprobs": [], "cached": []}
+        if "abort" in phase:
+            result["waited"] = _abort_in_flight(llm, phase["abort"], params)
+        together = phase.get("together", False)  # one batch: they compete for blocks
+        batches = [phase["prompts"]] if together else [[prompt] for prompt in phase["prompts"]]
+        outputs = [output for batch in batches for output in llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in batch], params, use_tqdm=False)]
+        for output in outputs:
             completion = output.outputs[0]
             result["tokens"].append(list(completion.token_ids))
             result["logprobs"].append([
                 float(step[token].logprob) for step, token in
                 zip(completion.logprobs or [], completion.token_ids, strict=True)])
             result["cached"].append(output.num_cached_tokens)
+        if job.get("in_process"):
+            result["held"] = _drained(llm)
         print("RESULT " + json.dumps({**result, "counters": _counters(llm)}), flush=True)
 
 
