@@ -14,6 +14,7 @@ import pytest
 
 from tests.integrations.vllm.vllm_process import VllmProcess, tiny_llama, token_prompt
 from tests.support.mooncake import mooncake_master
+from tests.support.processes import free_port
 
 P = token_prompt(1, 300)
 Q = P[:176] + token_prompt(2, 100)  # shares 128 + 3·16 tokens with P
@@ -97,10 +98,15 @@ def test_a_fresh_vllm_loads_from_the_disk_tier_and_recomputes_damaged_files(
     tiers = {**HOST, "disk": [str(disk), "64MiB"]}
     # The disk writes a block on its second sighting: the repeat, served by the host.
     first = [P, P, U, U, V, V]
-    with VllmProcess(model, tmp_path / "first.log", [{"prompts": first}], tiers) as vllm:
+    with VllmProcess(model, tmp_path / "first.log", [{"prompts": first}], tiers,
+                     kv_events_port=free_port()) as vllm:
         result = vllm.run()
     assert result["cached"] == [0, 256] * 3
     assert_as_alone(expected, first, result)
+    # vLLM's own KV-event stream names the tiers: the host took each computed block, the
+    # disk the ones seen twice.
+    assert result["events"].get("BlockStored/CPU") == 6
+    assert result["events"].get("BlockStored/DISK") == 6
     files = {tuple(prompt): _disk_files(disk, prompt) for prompt in (P, U, V)}
 
     phases: list[dict[str, Any]] = [{"prompts": [P]}, {"prompts": [U]}, {"prompts": [V]}]

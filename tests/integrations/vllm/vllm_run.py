@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -70,6 +71,46 @@ def _abort_in_flight(llm: Any, prompt: list[int], params: Any) -> bool:
     return waiting
 
 
+class _EventCounts:
+    """Blocks per ``KIND/MEDIUM`` in vLLM's KV-event stream (ZMQ), from a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.counts: dict[str, int] = {}
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.bind(endpoint)  # vLLM's publisher connects to a host:port endpoint
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            _, _, payload = self._socket.recv_multipart()
+            try:
+                batch = decoder.decode(payload)
+            except Exception as error:  # shown in the result
+                self.counts[f"undecodable: {error}"] = 1
+                continue
+            for event in batch.events:
+                name = f"{type(event).__name__}/{getattr(event, 'medium', None)}"
+                blocks = len(getattr(event, "block_hashes", ()))
+                self.counts[name] = self.counts.get(name, 0) + blocks
+
+    def settled(self) -> dict[str, int]:
+        """The counts once none changed for half a second (at most 10 s)."""
+        last: dict[str, int] | None = None
+        for _ in range(20):
+            time.sleep(0.5)
+            if self.counts == last:
+                break
+            last = dict(self.counts)
+        return dict(self.counts)
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     if job.get("in_process"):  # the scheduler and the worker inspectable from here
@@ -83,6 +124,12 @@ def main() -> None:
         seed=0)
     if job.get("in_process"):
         arguments["distributed_executor_backend"] = "uni"
+    events = None
+    if job.get("kv_events_port"):
+        endpoint = f"tcp://127.0.0.1:{job['kv_events_port']}"
+        arguments["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                         "endpoint": endpoint}
+        events = _EventCounts(endpoint)
     if job.get("num_blocks"):
         arguments["num_gpu_blocks_override"] = job["num_blocks"]
     if job.get("extra") is not None:
@@ -118,6 +165,8 @@ def main() -> None:
             result["cached"].append(output.num_cached_tokens)
         if job.get("in_process"):
             result["held"] = _drained(llm)
+        if events is not None:
+            result["events"] = events.settled()
         print("RESULT " + json.dumps({**result, "counters": _counters(llm)}), flush=True)
 
 

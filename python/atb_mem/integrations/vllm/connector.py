@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -27,6 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from atb_mem.integrations.vllm.events import (
+    AtbMemKVEvents,
+    host_events,
+    tier_events,
+    worker_events,
+)
 from atb_mem.integrations.vllm.metrics import AtbMemConnectorStats, AtbMemPromMetrics
 from atb_mem.integrations.vllm.scheduler import (
     HOST,
@@ -167,6 +173,9 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         identities = [f"{layout}-tp{rank}" for rank in range(ranks)]
         self._scheduler: TierScheduler | None = None
         self._worker: TierWorker | None = None
+        self._tier_events: AtbMemKVEvents | None = None
+        self._block_size = block_size
+        events = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
             stores = _open_stores(self.settings, identities, ranks)
             disks = [store for store in stores if isinstance(store, DiskStore)]
@@ -187,9 +196,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 block_size=block_size, hash_block_size=hash_block_size,
                 num_host_blocks=num_host_blocks,
                 eviction_policy=self.settings.eviction_policy, stores=lookups,
-                identities=identities,
-                enable_kv_events=bool(getattr(vllm_config.kv_events_config,
-                                              "enable_kv_cache_events", False)))
+                identities=identities, enable_kv_events=events)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -198,6 +205,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_host_blocks=num_host_blocks,
                 stores=_open_stores(self.settings, [identity], ranks), layout=identity,
                 identity=identity, load_timeout_s=self.settings.load_timeout_s)
+            self._worker.record_events = events
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -300,25 +308,28 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         return self._scheduler.finished(request.request_id), None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        batch = connector_output.kv_cache_events
+        if isinstance(batch, AtbMemKVEvents):
+            if self._tier_events is None:
+                self._tier_events = batch
+            else:
+                self._tier_events.add_events(batch.get_all_events())
+                self._tier_events.increment_workers(batch.get_number_of_workers())
+
     def take_events(self) -> list[KVCacheEvent]:
         if self._scheduler is None:
             return []
-        events: list[KVCacheEvent] = []
-        for event in self._scheduler.take_events():
-            hashes = [int(words[0]) << 64 | int(words[1]) for words in
-                      event.block_hashes.reshape(-1, 2)] if hasattr(event, "block_hashes") \
-                else []
-            if type(event).__name__ == "BlockStored":
-                parent = event.parent_block_hash
-                events.append(BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None if parent is None else
-                    int(parent[0]) << 64 | int(parent[1]),
-                    token_ids=event.token_ids.tolist(), block_size=self._scheduler.block_size,
-                    lora_id=None, medium="CPU", lora_name=None))
-            elif type(event).__name__ == "BlockRemoved":
-                events.append(BlockRemoved(block_hashes=hashes, medium="CPU"))
+        events = host_events(self._scheduler.take_events(), self._scheduler.block_size)
+        if self._tier_events is not None:
+            events += tier_events(self._tier_events, self._scheduler.name_of)
+            self._tier_events = None
         return events
+
+    def get_kv_connector_kv_cache_events(self) -> AtbMemKVEvents | None:
+        if self._worker is None:
+            return None
+        return worker_events(self._worker.take_events(), self._block_size)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

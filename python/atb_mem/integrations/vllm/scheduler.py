@@ -33,6 +33,7 @@ A request's life here:
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +44,9 @@ from atb_mem._core import KVCachePool, OutOfMemoryError
 from atb_mem.kv.tiers.store import block_key
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
+
+# Blocks put to the stores whose names are kept for their KV events.
+_MAX_NAMES = 1 << 14
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
@@ -141,6 +145,10 @@ class TierScheduler:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
+        self.enable_kv_events = enable_kv_events
+        # What a block put to the stores holds (parent hash, tokens), for the KV events the
+        # workers report when a store took it; the oldest forgotten beyond _MAX_NAMES.
+        self._names: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
         self.counters: dict[str, float] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
                                          "store_errors": 0}
         self._errors_seen = 0
@@ -276,6 +284,8 @@ class TierScheduler:
                 words = request.hashes[index]
                 block = request.host_table[index] if host else request.vllm_blocks[index]
                 moves.puts.append((host, block, int(words[0]), int(words[1]), lacking))
+                if self.enable_kv_events:
+                    self._name(request, index)
         if host:
             self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
         request.saved = full
@@ -331,3 +341,15 @@ class TierScheduler:
     def take_events(self) -> Any:
         """The host index's KV events since the last call."""
         return self.index.take_events()
+
+    def _name(self, request: _Request, index: int) -> None:
+        parent = int(request.hashes[index - 1][0]) if index else None
+        self._names[int(request.hashes[index][0])] = (
+            parent, list(request.tokens[index * self.block_size:(index + 1) * self.block_size]))
+        while len(self._names) > _MAX_NAMES:
+            self._names.popitem(last=False)
+
+    def name_of(self, block_hash: int) -> tuple[int | None, list[int]]:
+        """(parent hash, token ids) of a block put to the stores, by the first 64 bits of its
+        hash (what KV events name it by); ``(None, [])`` once forgotten."""
+        return self._names.get(block_hash, (None, []))

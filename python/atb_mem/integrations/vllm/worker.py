@@ -18,13 +18,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from atb_mem.integrations.vllm.scheduler import HOST, TierMoves
-from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, unframe
+from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, key_hash, unframe
 
 __all__ = ["TierWorker"]
 
@@ -64,6 +65,8 @@ class TierWorker:
         self._pending_puts = 0
         self._errors_seen = 0
         self.counters: dict[str, float] = {}
+        self.record_events = False
+        self._events: list[tuple[str, bool, int, int]] = []
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -192,6 +195,8 @@ class TierWorker:
                 try:
                     if store.put(key, value):
                         self._count(**{f"saved_blocks_{store.name}": 1})
+                        if self.record_events:
+                            self._record(store, key)
                 except Exception as error:
                     self._count(store_errors=1)
                     log.warning("atb-mem: writing to the %s tier failed: %s", store.name,
@@ -199,6 +204,21 @@ class TierWorker:
         finally:
             with self._lock:
                 self._pending_puts -= 1
+
+    def _record(self, store: KVStore, key: str) -> None:
+        """A block ``store`` took, after the blocks it evicted for it."""
+        medium = store.medium.upper()
+        evicted: list[str] = getattr(store, "take_evicted", list)()
+        with self._lock:
+            self._events.extend((medium, False, *key_hash(name)) for name in evicted)
+            self._events.append((medium, True, *key_hash(key)))
+
+    def take_events(self) -> list[tuple[str, bool, int, int]]:
+        """(medium, stored, hash words) of the blocks the disk and the store took or evicted
+        since the last call (with ``record_events``)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
 
     def finished(self, wait_s: float = 0.0) -> set[str]:
         """Copies the fetches that arrived into their vLLM blocks; returns the requests
@@ -208,7 +228,7 @@ class TierWorker:
         if wait_s > 0 and not any(load.future.done() for load in self._loads):
             try:
                 self._loads[0].future.exception(timeout=wait_s)
-            except TimeoutError:
+            except FutureTimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         now, done = time.perf_counter(), set()
         for load in list(self._loads):
