@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,7 +235,7 @@ class TierConnector(WriteThrough):
         if wait_s > 0 and not any(load.future.done() for load in self._loads):
             try:
                 self._loads[0].future.exception(timeout=wait_s)
-            except TimeoutError:
+            except FutureTimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         now = time.perf_counter()
         ended = [load for load in self._loads
