@@ -271,7 +271,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         salt = None if lora is None and request.cache_salt is None else \
             f"{lora}\0{request.cache_salt}"
         return self._scheduler.lookup(request.request_id, request.all_token_ids,
-                                      num_computed_tokens, salt)
+                                      num_computed_tokens, salt, int(request.priority or 0))
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

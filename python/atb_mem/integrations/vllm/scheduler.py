@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
+from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
 from atb_mem.kv.tiers.store import block_key
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
@@ -156,9 +157,11 @@ class TierScheduler:
     # ---- a request arrives (or comes back) --------------------------------------------------
 
     def lookup(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int,
-               salt: str | None = None) -> tuple[int, bool]:
+               salt: str | None = None, priority: int = 0) -> tuple[int, bool]:
         """Tokens past vLLM's ``num_computed_tokens`` (block aligned) the tiers serve, and
-        whether any come from the disk or the store (an asynchronous load)."""
+        whether any come from the disk or the store (an asynchronous load). Under the
+        ``priority`` eviction policy, vLLM's request ``priority`` (lower runs first) sets
+        how long its blocks stay in the host tier: retention 35 − ``priority``, in 0..100."""
         self._release(req_id)
         self.counters["lookups"] += 1
         snapshot = list(tokens)
@@ -179,6 +182,9 @@ class TierScheduler:
                 seq_id = None
             else:
                 table = self.index.block_table(seq_id).tolist()
+                if priority and self.index.eviction_policy == "priority":
+                    retention = min(max(DEFAULT_PRIORITY - priority, 0), MAX_PRIORITY)
+                    self.index.set_retention(seq_id, [], default_priority=retention)
                 # Executed in this step before any save: the source, cached but not
                 # pinned, keeps its bytes until then.
                 self._pending.host_copies.extend(

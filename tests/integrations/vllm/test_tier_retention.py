@@ -1,0 +1,31 @@
+"""vLLM's request priority as the host tier's retention (the ``priority`` eviction policy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from atb_mem.integrations.vllm.scheduler import Scheduled, TierScheduler
+from tests.integrations.vllm.vllm_process import token_prompt
+
+
+def _saved(sched: TierScheduler, req_id: str, tokens: list[int], priority: int) -> None:
+    """A request prefilled whole, its two full blocks saved, then finished."""
+    external, _ = sched.lookup(req_id, tokens, 0, priority=priority)
+    sched.allocated(req_id, [1, 2, 3], external)
+    sched.build([Scheduled(req_id, external, len(tokens) - external, [1, 2, 3], True)])
+    sched.finished(req_id)
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("priority", "urgent"), ("lru", "recent")])
+def test_an_urgent_requests_blocks_outlive_more_recent_ones(policy: str, kept: str) -> None:
+    # Five host blocks: two requests leave two cached blocks each; a third needs three.
+    sched = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=5,
+                          eviction_policy=policy, stores=[], identities=["m-tp0"])
+    urgent, recent, third = token_prompt(10, 300), token_prompt(11, 300), token_prompt(12, 300)
+    _saved(sched, "urgent", urgent, priority=-50)  # vLLM runs lower priorities first
+    _saved(sched, "recent", recent, priority=0)
+    _saved(sched, "third", third, priority=0)
+    prompts = {"urgent": urgent, "recent": recent}
+    evicted = "recent" if kept == "urgent" else "urgent"
+    assert sched.lookup(kept, prompts[kept], 0)[0] == 256  # first: a miss would evict
+    assert sched.lookup(evicted, prompts[evicted], 0)[0] == 0
