@@ -259,6 +259,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # ---- scheduler side ---------------------------------------------------------------------
 

@@ -340,6 +340,10 @@ class TierScheduler:
         self.counters = dict.fromkeys(self.counters, 0)
         return counters
 
+    def close(self) -> None:
+        for store in self.stores:
+            store.close()
+
     @property
     def num_requests(self) -> int:
         return len(self._requests)
