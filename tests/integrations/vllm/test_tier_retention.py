@@ -1,10 +1,13 @@
-"""vLLM's request priority as the host tier's retention (the ``priority`` eviction policy)."""
+"""How long the tiers keep what they hold: vLLM's request priority as the host tier's
+retention (the ``priority`` eviction policy), and vLLM's cache reset."""
 
 from __future__ import annotations
 
 import pytest
 
 from atb_mem.integrations.vllm.scheduler import Scheduled, TierScheduler
+from atb_mem.kv.tiers.store import block_key
+from tests.integrations.vllm.fakes import FakeStore
 from tests.integrations.vllm.vllm_process import token_prompt
 
 
@@ -29,3 +32,18 @@ def test_an_urgent_requests_blocks_outlive_more_recent_ones(policy: str, kept: s
     evicted = "recent" if kept == "urgent" else "urgent"
     assert sched.lookup(kept, prompts[kept], 0)[0] == 256  # first: a miss would evict
     assert sched.lookup(evicted, prompts[evicted], 0)[0] == 0
+
+
+def test_after_a_reset_nothing_cached_before_is_served_by_any_tier() -> None:
+    """vLLM's reset_prefix_cache(reset_external=True), after new weights."""
+    store = FakeStore()
+    sched = TierScheduler(block_size=128, hash_block_size=16, num_host_blocks=8,
+                          eviction_policy="priority", stores=[store], identities=["m-tp0"])
+    prompt = token_prompt(13, 300)
+    _saved(sched, "first", prompt, priority=0)
+    # ... and the store holds its blocks too, as the workers' puts would have left them.
+    store.data = {block_key("m-tp0", words): b"" for words in sched.index.block_hashes(prompt)}
+    assert sched.lookup("again", prompt, 0)[0] == 256
+    sched.finished("again")
+    sched.reset()
+    assert sched.lookup("after", prompt, 0) == (0, False)

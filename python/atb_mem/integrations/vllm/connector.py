@@ -13,6 +13,7 @@ Its scheduler role (in vLLM's engine-core process) is ``TierScheduler``; its wor
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ from atb_mem.integrations.vllm.worker import TierWorker
 from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore, layout_identity
 
 __all__ = ["AtbMemConnector", "AtbMemConnectorMetadata", "AtbMemConnectorStats"]
+
+log = logging.getLogger("atb_mem.vllm")
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 _SOURCES = {HOST: CacheHitSource.HOST, "DISK": CacheHitSource.DISK}
@@ -83,6 +86,13 @@ def weights_identity(model: str, revision: str | None) -> str:
     return digest.hexdigest()
 
 
+def _model_config_hash(model_config: Any) -> str:
+    """vLLM's digest of what changes a model's K/V beside its weights (its config,
+    overrides, quantization, ...), where this vLLM has one."""
+    compute = getattr(model_config, "compute_hash", None)
+    return str(compute()) if compute is not None else repr(model_config.hf_config)
+
+
 def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, int, int]:
     """(layout identity, vLLM block size, bytes of a block across one rank's layers)."""
     groups = kv_cache_config.kv_cache_groups
@@ -96,7 +106,8 @@ def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, 
     parallel = vllm_config.parallel_config
     attention = getattr(vllm_config, "attention_config", None)
     identity = layout_identity(
-        weights=weights, dtype=str(spec.dtype), block_size=spec.block_size,
+        weights=weights, model_config=_model_config_hash(vllm_config.model_config),
+        dtype=str(spec.dtype), block_size=spec.block_size,
         kv_heads=spec.num_kv_heads, head_size=spec.head_size, layers=layers,
         spec=type(spec).__name__, layout=getattr(kv_cache_config, "kv_cache_layout", None),
         backend=str(getattr(attention, "backend", None)),
@@ -134,9 +145,17 @@ class _DiskLookup:
     def __init__(self, folders: dict[str, DiskStore]) -> None:
         self.folders = folders
 
+        self.errors = 0
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        # A key is atb/IDENTITY/HASH (store.block_key).
-        return [self.folders[key.split("/")[1]].files_exist([key])[0] for key in keys]
+        # A key is atb/IDENTITY/HASH (store.block_key). A folder that cannot be read (a
+        # stale mount, permissions) holds nothing: the scheduler must not raise.
+        try:
+            return [self.folders[key.split("/")[1]].files_exist([key])[0] for key in keys]
+        except OSError as error:
+            self.errors += 1
+            log.warning("atb-mem: looking blocks up on the disk tier failed: %s", error)
+            return [False] * len(keys)
 
     def close(self) -> None:
         for store in self.folders.values():
@@ -269,11 +288,20 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
             return 0, False  # their blocks' keys would need what the tokens do not say
-        lora = request.lora_request.lora_name if request.lora_request is not None else None
-        salt = None if lora is None and request.cache_salt is None else \
-            f"{lora}\0{request.cache_salt}"
+        lora = request.lora_request
+        # vLLM keys an adapter by name and path, so a name pointed at new weights is new.
+        adapter = None if lora is None else (lora.lora_name, lora.lora_path)
+        salt = None if adapter is None and request.cache_salt is None else \
+            repr((adapter, request.cache_salt))
         return self._scheduler.lookup(request.request_id, request.all_token_ids,
                                       num_computed_tokens, salt, int(request.priority or 0))
+
+    def reset_cache(self) -> bool:
+        """vLLM's prefix-cache reset (new weights, ``reset_external``): nothing cached
+        before is served again, by any tier."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

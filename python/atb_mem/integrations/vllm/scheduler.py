@@ -146,6 +146,7 @@ class TierScheduler:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
+        self._epoch = 0
         self.enable_kv_events = enable_kv_events
         # What a block put to the stores holds (parent hash, tokens), for the KV events the
         # workers report when a store took it; the oldest forgotten beyond _MAX_NAMES.
@@ -164,6 +165,8 @@ class TierScheduler:
         how long its blocks stay in the host tier: retention 35 − ``priority``, in 0..100."""
         self._release(req_id)
         self.counters["lookups"] += 1
+        if self._epoch:  # keys before the first reset are the engine's own
+            salt = repr((self._epoch, salt))
         snapshot = list(tokens)
         block_size, count = self.block_size, len(snapshot)
         most = (count - 1) // block_size if count else 0
@@ -339,6 +342,11 @@ class TierScheduler:
         counters = {name: amount for name, amount in self.counters.items() if amount}
         self.counters = dict.fromkeys(self.counters, 0)
         return counters
+
+    def reset(self) -> None:
+        """Nothing cached so far is served again: every key from now on carries a new
+        epoch (the stores' old blocks are never asked for; the host's age out)."""
+        self._epoch += 1
 
     def close(self) -> None:
         for store in self.stores:
