@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,14 +34,22 @@ log = logging.getLogger("atb_mem.vllm")
 # Writes queued beyond this are dropped (counted): a tier slower than prefill must not grow
 # host memory without bound.
 MAX_PENDING_PUTS = 256
+# A load still waiting for a fetch thread after this many load timeouts fails.
+QUEUED_TIMEOUTS = 4
 
 
 @dataclass
 class _Load:
     req_id: str
     blocks: list[int]
-    future: Future[list[tuple[bytes, str] | None]]
-    started: float
+    keys: list[str]
+    fetched: list[tuple[bytes, str] | None] = field(default_factory=list)
+    """What the fetch thread read so far, in order (a late load lands the leading part)."""
+    started: list[float] = field(default_factory=list)
+    """When the fetch thread began (not while it queued behind other loads)."""
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    future: Future[None] | None = None
 
 
 class TierWorker:
@@ -141,16 +149,20 @@ class TierWorker:
             self._count(**{f"loaded_blocks_{HOST}": len(rows)},
                         loaded_bytes=len(rows) * self._block_bytes)
         for req_id, loads in moves.store_loads.items():
-            keys = [block_key(self.identity, (high, low)) for high, low, _ in loads]
-            self._loads.append(_Load(req_id, [block for _, _, block in loads],
-                                     self._fetchers.submit(self._fetch, keys),
-                                     time.perf_counter()))
+            load = _Load(req_id, [block for _, _, block in loads],
+                         [block_key(self.identity, (high, low)) for high, low, _ in loads])
+            load.future = self._fetchers.submit(self._fetch, load)
+            self._loads.append(load)
 
-    def _fetch(self, keys: list[str]) -> list[tuple[bytes, str] | None]:
-        """Each key's checked payload and the store it came from; stops at the first block
-        no store has intact (the load failed from there)."""
-        found: list[tuple[bytes, str] | None] = []
-        for key in keys:
+    def _fetch(self, load: _Load) -> None:
+        """Each key's checked payload and the store it came from, into ``load.fetched``;
+        stops at the first block no store has intact (the load failed from there), or once
+        the load is cancelled (late)."""
+        load.started.append(time.perf_counter())
+        found = load.fetched
+        for key in load.keys:
+            if load.cancelled.is_set():
+                return
             payload = None
             for store in self.stores:
                 try:
@@ -169,7 +181,6 @@ class TierWorker:
             if payload is None:
                 found.append(None)
                 break
-        return found
 
     def save(self, moves: TierMoves) -> None:
         """After the forward: vLLM blocks → host blocks, then the puts to the stores."""
@@ -225,39 +236,41 @@ class TierWorker:
         whose loads ended (a failed one too: its blocks are in ``load_errors``)."""
         if not self._loads:
             return set()
-        if wait_s > 0 and not any(load.future.done() for load in self._loads):
+        if wait_s > 0 and not any(_done(load) for load in self._loads):
             try:
-                self._loads[0].future.exception(timeout=wait_s)
+                self._loads[0].future.exception(timeout=wait_s)  # type: ignore[union-attr]
             except FutureTimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         now, done = time.perf_counter(), set()
         for load in list(self._loads):
-            late = now - load.started > self.load_timeout_s
-            if not load.future.done() and not late:
+            begun = load.started[0] if load.started else now
+            # Queued behind other loads is not late, but a queue that never moves is.
+            late = now - begun > self.load_timeout_s or \
+                now - load.submitted > QUEUED_TIMEOUTS * self.load_timeout_s
+            if not _done(load) and not late:
                 continue
             self._loads.remove(load)
             done.add(load.req_id)
+            if not _done(load):  # what arrived in time lands; the rest is recomputed
+                load.cancelled.set()
+                log.warning("atb-mem: a load took over %s s: its blocks from the first "
+                            "one missing then are recomputed", self.load_timeout_s)
             landed = 0
-            if load.future.done():
-                try:
-                    landed = self._land(load)
-                except Exception as error:  # a copy that failed: recomputed
-                    log.warning("atb-mem: landing a load failed: %s", error)
-            else:
-                load.future.cancel()
-                log.warning("atb-mem: a load took over %s s: its blocks are recomputed",
-                            self.load_timeout_s)
+            try:
+                landed = self._land(load.blocks, list(load.fetched))
+            except Exception as error:  # a copy that failed: recomputed
+                log.warning("atb-mem: landing a load failed: %s", error)
             if landed < len(load.blocks):
                 self._errors.update(load.blocks[landed:])
                 self._count(load_failures=1)
-            self._count(load_seconds_sum=time.perf_counter() - load.started, loads=1)
+            self._count(load_seconds_sum=time.perf_counter() - begun, loads=1)
         return done
 
-    def _land(self, load: _Load) -> int:
+    def _land(self, blocks: list[int], fetched: list[tuple[bytes, str] | None]) -> int:
         """Copies a fetch's leading intact blocks in; returns how many."""
         landed = 0
         view = self._staging[0].view(-1).view(dtype=_uint8()).numpy()
-        for block, found in zip(load.blocks, load.future.result(), strict=False):
+        for block, found in zip(blocks, fetched, strict=False):
             if found is None:
                 break
             payload, tier = found
@@ -295,6 +308,10 @@ class TierWorker:
         self._writer.shutdown(wait=True)
         for store in self.stores:
             store.close()
+
+
+def _done(load: _Load) -> bool:
+    return load.future is not None and load.future.done()
 
 
 def _uint8() -> Any:
