@@ -295,3 +295,16 @@ def test_a_path_under_home_is_read_as_a_shell_reads_it(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     assert DiskStore("~/kv", 1 << 20).path == tmp_path / "kv"
+
+
+def test_a_file_another_engine_wrote_in_the_folder_is_read_and_seen(tmp_path: Path) -> None:
+    """Two engines of one layout share a folder (or a vLLM scheduler looks up what its
+    workers write): a block one wrote is found and read by the other, which never counts it
+    as its own."""
+    writer, reader = disk(tmp_path, 300), disk(tmp_path, 300)
+    key, value = "atb/m/" + "ab" * 16, b"w" * 100
+    assert not writer.put(key, value) and writer.put(key, value)
+    assert reader.exists([key]) == [False], "not one of the reader's files"
+    assert reader.files_exist([key]) == [True]
+    assert reader.get(key) == value
+    assert reader.used_bytes == 0

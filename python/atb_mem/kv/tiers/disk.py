@@ -168,15 +168,18 @@ class DiskStore:
         return [self._file(key).is_file() for key in keys]
 
     def get(self, key: str) -> bytes | None:
+        """The file's bytes; also a file another engine sharing the folder wrote (which
+        this tier does not count as its own)."""
         name = _name(key)
         with self._lock:
-            if name not in self._files:
-                return None
-            self._files.move_to_end(name)
+            held = name in self._files
+            if held:
+                self._files.move_to_end(name)
         try:
             return self._file(key).read_bytes()
         except OSError:  # deleted or replaced under the engine: no longer held
-            self._forget(name)
+            if held:
+                self._forget(name)
             return None
 
     def put(self, key: str, value: bytes) -> bool:
