@@ -47,3 +47,23 @@ def test_after_a_reset_nothing_cached_before_is_served_by_any_tier() -> None:
     sched.finished("again")
     sched.reset()
     assert sched.lookup("after", prompt, 0) == (0, False)
+
+
+def test_a_block_whose_load_failed_is_not_offered_again_at_once() -> None:
+    """vLLM looks a request whose load failed up again in the same pass: offered the same
+    block, it would fail again, for ever (a file only another process can read, a store
+    slower than the timeout)."""
+    store = FakeStore()
+    sched = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=0,
+                          eviction_policy="priority", stores=[store], identities=["m-tp0"])
+    prompt = token_prompt(14, 300)
+    hashes = [(int(high), int(low)) for high, low in sched.index.block_hashes(prompt)]
+    store.data = {block_key("m-tp0", words): b"" for words in hashes}
+    assert sched.lookup("r", prompt, 0) == (256, True)
+    sched.allocated("r", [5, 6, 7], 256)
+    assert sched.build([]).store_loads == {"r": [(*hashes[0], 5), (*hashes[1], 6)]}
+    sched.loads_ended({"r"}, {6})  # the second block failed: vLLM recomputes from it
+    assert sched.lookup("r", prompt, 0) == (128, True)
+    other = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=0,
+                          eviction_policy="priority", stores=[store], identities=["m-tp0"])
+    assert other.lookup("r", prompt, 0) == (256, True), "the store still says it holds both"

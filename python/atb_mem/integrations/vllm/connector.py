@@ -339,6 +339,9 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._scheduler.finished(request.request_id), None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.loads_ended(connector_output.finished_recving or (),
+                                        connector_output.invalid_block_ids or ())
         batch = connector_output.kv_cache_events
         if isinstance(batch, AtbMemKVEvents):
             if self._tier_events is None:

@@ -33,6 +33,7 @@ A request's life here:
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +47,11 @@ from atb_mem.kv.tiers.store import block_key
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
 
-# Blocks put to the stores whose names are kept for their KV events.
+# Blocks put to the stores whose names are kept for their KV events (and blocks whose load
+# failed that are kept from offers).
 _MAX_NAMES = 1 << 14
+# Seconds a block whose load failed is not offered (a later save may write it anew).
+UNAVAILABLE_S = 30.0
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
@@ -147,6 +151,10 @@ class TierScheduler:
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
         self._epoch = 0
+        # Disk and store loads in flight, per request: (hash words, vLLM block).
+        self._loading: dict[str, list[tuple[tuple[int, int], int]]] = {}
+        # Blocks whose load failed lately, until when they are not offered.
+        self._unavailable: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.enable_kv_events = enable_kv_events
         # What a block put to the stores holds (parent hash, tokens), for the KV events the
         # workers report when a store took it; the oldest forgotten beyond _MAX_NAMES.
@@ -214,12 +222,33 @@ class TierScheduler:
         keys = [block_key(identity, words) for words in hashes for identity in self.identities]
         ranks = len(self.identities)
         held_by: list[list[str]] = [[] for _ in range(len(hashes))]
+        now = time.monotonic()
+        failed = [self._unavailable.get((int(words[0]), int(words[1])), 0.0) > now
+                  for words in hashes]
         for store in self.stores:
             held = store.exists(keys)
             for at in range(len(hashes)):
-                if all(held[at * ranks:(at + 1) * ranks]):
+                if all(held[at * ranks:(at + 1) * ranks]) and not failed[at]:
                     held_by[at].append(store.name)
         return [tuple(names) for names in held_by]
+
+    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
+        """What the workers reported (vLLM's ``finished_recving`` and
+        ``invalid_block_ids``): a block whose load failed is not offered again for
+        ``UNAVAILABLE_S`` (vLLM looks a failed request up again at once, and would be
+        offered the same block, and fail, for ever)."""
+        failed = set(failed_blocks)
+        if failed:
+            until = time.monotonic() + UNAVAILABLE_S
+            for loads in self._loading.values():
+                for words, block in loads:
+                    if block in failed:
+                        self._unavailable[words] = until
+                        self._unavailable.move_to_end(words)
+            while len(self._unavailable) > _MAX_NAMES:
+                self._unavailable.popitem(last=False)
+        for req_id in finished:
+            self._loading.pop(req_id, None)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request ``block_ids`` and takes ``num_external_tokens`` from the tiers
@@ -243,9 +272,9 @@ class TierScheduler:
                 self._pending.host_loads.append((request.host_table[index], target))
             else:
                 tier = request.holders[index][0]
-                words = request.hashes[index]
-                self._pending.store_loads.setdefault(req_id, []).append(
-                    (int(words[0]), int(words[1]), target))
+                words = (int(request.hashes[index][0]), int(request.hashes[index][1]))
+                self._pending.store_loads.setdefault(req_id, []).append((*words, target))
+                self._loading.setdefault(req_id, []).append((words, target))
             request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens
         self.counters["hit_tokens"] += num_external_tokens
 
