@@ -33,38 +33,24 @@ A request's life here:
 from __future__ import annotations
 
 import itertools
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
+from atb_mem.integrations.vllm.store_lookups import StoreLookup, StoreLookups
 from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
-from atb_mem.kv.tiers.store import block_key
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
 
-# Blocks put to the stores whose names are kept for their KV events (and blocks whose load
-# failed that are kept from offers).
+# Blocks put to the stores whose names are kept for their KV events.
 _MAX_NAMES = 1 << 14
-# Seconds a block whose load failed is not offered (a later save may write it anew).
-UNAVAILABLE_S = 30.0
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
-
-
-class StoreLookup(Protocol):
-    """What the scheduler side asks a disk or a store: which keys it holds now."""
-
-    name: str
-
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -137,7 +123,6 @@ class TierScheduler:
                  enable_kv_events: bool = False) -> None:
         self.block_size = block_size
         self.stores = list(stores)
-        self.identities = list(identities)
         self.host = num_host_blocks > 0
         # Block 0 is the index's null block; without a host tier it only hashes.
         self.index = KVCachePool(num_host_blocks + 1 if self.host else 2, block_size,
@@ -151,10 +136,7 @@ class TierScheduler:
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
         self._epoch = 0
-        # Disk and store loads in flight, per request: (hash words, vLLM block).
-        self._loading: dict[str, list[tuple[tuple[int, int], int]]] = {}
-        # Blocks whose load failed lately, until when they are not offered.
-        self._unavailable: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self.lookups = StoreLookups(stores, identities)
         self.enable_kv_events = enable_kv_events
         # What a block put to the stores holds (parent hash, tokens), for the KV events the
         # workers report when a store took it; the oldest forgotten beyond _MAX_NAMES.
@@ -201,7 +183,7 @@ class TierScheduler:
                 self._pending.host_copies.extend(
                     (int(src), int(dst)) for src, dst in self.index.take_pending_copies())
         host_whole = host_hit // block_size
-        holders = self._holders(hashes[:most])
+        holders = self.lookups.holders(hashes[:most])
         after = holders[host_whole:]
         run = next((at for at, held in enumerate(after) if not held), len(after))
         # A whole block from a store brings the pieces the host's copy has.
@@ -214,41 +196,6 @@ class TierScheduler:
         loads_stores = external > 0 and host_whole + run > num_computed_tokens // block_size \
             and run > 0
         return external, loads_stores
-
-    def _holders(self, hashes: np.ndarray) -> list[tuple[str, ...]]:
-        """The stores holding every rank's shard of each block: one batched call each."""
-        if not self.stores or not len(hashes):
-            return [() for _ in range(len(hashes))]
-        keys = [block_key(identity, words) for words in hashes for identity in self.identities]
-        ranks = len(self.identities)
-        held_by: list[list[str]] = [[] for _ in range(len(hashes))]
-        now = time.monotonic()
-        failed = [self._unavailable.get((int(words[0]), int(words[1])), 0.0) > now
-                  for words in hashes]
-        for store in self.stores:
-            held = store.exists(keys)
-            for at in range(len(hashes)):
-                if all(held[at * ranks:(at + 1) * ranks]) and not failed[at]:
-                    held_by[at].append(store.name)
-        return [tuple(names) for names in held_by]
-
-    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
-        """What the workers reported (vLLM's ``finished_recving`` and
-        ``invalid_block_ids``): a block whose load failed is not offered again for
-        ``UNAVAILABLE_S`` (vLLM looks a failed request up again at once, and would be
-        offered the same block, and fail, for ever)."""
-        failed = set(failed_blocks)
-        if failed:
-            until = time.monotonic() + UNAVAILABLE_S
-            for loads in self._loading.values():
-                for words, block in loads:
-                    if block in failed:
-                        self._unavailable[words] = until
-                        self._unavailable.move_to_end(words)
-            while len(self._unavailable) > _MAX_NAMES:
-                self._unavailable.popitem(last=False)
-        for req_id in finished:
-            self._loading.pop(req_id, None)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request ``block_ids`` and takes ``num_external_tokens`` from the tiers
@@ -274,7 +221,7 @@ class TierScheduler:
                 tier = request.holders[index][0]
                 words = (int(request.hashes[index][0]), int(request.hashes[index][1]))
                 self._pending.store_loads.setdefault(req_id, []).append((*words, target))
-                self._loading.setdefault(req_id, []).append((words, target))
+                self.lookups.loading(req_id, words, target)
             request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens
         self.counters["hit_tokens"] += num_external_tokens
 
@@ -362,6 +309,10 @@ class TierScheduler:
             # What stays cached is what the index counts computed: the hits, the copied
             # pieces and the blocks whose saves were planned, each in a step's moves.
             self.index.free_sequence(request.seq_id)
+
+    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
+        """What the workers reported: see ``StoreLookups.loads_ended``."""
+        self.lookups.loads_ended(finished, failed_blocks)
 
     def take_counters(self) -> dict[str, float]:
         """The counts since the last call (a store's failed lookups in ``store_errors``)."""
