@@ -126,10 +126,13 @@ def test_a_lookup_repeated_for_a_request_not_scheduled_pins_nothing_more() -> No
     assert sched.lookup("b", b, 0) == (176, False)
     after_one = sched.index.num_free_blocks
     assert after_one == full - 3  # the hit, the copy's block, the last block
+    assert len(sched.build([]).host_copies) == 1
     for _ in range(5):  # vLLM could not allocate for it: every step asks again
-        assert len(sched.build([]).host_copies) == 1
         assert sched.lookup("b", b, 0) == (176, False)
+        # The same answer, its blocks still pinned: the copy is not made again.
+        assert not sched.build([]).host_copies
         assert sched.index.num_free_blocks == after_one and len(sched.index) == 1
+    assert sched.counters["lookups"] == 2  # "a" and "b", once each
     sched.build([])
     assert sched.finished("b") is False  # aborted while waiting
     assert sched.num_requests == 0 and sched.index.num_free_blocks == full

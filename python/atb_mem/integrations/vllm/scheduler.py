@@ -110,6 +110,8 @@ class _Request:
     vllm_blocks: list[int] = field(default_factory=list)
     committed: bool = False
     saved: int = 0
+    asked: tuple[Any, ...] = ()
+    """The lookup's arguments and answer, which an unchanged lookup gets again."""
 
 
 class TierScheduler:
@@ -152,7 +154,16 @@ class TierScheduler:
         """Tokens past vLLM's ``num_computed_tokens`` (block aligned) the tiers serve, and
         whether any come from the disk or the store (an asynchronous load). Under the
         ``priority`` eviction policy, vLLM's request ``priority`` (lower runs first) sets
-        how long its blocks stay in the host tier: retention 35 − ``priority``, in 0..100."""
+        how long its blocks stay in the host tier: retention 35 − ``priority``, in 0..100.
+
+        vLLM asks again each step for a request it could not admit: while nothing changed,
+        the answer is the last one, whose blocks the request still pins (any copy it
+        needed ran in that step)."""
+        asked = (len(tokens), num_computed_tokens, salt, priority)
+        request = self._requests.get(req_id)
+        if request is not None and not request.committed and request.asked[:4] == asked:
+            answer: tuple[int, bool] = request.asked[4]
+            return answer
         self._release(req_id)
         self.counters["lookups"] += 1
         if self._epoch:  # keys before the first reset are the engine's own
@@ -195,6 +206,7 @@ class TierScheduler:
         external = max(0, total - num_computed_tokens)
         loads_stores = external > 0 and host_whole + run > num_computed_tokens // block_size \
             and run > 0
+        self._requests[req_id].asked = (*asked, (external, loads_stores))
         return external, loads_stores
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
