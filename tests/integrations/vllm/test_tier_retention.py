@@ -67,3 +67,25 @@ def test_a_block_whose_load_failed_is_not_offered_again_at_once() -> None:
     other = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=0,
                           eviction_policy="priority", stores=[store], identities=["m-tp0"])
     assert other.lookup("r", prompt, 0) == (256, True), "the store still says it holds both"
+
+
+def test_the_disk_is_given_a_block_on_its_second_sighting_only() -> None:
+    """The disk writes what is seen twice (KVBM's rule): the scheduler side counts, so no
+    worker copies a block for the disk to refuse. A hit is a sighting too."""
+    disk, store = FakeStore("DISK"), FakeStore("MOONCAKE")
+    sched = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=8,
+                          eviction_policy="priority", stores=[disk, store],
+                          identities=["m-tp0"], disk_min_seen=2)
+    prompt = token_prompt(15, 300)
+
+    def puts(req_id: str) -> list[tuple[str, ...]]:
+        external, _ = sched.lookup(req_id, prompt, 0)
+        sched.allocated(req_id, [1, 2, 3], external)
+        moves = sched.build([Scheduled(req_id, external, 300 - external, [1, 2, 3], True)])
+        sched.finished(req_id)
+        return [names for *_, names in moves.puts]
+
+    assert puts("first") == [("MOONCAKE",)] * 2  # computed: seen once
+    # The workers wrote them to the store.
+    store.data = {block_key("m-tp0", words): b"" for words in sched.index.block_hashes(prompt)}
+    assert puts("second") == [("DISK",)] * 2  # hit on the host: seen twice

@@ -117,16 +117,16 @@ def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, 
 
 
 def _open_stores(settings: ConnectorSettings, disk_identities: list[str],
-                 ranks: int) -> list[KVStore]:
+                 ranks: int, min_seen: int = 1) -> list[KVStore]:
     """The disk tier (a folder per rank identity in ``disk_identities``, each with its share
     of the capacity) and the store. The scheduler side asks for every rank's folder; a
-    worker for its own."""
+    worker for its own, and writes what it is given (the scheduler side counts the
+    sightings: ``min_seen`` 1)."""
     stores: list[KVStore] = []
     try:
         if settings.disk_path is not None:
             stores.extend(DiskStore(settings.disk_path, settings.disk_bytes // ranks,
-                                    min_seen=settings.disk_min_seen)
-                          for _ in disk_identities)
+                                    min_seen=min_seen) for _ in disk_identities)
         if settings.store_url is not None:
             stores.append(MooncakeStore(settings.store_url))
     except Exception:
@@ -215,7 +215,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 block_size=block_size, hash_block_size=hash_block_size,
                 num_host_blocks=num_host_blocks,
                 eviction_policy=self.settings.eviction_policy, stores=lookups,
-                identities=identities, enable_kv_events=events)
+                identities=identities, enable_kv_events=events,
+                disk_min_seen=self.settings.disk_min_seen)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

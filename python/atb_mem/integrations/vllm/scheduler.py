@@ -122,8 +122,12 @@ class TierScheduler:
 
     def __init__(self, *, block_size: int, hash_block_size: int, num_host_blocks: int,
                  eviction_policy: str, stores: Sequence[StoreLookup], identities: Sequence[str],
-                 enable_kv_events: bool = False) -> None:
+                 enable_kv_events: bool = False, disk_min_seen: int = 1) -> None:
         self.block_size = block_size
+        self.disk_min_seen = disk_min_seen
+        # Sightings of blocks the disk lacks (computed, or hit elsewhere), the oldest
+        # forgotten beyond _MAX_NAMES: the disk takes a block on its disk_min_seen-th.
+        self._sightings: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.stores = list(stores)
         self.host = num_host_blocks > 0
         # Block 0 is the index's null block; without a host tier it only hashes.
@@ -276,7 +280,8 @@ class TierScheduler:
             if host and index >= request.host_whole:
                 moves.saves.append((request.vllm_blocks[index], request.host_table[index]))
             held = request.holders[index] if index < len(request.holders) else ()
-            lacking = tuple(store.name for store in self.stores if store.name not in held)
+            lacking = tuple(store.name for store in self.stores if store.name not in held
+                            and (store.name != "DISK" or self._sighted(request.hashes[index])))
             if lacking:
                 words = request.hashes[index]
                 block = request.host_table[index] if host else request.vllm_blocks[index]
@@ -286,6 +291,18 @@ class TierScheduler:
         if host:
             self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
         request.saved = full
+
+    def _sighted(self, words: np.ndarray) -> bool:
+        """Counts a sighting of the block; whether the disk takes it now (KVBM's rule, kept
+        here so that no worker copies a block the disk would refuse)."""
+        key = (int(words[0]), int(words[1]))
+        seen = self._sightings.pop(key, 0) + 1
+        if seen < self.disk_min_seen:
+            self._sightings[key] = seen
+            while len(self._sightings) > _MAX_NAMES:
+                self._sightings.popitem(last=False)
+            return False
+        return True
 
     def _extend(self, request: _Request, tokens: int) -> None:
         """Grows the request's index sequence to ``tokens`` (its decoded blocks); where the
