@@ -1,5 +1,6 @@
-"""How long the tiers keep what they hold: vLLM's request priority as the host tier's
-retention (the ``priority`` eviction policy), and vLLM's cache reset."""
+"""What the tiers keep and what they offer: vLLM's request priority as the host tier's
+retention (the ``priority`` eviction policy), vLLM's cache reset, a block whose load failed,
+and the disk's sightings."""
 
 from __future__ import annotations
 
