@@ -13,6 +13,7 @@ Its scheduler role (in vLLM's engine-core process) is ``TierScheduler``; its wor
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,10 +88,16 @@ def weights_identity(model: str, revision: str | None) -> str:
 
 
 def _model_config_hash(model_config: Any) -> str:
-    """vLLM's digest of what changes a model's K/V beside its weights (its config,
-    overrides, quantization, ...), where this vLLM has one."""
-    compute = getattr(model_config, "compute_hash", None)
-    return str(compute()) if compute is not None else repr(model_config.hf_config)
+    """A digest of what changes a model's K/V beside its weights: its config (overrides
+    applied) and its quantization, but not where it was loaded from, nor serving settings
+    such as ``max_model_len`` (vLLM's own ``compute_hash`` has those: two servers of one
+    model with different limits would share nothing)."""
+    config = dict(model_config.hf_config.to_dict())
+    for name in ("_name_or_path", "transformers_version", "_commit_hash"):
+        config.pop(name, None)
+    parts = (json.dumps(config, sort_keys=True, default=str),
+             str(getattr(model_config, "quantization", None)))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 def _layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, int, int]:
