@@ -27,9 +27,10 @@ runs more cores than vLLM alone's, so every run gets ``VLLM_CPU_NUM_OF_RESERVED_
    tokens per second over the replay, and the blocks each tier loaded; beside them, the
    prefill left if every full block of a conversation's last turn hit.
 2. **Nothing hits** (the connector's cost): ``--distinct-batches`` batches of ``--distinct``
-   prompts of random tokens, none repeated, each batch submitted at once, after the replay
-   in the same vLLM; wall time, its steps (``LLMEngine.step`` calls that returned output)
-   and the time per step, the median over the batches.
+   prompts of random tokens, none repeated, each batch submitted at once, in a fresh vLLM
+   per configuration (nothing run before but a warm-up); wall time, its steps
+   (``LLMEngine.step`` calls that returned output), the time per step and the seconds spent
+   in the connector's hooks, the median over the batches.
 3. **Hit rate at vLLM's 128-token blocks**: the prompts of ``atb-mem bench prefix``
    (``atb_mem.tools.prefix_replay.prefix_requests`` over ``--trace``), one at a time, one
    output token each, on a smaller model: vLLM alone, with the connector at
@@ -120,9 +121,10 @@ def save_llama(folder: Path, *, vocab: int, hidden: int, layers: int, heads: int
 
 
 def spawn(job: dict[str, Any], work: Path, label: str, reserved_cpus: int) -> dict[str, Any]:
-    """Runs ``job`` in a fresh process of this script; its result. vLLM's CPU worker keeps
-    ``reserved_cpus`` cores off its OMP threads: by default one, and one more with any KV
-    connector, which on 2 cores would give the connector's runs twice vLLM alone's cores."""
+    """Runs ``job`` in a fresh process (``vllm_connector_child.py``); its result. vLLM's
+    CPU worker keeps ``reserved_cpus`` cores off its OMP threads: by default one, and one
+    more with any KV connector, which on 2 cores would give the connector's runs twice vLLM
+    alone's cores."""
     job_file = work / f"{label}.json"
     job_file.write_text(json.dumps(job))
     log = work / f"{label}.log"
@@ -252,7 +254,7 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                           tuple(args.message), tuple(args.reply), args.vocab)
     longest = max(sum(len(message) + reply for message, reply in talk) for talk in talks)
     room = max(longest, args.distinct_length + args.distinct_tokens)
-    base = {"model": str(model), "talks": talks, "vocab": args.vocab,
+    base = {"model": str(model), "vocab": args.vocab,
             "max_model_len": -(-room // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE,
             "max_num_seqs": args.concurrent, "num_blocks": args.num_blocks,
             "distinct_tokens": args.distinct_tokens}
@@ -266,23 +268,28 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
           flush=True)
     names = ("vLLM alone", "host", "host+disk")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    apart: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         distinct = [distinct_prompts(args.distinct, args.distinct_length, args.vocab,
                                      1 + round_ * args.distinct_batches + batch)
                     for batch in range(args.distinct_batches)]
-        disk = work / f"disk-{round_}"
-        extras = {"vLLM alone": None, "host": {"host": args.host, "hash_block_size": 16},
-                  "host+disk": {"host": args.disk_host, "hash_block_size": 16,
-                                "disk": [str(disk), "8GiB"]}}
         print(f"round {round_ + 1} of {args.rounds}", flush=True)
         # Each round starts with the next configuration: the machine drifts over minutes.
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            job = {**base, "extra": extras[name], "distinct": distinct, "seed": round_}
-            runs[name].append(spawn(job, work, f"{name.replace(' ', '_')}-{round_}",
-                                    args.reserved_cpus))
-        shutil.rmtree(disk, ignore_errors=True)
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        # The replay, then the prompts that never hit in fresh vLLMs of their own.
+        for phase, jobs, into in (("replay", {"talks": talks}, runs),
+                                  ("distinct", {"distinct": distinct}, apart)):
+            for name in order:
+                disk = work / f"disk-{phase}-{round_}"
+                extras = {"vLLM alone": None, "host": {"host": args.host, "hash_block_size": 16},
+                          "host+disk": {"host": args.disk_host, "hash_block_size": 16,
+                                        "disk": [str(disk), "8GiB"]}}
+                job = {**base, **jobs, "extra": extras[name], "seed": round_}
+                into[name].append(spawn(job, work, f"{phase}-{name.replace(' ', '_')}-{round_}",
+                                        args.reserved_cpus))
+                shutil.rmtree(disk, ignore_errors=True)
     replay = {name: [replay_figures(run["replay"]) for run in runs[name]] for name in names}
-    distinct_runs = {name: [batch_figures(run["distinct"]) for run in runs[name]]
+    distinct_runs = {name: [batch_figures(run["distinct"]) for run in apart[name]]
                      for name in names}
     agreement = {name: [same_tokens(run["replay"], alone["replay"]) for run, alone in
                         zip(runs[name], runs["vLLM alone"], strict=True)] for name in names}
