@@ -24,6 +24,14 @@ WORKLOADS = [
      "workloads.prefix_workload(workloads.prefix_prompts(2_000))"),
     ("step + on_tokens, 256 running", "us", 1e6, "workloads.scheduler_step_workload(256)"),
     ("step + on_tokens, 4096 running", "us", 1e6, "workloads.scheduler_step_workload(4096)"),
+    ("step after a fork, 256 running", "us", 1e6,
+     "workloads.scheduler_step_workload(256, after_fork=True)"),
+    ("step after a fork, 4096 running", "us", 1e6,
+     "workloads.scheduler_step_workload(4096, after_fork=True)"),
+    ("step, hash_block_size 4 + 1 waiting, 256 running", "us", 1e6,
+     "workloads.scheduler_step_workload(256, hash_block_size=4)"),
+    ("step, hash_block_size 4 + 1 waiting, 4096 running", "us", 1e6,
+     "workloads.scheduler_step_workload(4096, hash_block_size=4)"),
 ]
 # Operations per timed round of the step workloads (one step each) vs the others (one call).
 STEP_ROUNDS = {"256": 300, "4096": 60}
@@ -57,7 +65,8 @@ def main() -> None:
     for name, unit, scale, call in WORKLOADS:
         if args.only not in name:
             continue
-        running = next((n for n in STEP_ROUNDS if f"({n})" in call), None)
+        running = next((n for n in STEP_ROUNDS if f"scheduler_step_workload({n}" in call),
+                       None)
         rounds = STEP_ROUNDS[running] if running else args.rounds
         sides: dict[str, list[float]] = {"a": [], "b": []}
         for _ in range(args.repeats):

@@ -137,20 +137,28 @@ def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
     return churn, pairs
 
 
-def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False
+def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False,
+                            after_fork: bool = False, hash_block_size: int | None = None
                             ) -> Workload[None]:
     """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences;
-    with `host_prefix`, over a cache with a host prefix tier (with nothing to load)."""
+    with `host_prefix`, over a cache with a host prefix tier (with nothing to load); with
+    `after_fork`, once a request of two samples has run and finished; with
+    `hash_block_size`, prefix keys that fine and one request waiting for a seat."""
     prompts, _ = decode_lengths(running)
     # Room for every prompt and a few thousand decode steps, whatever `running` is.
     needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
     kv = atb_mem.KVCachePool(max(NUM_BLOCKS, needed), BLOCK_SIZE, device=None,
                              num_host_blocks=4096 if host_prefix else None,
-                             host_prefix_cache=host_prefix)
+                             host_prefix_cache=host_prefix, hash_block_size=hash_block_size)
     scheduler = atb_mem.ContinuousBatchScheduler(kv, max_num_seqs=running,
                                                  max_num_batched_tokens=8192)
+    if after_fork:
+        _run_one_forked_request(scheduler, seq_id=running + 1)
     for seq_id, prompt in enumerate(prompts):
-        scheduler.add_request(seq_id, prompt, 1_000_000)
+        tokens = [(seq_id * 7919 + t) % 32000 for t in range(prompt)]
+        scheduler.add_request(seq_id, tokens if hash_block_size else prompt, 1_000_000)
+    if hash_block_size:
+        scheduler.add_request(running + 2, list(range(3 * BLOCK_SIZE)), 1_000_000)
     while True:  # until every sequence decodes
         plan = scheduler.step(now=0.0)
         scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
@@ -162,6 +170,24 @@ def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False
         scheduler.on_tokens(plan.sample_seq_ids, plan.sample_seq_ids % 1000)
 
     return step, 1
+
+
+def _run_one_forked_request(scheduler: atb_mem.ContinuousBatchScheduler, seq_id: int) -> None:
+    """Serves one request of two samples to its end, its fork included."""
+    scheduler.add_request(seq_id, 2 * BLOCK_SIZE + 1, 3, num_samples=2)
+    child, live = seq_id + 1, {seq_id}
+    for _ in range(16):
+        plan = scheduler.step(now=0.0)
+        sampled = [s for s in plan.sample_seq_ids.tolist() if s in live]
+        if seq_id in sampled and child not in live:
+            scheduler.fork(seq_id, child)
+            live.add(child)
+            sampled.append(child)
+        if sampled:
+            live -= set(scheduler.on_tokens(sampled, [1] * len(sampled)).tolist())
+        if not live:
+            return
+    raise RuntimeError("the forked request did not finish")
 
 
 def median_per_operation(workload: Workload[object], rounds: int, *, warmup: bool = False,

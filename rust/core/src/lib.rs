@@ -27,6 +27,7 @@ mod content_digest;
 mod kv_cache;
 mod layout;
 mod sched;
+mod undo;
 
 pub use alloc::{
     AlignmentPolicy, BlockHash, BlockPool, EvictionPolicy, MemPool, MemPoolStats, PoolAllocation,
@@ -49,3 +50,5 @@ pub use sched::{
     Preemption, RequestBatcher, SchedulerConfig, StepPlan, TimeoutAction, MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
 };
+#[doc(hidden)]
+pub use undo::skip_one_undo;

@@ -20,6 +20,7 @@ use crate::alloc::index_table::IndexTable;
 use crate::alloc::retention::Retention;
 use crate::alloc::sub_block_index::SubBlockIndex;
 use crate::error::CoreResult;
+use crate::undo::{Saved, Undo, UndoVec};
 
 /// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
 /// past a sequence's last block reads valid (if meaningless) memory.
@@ -62,22 +63,22 @@ enum Cached {
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
-    ref_counts: Vec<u32>,
+    ref_counts: UndoVec<u32>,
     free_queue: FreeQueue,
     /// Hash of every block registered in `prefix_table`; meaningless for the others.
-    block_hashes: Vec<BlockHash>,
-    cached: Vec<Cached>,
+    block_hashes: UndoVec<BlockHash>,
+    cached: UndoVec<Cached>,
     prefix_table: IndexTable,
     num_evictable: usize,
     enable_prefix_caching: bool,
     counters: PrefixCacheCounters,
     policy: EvictionPolicy,
     /// Per block, how often the prefix cache served it since it was cached (saturating).
-    hits: Vec<u8>,
+    hits: UndoVec<u8>,
     /// The (key, block) of the blocks that left the prefix cache since the last
     /// `drain_removed`, kept only while `record_removed` (KV-cache events).
     record_removed: bool,
-    removed: Vec<(BlockHash, u32)>,
+    removed: UndoVec<(BlockHash, u32)>,
     /// Hashes of the last `num_blocks` evicted blocks registered to be remembered: a lookup
     /// miss can say "evicted".
     evicted: EvictionHistory,
@@ -87,6 +88,8 @@ pub struct BlockPool {
     retention: Retention,
     /// Blocks cached as `Cached::Pieces`.
     num_pieces: usize,
+    /// `num_evictable`, `counters` and `num_pieces` when a transaction began.
+    saved: Saved<(usize, PrefixCacheCounters, usize)>,
 }
 
 impl BlockPool {
@@ -145,18 +148,18 @@ impl BlockPool {
         }
         Ok(BlockPool {
             block_size,
-            ref_counts: try_filled_vec(num_blocks, 0, &what)?,
+            ref_counts: UndoVec::new(try_filled_vec(num_blocks, 0, &what)?),
             free_queue,
-            block_hashes: try_filled_vec(table_blocks, BlockHash::default(), &what)?,
-            cached: try_filled_vec(table_blocks, Cached::No, &what)?,
+            block_hashes: UndoVec::new(try_filled_vec(table_blocks, BlockHash::default(), &what)?),
+            cached: UndoVec::new(try_filled_vec(table_blocks, Cached::No, &what)?),
             prefix_table: IndexTable::new(table_blocks, &what)?,
             num_evictable: 0,
             enable_prefix_caching,
             counters: PrefixCacheCounters::default(),
             policy,
-            hits: try_filled_vec(table_blocks, 0, &what)?,
+            hits: UndoVec::new(try_filled_vec(table_blocks, 0, &what)?),
             record_removed: false,
-            removed: Vec::new(),
+            removed: UndoVec::default(),
             evicted: EvictionHistory::new(table_blocks, &what)?,
             sub_blocks: None,
             retention: match keeps_priorities {
@@ -164,6 +167,7 @@ impl BlockPool {
                 false => Retention::default(),
             },
             num_pieces: 0,
+            saved: Saved::default(),
         })
     }
 
@@ -205,7 +209,7 @@ impl BlockPool {
                     });
             }
         }
-        self.cached[block as usize] = Cached::No;
+        self.cached.set(block as usize, Cached::No);
         // Its priority (and any expiry waiting for it) went with its contents.
         self.retention.reset(block);
         if let Some(sub_blocks) = self.sub_blocks.as_mut() {
@@ -259,7 +263,7 @@ impl BlockPool {
 
     /// Hands the (key, block) recorded since the last call to `sink`, oldest first.
     pub fn drain_removed(&mut self, mut sink: impl FnMut(BlockHash, u32)) {
-        for &(key, block) in &self.removed {
+        for &(key, block) in self.removed.iter() {
             sink(key, block);
         }
         self.removed.clear();
@@ -329,7 +333,7 @@ impl BlockPool {
             self.num_evictable -= 1;
             self.counters.evictions += 1;
         }
-        self.ref_counts[block as usize] = 1;
+        self.ref_counts.set(block as usize, 1);
         Some((block, evicted))
     }
 
@@ -337,17 +341,19 @@ impl BlockPool {
     #[inline]
     pub fn share(&mut self, block: u32) {
         debug_assert!(self.ref_counts[block as usize] > 0);
-        self.ref_counts[block as usize] += 1;
+        self.ref_counts.update(block as usize, |count| *count += 1);
     }
 
     /// Drops one reference. A block nobody uses any more goes back to the queue: to the tail
     /// if it is cached (reused last), to the head otherwise (reused first).
     #[inline]
     pub fn release(&mut self, block: u32) {
-        let count = &mut self.ref_counts[block as usize];
-        debug_assert!(*count > 0, "release of unused block {block}");
-        *count -= 1;
-        if *count == 0 {
+        debug_assert!(
+            self.ref_counts[block as usize] > 0,
+            "release of unused block {block}"
+        );
+        self.ref_counts.update(block as usize, |count| *count -= 1);
+        if self.ref_counts[block as usize] == 0 {
             if self.is_cached(block) {
                 self.enqueue_cached(block);
                 self.num_evictable += 1;
@@ -388,9 +394,10 @@ impl BlockPool {
             self.free_queue.remove(block);
             self.num_evictable -= 1;
         }
-        self.ref_counts[block as usize] += 1;
-        if let Some(hits) = self.hits.get_mut(block as usize) {
-            *hits = hits.saturating_add(1);
+        self.ref_counts.update(block as usize, |count| *count += 1);
+        if (block as usize) < self.hits.len() {
+            self.hits
+                .update(block as usize, |hits| *hits = hits.saturating_add(1));
         }
     }
 
@@ -413,11 +420,12 @@ impl BlockPool {
         if self.find_cached(hash).is_some() {
             return false;
         }
-        self.block_hashes[block as usize] = hash;
-        self.cached[block as usize] = Cached::Yes {
+        self.block_hashes.set(block as usize, hash);
+        let cached = Cached::Yes {
             remember: remember_eviction,
         };
-        self.hits[block as usize] = 0; // new contents, no history
+        self.cached.set(block as usize, cached);
+        self.hits.set(block as usize, 0); // new contents, no history
         self.retention.reset(block);
         self.prefix_table.insert(block, hash.0[0]);
         true
@@ -568,6 +576,54 @@ impl BlockPool {
             }
         }
         Ok(())
+    }
+}
+
+impl Undo for BlockPool {
+    fn begin(&mut self) {
+        self.saved
+            .save((self.num_evictable, self.counters, self.num_pieces));
+        self.ref_counts.begin();
+        self.free_queue.begin();
+        self.block_hashes.begin();
+        self.cached.begin();
+        self.prefix_table.begin();
+        self.hits.begin();
+        self.removed.begin();
+        self.evicted.begin();
+        self.sub_blocks.begin();
+        self.retention.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.ref_counts.commit();
+        self.free_queue.commit();
+        self.block_hashes.commit();
+        self.cached.commit();
+        self.prefix_table.commit();
+        self.hits.commit();
+        self.removed.commit();
+        self.evicted.commit();
+        self.sub_blocks.commit();
+        self.retention.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some((num_evictable, counters, num_pieces)) = self.saved.take() {
+            (self.num_evictable, self.counters, self.num_pieces) =
+                (num_evictable, counters, num_pieces);
+        }
+        self.ref_counts.rollback();
+        self.free_queue.rollback();
+        self.block_hashes.rollback();
+        self.cached.rollback();
+        self.prefix_table.rollback();
+        self.hits.rollback();
+        self.removed.rollback();
+        self.evicted.rollback();
+        self.sub_blocks.rollback();
+        self.retention.rollback();
     }
 }
 

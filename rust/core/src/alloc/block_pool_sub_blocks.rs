@@ -64,9 +64,9 @@ impl BlockPool {
     /// block, named by no KV event, never demoted (see `kv_cache::partial_hits`).
     pub fn keep_pieces(&mut self, block: u32, identity: BlockHash) {
         debug_assert!(self.can_keep_pieces(block));
-        self.block_hashes[block as usize] = identity;
-        self.cached[block as usize] = Cached::Pieces;
-        self.hits[block as usize] = 0; // new contents, no history
+        self.block_hashes.set(block as usize, identity);
+        self.cached.set(block as usize, Cached::Pieces);
+        self.hits.set(block as usize, 0); // new contents, no history
         self.retention.reset(block);
         self.num_pieces += 1;
     }

@@ -121,3 +121,92 @@ fn huge_sizes_are_errors_naming_num_blocks_and_bytes() {
         None
     );
 }
+
+mod undo {
+    use super::*;
+    use crate::undo::Undo;
+    use proptest::prelude::*;
+
+    /// One pool call, its arguments drawn small so that they collide.
+    fn apply(pool: &mut BlockPool, held: &mut Vec<u32>, op: (u8, u64, u8)) {
+        let (kind, value, priority) = op;
+        let pick = |held: &Vec<u32>| held.get(value as usize % held.len().max(1)).copied();
+        match kind % 8 {
+            0 | 1 => {
+                if let Some(block) = pool.allocate() {
+                    held.push(block);
+                }
+            }
+            2 => {
+                if let Some(at) = (!held.is_empty()).then(|| value as usize % held.len()) {
+                    pool.release(held.swap_remove(at));
+                }
+            }
+            3 => {
+                if let Some(block) = pick(held) {
+                    let key = BlockHash([value % 7, 1]);
+                    if pool.register(block, key, true) {
+                        pool.register_sub_blocks(block, &[BlockHash([value % 5, 2])]);
+                    }
+                }
+            }
+            4 => {
+                if let Some(block) = pool.lookup(BlockHash([value % 7, 1])) {
+                    pool.take_hit(block);
+                    held.push(block);
+                }
+            }
+            5 => {
+                if let Some(block) = pick(held) {
+                    pool.retain(block, priority % 4, Some(value % 50), false);
+                }
+            }
+            6 => pool.advance_clock(value % 100),
+            _ => {
+                if let Some(block) = pick(held) {
+                    pool.uncache(block);
+                }
+            }
+        }
+    }
+
+    fn ops() -> impl Strategy<Value = Vec<(u8, u64, u8)>> {
+        prop::collection::vec((any::<u8>(), 0u64..64, any::<u8>()), 0..60)
+    }
+
+    proptest! {
+        /// Whatever a transaction did to the pool, rolling it back gives the pool it began
+        /// with, as `Debug` prints it (every array, queue link and counter).
+        #[test]
+        fn rollback_restores_the_pool_exactly(before in ops(), during in ops(), lru in any::<bool>()) {
+            let policy = match lru {
+                true => EvictionPolicy::Lru,
+                false => EvictionPolicy::Priority,
+            };
+            let mut pool = BlockPool::with_policy(12, 4, true, policy).unwrap();
+            pool.enable_sub_blocks(1).unwrap();
+            pool.reserve_expiries().unwrap();
+            pool.set_record_removed(true);
+            let mut held = Vec::new();
+            for op in before {
+                apply(&mut pool, &mut held, op);
+            }
+            let snapshot = format!("{pool:?}");
+            pool.begin();
+            let mut during_held = held.clone();
+            for op in during {
+                apply(&mut pool, &mut during_held, op);
+            }
+            pool.rollback();
+            prop_assert_eq!(format!("{pool:?}"), snapshot);
+            let holders = {
+                let mut holders = vec![0u32; 12];
+                for &block in &held {
+                    holders[block as usize] += 1;
+                }
+                holders
+            };
+            pool.check_invariants(&holders).map_err(TestCaseError::fail)?;
+        }
+    }
+}

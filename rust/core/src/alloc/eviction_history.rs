@@ -6,14 +6,16 @@ use crate::alloc::block_hash::BlockHash;
 use crate::alloc::fallible::{array_bytes, try_filled_vec};
 use crate::alloc::index_table::IndexTable;
 use crate::error::CoreResult;
+use crate::undo::{Saved, Undo, UndoVec};
 
 #[derive(Debug, Clone)]
 pub struct EvictionHistory {
     /// Ring of evicted hashes; `next` is where the next one goes.
-    hashes: Vec<BlockHash>,
+    hashes: UndoVec<BlockHash>,
     index: IndexTable,
     next: usize,
     len: usize,
+    saved: Saved<(usize, usize)>,
 }
 
 impl EvictionHistory {
@@ -24,10 +26,11 @@ impl EvictionHistory {
 
     pub fn new(capacity: usize, what: &str) -> CoreResult<Self> {
         Ok(EvictionHistory {
-            hashes: try_filled_vec(capacity, BlockHash::default(), what)?,
+            hashes: UndoVec::new(try_filled_vec(capacity, BlockHash::default(), what)?),
             index: IndexTable::new(capacity, what)?,
             next: 0,
             len: 0,
+            saved: Saved::default(),
         })
     }
 
@@ -45,7 +48,7 @@ impl EvictionHistory {
         } else {
             self.len += 1;
         }
-        hashes[self.next] = hash;
+        hashes.set(self.next, hash);
         index.insert(self.next as u32, hash.0[0]);
         self.next = (self.next + 1) % capacity;
     }
@@ -60,6 +63,28 @@ impl EvictionHistory {
 
     pub fn heap_bytes(&self) -> usize {
         self.hashes.capacity() * std::mem::size_of::<BlockHash>() + self.index.heap_bytes()
+    }
+}
+
+impl Undo for EvictionHistory {
+    fn begin(&mut self) {
+        self.saved.save((self.next, self.len));
+        self.hashes.begin();
+        self.index.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.hashes.commit();
+        self.index.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some((next, len)) = self.saved.take() {
+            (self.next, self.len) = (next, len);
+        }
+        self.hashes.rollback();
+        self.index.rollback();
     }
 }
 

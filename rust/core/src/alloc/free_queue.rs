@@ -8,6 +8,7 @@
 
 use crate::alloc::fallible::{array_bytes, try_filled_vec};
 use crate::error::CoreResult;
+use crate::undo::{Saved, Undo, UndoVec};
 
 const DETACHED: u32 = u32::MAX;
 
@@ -41,12 +42,14 @@ const UNLINKED: Link = Link {
 /// cached blocks in the queues its eviction policy orders.
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
-    links: Vec<Link>,
+    links: UndoVec<Link>,
     /// Ids per queue, and in all; bit `q` set while queue `q` is not empty.
     lens: [u32; MAX_QUEUES],
     len: usize,
     nonempty: u128,
     capacity: usize,
+    /// `lens`, `len` and `nonempty` when a transaction began.
+    saved: Saved<([u32; MAX_QUEUES], usize, u128)>,
 }
 
 impl FreeQueue {
@@ -73,11 +76,12 @@ impl FreeQueue {
             };
         }
         Ok(FreeQueue {
-            links,
+            links: UndoVec::new(links),
             lens: [0; MAX_QUEUES],
             len: 0,
             nonempty: 0,
             capacity,
+            saved: Saved::default(),
         })
     }
 
@@ -117,20 +121,22 @@ impl FreeQueue {
     /// Points `node`'s next at `id`, keeping `node`'s queue.
     #[inline]
     fn set_next(&mut self, node: u32, id: u32) {
-        let link = &mut self.links[node as usize];
-        link.next = (link.next & !ID_MASK) | id;
+        self.links.update(node as usize, |link| {
+            link.next = (link.next & !ID_MASK) | id
+        });
     }
 
     #[inline]
     fn link_after(&mut self, queue: usize, anchor: u32, id: u32) {
         debug_assert!(!self.contains(id));
         let after = self.next_of(anchor);
-        self.links[id as usize] = Link {
+        let link = Link {
             prev: anchor,
             next: tagged(queue, after),
         };
+        self.links.set(id as usize, link);
         self.set_next(anchor, id);
-        self.links[after as usize].prev = id;
+        self.links.update(after as usize, |link| link.prev = id);
         self.lens[queue % MAX_QUEUES] += 1;
         self.len += 1;
         self.nonempty |= 1 << (queue % MAX_QUEUES);
@@ -170,8 +176,8 @@ impl FreeQueue {
         let Link { prev, next } = self.links[id as usize];
         let (queue, next) = ((next >> ID_BITS) as usize, next & ID_MASK);
         self.set_next(prev, next);
-        self.links[next as usize].prev = prev;
-        self.links[id as usize] = UNLINKED;
+        self.links.update(next as usize, |link| link.prev = prev);
+        self.links.set(id as usize, UNLINKED);
         self.lens[queue % MAX_QUEUES] -= 1;
         self.len -= 1;
         if self.lens[queue % MAX_QUEUES] == 0 {
@@ -208,6 +214,25 @@ impl FreeQueue {
 
     pub fn heap_bytes(&self) -> usize {
         self.links.capacity() * std::mem::size_of::<Link>()
+    }
+}
+
+impl Undo for FreeQueue {
+    fn begin(&mut self) {
+        self.saved.save((self.lens, self.len, self.nonempty));
+        self.links.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.links.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some((lens, len, nonempty)) = self.saved.take() {
+            (self.lens, self.len, self.nonempty) = (lens, len, nonempty);
+        }
+        self.links.rollback();
     }
 }
 

@@ -9,14 +9,16 @@
 
 use crate::alloc::fallible::{array_bytes, try_filled_vec};
 use crate::error::CoreResult;
+use crate::undo::{Saved, Undo, UndoVec};
 
 const EMPTY: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
 pub struct IndexTable {
-    slots: Vec<u32>,
+    slots: UndoVec<u32>,
     mask: usize,
     len: usize,
+    saved: Saved<usize>,
 }
 
 impl IndexTable {
@@ -36,9 +38,10 @@ impl IndexTable {
         let num_slots = Self::num_slots(max_ids)
             .ok_or_else(|| invalid!("an index of {max_ids} ids is too large ({what})"))?;
         Ok(IndexTable {
-            slots: try_filled_vec(num_slots, EMPTY, what)?,
+            slots: UndoVec::new(try_filled_vec(num_slots, EMPTY, what)?),
             mask: num_slots - 1,
             len: 0,
+            saved: Saved::default(),
         })
     }
 
@@ -75,7 +78,7 @@ impl IndexTable {
         while self.slots[slot] != EMPTY {
             slot = (slot + 1) & self.mask;
         }
-        self.slots[slot] = id;
+        self.slots.set(slot, id);
         self.len += 1;
     }
 
@@ -99,23 +102,46 @@ impl IndexTable {
             let distance_to_hole = hole.wrapping_sub(home) & self.mask;
             let distance_to_next = next.wrapping_sub(home) & self.mask;
             if distance_to_hole < distance_to_next {
-                self.slots[hole] = moving;
+                self.slots.set(hole, moving);
                 hole = next;
             }
             next = (next + 1) & self.mask;
         }
-        self.slots[hole] = EMPTY;
+        self.slots.set(hole, EMPTY);
         self.len -= 1;
     }
 
     /// Forgets every id.
     pub fn clear(&mut self) {
-        self.slots.fill(EMPTY);
+        for slot in 0..self.slots.len() {
+            if self.slots[slot] != EMPTY {
+                self.slots.set(slot, EMPTY);
+            }
+        }
         self.len = 0;
     }
 
     pub fn heap_bytes(&self) -> usize {
         self.slots.capacity() * std::mem::size_of::<u32>()
+    }
+}
+
+impl Undo for IndexTable {
+    fn begin(&mut self) {
+        self.saved.save(self.len);
+        self.slots.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.slots.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some(len) = self.saved.take() {
+            self.len = len;
+        }
+        self.slots.rollback();
     }
 }
 

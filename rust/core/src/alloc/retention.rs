@@ -19,6 +19,7 @@ use std::collections::BinaryHeap;
 use crate::alloc::eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
 use crate::alloc::fallible::{array_bytes, out_of_host_memory, total_bytes, try_filled_vec};
 use crate::error::CoreResult;
+use crate::undo::{CopyOnChange, Saved, Undo, UndoVec};
 
 /// No expiry: a priority given without a duration.
 const NEVER: u64 = u64::MAX;
@@ -28,11 +29,15 @@ pub struct Retention {
     /// Blocks of the pool, kept for the arrays below.
     num_blocks: usize,
     /// Per block; empty until a request asks for a priority.
-    priority: Vec<u8>,
+    priority: UndoVec<u8>,
     /// Per block, when its priority ends (`NEVER` for none).
-    expires_at: Vec<u64>,
+    expires_at: UndoVec<u64>,
     expiries: BinaryHeap<Reverse<(u64, u32)>>,
     clock: u64,
+    /// A heap has no cheap per-entry record: it is copied at its first change in a
+    /// transaction (only durations fill it).
+    expiries_before: CopyOnChange<BinaryHeap<Reverse<(u64, u32)>>>,
+    saved_clock: Saved<u64>,
 }
 
 impl Retention {
@@ -59,8 +64,9 @@ impl Retention {
         }
         let what = format!("retention priorities of {} blocks", self.num_blocks);
         let priority = try_filled_vec(self.num_blocks, DEFAULT_PRIORITY, &what)?;
-        self.expires_at = try_filled_vec(self.num_blocks, NEVER, &what)?;
-        self.priority = priority;
+        self.expires_at
+            .replace(try_filled_vec(self.num_blocks, NEVER, &what)?);
+        self.priority.replace(priority);
         Ok(())
     }
 
@@ -99,9 +105,9 @@ impl Retention {
 
     /// New contents: the priority of the request that computed them.
     pub fn reset(&mut self, block: u32) {
-        if let Some(priority) = self.priority.get_mut(block as usize) {
-            *priority = DEFAULT_PRIORITY;
-            self.expires_at[block as usize] = NEVER;
+        if (block as usize) < self.priority.len() {
+            self.priority.set(block as usize, DEFAULT_PRIORITY);
+            self.expires_at.set(block as usize, NEVER);
         }
     }
 
@@ -129,9 +135,10 @@ impl Retention {
             _ if priority == current && until > expires_at => (priority, until),
             _ => return false,
         };
-        self.priority[block as usize] = priority;
-        self.expires_at[block as usize] = until;
+        self.priority.set(block as usize, priority);
+        self.expires_at.set(block as usize, until);
         if until != NEVER {
+            self.expiries_before.before_change(&self.expiries);
             self.expiries.push(Reverse((until, block)));
             if self.expiries.len() > Self::most_expiries(self.priority.len()) {
                 let expires_at = &self.expires_at;
@@ -150,10 +157,11 @@ impl Retention {
             if at > self.clock {
                 break;
             }
+            self.expiries_before.before_change(&self.expiries);
             self.expiries.pop();
             if self.expires_at[block as usize] == at {
-                self.expires_at[block as usize] = NEVER;
-                self.priority[block as usize] = DEFAULT_PRIORITY;
+                self.expires_at.set(block as usize, NEVER);
+                self.priority.set(block as usize, DEFAULT_PRIORITY);
                 expired(block);
             }
         }
@@ -163,6 +171,31 @@ impl Retention {
         self.priority.capacity()
             + self.expires_at.capacity() * 8
             + self.expiries.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
+    }
+}
+
+impl Undo for Retention {
+    fn begin(&mut self) {
+        self.saved_clock.save(self.clock);
+        self.priority.begin();
+        self.expires_at.begin();
+        self.expiries_before.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved_clock.forget();
+        self.priority.commit();
+        self.expires_at.commit();
+        self.expiries_before.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some(clock) = self.saved_clock.take() {
+            self.clock = clock;
+        }
+        self.priority.rollback();
+        self.expires_at.rollback();
+        self.expiries_before.rollback(&mut self.expiries);
     }
 }
 

@@ -18,14 +18,15 @@ use crate::alloc::block_hash::BlockHash;
 use crate::alloc::fallible::{array_bytes, total_bytes, try_filled_vec};
 use crate::alloc::index_table::IndexTable;
 use crate::error::CoreResult;
+use crate::undo::{Undo, UndoVec};
 
 #[derive(Debug, Clone)]
 pub struct SubBlockIndex {
     /// Sub-keys per block: `block_size / hash_block_size - 1`.
     per_block: usize,
-    keys: Vec<BlockHash>,
+    keys: UndoVec<BlockHash>,
     /// Per block, whether its sub-keys are in `table`.
-    indexed: Vec<bool>,
+    indexed: UndoVec<bool>,
     table: IndexTable,
     /// Blocks the last `insert` took every held key from (see `pop_keyless`).
     keyless: Vec<u32>,
@@ -51,8 +52,8 @@ impl SubBlockIndex {
             })?;
         Ok(SubBlockIndex {
             per_block,
-            keys: try_filled_vec(entries, BlockHash::default(), what)?,
-            indexed: try_filled_vec(num_blocks, false, what)?,
+            keys: UndoVec::new(try_filled_vec(entries, BlockHash::default(), what)?),
+            indexed: UndoVec::new(try_filled_vec(num_blocks, false, what)?),
             table: IndexTable::new(entries, what)?,
             keyless: Vec::new(),
         })
@@ -73,7 +74,7 @@ impl SubBlockIndex {
         self.keyless.clear();
         let first = block as usize * self.per_block;
         for (j, &key) in keys.iter().enumerate() {
-            self.keys[first + j] = key;
+            self.keys.set(first + j, key);
             if let Some(older) = self.find_entry(key) {
                 let keys = &self.keys;
                 self.table
@@ -82,7 +83,7 @@ impl SubBlockIndex {
             }
             self.table.insert((first + j) as u32, key.0[0]);
         }
-        self.indexed[block as usize] = true;
+        self.indexed.set(block as usize, true);
         self.keyless.sort_unstable();
         self.keyless.dedup();
         let mut keyless = std::mem::take(&mut self.keyless);
@@ -108,9 +109,10 @@ impl SubBlockIndex {
     /// Drops `block`'s sub-keys (nothing if it has none); a key a newer block took over
     /// stays with it.
     pub fn remove(&mut self, block: u32) {
-        if !std::mem::replace(&mut self.indexed[block as usize], false) {
+        if !self.indexed[block as usize] {
             return;
         }
+        self.indexed.set(block as usize, false);
         let first = block as usize * self.per_block;
         for entry in first..first + self.per_block {
             let key = self.keys[entry];
@@ -165,6 +167,28 @@ impl SubBlockIndex {
             ));
         }
         Ok(())
+    }
+}
+
+/// `keyless` is no state: `insert` fills it for its caller, who empties it at once.
+impl Undo for SubBlockIndex {
+    fn begin(&mut self) {
+        self.keys.begin();
+        self.indexed.begin();
+        self.table.begin();
+    }
+
+    fn commit(&mut self) {
+        self.keys.commit();
+        self.indexed.commit();
+        self.table.commit();
+    }
+
+    fn rollback(&mut self) {
+        self.keys.rollback();
+        self.indexed.rollback();
+        self.table.rollback();
+        self.keyless.clear();
     }
 }
 

@@ -146,15 +146,17 @@ impl KvCache {
         let seq = &mut sequences[slab];
         if *has_forked && seq.num_tokens % block_size != 0 {
             for table in seq.tables.iter_mut().filter(|table| table.complete()) {
-                let Some(last) = table.live_mut().last_mut() else {
+                if table.released == table.allocated {
                     continue;
-                };
-                if block_pool.ref_count(*last) > 1 {
+                }
+                let index = table.allocated - 1;
+                let last = table.blocks[index];
+                if block_pool.ref_count(last) > 1 {
                     let copy =
                         allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
-                    pending_moves.push(BlockMove::new(MoveKind::Copy, *last, copy));
-                    block_pool.release(*last);
-                    *last = copy;
+                    pending_moves.push(BlockMove::new(MoveKind::Copy, last, copy));
+                    block_pool.release(last);
+                    table.set(index, copy);
                     table.layout = version;
                 }
             }

@@ -6,12 +6,13 @@
 //! it can be written only by a move recorded after it was handed out again. (Executing copies
 //! before swaps, say, is not: a swap-out's freed block may be a later copy's destination.)
 //!
-//! If executing a list fails part-way, `KvCache::recover_from_failed_moves` puts the cache
-//! back as it was before the operation and ends exactly the sequences whose bytes the partial
+//! If executing a list fails part-way, `KvCache::recover_from_failed_moves` rolls the cache
+//! back to where it was before the operation and ends exactly the sequences whose bytes the partial
 //! execution destroyed, so nothing is left swapped, copied or cached with bytes that were
 //! never moved.
 
 use super::KvCache;
+use crate::undo::Undo;
 
 /// What a move does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,8 +76,8 @@ impl KvCache {
         self.pending_moves.len()
     }
 
-    /// Puts the cache back to `snapshot` (a clone taken before the operation that decided
-    /// `moves`) after executing `moves` failed with only the first `attempted` possibly run.
+    /// Rolls back the open transaction (the operation that decided `moves`) after executing
+    /// `moves` failed with only the first `attempted` possibly run.
     ///
     /// A block those moves may have written holds garbage now. Moves still pending in the
     /// snapshot run again later and rewrite their destinations (from intact sources), so they
@@ -84,7 +85,6 @@ impl KvCache {
     /// ids go to `aborted`) and its place in the prefix cache.
     pub(crate) fn recover_from_failed_moves(
         &mut self,
-        snapshot: KvCache,
         moves: &[BlockMove],
         attempted: usize,
         aborted: &mut Vec<u64>,
@@ -98,7 +98,7 @@ impl KvCache {
                 false => damaged_device[planned.dst as usize] = true,
             }
         }
-        *self = snapshot;
+        self.rollback();
         // Replay what is still pending: a destination is rewritten from its source.
         for planned in &self.pending_moves {
             let source_damaged = match planned.kind.reads_host() {

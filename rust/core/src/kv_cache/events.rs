@@ -18,6 +18,7 @@
 //! chain in one group, and consecutive removals in one group, share an event, as vLLM batches
 //! them.
 
+use std::fmt;
 use std::ops::Range;
 
 use hashbrown::HashMap;
@@ -26,6 +27,7 @@ use super::groups::group_key;
 use crate::alloc::fallible::try_filled_vec;
 use crate::alloc::BlockHash;
 use crate::error::CoreResult;
+use crate::undo::{Saved, Undo, UndoVec};
 
 /// `device_groups` of a block cached as part of a state checkpoint: no event names it.
 const CHECKPOINT_GROUP: u16 = u16::MAX;
@@ -85,7 +87,7 @@ pub struct KvEvent {
     tokens: Range<usize>,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct KvEventLog {
     enabled: bool,
     next_event_id: u64,
@@ -95,18 +97,22 @@ pub struct KvEventLog {
     /// Per device block, the group it was cached for (2 bytes a block, so the table stays in
     /// cache): with its key, which the block pool reports, it names an evicted block. A block
     /// is cached again only after its eviction was logged.
-    device_groups: Vec<u16>,
+    device_groups: UndoVec<u16>,
     /// Per host block, the cached contents it holds a copy of (swapped out, or demoted by
     /// the host prefix cache).
-    host_block_hashes: Vec<Option<(BlockHash, u32)>>,
+    host_block_hashes: UndoVec<Option<(BlockHash, u32)>>,
     /// With a host prefix cache, what names each cached device block (its hash, parent, root
     /// and token ids, `block_size` per block), so that its demotion can be stored on the
     /// host as a router expects a store: chained, with its tokens.
-    device_names: Vec<DeviceName>,
-    device_tokens: Vec<u32>,
+    device_names: UndoVec<DeviceName>,
+    device_tokens: UndoVec<u32>,
     block_size: usize,
     /// How many host blocks hold a copy of each (hash, group).
     host_copies: HashMap<(BlockHash, u32), u32>,
+    /// A transaction's record: the next id, the log's lengths and its last event as it
+    /// began, and each host copy count before its first change (newest last).
+    saved: Saved<(u64, [usize; 3], Option<KvEvent>)>,
+    host_copies_before: Vec<((BlockHash, u32), Option<u32>)>,
 }
 
 /// What a stored block's event names besides its group.
@@ -126,8 +132,8 @@ impl KvEventLog {
     /// Starts recording for `device_blocks` device blocks and `host_blocks` host blocks (0
     /// without a host tier).
     pub(super) fn enable(&mut self, device_blocks: usize, host_blocks: usize) -> CoreResult<()> {
-        self.device_groups =
-            try_filled_vec(device_blocks, 0, "the groups of the device's cached blocks")?;
+        let groups = try_filled_vec(device_blocks, 0, "the groups of the device's cached blocks")?;
+        self.device_groups.replace(groups);
         self.enabled = true;
         self.next_event_id = self.next_event_id.max(1);
         self.resize_host_tier(host_blocks)
@@ -135,7 +141,8 @@ impl KvEventLog {
 
     pub(super) fn resize_host_tier(&mut self, host_blocks: usize) -> CoreResult<()> {
         if self.enabled {
-            self.host_block_hashes = try_filled_vec(host_blocks, None, "the host tier's events")?;
+            let hashes = try_filled_vec(host_blocks, None, "the host tier's events")?;
+            self.host_block_hashes.replace(hashes);
         }
         Ok(())
     }
@@ -210,9 +217,10 @@ impl KvEventLog {
         block_size: usize,
     ) -> CoreResult<()> {
         let what = "the names of the device's cached blocks";
-        self.device_names = try_filled_vec(device_blocks, DeviceName::default(), what)?;
+        let names = try_filled_vec(device_blocks, DeviceName::default(), what)?;
+        self.device_names.replace(names);
         let slots = device_blocks.saturating_mul(block_size);
-        self.device_tokens = try_filled_vec(slots, 0, what)?;
+        self.device_tokens.replace(try_filled_vec(slots, 0, what)?);
         self.block_size = block_size;
         Ok(())
     }
@@ -228,13 +236,15 @@ impl KvEventLog {
         (parent, hash, token_ids): (Option<BlockHash>, BlockHash, &[u32]),
         root: BlockHash,
     ) {
-        self.device_groups[block as usize] = group as u16;
-        if let Some(name) = self.device_names.get_mut(block as usize) {
-            *name = DeviceName { hash, parent, root };
+        self.device_groups.set(block as usize, group as u16);
+        if (block as usize) < self.device_names.len() {
+            let name = DeviceName { hash, parent, root };
+            self.device_names.set(block as usize, name);
             let start = block as usize * self.block_size;
-            let cells = &mut self.device_tokens[start..start + self.block_size];
-            if token_ids.len() == cells.len() {
-                cells.copy_from_slice(token_ids);
+            if token_ids.len() == self.block_size {
+                for (offset, &token) in token_ids.iter().enumerate() {
+                    self.device_tokens.set(start + offset, token);
+                }
             }
         }
     }
@@ -260,8 +270,8 @@ impl KvEventLog {
     /// Device block `block` joined the cache as part of a state checkpoint, which no event
     /// names (see `state_checkpoints`).
     pub(super) fn checkpoint_cached(&mut self, block: u32) {
-        if let Some(group) = self.device_groups.get_mut(block as usize) {
-            *group = CHECKPOINT_GROUP;
+        if (block as usize) < self.device_groups.len() {
+            self.device_groups.set(block as usize, CHECKPOINT_GROUP);
         }
     }
 
@@ -346,12 +356,16 @@ impl KvEventLog {
         hash: BlockHash,
         token_ids: &[u32],
     ) {
-        let slot = &mut self.host_block_hashes[block as usize];
-        if slot.is_some() {
+        if self.host_block_hashes[block as usize].is_some() {
             return; // shared by several swapped sequences: one copy
         }
-        *slot = Some((hash, group));
+        self.host_block_hashes
+            .set(block as usize, Some((hash, group)));
         let copies = self.host_copies.entry((hash, group)).or_insert(0);
+        if self.saved.is_saved() {
+            let before = (*copies > 0).then_some(*copies);
+            self.host_copies_before.push(((hash, group), before));
+        }
         *copies += 1;
         if *copies == 1 {
             self.stored_run(Medium::Host, group, parent, root, &[hash], token_ids);
@@ -360,10 +374,14 @@ impl KvEventLog {
 
     /// Host block `block` was freed.
     pub(super) fn host_block_freed(&mut self, block: u32) {
-        let Some(name) = self.host_block_hashes[block as usize].take() else {
+        let Some(name) = self.host_block_hashes[block as usize] else {
             return;
         };
+        self.host_block_hashes.set(block as usize, None);
         if let Some(copies) = self.host_copies.get_mut(&name) {
+            if self.saved.is_saved() {
+                self.host_copies_before.push((name, Some(*copies)));
+            }
             *copies -= 1;
             if *copies == 0 {
                 self.host_copies.remove(&name);
@@ -385,5 +403,72 @@ impl KvEventLog {
             + self.host_copies.capacity() * (std::mem::size_of::<(BlockHash, u32)>() + 4)
             + self.device_names.capacity() * std::mem::size_of::<DeviceName>()
             + self.device_tokens.capacity() * 4
+    }
+}
+
+impl Undo for KvEventLog {
+    fn begin(&mut self) {
+        let lens = [self.events.len(), self.hashes.len(), self.tokens.len()];
+        self.saved
+            .save((self.next_event_id, lens, self.events.last().cloned()));
+        self.device_groups.begin();
+        self.host_block_hashes.begin();
+        self.device_names.begin();
+        self.device_tokens.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.host_copies_before.clear();
+        self.device_groups.commit();
+        self.host_block_hashes.commit();
+        self.device_names.commit();
+        self.device_tokens.commit();
+    }
+
+    fn rollback(&mut self) {
+        let Some((next_event_id, [events, hashes, tokens], last)) = self.saved.take() else {
+            return;
+        };
+        self.next_event_id = next_event_id;
+        self.events.truncate(events);
+        if let (Some(event), Some(last)) = (self.events.last_mut(), last) {
+            *event = last;
+        }
+        self.hashes.truncate(hashes);
+        self.tokens.truncate(tokens);
+        while let Some((name, before)) = self.host_copies_before.pop() {
+            match before {
+                Some(copies) => self.host_copies.insert(name, copies),
+                None => self.host_copies.remove(&name),
+            };
+        }
+        self.device_groups.rollback();
+        self.host_block_hashes.rollback();
+        self.device_names.rollback();
+        self.device_tokens.rollback();
+    }
+}
+
+/// The host copies printed in key order: a rollback puts back the counts, not their places
+/// in the hash table.
+impl fmt::Debug for KvEventLog {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut host_copies: Vec<_> = self.host_copies.iter().collect();
+        host_copies.sort_unstable_by_key(|&(&(hash, group), &copies)| (hash.0, group, copies));
+        formatter
+            .debug_struct("KvEventLog")
+            .field("enabled", &self.enabled)
+            .field("next_event_id", &self.next_event_id)
+            .field("events", &self.events)
+            .field("hashes", &self.hashes)
+            .field("tokens", &self.tokens)
+            .field("device_groups", &self.device_groups)
+            .field("host_block_hashes", &self.host_block_hashes)
+            .field("device_names", &self.device_names)
+            .field("device_tokens", &self.device_tokens)
+            .field("block_size", &self.block_size)
+            .field("host_copies", &host_copies)
+            .finish()
     }
 }

@@ -497,8 +497,8 @@ fn take_blocks<'a>(
     }
     let first_promoted = first_promoted.min(hits);
     for table in seq.tables.iter_mut() {
-        for cell in &mut table.blocks[first_promoted..hits] {
-            let Some(copy) = host_block(*cell) else {
+        for index in first_promoted..hits {
+            let Some(copy) = host_block(table.blocks[index]) else {
                 continue;
             };
             let block = tiers.allocate()?;
@@ -510,7 +510,7 @@ fn take_blocks<'a>(
                 tier.pool.release(copy);
                 tier.prefix_counters.promoted += 1;
             }
-            *cell = block;
+            table.blocks.set(index, block);
         }
     }
     for (table, spec) in seq.tables.iter_mut().zip(groups) {

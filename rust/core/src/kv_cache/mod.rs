@@ -34,6 +34,7 @@ mod stats;
 mod swap;
 mod tables;
 mod transaction;
+mod undo_record;
 mod windows;
 
 pub use batch_table::{BatchTable, PAD_SLOT};
@@ -121,6 +122,8 @@ pub struct KvCache {
     deferred_sub_blocks: partial_hits::DeferredSubBlocks,
     /// The slabs of the batch being worked on (see `SequenceTable::resolve_batch`).
     scratch_slabs: Vec<u32>,
+    /// What an open transaction puts back if it fails (see `undo_record`).
+    undo: undo_record::UndoRecord,
 }
 
 /// A sequence as the batch table sees it: the only window it has into the slab.
@@ -242,6 +245,7 @@ impl KvCache {
             scratch_checkpoint: Vec::new(),
             deferred_sub_blocks: Default::default(),
             scratch_slabs: Vec::new(),
+            undo: Default::default(),
         };
         cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
         Ok(cache)

@@ -6,6 +6,7 @@ use super::retention::{RetentionConfig, NO_RETENTION};
 use super::windows::WindowBounds;
 use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
+use crate::undo::{Saved, Undo, UndoVec};
 
 /// Bytes of one sequence's fixed state (for memory accounting).
 pub const SEQUENCE_BYTES: usize = std::mem::size_of::<Sequence>();
@@ -20,7 +21,7 @@ pub(super) struct Sequence {
     pub(super) tables: Vec<GroupTable>,
     /// The recurrent layers' state blocks (`KvCache::num_state_blocks` of them, device blocks
     /// or host blocks while `swapped`); never shared.
-    pub(super) state: Vec<u32>,
+    pub(super) state: UndoVec<u32>,
     /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
     pub(super) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
@@ -28,12 +29,12 @@ pub(super) struct Sequence {
     /// Root of the hash chain (from the cache salt).
     pub(super) root_hash: BlockHash,
     /// Hash of every full block, in order (only while `hashable`).
-    pub(super) hashes: Vec<BlockHash>,
+    pub(super) hashes: UndoVec<BlockHash>,
     /// Token ids of the partly filled last block (only while `hashable`).
-    pub(super) partial_tokens: Vec<u32>,
+    pub(super) partial_tokens: UndoVec<u32>,
     /// Every token id (only while `hashable` and KV events are recorded: a stored block's
     /// event carries its ids).
-    pub(super) token_ids: Vec<u32>,
+    pub(super) token_ids: UndoVec<u32>,
     /// Leading tokens whose K/V the caller said are computed (`mark_computed`); only blocks
     /// within them may join the prefix cache.
     pub(super) num_computed: usize,
@@ -54,6 +55,25 @@ pub(super) struct Sequence {
     /// What the request asked the prefix cache to keep of its blocks (`None`: nothing; the
     /// box stays with the slab for the next sequence).
     pub(super) retention: Option<Box<RetentionConfig>>,
+    /// What a transaction that changed this sequence puts back (see `undo`).
+    saved: Saved<(Scalars, Option<Box<RetentionConfig>>)>,
+}
+
+/// A sequence's fields that are no vector, as a transaction found them.
+#[derive(Clone, Copy)]
+struct Scalars {
+    seq_id: u64,
+    live: bool,
+    num_tokens: usize,
+    swapped: bool,
+    hashable: bool,
+    root_hash: BlockHash,
+    num_computed: usize,
+    num_registered: usize,
+    kv_reach: u32,
+    prompt_blocks: u32,
+    window_bounds: WindowBounds,
+    version: u64,
 }
 
 /// A sequence's blocks in one group.
@@ -64,13 +84,15 @@ pub(super) struct Sequence {
 /// prompt's blocks only as it is computed); the ones between are held.
 #[derive(Debug, Clone, Default)]
 pub(super) struct GroupTable {
-    pub(super) blocks: Vec<u32>,
+    pub(super) blocks: UndoVec<u32>,
     pub(super) released: usize,
     pub(super) allocated: usize,
     /// Changes whenever a block already in the list is replaced (allocation, fork,
     /// copy-on-write, swap, release), but not when the list only grows: a table that holds
     /// the list's first k blocks under this value still holds them.
     pub(super) layout: u64,
+    /// `released`, `allocated` and `layout` when a transaction began.
+    saved: Saved<(usize, usize, u64)>,
 }
 
 impl GroupTable {
@@ -87,8 +109,10 @@ impl GroupTable {
         &self.blocks[self.released..self.allocated]
     }
 
-    pub(super) fn live_mut(&mut self) -> &mut [u32] {
-        &mut self.blocks[self.released..self.allocated]
+    /// Replaces held block `index` (counted from the list's start) by `block`.
+    pub(super) fn set(&mut self, index: usize, block: u32) {
+        debug_assert!((self.released..self.allocated).contains(&index));
+        self.blocks.set(index, block);
     }
 
     /// Whether every block up to the last is allocated (no prompt blocks still to come).
@@ -182,5 +206,107 @@ impl Sequence {
             .unwrap_or_default();
         let parent = index.checked_sub(1).map(|parent| self.hashes[parent]);
         (parent, self.hashes[index], tokens)
+    }
+}
+
+impl Undo for GroupTable {
+    fn begin(&mut self) {
+        self.saved
+            .save((self.released, self.allocated, self.layout));
+        self.blocks.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.blocks.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some((released, allocated, layout)) = self.saved.take() {
+            (self.released, self.allocated, self.layout) = (released, allocated, layout);
+        }
+        self.blocks.rollback();
+    }
+}
+
+impl Sequence {
+    fn scalars(&self) -> Scalars {
+        Scalars {
+            seq_id: self.seq_id,
+            live: self.live,
+            num_tokens: self.num_tokens,
+            swapped: self.swapped,
+            hashable: self.hashable,
+            root_hash: self.root_hash,
+            num_computed: self.num_computed,
+            num_registered: self.num_registered,
+            kv_reach: self.kv_reach,
+            prompt_blocks: self.prompt_blocks,
+            window_bounds: self.window_bounds,
+            version: self.version,
+        }
+    }
+
+    fn set_scalars(&mut self, scalars: Scalars) {
+        let Scalars {
+            seq_id,
+            live,
+            num_tokens,
+            swapped,
+            hashable,
+            root_hash,
+            num_computed,
+            num_registered,
+            kv_reach,
+            prompt_blocks,
+            window_bounds,
+            version,
+        } = scalars;
+        (self.seq_id, self.live, self.num_tokens, self.swapped) =
+            (seq_id, live, num_tokens, swapped);
+        (self.hashable, self.root_hash) = (hashable, root_hash);
+        (self.num_computed, self.num_registered) = (num_computed, num_registered);
+        (self.kv_reach, self.prompt_blocks) = (kv_reach, prompt_blocks);
+        (self.window_bounds, self.version) = (window_bounds, version);
+    }
+}
+
+/// Begun by the sequence table at a transaction's first change of the sequence.
+impl Undo for Sequence {
+    fn begin(&mut self) {
+        // Few sequences have a retention: copying it costs those only.
+        self.saved.save((self.scalars(), self.retention.clone()));
+        for table in &mut self.tables {
+            table.begin();
+        }
+        self.state.begin();
+        self.hashes.begin();
+        self.partial_tokens.begin();
+        self.token_ids.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        for table in &mut self.tables {
+            table.commit();
+        }
+        self.state.commit();
+        self.hashes.commit();
+        self.partial_tokens.commit();
+        self.token_ids.commit();
+    }
+
+    fn rollback(&mut self) {
+        if let Some((scalars, retention)) = self.saved.take() {
+            self.set_scalars(scalars);
+            self.retention = retention;
+        }
+        for table in &mut self.tables {
+            table.rollback();
+        }
+        self.state.rollback();
+        self.hashes.rollback();
+        self.partial_tokens.rollback();
+        self.token_ids.rollback();
     }
 }

@@ -5,7 +5,13 @@
 //! so steady-state churn allocates nothing; the index maps a caller's id to its slab. A
 //! version is unique across the cache's life: whatever holds a copy of a block list (a batch
 //! table's row) compares versions to know whether it is stale.
+//!
+//! In a transaction (see `undo`) the table records what it changes: the index's entries,
+//! the vacant list, the slabs it adds, and — through `index_mut`, `two_mut` and
+//! `vacant_slab`, the only ways to change a sequence — each sequence it hands out for
+//! changing, which then records its own changes.
 
+use std::fmt;
 use std::ops::{Index, IndexMut};
 
 use hashbrown::HashMap;
@@ -13,13 +19,22 @@ use hashbrown::HashMap;
 use super::sequence::{GroupTable, Sequence};
 use super::windows::WindowBounds;
 use crate::error::{CoreError, CoreResult};
+use crate::undo::{Saved, Undo, UndoVec};
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(super) struct SequenceTable {
     slabs: Vec<Sequence>,
-    vacant: Vec<u32>,
+    vacant: UndoVec<u32>,
     index: HashMap<u64, u32>,
     next_version: u64,
+    /// The transaction's record: the slab count and next version it began with, each index
+    /// entry's value before its first change (newest last), and the sequences it changed.
+    saved: Saved<(usize, u64)>,
+    index_before: Vec<(u64, Option<u32>)>,
+    changed: Vec<u32>,
+    /// Per slab, the number of the transaction that last changed it.
+    changed_in: Vec<u64>,
+    transaction: u64,
     /// Per slab, the last batch `resolve_batch` saw it in (finds repeats), and that batch.
     scratch_batch_marks: Vec<u64>,
     scratch_batch: u64,
@@ -29,9 +44,14 @@ impl Default for SequenceTable {
     fn default() -> Self {
         SequenceTable {
             slabs: Vec::new(),
-            vacant: Vec::new(),
+            vacant: UndoVec::default(),
             index: HashMap::new(),
             next_version: 1,
+            saved: Saved::default(),
+            index_before: Vec::new(),
+            changed: Vec::new(),
+            changed_in: Vec::new(),
+            transaction: 0,
             scratch_batch_marks: Vec::new(),
             scratch_batch: 0,
         }
@@ -90,7 +110,7 @@ impl SequenceTable {
             self.slabs.push(Sequence::default());
             (self.slabs.len() - 1) as u32
         });
-        let seq = &mut self.slabs[slab as usize];
+        let seq = &mut self[slab];
         seq.window_bounds = WindowBounds::default();
         let tables = &mut seq.tables;
         // Exactly one table per group (a plain resize would reserve four at first).
@@ -104,7 +124,10 @@ impl SequenceTable {
 
     pub(super) fn insert(&mut self, seq_id: u64, slab: u32) {
         debug_assert!(self.slabs[slab as usize].live);
-        self.index.insert(seq_id, slab);
+        let before = self.index.insert(seq_id, slab);
+        if self.saved.is_saved() {
+            self.index_before.push((seq_id, before));
+        }
     }
 
     /// Takes the sequence out of the index and gives its slab back; the caller empties the
@@ -114,6 +137,9 @@ impl SequenceTable {
             .index
             .remove(&seq_id)
             .ok_or_else(|| CoreError::unknown_sequence(seq_id))?;
+        if self.saved.is_saved() {
+            self.index_before.push((seq_id, Some(slab)));
+        }
         self.vacant.push(slab);
         Ok(slab)
     }
@@ -147,6 +173,8 @@ impl SequenceTable {
 
     /// Two different slabs at once (a fork's parent and child).
     pub(super) fn two_mut(&mut self, a: u32, b: u32) -> (&mut Sequence, &mut Sequence) {
+        self.record(a);
+        self.record(b);
         let (a, b) = (a as usize, b as usize);
         debug_assert_ne!(a, b);
         if a < b {
@@ -192,6 +220,79 @@ impl SequenceTable {
     }
 }
 
+impl SequenceTable {
+    /// Begins recording the changes of sequence `slab`, at a transaction's first change of
+    /// it. Slabs added by the transaction go as a whole.
+    #[inline]
+    fn record(&mut self, slab: u32) {
+        let Some(&(slabs, _)) = self.saved.peek() else {
+            return;
+        };
+        let index = slab as usize;
+        if index >= slabs || self.changed_in[index] == self.transaction {
+            return;
+        }
+        self.changed_in[index] = self.transaction;
+        self.changed.push(slab);
+        self.slabs[index].begin();
+    }
+}
+
+impl Undo for SequenceTable {
+    fn begin(&mut self) {
+        self.transaction += 1;
+        self.saved.save((self.slabs.len(), self.next_version));
+        if self.changed_in.len() < self.slabs.len() {
+            self.changed_in.resize(self.slabs.len(), 0);
+        }
+        self.vacant.begin();
+    }
+
+    fn commit(&mut self) {
+        self.saved.forget();
+        self.index_before.clear();
+        for &slab in &self.changed {
+            self.slabs[slab as usize].commit();
+        }
+        self.changed.clear();
+        self.vacant.commit();
+    }
+
+    fn rollback(&mut self) {
+        let Some((slabs, next_version)) = self.saved.take() else {
+            return;
+        };
+        while let Some((seq_id, before)) = self.index_before.pop() {
+            match before {
+                Some(slab) => self.index.insert(seq_id, slab),
+                None => self.index.remove(&seq_id),
+            };
+        }
+        while let Some(slab) = self.changed.pop() {
+            self.slabs[slab as usize].rollback();
+        }
+        self.slabs.truncate(slabs);
+        self.next_version = next_version;
+        self.vacant.rollback();
+    }
+}
+
+/// The index printed in id order: a rollback puts back its entries, not their places in
+/// the hash table, and no caller depends on those.
+impl fmt::Debug for SequenceTable {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut index: Vec<(u64, u32)> = self.index.iter().map(|(&id, &slab)| (id, slab)).collect();
+        index.sort_unstable();
+        formatter
+            .debug_struct("SequenceTable")
+            .field("slabs", &self.slabs)
+            .field("vacant", &self.vacant)
+            .field("index", &index)
+            .field("next_version", &self.next_version)
+            .finish()
+    }
+}
+
 impl Index<u32> for SequenceTable {
     type Output = Sequence;
 
@@ -204,6 +305,7 @@ impl Index<u32> for SequenceTable {
 impl IndexMut<u32> for SequenceTable {
     #[inline]
     fn index_mut(&mut self, slab: u32) -> &mut Sequence {
+        self.record(slab);
         &mut self.slabs[slab as usize]
     }
 }

@@ -209,13 +209,15 @@ impl KvCache {
                 events: &mut *events,
             };
             for table in seq.tables.iter_mut() {
-                for block in table.live_mut().iter_mut().rev() {
-                    moving.move_block(block)?;
+                for index in (table.released..table.allocated).rev() {
+                    let moved = moving.move_block(table.blocks[index])?;
+                    table.set(index, moved);
                 }
                 table.layout = seq.version;
             }
-            for block in seq.state.iter_mut() {
-                moving.move_block(block)?;
+            for index in 0..seq.state.len() {
+                let moved = moving.move_block(seq.state[index])?;
+                seq.state.set(index, moved);
             }
             // Blocks whose contents the prefix cache names: their host copies are events.
             let named = seq.num_registered.min(seq.hashes.len());
@@ -258,10 +260,10 @@ struct MovingTiers<'a> {
 
 impl MovingTiers<'_> {
     /// Moves one held block (once, however many sequences share it: `scratch_moves` knows
-    /// where it went) and releases it.
-    fn move_block(&mut self, block: &mut u32) -> CoreResult<()> {
+    /// where it went) and releases it; where it went.
+    fn move_block(&mut self, block: u32) -> CoreResult<u32> {
         let (out, tier) = (self.out, &mut *self.tier);
-        let moved = match tier.scratch_moves[*block as usize] {
+        let moved = match tier.scratch_moves[block as usize] {
             NO_BLOCK => {
                 let (moved, kind) = match out {
                     true => (allocate_checked(&mut tier.pool)?, MoveKind::ToHost),
@@ -273,8 +275,8 @@ impl MovingTiers<'_> {
                         (moved, MoveKind::ToDevice)
                     }
                 };
-                tier.scratch_moves[*block as usize] = moved;
-                self.moves.push(BlockMove::new(kind, *block, moved));
+                tier.scratch_moves[block as usize] = moved;
+                self.moves.push(BlockMove::new(kind, block, moved));
                 moved
             }
             moved => {
@@ -289,11 +291,10 @@ impl MovingTiers<'_> {
             true => &mut *self.block_pool,
             false => &mut tier.pool,
         };
-        source.release(*block);
-        if !out && self.events.enabled() && source.ref_count(*block) == 0 {
-            self.events.host_block_freed(*block);
+        source.release(block);
+        if !out && self.events.enabled() && source.ref_count(block) == 0 {
+            self.events.host_block_freed(block);
         }
-        *block = moved;
-        Ok(())
+        Ok(moved)
     }
 }

@@ -3,13 +3,14 @@
 //!
 //! The executor runs a list of [`BlockMove`]s in order, or reports how many of them may
 //! have run ([`MoveFailure`]). A transaction plans (changing nothing if planning fails),
-//! calls the executor, and commits; if the executor fails, the cache goes back to where it
-//! was before the operation and the sequences whose bytes the partial execution destroyed
-//! are ended ([`CoreError::MovesFailed`] names them). A call that returns an error has
-//! therefore changed nothing but those endings.
+//! calls the executor, and commits; if the executor fails, the cache's undo record (see
+//! `crate::undo`) puts back what the operation changed and the sequences whose bytes the
+//! partial execution destroyed are ended ([`CoreError::MovesFailed`] names them). A call
+//! that returns an error has therefore changed nothing but those endings.
 
 use super::{BlockMove, KvCache};
 use crate::error::{CoreError, CoreResult};
+use crate::undo::Undo;
 
 /// Executing block moves failed with the first `attempted` of them possibly run (the rest
 /// certainly not). An executor that cannot tell reports all of them.
@@ -33,8 +34,8 @@ impl KvCache {
         if self.pending_moves.is_empty() {
             return Ok(());
         }
-        let before = self.clone();
-        self.execute_since(before, execute, executed)
+        self.begin();
+        self.execute_planned(execute, executed)
     }
 
     /// [`KvCache::swap_out`], then every pending move (earlier copies first) executed with
@@ -81,12 +82,16 @@ impl KvCache {
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
         executed.clear();
-        let before = self.clone();
-        match out {
-            true => self.swap_out(seq_ids)?,
-            false => self.swap_in(seq_ids)?,
+        self.begin();
+        let planned = match out {
+            true => self.swap_out(seq_ids),
+            false => self.swap_in(seq_ids),
+        };
+        if let Err(error) = planned {
+            self.rollback();
+            return Err(error);
         }
-        self.execute_since(before, execute, executed)
+        self.execute_planned(execute, executed)
     }
 
     /// Readies a kernel's write into `slots`: checks that each lies in a block some sequence
@@ -101,11 +106,10 @@ impl KvCache {
         self.execute_pending_moves(execute, &mut executed)
     }
 
-    /// Takes the pending moves into `executed` and executes them; on failure, goes back to
-    /// `before` (taken before the operation that planned them) less the damaged sequences.
-    fn execute_since<E>(
+    /// In the transaction `begin` opened: takes the pending moves into `executed`, executes
+    /// them and commits; on failure, rolls back less the damaged sequences.
+    fn execute_planned<E>(
         &mut self,
-        before: KvCache,
         mut execute: E,
         executed: &mut Vec<BlockMove>,
     ) -> CoreResult<()>
@@ -113,15 +117,17 @@ impl KvCache {
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
         self.take_moves(executed);
-        if executed.is_empty() {
-            return Ok(());
-        }
-        let Err(MoveFailure { attempted }) = execute(executed) else {
+        let failure = match executed.is_empty() {
+            true => Ok(()),
+            false => execute(executed),
+        };
+        let Err(MoveFailure { attempted }) = failure else {
+            self.commit();
             return Ok(());
         };
         let attempted = attempted.min(executed.len());
         let mut aborted = Vec::new();
-        self.recover_from_failed_moves(before, executed, attempted, &mut aborted);
+        self.recover_from_failed_moves(executed, attempted, &mut aborted);
         Err(CoreError::MovesFailed { attempted, aborted })
     }
 }

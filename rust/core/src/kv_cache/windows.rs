@@ -110,16 +110,16 @@ impl KvCache {
             if released {
                 // Head first: the oldest of them is evicted first if it stays cached.
                 let held = from.min(table.allocated).max(table.released);
-                for block in &mut table.blocks[table.released..held] {
-                    block_pool.release(*block);
-                    *block = NULL_BLOCK;
+                for index in table.released..held {
+                    block_pool.release(table.blocks[index]);
+                    table.blocks.set(index, NULL_BLOCK);
                 }
                 table.released = from;
                 table.allocated = table.allocated.max(from);
             }
             while table.allocated < end {
-                table.blocks[table.allocated] =
-                    allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
+                let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
+                table.blocks.set(table.allocated, block);
                 table.allocated += 1;
             }
             if filled {

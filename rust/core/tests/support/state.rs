@@ -17,9 +17,10 @@ pub fn cache_state(cache: &KvCache) -> String {
 fn without_scratch(printed: &str) -> String {
     let mut kept = String::new();
     let mut rest = printed;
-    while let Some(at) = rest
-        .find(" scratch_")
-        .or_else(|| rest.find(" decode_slots"))
+    while let Some(at) = [" scratch_", " decode_slots"]
+        .iter()
+        .filter_map(|name| rest.find(name))
+        .min()
     {
         kept.push_str(&rest[..at]);
         // Skip `name: value` up to the next `,` or `}` at the same depth.

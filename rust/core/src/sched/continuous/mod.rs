@@ -38,10 +38,7 @@ mod requests;
 mod step;
 mod step_plan;
 mod transaction;
-
-use std::collections::BTreeSet;
-
-use hashbrown::HashMap;
+mod undo_record;
 
 pub use block_tables::BlockTableWriter;
 pub use config::{Preemption, SchedulerConfig, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS};
@@ -49,6 +46,7 @@ pub use loads::{BlockLoad, LoadCounters};
 use requests::{check_request, Request};
 use step::ScheduledRow;
 pub use step_plan::StepPlan;
+use undo_record::{Queue, RequestTable, UndoRecord};
 
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::KvCache;
@@ -60,9 +58,9 @@ type QueueKey = (u32, i64, u64);
 #[derive(Debug, Clone)]
 pub struct ContinuousScheduler {
     config: SchedulerConfig,
-    requests: HashMap<u64, Request>,
-    waiting: BTreeSet<QueueKey>,
-    swapped: BTreeSet<QueueKey>,
+    requests: RequestTable,
+    waiting: Queue,
+    swapped: Queue,
     running: Vec<u64>,
     /// Admitted requests waiting for their lower-tier loads (see `loads`).
     loading: Vec<u64>,
@@ -99,6 +97,8 @@ pub struct ContinuousScheduler {
     scratch_scheduled: Vec<ScheduledRow>,
     /// Of the step's moves, the leading ones that save checkpoints (see `save_checkpoints`).
     saved_moves: usize,
+    /// What an open step puts back if its moves fail (see `undo_record`).
+    undo: UndoRecord,
 }
 
 impl ContinuousScheduler {
@@ -106,9 +106,9 @@ impl ContinuousScheduler {
         config.validate_for(cache)?;
         Ok(ContinuousScheduler {
             config,
-            requests: HashMap::new(),
-            waiting: BTreeSet::new(),
-            swapped: BTreeSet::new(),
+            requests: RequestTable::default(),
+            waiting: Queue::default(),
+            swapped: Queue::default(),
             running: Vec::new(),
             loading: Vec::new(),
             abandoned_loads: Vec::new(),
@@ -130,6 +130,7 @@ impl ContinuousScheduler {
             block_tables: BlockTableWriter::new(),
             scratch_scheduled: Vec::new(),
             saved_moves: 0,
+            undo: UndoRecord::default(),
         })
     }
 

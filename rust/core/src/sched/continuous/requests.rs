@@ -4,6 +4,7 @@ use super::{ContinuousScheduler, QueueKey, SchedulerConfig};
 use crate::alloc::{BlockHash, EvictionPolicy, DEFAULT_PRIORITY};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{KvCache, RetentionConfig, Tokens};
+use crate::undo::Stamp;
 
 /// Whether a request of `longest` tokens (prompt and every new token) and `num_samples`
 /// sequences could ever be scheduled under `config`: refused otherwise, as it would wait
@@ -117,6 +118,8 @@ pub(super) struct Request {
     /// What it asks the prefix cache to keep (`set_retention`), given to its sequence at
     /// every admission; boxed, as few requests have one and the step walks them all.
     pub retention: Option<Box<RetentionConfig>>,
+    /// The transaction that last changed it (see `undo_record`).
+    pub changed_in: Stamp,
 }
 
 impl Request {
@@ -215,6 +218,7 @@ impl ContinuousScheduler {
             external_blocks: 0,
             loading_blocks: 0,
             retention: None,
+            changed_in: Stamp::default(),
         };
         self.unforked_samples += request.samples_to_fork;
         self.waiting.insert(request.queue_key(seq_id));
