@@ -272,13 +272,16 @@ impl Undo for SequenceTable {
             self.slabs[slab as usize].rollback();
         }
         self.slabs.truncate(slabs);
-        self.next_version = next_version;
+        // Versions only need to be unique, and a block table the failed step wrote may
+        // already carry the ones it handed out: they are not handed out again.
+        debug_assert!(self.next_version >= next_version);
         self.vacant.rollback();
     }
 }
 
 /// The index printed in id order: a rollback puts back its entries, not their places in
-/// the hash table, and no caller depends on those.
+/// the hash table, and no caller depends on those. The next version is left out: a
+/// rollback keeps it (see `rollback`).
 impl fmt::Debug for SequenceTable {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut index: Vec<(u64, u32)> = self.index.iter().map(|(&id, &slab)| (id, slab)).collect();
@@ -288,7 +291,6 @@ impl fmt::Debug for SequenceTable {
             .field("slabs", &self.slabs)
             .field("vacant", &self.vacant)
             .field("index", &index)
-            .field("next_version", &self.next_version)
             .finish()
     }
 }
