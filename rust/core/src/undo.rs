@@ -124,37 +124,6 @@ impl<T: Clone> UndoVec<T> {
         }
     }
 
-    pub(crate) fn extend_from_slice(&mut self, values: &[T]) {
-        self.items.extend_from_slice(values);
-        if self.recording && !values.is_empty() {
-            self.changes.push(Change::Pushed(values.len() as u32));
-        }
-    }
-
-    pub(crate) fn truncate(&mut self, len: usize) {
-        match self.recording {
-            true => {
-                while self.items.len() > len {
-                    self.pop();
-                }
-            }
-            false => self.items.truncate(len),
-        }
-    }
-
-    pub(crate) fn resize(&mut self, len: usize, value: T) {
-        match len > self.items.len() {
-            true => {
-                let added = len - self.items.len();
-                self.items.resize(len, value);
-                if self.recording {
-                    self.changes.push(Change::Pushed(added as u32));
-                }
-            }
-            false => self.truncate(len),
-        }
-    }
-
     #[inline]
     pub(crate) fn pop(&mut self) -> Option<T> {
         let value = self.items.pop()?;

@@ -133,11 +133,8 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
         // here, 24 that of the recurrent states' block list, empty too, 40 the one group
         // table on the heap, 8 the box a retention config would go in, 8 the block counts a
         // hybrid's checkpoints are kept at); without prefix caching a sequence keeps no
-        // token ids. The undo record (see `undo`) doubled it, to 693: each of a sequence's
-        // five lists carries its own record of changes (a vector header and a flag), and
-        // the sequence the scalars a failed step puts back (`size_of::<Sequence>()` went
-        // is 408).
-        let per_sequence_limit = if enable_prefix_caching { 712.0 } else { 696.0 };
+        // token ids.
+        let per_sequence_limit = if enable_prefix_caching { 358.0 } else { 342.0 };
         assert!(
             per_sequence <= per_sequence_limit,
             "{per_sequence} bytes per sequence"

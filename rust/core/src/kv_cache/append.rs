@@ -143,10 +143,10 @@ impl KvCache {
             has_forked,
             ..
         } = self;
-        let seq = &mut sequences[slab];
+        let (seq, log) = sequences.with_log(slab);
         if *has_forked && seq.num_tokens % block_size != 0 {
-            for table in seq.tables.iter_mut().filter(|table| table.complete()) {
-                if table.released == table.allocated {
+            for (group, table) in seq.tables.iter_mut().enumerate() {
+                if !table.complete() || table.released == table.allocated {
                     continue;
                 }
                 let index = table.allocated - 1;
@@ -156,16 +156,14 @@ impl KvCache {
                         allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
                     pending_moves.push(BlockMove::new(MoveKind::Copy, last, copy));
                     block_pool.release(last);
-                    table.set(index, copy);
+                    table.set(index, copy, log, (slab, group as u32));
                     table.layout = version;
                 }
             }
         }
         if token_ids.is_none() && seq.hashable {
             seq.hashable = false;
-            seq.partial_tokens.clear();
-            seq.hashes.clear();
-            seq.token_ids.clear();
+            seq.forget_token_ids(log, slab);
         }
         let keep_token_ids =
             seq.hashable && (events.enabled() || block_pool.sub_blocks_per_block() > 0);

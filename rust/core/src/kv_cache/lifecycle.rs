@@ -6,6 +6,7 @@ use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
 use super::retention::retain_joined;
 use super::sequence::Sequence;
+use super::sequence_record::SequenceLog;
 use super::state_checkpoints::{hold_checkpoint, resume_from_checkpoint};
 use super::swap::HostTier;
 use super::{swapped_out, KvCache, KvCacheGroup, KvEventLog, Tokens};
@@ -176,7 +177,7 @@ impl KvCache {
             block_pool.take_hit(source);
         }
         hold_checkpoint(block_pool, scratch_checkpoint);
-        let seq = &mut sequences[slab];
+        let (seq, log) = sequences.with_log(slab);
         seq.seq_id = seq_id;
         seq.live = true;
         seq.swapped = false;
@@ -189,7 +190,8 @@ impl KvCache {
             moves: pending_moves,
             events,
         };
-        let first_promoted = take_blocks(seq, tiers, groups, hit_row, num_blocks, lazy)?;
+        let first_promoted =
+            take_blocks((seq, log, slab), tiers, groups, hit_row, (num_blocks, lazy))?;
         copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
         seq.partial_tokens.clear();
         seq.hashes.clear();
@@ -392,7 +394,7 @@ impl KvCache {
             events,
             ..
         } = self;
-        let seq = &mut sequences[slab];
+        let (seq, log) = sequences.with_log(slab);
         let (pool, on_host) = match (seq.swapped, host_tier.as_mut()) {
             (true, Some(tier)) => (&mut tier.pool, true),
             _ => (block_pool, false),
@@ -419,7 +421,7 @@ impl KvCache {
                 }
             }
         }
-        seq.clear();
+        seq.clear(log, slab);
         Ok(())
     }
 
@@ -468,12 +470,11 @@ impl Tiers<'_> {
 /// (`hits` when none was): the blocks from there join the device's prefix cache with
 /// `mark_computed`.
 fn take_blocks<'a>(
-    seq: &mut Sequence,
+    (seq, log, slab): (&mut Sequence, &mut SequenceLog, u32),
     mut tiers: Tiers<'_>,
     groups: &[KvCacheGroup],
     hit_row: impl Fn(usize) -> &'a [u32],
-    num_blocks: usize,
-    lazy: bool,
+    (num_blocks, lazy): (usize, bool),
 ) -> CoreResult<usize> {
     let mut hits = 0;
     let mut first_promoted = usize::MAX;
@@ -496,7 +497,7 @@ fn take_blocks<'a>(
         table.allocated = hits;
     }
     let first_promoted = first_promoted.min(hits);
-    for table in seq.tables.iter_mut() {
+    for (group, table) in seq.tables.iter_mut().enumerate() {
         for index in first_promoted..hits {
             let Some(copy) = host_block(table.blocks[index]) else {
                 continue;
@@ -510,12 +511,12 @@ fn take_blocks<'a>(
                 tier.pool.release(copy);
                 tier.prefix_counters.promoted += 1;
             }
-            table.blocks.set(index, block);
+            table.set(index, block, log, (slab, group as u32));
         }
     }
     for (table, spec) in seq.tables.iter_mut().zip(groups) {
         if lazy && spec.kind.is_windowed() {
-            table.blocks.resize(num_blocks, NULL_BLOCK);
+            table.blocks.grow(num_blocks, NULL_BLOCK);
             continue;
         }
         for _ in hits..num_blocks {

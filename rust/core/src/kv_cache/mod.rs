@@ -27,6 +27,7 @@ mod prefix_explain;
 mod prefix_match;
 mod retention;
 mod sequence;
+mod sequence_record;
 mod sequence_table;
 mod state;
 mod state_checkpoints;

@@ -3,10 +3,10 @@
 use std::ops::Range;
 
 use super::retention::{RetentionConfig, NO_RETENTION};
+use super::sequence_record::SequenceLog;
 use super::windows::WindowBounds;
 use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
-use crate::undo::{Saved, Undo, UndoVec};
 
 /// Bytes of one sequence's fixed state (for memory accounting).
 pub const SEQUENCE_BYTES: usize = std::mem::size_of::<Sequence>();
@@ -21,7 +21,7 @@ pub(super) struct Sequence {
     pub(super) tables: Vec<GroupTable>,
     /// The recurrent layers' state blocks (`KvCache::num_state_blocks` of them, device blocks
     /// or host blocks while `swapped`); never shared.
-    pub(super) state: UndoVec<u32>,
+    pub(super) state: Vec<u32>,
     /// Swapped out to the host tier: no appends, forks or kernel-facing tables until swapped in.
     pub(super) swapped: bool,
     /// Whether every token id of the sequence is known, so its full blocks can be named.
@@ -29,12 +29,12 @@ pub(super) struct Sequence {
     /// Root of the hash chain (from the cache salt).
     pub(super) root_hash: BlockHash,
     /// Hash of every full block, in order (only while `hashable`).
-    pub(super) hashes: UndoVec<BlockHash>,
+    pub(super) hashes: Vec<BlockHash>,
     /// Token ids of the partly filled last block (only while `hashable`).
-    pub(super) partial_tokens: UndoVec<u32>,
+    pub(super) partial_tokens: Vec<u32>,
     /// Every token id (only while `hashable` and KV events are recorded: a stored block's
     /// event carries its ids).
-    pub(super) token_ids: UndoVec<u32>,
+    pub(super) token_ids: Vec<u32>,
     /// Leading tokens whose K/V the caller said are computed (`mark_computed`); only blocks
     /// within them may join the prefix cache.
     pub(super) num_computed: usize,
@@ -55,13 +55,11 @@ pub(super) struct Sequence {
     /// What the request asked the prefix cache to keep of its blocks (`None`: nothing; the
     /// box stays with the slab for the next sequence).
     pub(super) retention: Option<Box<RetentionConfig>>,
-    /// What a transaction that changed this sequence puts back (see `undo`).
-    saved: Saved<(Scalars, Option<Box<RetentionConfig>>)>,
 }
 
 /// A sequence's fields that are no vector, as a transaction found them.
 #[derive(Clone, Copy)]
-struct Scalars {
+pub(super) struct Scalars {
     seq_id: u64,
     live: bool,
     num_tokens: usize,
@@ -84,21 +82,20 @@ struct Scalars {
 /// prompt's blocks only as it is computed); the ones between are held.
 #[derive(Debug, Clone, Default)]
 pub(super) struct GroupTable {
-    pub(super) blocks: UndoVec<u32>,
+    pub(super) blocks: BlockList,
     pub(super) released: usize,
     pub(super) allocated: usize,
     /// Changes whenever a block already in the list is replaced (allocation, fork,
     /// copy-on-write, swap, release), but not when the list only grows: a table that holds
     /// the list's first k blocks under this value still holds them.
     pub(super) layout: u64,
-    /// `released`, `allocated` and `layout` when a transaction began.
-    saved: Saved<(usize, usize, u64)>,
 }
 
 impl GroupTable {
-    /// Starts a new list stamped `version`.
+    /// Starts a new list stamped `version` (a transaction recorded what it held, see
+    /// `Sequence::clear`).
     pub(super) fn reset(&mut self, version: u64) {
-        self.blocks.clear();
+        self.blocks.0.clear();
         self.released = 0;
         self.allocated = 0;
         self.layout = version;
@@ -109,10 +106,11 @@ impl GroupTable {
         &self.blocks[self.released..self.allocated]
     }
 
-    /// Replaces held block `index` (counted from the list's start) by `block`.
-    pub(super) fn set(&mut self, index: usize, block: u32) {
-        debug_assert!((self.released..self.allocated).contains(&index));
-        self.blocks.set(index, block);
+    /// Replaces block `index` of group `group` of the sequence in slab `slab` by `block`,
+    /// recording the old one in `log`.
+    pub(super) fn set(&mut self, index: usize, block: u32, log: &mut SequenceLog, at: (u32, u32)) {
+        let old = std::mem::replace(&mut self.blocks.0[index], block);
+        log.replaced(at.0, at.1, index, old);
     }
 
     /// Whether every block up to the last is allocated (no prompt blocks still to come).
@@ -128,9 +126,49 @@ impl GroupTable {
     }
 }
 
+/// A group's block list: it grows freely, but an entry is replaced only through
+/// `GroupTable::set`, which records the old one for a transaction's rollback.
+#[derive(Debug, Clone, Default)]
+pub(super) struct BlockList(pub(super) Vec<u32>);
+
+impl BlockList {
+    pub(super) fn push(&mut self, block: u32) {
+        self.0.push(block);
+    }
+
+    pub(super) fn extend_from_slice(&mut self, blocks: &[u32]) {
+        self.0.extend_from_slice(blocks);
+    }
+
+    /// Grows the list to `len` with `block` (a list never shrinks but by `reset`).
+    pub(super) fn grow(&mut self, len: usize, block: u32) {
+        debug_assert!(len >= self.0.len());
+        self.0.resize(len, block);
+    }
+}
+
+impl std::ops::Deref for BlockList {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        &self.0
+    }
+}
+
+impl<'a> IntoIterator for &'a BlockList {
+    type Item = &'a u32;
+    type IntoIter = std::slice::Iter<'a, u32>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
 impl Sequence {
-    /// Empties an ended sequence's slab, keeping its vectors' capacity.
-    pub(super) fn clear(&mut self) {
+    /// Empties an ended sequence's slab, keeping its vectors' capacity; `log` keeps what
+    /// its lists held for a transaction's rollback.
+    pub(super) fn clear(&mut self, log: &mut SequenceLog, slab: u32) {
+        log.cleared(slab, self);
         self.live = false;
         self.swapped = false;
         self.num_tokens = 0;
@@ -209,28 +247,8 @@ impl Sequence {
     }
 }
 
-impl Undo for GroupTable {
-    fn begin(&mut self) {
-        self.saved
-            .save((self.released, self.allocated, self.layout));
-        self.blocks.begin();
-    }
-
-    fn commit(&mut self) {
-        self.saved.forget();
-        self.blocks.commit();
-    }
-
-    fn rollback(&mut self) {
-        if let Some((released, allocated, layout)) = self.saved.take() {
-            (self.released, self.allocated, self.layout) = (released, allocated, layout);
-        }
-        self.blocks.rollback();
-    }
-}
-
 impl Sequence {
-    fn scalars(&self) -> Scalars {
+    pub(super) fn scalars(&self) -> Scalars {
         Scalars {
             seq_id: self.seq_id,
             live: self.live,
@@ -247,7 +265,7 @@ impl Sequence {
         }
     }
 
-    fn set_scalars(&mut self, scalars: Scalars) {
+    pub(super) fn set_scalars(&mut self, scalars: Scalars) {
         let Scalars {
             seq_id,
             live,
@@ -262,51 +280,24 @@ impl Sequence {
             window_bounds,
             version,
         } = scalars;
-        (self.seq_id, self.live, self.num_tokens, self.swapped) =
-            (seq_id, live, num_tokens, swapped);
-        (self.hashable, self.root_hash) = (hashable, root_hash);
+        (self.seq_id, self.live, self.num_tokens) = (seq_id, live, num_tokens);
+        (self.swapped, self.hashable, self.root_hash) = (swapped, hashable, root_hash);
         (self.num_computed, self.num_registered) = (num_computed, num_registered);
         (self.kv_reach, self.prompt_blocks) = (kv_reach, prompt_blocks);
         (self.window_bounds, self.version) = (window_bounds, version);
     }
-}
 
-/// Begun by the sequence table at a transaction's first change of the sequence.
-impl Undo for Sequence {
-    fn begin(&mut self) {
-        // Few sequences have a retention: copying it costs those only.
-        self.saved.save((self.scalars(), self.retention.clone()));
-        for table in &mut self.tables {
-            table.begin();
-        }
-        self.state.begin();
-        self.hashes.begin();
-        self.partial_tokens.begin();
-        self.token_ids.begin();
+    /// Replaces state block `index` by `block`, recording the old one in `log`.
+    pub(super) fn set_state(&mut self, index: usize, block: u32, log: &mut SequenceLog, slab: u32) {
+        let old = std::mem::replace(&mut self.state[index], block);
+        log.replaced(slab, super::sequence_record::STATE_LIST, index, old);
     }
 
-    fn commit(&mut self) {
-        self.saved.forget();
-        for table in &mut self.tables {
-            table.commit();
-        }
-        self.state.commit();
-        self.hashes.commit();
-        self.partial_tokens.commit();
-        self.token_ids.commit();
-    }
-
-    fn rollback(&mut self) {
-        if let Some((scalars, retention)) = self.saved.take() {
-            self.set_scalars(scalars);
-            self.retention = retention;
-        }
-        for table in &mut self.tables {
-            table.rollback();
-        }
-        self.state.rollback();
-        self.hashes.rollback();
-        self.partial_tokens.rollback();
-        self.token_ids.rollback();
+    /// Forgets the token ids (an append without them), `log` keeping them for a rollback.
+    pub(super) fn forget_token_ids(&mut self, log: &mut SequenceLog, slab: u32) {
+        log.cleared(slab, self);
+        self.partial_tokens.clear();
+        self.hashes.clear();
+        self.token_ids.clear();
     }
 }

@@ -7,9 +7,9 @@
 //! table's row) compares versions to know whether it is stale.
 //!
 //! In a transaction (see `undo`) the table records what it changes: the index's entries,
-//! the vacant list, the slabs it adds, and — through `index_mut`, `two_mut` and
+//! the vacant list, the slabs it adds, and — through `index_mut`, `two_mut`, `with_log` and
 //! `vacant_slab`, the only ways to change a sequence — each sequence it hands out for
-//! changing, which then records its own changes.
+//! changing, as it was (see `sequence_record`).
 
 use std::fmt;
 use std::ops::{Index, IndexMut};
@@ -17,6 +17,7 @@ use std::ops::{Index, IndexMut};
 use hashbrown::HashMap;
 
 use super::sequence::{GroupTable, Sequence};
+use super::sequence_record::SequenceLog;
 use super::windows::WindowBounds;
 use crate::error::{CoreError, CoreResult};
 use crate::undo::{Saved, Undo, UndoVec};
@@ -31,7 +32,7 @@ pub(super) struct SequenceTable {
     /// entry's value before its first change (newest last), and the sequences it changed.
     saved: Saved<(usize, u64)>,
     index_before: Vec<(u64, Option<u32>)>,
-    changed: Vec<u32>,
+    log: SequenceLog,
     /// Per slab, the number of the transaction that last changed it.
     changed_in: Vec<u64>,
     transaction: u64,
@@ -49,7 +50,7 @@ impl Default for SequenceTable {
             next_version: 1,
             saved: Saved::default(),
             index_before: Vec::new(),
-            changed: Vec::new(),
+            log: SequenceLog::default(),
             changed_in: Vec::new(),
             transaction: 0,
             scratch_batch_marks: Vec::new(),
@@ -111,6 +112,7 @@ impl SequenceTable {
             (self.slabs.len() - 1) as u32
         });
         let seq = &mut self[slab];
+        debug_assert!(seq.tables.iter().all(|table| table.blocks.is_empty()));
         seq.window_bounds = WindowBounds::default();
         let tables = &mut seq.tables;
         // Exactly one table per group (a plain resize would reserve four at first).
@@ -233,8 +235,14 @@ impl SequenceTable {
             return;
         }
         self.changed_in[index] = self.transaction;
-        self.changed.push(slab);
-        self.slabs[index].begin();
+        self.log.first_change(slab, &self.slabs[index]);
+    }
+
+    /// Sequence `slab` to change, and the log its in-place changes go to.
+    #[inline]
+    pub(super) fn with_log(&mut self, slab: u32) -> (&mut Sequence, &mut SequenceLog) {
+        self.record(slab);
+        (&mut self.slabs[slab as usize], &mut self.log)
     }
 }
 
@@ -246,15 +254,13 @@ impl Undo for SequenceTable {
             self.changed_in.resize(self.slabs.len(), 0);
         }
         self.vacant.begin();
+        self.log.begin();
     }
 
     fn commit(&mut self) {
         self.saved.forget();
         self.index_before.clear();
-        for &slab in &self.changed {
-            self.slabs[slab as usize].commit();
-        }
-        self.changed.clear();
+        self.log.commit();
         self.vacant.commit();
     }
 
@@ -268,9 +274,7 @@ impl Undo for SequenceTable {
                 None => self.index.remove(&seq_id),
             };
         }
-        while let Some(slab) = self.changed.pop() {
-            self.slabs[slab as usize].rollback();
-        }
+        self.log.rollback(&mut self.slabs);
         self.slabs.truncate(slabs);
         // Versions only need to be unique, and a block table the failed step wrote may
         // already carry the ones it handed out: they are not handed out again.

@@ -199,7 +199,7 @@ impl KvCache {
         for &slab in slabs {
             // New block tables: a new version (rows that show it are rewritten).
             let version = sequences.new_version();
-            let seq = &mut sequences[slab];
+            let (seq, log) = sequences.with_log(slab);
             seq.version = version;
             let mut moving = MovingTiers {
                 out,
@@ -208,16 +208,16 @@ impl KvCache {
                 moves: &mut *pending_moves,
                 events: &mut *events,
             };
-            for table in seq.tables.iter_mut() {
+            for (group, table) in seq.tables.iter_mut().enumerate() {
                 for index in (table.released..table.allocated).rev() {
                     let moved = moving.move_block(table.blocks[index])?;
-                    table.set(index, moved);
+                    table.set(index, moved, log, (slab, group as u32));
                 }
                 table.layout = seq.version;
             }
             for index in 0..seq.state.len() {
                 let moved = moving.move_block(seq.state[index])?;
-                seq.state.set(index, moved);
+                seq.set_state(index, moved, log, slab);
             }
             // Blocks whose contents the prefix cache names: their host copies are events.
             let named = seq.num_registered.min(seq.hashes.len());

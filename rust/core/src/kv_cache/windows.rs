@@ -92,11 +92,12 @@ impl KvCache {
             groups,
             ..
         } = self;
-        let seq = &mut sequences[slab];
+        let (seq, log) = sequences.with_log(slab);
         let end = num_tokens.div_ceil(block_size);
         let mut first_needed = FirstNeeded::default();
         let mut bounds = WindowBounds::SETTLED;
-        for (table, spec) in seq.tables.iter_mut().zip(groups.iter()) {
+        for (group, (table, spec)) in seq.tables.iter_mut().zip(groups.iter()).enumerate() {
+            let at = (slab, group as u32);
             if !spec.kind.is_windowed() {
                 continue;
             }
@@ -112,14 +113,14 @@ impl KvCache {
                 let held = from.min(table.allocated).max(table.released);
                 for index in table.released..held {
                     block_pool.release(table.blocks[index]);
-                    table.blocks.set(index, NULL_BLOCK);
+                    table.set(index, NULL_BLOCK, log, at);
                 }
                 table.released = from;
                 table.allocated = table.allocated.max(from);
             }
             while table.allocated < end {
                 let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
-                table.blocks.set(table.allocated, block);
+                table.set(table.allocated, block, log, at);
                 table.allocated += 1;
             }
             if filled {
