@@ -3,8 +3,9 @@
 //! samples ran and ended (a fork happened), and with `hash_block_size = 4` and one request
 //! waiting for a seat. `cargo bench -p atb-mem-core --bench step`.
 //!
-//! A step that might move blocks has to be able to roll back if executing them fails; what
-//! that costs is the difference between a variant and the plain step.
+//! Each as `step` (the caller executes the moves: nothing to roll back) and as
+//! `step_executing` (the step executes them and rolls back if that fails): what the undo
+//! record costs is the difference.
 //! `benches/step_rollback_cost.py` measures the same through Python.
 
 use atb_mem_core::{
@@ -25,14 +26,21 @@ enum Variant {
     SubBlocks,
 }
 
-/// A step and its sampled tokens, the buffers reused from step to step.
+/// A step and its sampled tokens, the buffers reused from step to step. `executing`: the
+/// step executes its moves itself (`step_executing`), and so can roll back.
 fn step(
     scheduler: &mut ContinuousScheduler,
     cache: &mut KvCache,
     plan: &mut StepPlan,
     scratch: &mut (Vec<u64>, Vec<u32>, Vec<u64>),
+    executing: bool,
 ) {
-    scheduler.step(cache, 0, plan).unwrap();
+    match executing {
+        true => scheduler
+            .step_executing(cache, 0, plan, |_| Ok(()))
+            .unwrap(),
+        false => scheduler.step(cache, 0, plan).unwrap(),
+    }
     let (sampled, tokens, finished) = scratch;
     sampled.clone_from(&plan.sample_seq_ids);
     tokens.clear();
@@ -121,7 +129,7 @@ fn decoding(running: usize, variant: Variant) -> (ContinuousScheduler, KvCache) 
     }
     let (mut plan, mut scratch) = (StepPlan::default(), Default::default());
     for _ in 0..running {
-        step(&mut scheduler, &mut cache, &mut plan, &mut scratch);
+        step(&mut scheduler, &mut cache, &mut plan, &mut scratch, false);
         if plan.decode_seq_ids.len() == running {
             return (scheduler, cache);
         }
@@ -137,9 +145,13 @@ fn decode_step(c: &mut Criterion) {
             ("after a fork", Variant::AfterFork),
             ("hash_block_size 4, one waiting", Variant::SubBlocks),
         ];
-        for (label, variant) in variants {
+        for ((label, variant), executing) in variants
+            .into_iter()
+            .flat_map(|variant| [(variant, false), (variant, true)])
+        {
             let state = decoding(running, variant);
-            let name = format!("step/{running} running, {label}");
+            let how = if executing { "step_executing" } else { "step" };
+            let name = format!("{how}/{running} running, {label}");
             // A run of steps starts from a copy of the same state; only the steps are timed.
             c.bench_function(&name, |b| {
                 b.iter_custom(|iters| {
@@ -152,7 +164,13 @@ fn decode_step(c: &mut Criterion) {
                         let steps = left.min(64);
                         let start = Instant::now();
                         for _ in 0..steps {
-                            step(&mut scheduler, &mut cache, &mut plan, &mut scratch);
+                            step(
+                                &mut scheduler,
+                                &mut cache,
+                                &mut plan,
+                                &mut scratch,
+                                executing,
+                            );
                         }
                         timed += start.elapsed();
                         left -= steps;

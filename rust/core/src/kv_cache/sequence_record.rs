@@ -62,20 +62,23 @@ impl SequenceLog {
                 .push((bounds.0, bounds.1, bounds.2, table.blocks.len()));
         }
         let partial = (self.ids.len() as u32, seq.partial_tokens.len() as u32);
-        self.ids.extend_from_slice(&seq.partial_tokens);
+        if !seq.partial_tokens.is_empty() {
+            self.ids.extend_from_slice(&seq.partial_tokens);
+        }
         let lens = [
             seq.state.len(),
             seq.hashes.len(),
             seq.token_ids.len(),
             seq.tables.len(),
         ];
+        let retention = seq.retention.clone();
         self.before.push(Before {
             slab,
             scalars: seq.scalars(),
             lens: lens.map(|len| len as u32),
             partial,
             groups,
-            retention: seq.retention.clone(),
+            retention,
         });
     }
 

@@ -231,11 +231,10 @@ impl SequenceTable {
             return;
         };
         let index = slab as usize;
-        if index >= slabs || self.changed_in[index] == self.transaction {
-            return;
+        if index < slabs && self.changed_in[index] != self.transaction {
+            self.changed_in[index] = self.transaction;
+            self.log.first_change(slab, &self.slabs[index]);
         }
-        self.changed_in[index] = self.transaction;
-        self.log.first_change(slab, &self.slabs[index]);
     }
 
     /// Sequence `slab` to change, and the log its in-place changes go to.

@@ -13,15 +13,37 @@ use crate::kv_cache::{BlockMove, KvCache, MoveFailure};
 use crate::undo::Undo;
 
 impl ContinuousScheduler {
-    /// [`ContinuousScheduler::step_executing`] with the moves left in `plan.moves` for the
-    /// caller, who executes them before the plan's kernels run.
+    /// Plans one step at time `now_ns` into `plan` (cleared first), its moves left in
+    /// `plan.moves` for the caller, who executes them before the plan's kernels run.
+    ///
+    /// Fails, changing nothing, if the cache no longer holds what the scheduler put there
+    /// (see `check_cache`). No failure of the moves reaches the scheduler (the caller runs
+    /// them), so nothing is recorded to undo: a step costs its planning alone.
     pub fn step(
         &mut self,
         cache: &mut KvCache,
         now_ns: u64,
         plan: &mut StepPlan,
     ) -> CoreResult<()> {
-        self.step_executing(cache, now_ns, plan, |_| Ok(()))
+        self.check_cache(cache, now_ns)?;
+        let planned = self.plan_in(cache, now_ns, plan);
+        debug_assert!(planned.is_ok(), "a checked step failed: {planned:?}");
+        if planned.is_err() {
+            plan.clear();
+        }
+        planned
+    }
+
+    /// Plans a checked step: the last step's kernels have run, so its blocks may be copied
+    /// from now; the clock moves to `now_ns`; full blocks the plan completes get their
+    /// sub-block keys once its kernels ran (the next step).
+    fn plan_in(&mut self, cache: &mut KvCache, now_ns: u64, plan: &mut StepPlan) -> CoreResult<()> {
+        cache.publish_sub_blocks();
+        cache.advance_clock(now_ns);
+        cache.defer_sub_blocks(true);
+        let planned = self.plan_step(cache, now_ns, plan);
+        cache.defer_sub_blocks(false);
+        planned
     }
 
     /// Plans one step at time `now_ns` into `plan` (cleared first), executes its block moves
@@ -44,14 +66,9 @@ impl ContinuousScheduler {
         self.check_cache(cache, now_ns)?;
         self.begin();
         cache.begin();
-        // The last step's kernels have run: its blocks may be copied from now. (Inside the
-        // transaction: a step that fails leaves them deferred, and the clock, as it found
-        // them.)
-        cache.publish_sub_blocks();
-        cache.advance_clock(now_ns);
-        cache.defer_sub_blocks(true);
-        let planned = self.plan_step(cache, now_ns, plan);
-        cache.defer_sub_blocks(false);
+        // Inside the transaction: a step that fails leaves the deferred sub-block keys, and
+        // the clock, as it found them.
+        let planned = self.plan_in(cache, now_ns, plan);
         if let Err(error) = planned {
             // Checked lookups make this unreachable; the record makes it harmless.
             self.rollback();

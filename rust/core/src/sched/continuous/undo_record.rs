@@ -58,21 +58,7 @@ impl RequestTable {
         let request = self.requests.get_mut(seq_id)?;
         if let Some(transaction) = self.transaction {
             if request.changed_in.0 != transaction {
-                request.changed_in = Stamp(transaction);
-                let before = RequestBefore {
-                    state: request.state,
-                    queue_key: request.queue_key,
-                    admitted: request.admitted,
-                    num_outputs: request.num_outputs,
-                    num_computed: request.num_computed,
-                    awaiting_token: request.awaiting_token,
-                    samples_to_fork: request.samples_to_fork,
-                    external_blocks: request.external_blocks,
-                    loading_blocks: request.loading_blocks,
-                    token_ids: request.token_ids.len(),
-                    block_hashes: request.block_hashes.len(),
-                };
-                self.changes.push(RequestChange::Changed(*seq_id, before));
+                record_first_change(&mut self.changes, *seq_id, request, transaction);
             }
         }
         Some(request)
@@ -110,6 +96,32 @@ impl RequestTable {
     pub(super) fn values(&self) -> impl Iterator<Item = &Request> + '_ {
         self.requests.values()
     }
+}
+
+/// Out of line: the first change of each request in a step, where the hot path is every
+/// later lookup.
+#[inline(never)]
+fn record_first_change(
+    changes: &mut Vec<RequestChange>,
+    seq_id: u64,
+    request: &mut Request,
+    transaction: u64,
+) {
+    request.changed_in = Stamp(transaction);
+    let before = RequestBefore {
+        state: request.state,
+        queue_key: request.queue_key,
+        admitted: request.admitted,
+        num_outputs: request.num_outputs,
+        num_computed: request.num_computed,
+        awaiting_token: request.awaiting_token,
+        samples_to_fork: request.samples_to_fork,
+        external_blocks: request.external_blocks,
+        loading_blocks: request.loading_blocks,
+        token_ids: request.token_ids.len(),
+        block_hashes: request.block_hashes.len(),
+    };
+    changes.push(RequestChange::Changed(seq_id, before));
 }
 
 impl Undo for RequestTable {
