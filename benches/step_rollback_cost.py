@@ -1,11 +1,13 @@
 """What a scheduler step costs once it could move blocks, against a plain one, in one process.
 
 A step that might move blocks must be able to roll back if executing the moves fails. The
-three workloads of ``atb_mem.tools.workloads.scheduler_step_workload`` at each size: a plain
-decode step; the same after one request of two samples ran and finished (a fork happened);
-and with ``hash_block_size=4`` and one request waiting for a seat. Each round times every
-workload in turn (their order rotating), so drift hits all alike; the table gives the
-median of the rounds' medians and each against the plain step.
+workloads of ``atb_mem.tools.workloads.scheduler_step_workload`` at each size: a plain
+decode step, its prompts given as counts and as token ids; the same after one request of
+two samples ran and finished (a fork happened); and with ``hash_block_size=4`` (token ids)
+and one request waiting for a seat. Each round times every workload in turn (their order
+rotating), so drift hits all alike; the table gives the median of the rounds' medians and
+each against the plain step. The pools hold no bytes, so the scheduler's ``step`` runs no
+executor (see ``cargo bench -p atb-mem-core --bench step`` for ``step_executing``).
 
     python benches/step_rollback_cost.py --rounds 7
 """
@@ -19,6 +21,7 @@ from atb_mem.tools import workloads
 
 CASES = {
     "plain": {},
+    "plain, token ids": {"token_ids": True},
     "after a fork": {"after_fork": True},
     "hash_block_size 4 + 1 waiting": {"hash_block_size": 4},
 }

@@ -138,12 +138,13 @@ def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
 
 
 def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False,
-                            after_fork: bool = False, hash_block_size: int | None = None
-                            ) -> Workload[None]:
+                            after_fork: bool = False, hash_block_size: int | None = None,
+                            token_ids: bool = False) -> Workload[None]:
     """One ContinuousBatchScheduler step plus on_tokens with `running` decoding sequences;
     with `host_prefix`, over a cache with a host prefix tier (with nothing to load); with
     `after_fork`, once a request of two samples has run and finished; with
-    `hash_block_size`, prefix keys that fine and one request waiting for a seat."""
+    `hash_block_size`, prefix keys that fine and one request waiting for a seat; prompts
+    are given as token ids with `token_ids` or `hash_block_size`, as counts otherwise."""
     prompts, _ = decode_lengths(running)
     # Room for every prompt and a few thousand decode steps, whatever `running` is.
     needed = sum(-(-prompt // BLOCK_SIZE) for prompt in prompts) + running * 256 // BLOCK_SIZE
@@ -156,7 +157,8 @@ def scheduler_step_workload(running: int = 256, *, host_prefix: bool = False,
         _run_one_forked_request(scheduler, seq_id=running + 1)
     for seq_id, prompt in enumerate(prompts):
         tokens = [(seq_id * 7919 + t) % 32000 for t in range(prompt)]
-        scheduler.add_request(seq_id, tokens if hash_block_size else prompt, 1_000_000)
+        with_ids = token_ids or hash_block_size is not None
+        scheduler.add_request(seq_id, tokens if with_ids else prompt, 1_000_000)
     if hash_block_size:
         scheduler.add_request(running + 2, list(range(3 * BLOCK_SIZE)), 1_000_000)
     while True:  # until every sequence decodes
