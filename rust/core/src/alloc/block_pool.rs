@@ -20,7 +20,7 @@ use crate::alloc::index_table::IndexTable;
 use crate::alloc::retention::Retention;
 use crate::alloc::sub_block_index::SubBlockIndex;
 use crate::error::CoreResult;
-use crate::undo::{Saved, Undo, UndoVec};
+use crate::undo::{Saved, UndoVec};
 
 /// Block 0 is owned by no sequence. Block tables are padded with it, so a kernel that reads
 /// past a sequence's last block reads valid (if meaningless) memory.
@@ -558,7 +558,11 @@ impl BlockPool {
         if let Some(sub_blocks) = &self.sub_blocks {
             sub_blocks.check(|block| self.is_cached(block))?;
         }
-        // Free blocks in the free queue, cached ones where their policy keeps them.
+        self.check_queues()
+    }
+
+    /// Free blocks in the free queue, cached ones in the queue their policy keeps them in.
+    fn check_queues(&self) -> Result<(), String> {
         for block in self.free_queue.iter() {
             let queue = self.free_queue.queue_of(block);
             let expected = match self.is_cached(block) {
@@ -579,54 +583,6 @@ impl BlockPool {
     }
 }
 
-impl Undo for BlockPool {
-    fn begin(&mut self) {
-        self.saved
-            .save((self.num_evictable, self.counters, self.num_pieces));
-        self.ref_counts.begin();
-        self.free_queue.begin();
-        self.block_hashes.begin();
-        self.cached.begin();
-        self.prefix_table.begin();
-        self.hits.begin();
-        self.removed.begin();
-        self.evicted.begin();
-        self.sub_blocks.begin();
-        self.retention.begin();
-    }
-
-    fn commit(&mut self) {
-        self.saved.forget();
-        self.ref_counts.commit();
-        self.free_queue.commit();
-        self.block_hashes.commit();
-        self.cached.commit();
-        self.prefix_table.commit();
-        self.hits.commit();
-        self.removed.commit();
-        self.evicted.commit();
-        self.sub_blocks.commit();
-        self.retention.commit();
-    }
-
-    fn rollback(&mut self) {
-        if let Some((num_evictable, counters, num_pieces)) = self.saved.take() {
-            (self.num_evictable, self.counters, self.num_pieces) =
-                (num_evictable, counters, num_pieces);
-        }
-        self.ref_counts.rollback();
-        self.free_queue.rollback();
-        self.block_hashes.rollback();
-        self.cached.rollback();
-        self.prefix_table.rollback();
-        self.hits.rollback();
-        self.removed.rollback();
-        self.evicted.rollback();
-        self.sub_blocks.rollback();
-        self.retention.rollback();
-    }
-}
-
 #[path = "block_pool_retention.rs"]
 mod retention_calls;
 #[path = "block_pool_sub_blocks.rs"]
@@ -634,3 +590,5 @@ mod sub_block_calls;
 #[cfg(test)]
 #[path = "block_pool_tests.rs"]
 mod tests;
+#[path = "block_pool_undo.rs"]
+mod undo;

@@ -2,8 +2,11 @@
 //! itself, batched.
 
 use super::host_prefix::allocate_device;
-use super::{swapped_out, KvCache, PAD_SLOT};
-use crate::alloc::NULL_BLOCK;
+use super::sequence::Sequence;
+use super::sequence_record::SequenceLog;
+use super::swap::HostTier;
+use super::{swapped_out, KvCache, KvEventLog, PAD_SLOT};
+use crate::alloc::{BlockPool, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
@@ -145,21 +148,8 @@ impl KvCache {
         } = self;
         let (seq, log) = sequences.with_log(slab);
         if *has_forked && seq.num_tokens % block_size != 0 {
-            for (group, table) in seq.tables.iter_mut().enumerate() {
-                if !table.complete() || table.released == table.allocated {
-                    continue;
-                }
-                let index = table.allocated - 1;
-                let last = table.blocks[index];
-                if block_pool.ref_count(last) > 1 {
-                    let copy =
-                        allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
-                    pending_moves.push(BlockMove::new(MoveKind::Copy, last, copy));
-                    block_pool.release(last);
-                    table.set(index, copy, log, (slab, group as u32));
-                    table.layout = version;
-                }
-            }
+            let tiers = (&mut *block_pool, host_tier.as_mut(), &mut *pending_moves);
+            copy_shared_tails((seq, log, slab), tiers, events, version)?;
         }
         if token_ids.is_none() && seq.hashable {
             seq.hashable = false;
@@ -208,3 +198,36 @@ impl KvCache {
         Ok(())
     }
 }
+
+/// Copy-on-write before an append: each group's last block, when it is partly filled and
+/// shared (only after a fork), is replaced by a copy of its own, stamped `version`.
+fn copy_shared_tails(
+    (seq, log, slab): (&mut Sequence, &mut SequenceLog, u32),
+    (block_pool, mut host_tier, pending_moves): TiersMut<'_>,
+    events: &mut KvEventLog,
+    version: u64,
+) -> CoreResult<()> {
+    for (group, table) in seq.tables.iter_mut().enumerate() {
+        if !table.complete() || table.released == table.allocated {
+            continue;
+        }
+        let index = table.allocated - 1;
+        let last = table.blocks[index];
+        if block_pool.ref_count(last) > 1 {
+            let copy =
+                allocate_device(block_pool, host_tier.as_deref_mut(), pending_moves, events)?;
+            pending_moves.push(BlockMove::new(MoveKind::Copy, last, copy));
+            block_pool.release(last);
+            table.set(index, copy, log, (slab, group as u32));
+            table.layout = version;
+        }
+    }
+    Ok(())
+}
+
+/// The device pool, the host tier and the move list.
+type TiersMut<'a> = (
+    &'a mut BlockPool,
+    Option<&'a mut HostTier>,
+    &'a mut Vec<BlockMove>,
+);

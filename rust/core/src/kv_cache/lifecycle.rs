@@ -123,39 +123,71 @@ impl KvCache {
         if self.sequences.contains(seq_id) {
             return Err(CoreError::DuplicateSequence(seq_id));
         }
+        let found = self.match_admission(tokens, cache_salt, lazy, known)?;
+        if let Tokens::Ids(_) = tokens {
+            self.record_lookup(found.queries, found.hits, found.limited_by);
+            let from_host = self.host_hit_blocks(found.queries, found.hits);
+            self.prefix_stats
+                .count_host_hit(from_host, self.block_size());
+            self.prefix_stats
+                .count_partial(found.queryable, found.partial);
+        }
+        let slab = self.fill_new_sequence(seq_id, (tokens, cache_salt), lazy, &found)?;
+        self.take_state_blocks(slab)?;
+        // The hit's states: copies of the checkpoint at its end (see `state_checkpoints`).
+        let KvCache {
+            sequences,
+            block_pool,
+            pending_moves,
+            scratch_checkpoint: checkpoint,
+            ..
+        } = self;
+        resume_from_checkpoint(
+            block_pool,
+            pending_moves,
+            checkpoint,
+            &sequences[slab].state,
+        );
+        checkpoint.clear();
+        self.sequences.insert(seq_id, slab);
+        Ok(found.hits * self.block_size() + found.partial)
+    }
+
+    /// Checks an admission of `tokens` and finds its prefix hit (into the scratch buffers),
+    /// changing nothing: `OutOfBlocks` when what it takes is not free.
+    fn match_admission(
+        &mut self,
+        tokens: Tokens<'_>,
+        cache_salt: Option<&[u8]>,
+        lazy: bool,
+        known: Option<&[BlockHash]>,
+    ) -> CoreResult<PrefixMatch> {
         let num_tokens = tokens.len();
         self.check_token_count(num_tokens, "token count", lazy)?;
-        let block_size = self.block_size();
-        let num_blocks = num_tokens.div_ceil(block_size);
+        let num_blocks = num_tokens.div_ceil(self.block_size());
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
         let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
         let needed = found.need(num_blocks, eager, free, self.state_blocks, scratch);
-        let PrefixMatch {
-            queries,
-            hits,
-            limited_by,
-            partial,
-            queryable,
-            kv_hits,
-            ..
-        } = found;
-        if needed > self.block_pool.num_free() {
-            return Err(CoreError::OutOfBlocks {
-                needed,
-                available: self.block_pool.num_free(),
-            });
-        }
+        ensure_free(needed, self.block_pool.num_free())?;
+        Ok(found)
+    }
 
-        // Checked: the budget above counts every block taken below, so `allocate_checked`
-        // fails only if that count is wrong (a bug, which would leave this sequence half made).
-        if let Tokens::Ids(_) = tokens {
-            self.record_lookup(queries, hits, limited_by);
-            let from_host = self.host_hit_blocks(queries, hits);
-            self.prefix_stats
-                .count_host_hit(from_host, self.block_size());
-            self.prefix_stats.count_partial(queryable, partial);
-        }
+    /// Makes the sequence of an admission `match_admission` checked, in a vacant slab: its
+    /// hits held (host hits promoted), the rest of its blocks taken, its partial hit's copy
+    /// planned, its token ids and hashes kept. Returns the slab.
+    ///
+    /// The budget was checked, so an allocation here fails only if that count is wrong (a
+    /// bug, which would leave this sequence half made).
+    fn fill_new_sequence(
+        &mut self,
+        seq_id: u64,
+        (tokens, cache_salt): (Tokens<'_>, Option<&[u8]>),
+        lazy: bool,
+        found: &PrefixMatch,
+    ) -> CoreResult<u32> {
+        let (queries, hits) = (found.queries, found.hits);
+        let (num_tokens, block_size) = (tokens.len(), self.block_size());
         let keep_token_ids = self.events.enabled() || self.has_sub_blocks();
         let version = self.sequences.new_version();
         let slab = self.sequences.vacant_slab(version, self.groups.len());
@@ -178,11 +210,8 @@ impl KvCache {
         }
         hold_checkpoint(block_pool, scratch_checkpoint);
         let (seq, log) = sequences.with_log(slab);
-        seq.seq_id = seq_id;
-        seq.live = true;
-        seq.swapped = false;
-        seq.num_tokens = num_tokens;
-        seq.version = version;
+        (seq.seq_id, seq.live, seq.swapped) = (seq_id, true, false);
+        (seq.num_tokens, seq.version) = (num_tokens, version);
         let hit_row = |group: usize| &scratch_blocks[group * queries..group * queries + hits];
         let tiers = Tiers {
             block_pool,
@@ -190,6 +219,7 @@ impl KvCache {
             moves: pending_moves,
             events,
         };
+        let num_blocks = num_tokens.div_ceil(block_size);
         let first_promoted =
             take_blocks((seq, log, slab), tiers, groups, hit_row, (num_blocks, lazy))?;
         copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
@@ -199,10 +229,10 @@ impl KvCache {
         // Hits are computed already (promoted ones once their moves ran, before any kernel
         // reads them); the rest joins the prefix cache once `mark_computed` says its K/V is
         // written, promoted blocks with it.
-        seq.num_computed = hits * block_size + partial;
+        seq.num_computed = hits * block_size + found.partial;
         seq.num_registered = first_promoted;
         // Block counts stay below MAX_BLOCKS (2**25): they fit.
-        seq.kv_reach = kv_hits as u32;
+        seq.kv_reach = found.kv_hits as u32;
         seq.prompt_blocks = ((num_tokens - 1) / block_size) as u32;
         match tokens {
             Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
@@ -217,24 +247,7 @@ impl KvCache {
             }
             _ => seq.hashable = false,
         }
-        self.take_state_blocks(slab)?;
-        // The hit's states: copies of the checkpoint at its end (see `state_checkpoints`).
-        let KvCache {
-            sequences,
-            block_pool,
-            pending_moves,
-            scratch_checkpoint: checkpoint,
-            ..
-        } = self;
-        resume_from_checkpoint(
-            block_pool,
-            pending_moves,
-            checkpoint,
-            &sequences[slab].state,
-        );
-        checkpoint.clear();
-        self.sequences.insert(seq_id, slab);
-        Ok(hits * block_size + partial)
+        Ok(slab)
     }
 
     /// Makes `child_id` share every block of `parent_id`; the first append into a shared,
@@ -469,6 +482,13 @@ impl Tiers<'_> {
 /// fresh device block by a (host → device) move. Returns the first block index promoted
 /// (`hits` when none was): the blocks from there join the device's prefix cache with
 /// `mark_computed`.
+fn ensure_free(needed: usize, available: usize) -> CoreResult<()> {
+    match needed > available {
+        true => Err(CoreError::OutOfBlocks { needed, available }),
+        false => Ok(()),
+    }
+}
+
 fn take_blocks<'a>(
     (seq, log, slab): (&mut Sequence, &mut SequenceLog, u32),
     mut tiers: Tiers<'_>,
