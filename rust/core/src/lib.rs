@@ -40,9 +40,10 @@ pub use figures::{Figure, Figures};
 pub use kv_cache::{
     checkpoint_key, group_hybrid_layers, group_key, group_layers, is_checkpoint_key, layer_kinds,
     pairs_of, AttentionKind, BatchTable, BlockMove, GroupPrefix, HostPrefixCounters, KvCache,
-    KvCacheGroup, KvCacheStats, KvEvent, KvEventKind, KvEventLog, LayerGroups, LayerKind, Medium,
-    MissReason, MoveFailure, MoveKind, PrefixExplanation, RetentionConfig, StateGroup,
-    TokenRetention, Tokens, MAX_RETENTION_RANGES, PAD_SLOT, RECURRENT_LAYER_TYPE, SEQUENCE_BYTES,
+    KvCacheConfig, KvCacheGroup, KvCacheStats, KvEvent, KvEventKind, KvEventLog, LayerGroups,
+    LayerKind, Medium, MissReason, MoveFailure, MoveKind, PrefixExplanation, RetentionConfig,
+    StateGroup, TokenRetention, Tokens, MAX_RETENTION_RANGES, PAD_SLOT, RECURRENT_LAYER_TYPE,
+    SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
 pub use sched::{

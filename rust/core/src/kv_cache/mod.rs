@@ -16,6 +16,7 @@
 mod append;
 mod batch_table;
 mod block_move;
+mod config;
 mod event_recording;
 mod events;
 mod groups;
@@ -40,6 +41,7 @@ mod windows;
 
 pub use batch_table::{BatchTable, PAD_SLOT};
 pub use block_move::{pairs_of, BlockMove, MoveKind};
+pub use config::KvCacheConfig;
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
 pub use groups::{
     group_hybrid_layers, group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup,

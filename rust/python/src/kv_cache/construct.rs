@@ -1,6 +1,6 @@
 //! Building a `KVCachePool`'s core from its converted arguments.
 
-use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvDtype, KvLayout};
+use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvCacheConfig, KvDtype, KvLayout};
 use pyo3::prelude::*;
 
 use crate::convert::{count, Dtype};
@@ -114,35 +114,18 @@ pub(super) fn build(args: CacheArgs) -> PyResult<KvCache> {
         args.state_bytes,
     )
     .into_py_result()?;
-    // Built with its policy, not rebuilt: replacing the block pool after the fact placed its
-    // arrays apart from the rest, and cost the decode step a quarter (benches/ab_compare.py).
-    let mut cache = KvCache::with_policy(
-        args.num_blocks,
-        args.block_size,
-        args.layout,
-        args.enable_prefix_caching,
-        &kinds,
-        policy,
-    )
-    .into_py_result()?;
-    if let Some(hash_block_size) = args.hash_block_size {
-        cache
-            .set_hash_block_size(hash_block_size)
-            .into_py_result()?;
-    }
-    if let Some(interval) = args.state_checkpoint_interval {
-        cache
-            .set_state_checkpoint_interval(interval)
-            .into_py_result()?;
-    }
-    if let Some(num_host_blocks) = args.num_host_blocks {
-        cache.enable_host_tier(num_host_blocks).into_py_result()?;
-    }
-    if args.host_prefix_cache {
-        cache.enable_host_prefix_cache().into_py_result()?;
-    }
-    if args.enable_kv_events {
-        cache.enable_kv_events().into_py_result()?;
-    }
-    Ok(cache)
+    let config = KvCacheConfig {
+        num_blocks: args.num_blocks,
+        block_size: args.block_size,
+        layout: args.layout,
+        enable_prefix_caching: args.enable_prefix_caching,
+        layer_kinds: Some(kinds),
+        eviction_policy: policy,
+        hash_block_size: args.hash_block_size,
+        state_checkpoint_interval: args.state_checkpoint_interval,
+        num_host_blocks: args.num_host_blocks,
+        host_prefix_cache: args.host_prefix_cache,
+        enable_kv_events: args.enable_kv_events,
+    };
+    KvCache::from_config(&config).into_py_result()
 }
