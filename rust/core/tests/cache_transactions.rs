@@ -84,7 +84,10 @@ fn an_executor_failing_after_any_move_costs_only_the_damaged_sequences() {
                     "{name}, {attempted}: {seq_id}"
                 );
                 if !ended {
-                    assert_eq!(cache.seq_state(seq_id), reference.seq_state(seq_id));
+                    assert_eq!(
+                        cache.seq_len_and_tier(seq_id),
+                        reference.seq_len_and_tier(seq_id)
+                    );
                     assert_eq!(
                         cache.group_block_table(seq_id, 0).unwrap(),
                         reference.group_block_table(seq_id, 0).unwrap()

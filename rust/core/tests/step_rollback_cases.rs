@@ -117,7 +117,10 @@ fn fail_at_every_move(pair: &Pair, what: &str) -> Vec<BlockMove> {
                     assert_eq!(state(&scheduler, &cache), before, "{context}");
                 }
                 for seq_id in pair.1.seq_ids().filter(|id| !aborted.contains(id)) {
-                    assert_eq!(cache.seq_state(seq_id).ok(), pair.1.seq_state(seq_id).ok());
+                    assert_eq!(
+                        cache.seq_len_and_tier(seq_id).ok(),
+                        pair.1.seq_len_and_tier(seq_id).ok()
+                    );
                     for group in 0..cache.num_groups() {
                         assert_eq!(
                             cache.group_block_table(seq_id, group).ok(),

@@ -12,12 +12,12 @@
 //! cached one. Allocation, release and a cache hit are O(1) and allocate no memory.
 
 use crate::alloc::block_hash::BlockHash;
+use crate::alloc::block_priorities::BlockPriorities;
 use crate::alloc::eviction::EvictionPolicy;
 use crate::alloc::eviction_history::EvictionHistory;
 use crate::alloc::fallible::{array_bytes, check_bookkeeping, total_bytes, try_filled_vec};
 use crate::alloc::free_queue::{FreeQueue, MAX_IDS};
 use crate::alloc::index_table::IndexTable;
-use crate::alloc::retention::Retention;
 use crate::alloc::sub_block_index::SubBlockIndex;
 use crate::error::CoreResult;
 use crate::undo::{Saved, UndoVec};
@@ -85,7 +85,7 @@ pub struct BlockPool {
     /// Keys of cached blocks' leading sub-blocks, once `enable_sub_blocks` made them.
     sub_blocks: Option<SubBlockIndex>,
     /// Cached blocks' retention priorities (kept for the priority policy only).
-    retention: Retention,
+    retention: BlockPriorities,
     /// Blocks cached as `Cached::Pieces`.
     num_pieces: usize,
     /// `num_evictable`, `counters` and `num_pieces` when a transaction began.
@@ -123,7 +123,7 @@ impl BlockPool {
         let keeps_priorities = policy == EvictionPolicy::Priority && enable_prefix_caching;
         let retention_blocks = if keeps_priorities { num_blocks } else { 0 };
         let bytes = Self::bookkeeping_bytes(num_blocks, table_blocks, policy.queues())
-            .zip(Retention::bytes_for(retention_blocks))
+            .zip(BlockPriorities::bytes_for(retention_blocks))
             .and_then(|(pool, retention)| pool.checked_add(retention));
         ensure!(
             num_blocks <= MAX_BLOCKS,
@@ -163,8 +163,8 @@ impl BlockPool {
             evicted: EvictionHistory::new(table_blocks, &what)?,
             sub_blocks: None,
             retention: match keeps_priorities {
-                true => Retention::new(num_blocks),
-                false => Retention::default(),
+                true => BlockPriorities::new(num_blocks),
+                false => BlockPriorities::default(),
             },
             num_pieces: 0,
             saved: Saved::default(),

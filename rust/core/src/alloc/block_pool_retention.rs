@@ -24,12 +24,12 @@ impl BlockPool {
         }
     }
 
-    /// Allocates what the blocks' priorities take (see `Retention`), once.
+    /// Allocates what the blocks' priorities take (see `BlockPriorities`), once.
     pub fn keep_priorities(&mut self) -> CoreResult<()> {
         self.retention.keep_priorities()
     }
 
-    /// Reserves what priorities given for a duration take (see `Retention`), once.
+    /// Reserves what priorities given for a duration take (see `BlockPriorities`), once.
     pub fn reserve_expiries(&mut self) -> CoreResult<()> {
         self.retention.reserve_expiries()
     }

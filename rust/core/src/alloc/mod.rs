@@ -9,6 +9,7 @@
 
 mod block_hash;
 mod block_pool;
+mod block_priorities;
 mod eviction;
 mod eviction_history;
 pub(crate) mod fallible;
@@ -16,7 +17,6 @@ mod free_queue;
 mod index_table;
 mod mem_pool;
 mod range_allocator;
-mod retention;
 mod sub_block_index;
 
 pub use block_hash::BlockHash;

@@ -38,11 +38,11 @@ impl KvCache {
                 seq.tables.len()
             ));
         }
-        if seq.state.len() != self.state_blocks {
+        if seq.state.len() != self.state_blocks_per_seq {
             return Err(format!(
                 "sequence {seq_id}: {} state blocks, not {}",
                 seq.state.len(),
-                self.state_blocks
+                self.state_blocks_per_seq
             ));
         }
         for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {

@@ -67,7 +67,7 @@ impl KvCache {
         let num_blocks = tokens.len().div_ceil(self.block_size());
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
         let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
-        Ok(found.need(num_blocks, eager, free, self.state_blocks, scratch))
+        Ok(found.need(num_blocks, eager, free, self.state_blocks_per_seq, scratch))
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -168,7 +168,7 @@ impl KvCache {
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
         let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
         let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
-        let needed = found.need(num_blocks, eager, free, self.state_blocks, scratch);
+        let needed = found.need(num_blocks, eager, free, self.state_blocks_per_seq, scratch);
         ensure_free(needed, self.block_pool.num_free())?;
         Ok(found)
     }

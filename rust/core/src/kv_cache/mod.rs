@@ -6,12 +6,16 @@
 //! anything, so a call that fails leaves the cache exactly as it was.
 //!
 //! State is owned by the part that changes it: the sequences and their block lists by the
-//! sequence table (`sequence_table`), device blocks by the [`BlockPool`], the host tier's
-//! blocks by `swap::HostTier`, prefix-hit counters by `stats::PrefixStats`, and what a
-//! group of each attention kind keeps and releases by the window policy (`windows`). The
-//! verbs built on them: `lifecycle` (admit, fork, mark computed, free), `append`, `tables`,
-//! `swap`, `transaction` (plan, execute, commit or roll back); block moves and the batch
-//! table are the two parts other layers see.
+//! sequence table (`sequence_table`, with what a transaction changed of them in
+//! `sequence_record`), device blocks by the [`BlockPool`], the host tier's blocks by
+//! `swap::HostTier`, recurrent states' blocks and checkpoints by `state` and
+//! `state_checkpoints`, KV events by the [`KvEventLog`], prefix-hit counters by
+//! `stats::PrefixStats`, and what a group of each attention kind keeps and releases by the
+//! window policy (`windows`). Each records its own changes in a transaction, and
+//! `undo_record` keeps the rest (see `crate::undo`). The verbs built on them: `lifecycle`
+//! (admit, fork, mark computed, free), `append`, `tables`, `swap`, `transaction` (plan,
+//! execute, commit or roll back); block moves and the batch table are the two parts other
+//! layers see; `config` is what a cache is built with.
 
 mod append;
 mod batch_table;
@@ -100,7 +104,7 @@ pub struct KvCache {
     bytes_per_block: usize,
     /// The recurrent layers' groups, and the blocks each sequence holds for their states.
     state_groups: Vec<state::StateGroup>,
-    state_blocks: usize,
+    state_blocks_per_seq: usize,
     /// Blocks between two checkpoints of a sequence's states (see `state_checkpoints`).
     checkpoint_interval: usize,
     sequences: SequenceTable,
@@ -233,7 +237,7 @@ impl KvCache {
             layers_per_block,
             bytes_per_block,
             state_groups,
-            state_blocks,
+            state_blocks_per_seq: state_blocks,
             checkpoint_interval,
             sequences: SequenceTable::default(),
             pending_moves: Vec::new(),
@@ -368,7 +372,7 @@ impl KvCache {
     pub fn tokens_in_blocks(&self, blocks: usize) -> usize {
         let block_size = self.block_size();
         // Recurrent layers' states come first, whatever the length.
-        let Some(blocks) = blocks.checked_sub(self.state_blocks) else {
+        let Some(blocks) = blocks.checked_sub(self.state_blocks_per_seq) else {
             return 0;
         };
         // Blocks a sequence of `k` blocks' worth of tokens holds at once; nondecreasing in k.
@@ -461,7 +465,7 @@ impl KvCache {
     }
 
     /// (tokens, swapped out) of a sequence, in one lookup.
-    pub fn seq_state(&self, seq_id: u64) -> CoreResult<(usize, bool)> {
+    pub fn seq_len_and_tier(&self, seq_id: u64) -> CoreResult<(usize, bool)> {
         let sequence = self.sequence(seq_id)?;
         Ok((sequence.num_tokens, sequence.swapped))
     }
@@ -503,7 +507,7 @@ impl KvCache {
         let usable = self.num_blocks() - 1;
         let most = match lazy {
             true => self.max_seq_tokens(),
-            false => (usable - self.state_blocks) / self.groups.len() * self.block_size(),
+            false => (usable - self.state_blocks_per_seq) / self.groups.len() * self.block_size(),
         };
         ensure!(
             count <= most,
@@ -511,7 +515,7 @@ impl KvCache {
              ({usable} usable blocks of {} for {} group(s){})",
             self.block_size(),
             self.groups.len(),
-            match self.state_blocks {
+            match self.state_blocks_per_seq {
                 0 => String::new(),
                 blocks => format!(", {blocks} of them each sequence's recurrent states"),
             }

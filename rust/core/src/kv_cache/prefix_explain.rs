@@ -112,7 +112,7 @@ impl KvCache {
             num_blocks,
             self.groups.len(),
             free,
-            self.state_blocks,
+            self.state_blocks_per_seq,
             scratch,
         );
         let groups = (0..self.groups.len())

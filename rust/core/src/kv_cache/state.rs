@@ -66,12 +66,12 @@ impl KvCache {
     /// Blocks every sequence holds for its recurrent layers' states, whatever its length.
     #[inline]
     pub fn num_state_blocks(&self) -> usize {
-        self.state_blocks
+        self.state_blocks_per_seq
     }
 
     #[inline]
     pub(super) fn has_state(&self) -> bool {
-        self.state_blocks > 0
+        self.state_blocks_per_seq > 0
     }
 
     /// The state group of recurrent layer `layer` and the slot it uses in that group's blocks.
@@ -106,7 +106,7 @@ impl KvCache {
     /// The state blocks of `seq_ids` (on the device), row by row, into `out` (`len(seq_ids)
     /// × num_state_blocks` entries). Checks every id before it writes.
     pub fn state_table(&self, seq_ids: &[u64], out: &mut [i32]) -> CoreResult<()> {
-        let width = self.state_blocks;
+        let width = self.state_blocks_per_seq;
         ensure!(
             out.len() == seq_ids.len() * width,
             "a state table of {} sequences has {} entries, got {}",
@@ -134,12 +134,12 @@ impl KvCache {
             host_tier,
             pending_moves,
             events,
-            state_blocks,
+            state_blocks_per_seq,
             ..
         } = self;
         let seq = &mut sequences[slab];
         debug_assert!(seq.state.is_empty());
-        for _ in 0..*state_blocks {
+        for _ in 0..*state_blocks_per_seq {
             let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
             seq.state.push(block);
         }
@@ -148,7 +148,7 @@ impl KvCache {
 
     /// Fails unless the free queue holds a state's blocks (what a fork takes).
     pub(super) fn check_state_budget(&self) -> CoreResult<()> {
-        let (needed, available) = (self.state_blocks, self.block_pool.num_free());
+        let (needed, available) = (self.state_blocks_per_seq, self.block_pool.num_free());
         match needed <= available {
             true => Ok(()),
             false => Err(CoreError::OutOfBlocks { needed, available }),

@@ -121,7 +121,7 @@ impl KvCache {
         if computed % block_size != 0 || stride == 0 {
             return None;
         }
-        if self.block_pool.num_free() < self.state_blocks {
+        if self.block_pool.num_free() < self.state_blocks_per_seq {
             return None;
         }
         let on_boundary = computed % stride == 0
@@ -216,14 +216,14 @@ impl KvCache {
         for planned in copies.clone() {
             self.block_pool.uncache(planned.dst);
         }
-        let saves = copies.count() / self.state_blocks.max(1);
+        let saves = copies.count() / self.state_blocks_per_seq.max(1);
         self.prefix_stats.count_checkpoints_lost(saves);
     }
 
     /// Whether every block of the checkpoint at the end of the block named `hash` is cached
     /// (asked column by column: a missing first one answers in one probe).
     fn find_checkpoint(&self, hash: BlockHash) -> bool {
-        (0..self.state_blocks).all(|column| {
+        (0..self.state_blocks_per_seq).all(|column| {
             self.block_pool
                 .lookup(checkpoint_key(hash, column))
                 .is_some()
@@ -249,7 +249,7 @@ impl KvCache {
         let resumed = found.unwrap_or(0);
         if let Some(end) = found {
             let hash = self.scratch_hashes[end - 1];
-            for column in 0..self.state_blocks {
+            for column in 0..self.state_blocks_per_seq {
                 let block = self.block_pool.lookup(checkpoint_key(hash, column));
                 self.scratch_checkpoint.extend(block);
             }

@@ -13,8 +13,8 @@ impl Harness {
         let (scheduler, cache) = before;
         for seq_id in cache.seq_ids().filter(|id| !aborted.contains(id)) {
             assert_eq!(
-                self.cache.seq_state(seq_id).ok(),
-                cache.seq_state(seq_id).ok()
+                self.cache.seq_len_and_tier(seq_id).ok(),
+                cache.seq_len_and_tier(seq_id).ok()
             );
             for group in 0..cache.num_groups() {
                 assert_eq!(

@@ -143,7 +143,7 @@ impl ContinuousScheduler {
             if seq_ids[..index].contains(&seq_id) {
                 return Err(invalid!("request {seq_id} appears twice"));
             }
-            cache.seq_state(seq_id)?;
+            cache.seq_len_and_tier(seq_id)?;
         }
         let block_size = cache.block_size();
         for (&seq_id, &ok) in seq_ids.iter().zip(done) {

@@ -16,7 +16,7 @@ impl ContinuousScheduler {
     /// nothing.
     pub fn check_cache(&self, cache: &KvCache, now_ns: u64) -> CoreResult<()> {
         for &seq_id in &self.running {
-            let (num_tokens, swapped) = cache.seq_state(seq_id)?;
+            let (num_tokens, swapped) = cache.seq_len_and_tier(seq_id)?;
             let computed = self.request(seq_id)?.num_computed;
             ensure!(
                 !swapped && num_tokens >= computed,
@@ -31,14 +31,14 @@ impl ContinuousScheduler {
         }
         for &seq_id in &self.loading {
             ensure!(
-                !cache.seq_state(seq_id)?.1,
+                !cache.seq_len_and_tier(seq_id)?.1,
                 "sequence {seq_id} is loading but the cache holds it swapped out (changed \
                  behind the scheduler's back)"
             );
         }
         for &(_, _, seq_id) in &self.swapped {
             ensure!(
-                cache.seq_state(seq_id)?.1,
+                cache.seq_len_and_tier(seq_id)?.1,
                 "sequence {seq_id} is swapped out but the cache holds it on the device \
                  (changed behind the scheduler's back)"
             );

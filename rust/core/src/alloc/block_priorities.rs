@@ -25,7 +25,7 @@ use crate::undo::{CopyOnChange, Saved, Undo, UndoVec};
 const NEVER: u64 = u64::MAX;
 
 #[derive(Debug, Clone, Default)]
-pub struct Retention {
+pub struct BlockPriorities {
     /// Blocks of the pool, kept for the arrays below.
     num_blocks: usize,
     /// Per block; empty until a request asks for a priority.
@@ -40,7 +40,7 @@ pub struct Retention {
     saved_clock: Saved<u64>,
 }
 
-impl Retention {
+impl BlockPriorities {
     pub fn bytes_for(num_blocks: usize) -> Option<u64> {
         total_bytes(&[
             array_bytes::<u8>(num_blocks),
@@ -50,9 +50,9 @@ impl Retention {
 
     /// Priorities for `num_blocks` blocks, all at the default (nothing allocated yet).
     pub fn new(num_blocks: usize) -> Self {
-        Retention {
+        BlockPriorities {
             num_blocks,
-            ..Retention::default()
+            ..BlockPriorities::default()
         }
     }
 
@@ -174,7 +174,7 @@ impl Retention {
     }
 }
 
-impl Undo for Retention {
+impl Undo for BlockPriorities {
     fn begin(&mut self) {
         self.saved_clock.save(self.clock);
         self.priority.begin();
@@ -205,7 +205,7 @@ mod tests {
 
     #[test]
     fn priorities_rise_and_end_when_their_duration_does() {
-        let mut retention = Retention::new(4);
+        let mut retention = BlockPriorities::new(4);
         assert!(
             !retention.give(1, 10, None, true),
             "nothing kept before it is asked"
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn stale_expiries_are_compacted() {
-        let mut retention = Retention::new(2);
+        let mut retention = BlockPriorities::new(2);
         retention.reserve_expiries().unwrap();
         let room = retention.expiries.capacity();
         for duration in 1..1000 {
@@ -260,7 +260,7 @@ mod tests {
 
     #[test]
     fn without_priorities_everything_is_default() {
-        let mut retention = Retention::default();
+        let mut retention = BlockPriorities::default();
         assert!(!retention.give(3, 100, None, true));
         assert_eq!(retention.priority(3), DEFAULT_PRIORITY);
         retention.advance(5, |_| unreachable!());
