@@ -3,7 +3,7 @@
 //! fork never runs out of them however busy the cache is. The request waits until there is
 //! room for them, and no other sequence takes them meanwhile.
 
-use atb_mem_core::{ContinuousScheduler, KvCache, StepPlan, Tokens};
+use atb_mem_core::{ContinuousScheduler, CoreError, KvCache, StepPlan, Tokens};
 
 #[path = "support/scheduler.rs"]
 mod scheduler;
@@ -134,4 +134,42 @@ fn a_request_whose_forks_could_never_fit_is_refused() {
         .add_request(&mut cache, 1, Tokens::Ids(&ids), 8, 5, 0, 0)
         .unwrap();
     scheduler.check_invariants(&cache).unwrap();
+}
+
+#[test]
+fn a_fork_beyond_a_requests_samples_leaves_the_blocks_kept_for_planned_ones() {
+    let mut cache = hybrid(60);
+    let mut scheduler = scheduler(&cache, 16, 256, 0.0);
+    let ids = prompt(100, 9);
+    scheduler
+        .add_request(&mut cache, 1, Tokens::Ids(&ids), 64, 1, 0, 0)
+        .unwrap();
+    let plan = step(&mut scheduler, &mut cache);
+    sample(&mut scheduler, &mut cache, &plan);
+    // Request 3's second sample has its states' blocks kept from its admission on.
+    let ids = prompt(300, 1);
+    scheduler
+        .add_request(&mut cache, 3, Tokens::Ids(&ids), 8, 2, 0, 0)
+        .unwrap();
+    let plan = step(&mut scheduler, &mut cache);
+    assert_eq!(plan.sample_seq_ids, [1, 3]);
+    // Request 1 asked for one sample: forks beyond it take free blocks, never those kept.
+    let mut child = 100;
+    let refused = loop {
+        match scheduler.fork(&mut cache, 1, child) {
+            Ok(()) => child += 1,
+            Err(refused) => break refused,
+        }
+        assert!(child < 120, "forks never ran out of blocks");
+    };
+    assert!(child > 100, "no fork beyond the samples fitted at all");
+    assert!(
+        matches!(refused, CoreError::OutOfBlocks { needed: STATE_BLOCKS, available }
+            if available < STATE_BLOCKS && cache.num_free_blocks() >= STATE_BLOCKS),
+        "{refused:?} with {} free",
+        cache.num_free_blocks()
+    );
+    scheduler.fork(&mut cache, 3, 50).unwrap();
+    scheduler.check_invariants(&cache).unwrap();
+    cache.check_invariants().unwrap();
 }

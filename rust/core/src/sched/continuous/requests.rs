@@ -293,7 +293,9 @@ impl ContinuousScheduler {
     /// `child` a copy of it that shares every block copy-on-write and awaits its own token
     /// from the same logits — a prompt is prefilled once for `n` samples (vLLM v0's fork of
     /// a sequence group). The child runs with the parent's priority and limits; beyond
-    /// `max_num_seqs`, the next step preempts the newest.
+    /// `max_num_seqs`, the next step preempts the newest. A fork beyond the request's
+    /// samples (`num_samples` at `add_request`) had no blocks kept for its recurrent states:
+    /// `OutOfBlocks` when only the blocks kept for other requests' forks are left.
     pub fn fork(&mut self, cache: &mut KvCache, parent: u64, child: u64) -> CoreResult<()> {
         if self.requests.contains_key(&child) || cache.contains(child) {
             return Err(CoreError::DuplicateSequence(child));
@@ -304,16 +306,23 @@ impl ContinuousScheduler {
             "sequence {parent} can be forked only after a step sampled it and before its \
              on_tokens"
         );
+        let planned = request.samples_to_fork > 0;
+        // A fork beyond the request's samples was kept no blocks: it may not take those kept
+        // for the others' forks (see `fork_reserve`).
+        let needed = cache.num_state_blocks();
+        let available = self.free_blocks(cache);
+        if !planned && needed > available {
+            return Err(CoreError::OutOfBlocks { needed, available });
+        }
         let mut copy = request.clone();
         copy.samples_to_fork = 0;
         cache.fork(parent, child)?;
         self.running.push(child);
         self.requests.insert(child, copy);
-        if let Some(parent) = self.requests.get_mut(&parent) {
-            if parent.samples_to_fork > 0 {
-                parent.samples_to_fork -= 1;
-                self.unforked_samples -= 1;
-            }
+        if let Some(parent) = self.requests.get_mut(&parent).filter(|_| planned) {
+            parent.samples_to_fork -= 1;
+            self.unforked_samples -= 1;
+            self.fork_reserve = self.fork_reserve.saturating_sub(needed);
         }
         self.forked_since_step += 1;
         Ok(())
