@@ -11,9 +11,13 @@
 //! state exactly before the damaged requests were ended.
 
 use atb_mem_core::{
-    AttentionKind, BlockMove, ContinuousScheduler, CoreError, KvCache, KvDtype, KvLayout,
-    LayerKind, MoveFailure, MoveKind, Preemption, SchedulerConfig, StepPlan, Tokens,
+    BlockMove, ContinuousScheduler, CoreError, KvCache, KvLayout, MoveFailure, MoveKind,
+    Preemption, SchedulerConfig, StepPlan, Tokens,
 };
+
+#[path = "support/recurrent.rs"]
+mod recurrent;
+use recurrent::hybrid;
 
 #[path = "support/state.rs"]
 mod state;
@@ -226,18 +230,8 @@ fn a_demotion_to_the_host_tier_and_the_promotion_back() {
 
 #[test]
 fn recurrent_states_resume_from_checkpoints_and_save_them() {
-    let state = LayerKind::Recurrent { state_bytes: 80 };
-    let full = LayerKind::Attention(AttentionKind::Full);
-    let layers = [state, state, full, state, state, full];
-    let layout = KvLayout {
-        num_layers: layers.len(),
-        num_kv_heads: 1,
-        head_dim: 2,
-        dtype: KvDtype::Float16,
-    };
-    let mut cache = KvCache::with_layer_kinds(96, 4, layout, true, &layers).unwrap();
-    cache.set_state_checkpoint_interval(1).unwrap();
-    cache.enable_host_tier(32).unwrap();
+    // Checkpoints at every block, a host tier of 32 blocks.
+    let cache = hybrid(96);
     let mut pair = (scheduler(&cache, 2, Preemption::Recompute), cache);
     let mut second = ids(0, 12);
     second.extend(ids(900, 6));
