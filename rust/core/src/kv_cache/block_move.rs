@@ -27,11 +27,11 @@ pub enum MoveKind {
 }
 
 impl MoveKind {
-    fn reads_host(self) -> bool {
+    pub(super) fn reads_host(self) -> bool {
         self == MoveKind::ToDevice
     }
 
-    fn writes_host(self) -> bool {
+    pub(super) fn writes_host(self) -> bool {
         self == MoveKind::ToHost
     }
 }

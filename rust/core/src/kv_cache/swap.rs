@@ -114,7 +114,7 @@ impl KvCache {
     /// (device block → host block) moves join the pending moves (see [`KvCache::take_moves`]),
     /// after any pending copy; a block the sequences share is moved once. All-or-nothing.
     pub fn swap_out(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
-        self.swap(seq_ids, true)
+        self.swap(seq_ids, MoveKind::ToHost)
     }
 
     /// Brings swapped-out sequences back into free device blocks (evicting cached ones if
@@ -122,10 +122,12 @@ impl KvCache {
     /// rejoin the prefix cache with the next `mark_computed`, once their bytes are back.
     /// All-or-nothing.
     pub fn swap_in(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
-        self.swap(seq_ids, false)
+        self.swap(seq_ids, MoveKind::ToDevice)
     }
 
-    fn swap(&mut self, seq_ids: &[u64], out: bool) -> CoreResult<()> {
+    /// Swaps the sequences out (`ToHost`) or in (`ToDevice`).
+    pub(super) fn swap(&mut self, seq_ids: &[u64], direction: MoveKind) -> CoreResult<()> {
+        debug_assert!(direction != MoveKind::Copy, "a swap moves between tiers");
         ensure!(
             self.host_tier.is_some(),
             "this KV cache has no host tier: construct it with num_host_blocks",
@@ -133,15 +135,16 @@ impl KvCache {
         self.resolve_batch(seq_ids)?;
         let slabs = std::mem::take(&mut self.scratch_slabs);
         let result = self
-            .check_swap(&slabs, out)
-            .and_then(|()| self.swap_resolved(&slabs, out));
+            .check_swap(&slabs, direction)
+            .and_then(|()| self.swap_resolved(&slabs, direction));
         self.scratch_slabs = slabs;
         result
     }
 
-    /// Checks that every sequence of `slabs` can move in the direction `out` and that the
+    /// Checks that every sequence of `slabs` can move in `direction` and that the
     /// destination tier has a block for each distinct source block. Changes nothing.
-    fn check_swap(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
+    fn check_swap(&mut self, slabs: &[u32], direction: MoveKind) -> CoreResult<()> {
+        let out = direction.writes_host();
         for &slab in slabs {
             let seq = &self.sequences[slab];
             if seq.swapped == out {
@@ -181,7 +184,8 @@ impl KvCache {
     }
 
     /// Swaps the sequences of `slabs`, which `check_swap` passed.
-    fn swap_resolved(&mut self, slabs: &[u32], out: bool) -> CoreResult<()> {
+    fn swap_resolved(&mut self, slabs: &[u32], direction: MoveKind) -> CoreResult<()> {
+        let out = direction.writes_host();
         self.sync_removed();
         let block_size = self.block_size();
         let KvCache {
@@ -202,7 +206,7 @@ impl KvCache {
             let (seq, log) = sequences.with_log(slab);
             seq.version = version;
             let mut moving = MovingTiers {
-                out,
+                direction,
                 tier: &mut *tier,
                 block_pool: &mut *block_pool,
                 moves: &mut *pending_moves,
@@ -249,9 +253,9 @@ impl KvCache {
     }
 }
 
-/// The tiers a swap moves blocks between (`out`: device to host).
+/// The tiers a swap moves blocks between, in `direction`.
 struct MovingTiers<'a> {
-    out: bool,
+    direction: MoveKind,
     tier: &'a mut HostTier,
     block_pool: &'a mut BlockPool,
     moves: &'a mut Vec<BlockMove>,
@@ -262,7 +266,7 @@ impl MovingTiers<'_> {
     /// Moves one held block (once, however many sequences share it: `scratch_moves` knows
     /// where it went) and releases it; where it went.
     fn move_block(&mut self, block: u32) -> CoreResult<u32> {
-        let (out, tier) = (self.out, &mut *self.tier);
+        let (out, tier) = (self.direction.writes_host(), &mut *self.tier);
         let moved = match tier.scratch_moves[block as usize] {
             NO_BLOCK => {
                 let (moved, kind) = match out {

@@ -8,7 +8,7 @@
 //! partial execution destroyed are ended ([`CoreError::MovesFailed`] names them). A call
 //! that returns an error has therefore changed nothing but those endings.
 
-use super::{BlockMove, KvCache};
+use super::{BlockMove, KvCache, MoveKind};
 use crate::error::{CoreError, CoreResult};
 use crate::undo::Undo;
 
@@ -49,7 +49,7 @@ impl KvCache {
     where
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
-        self.swap_executing(seq_ids, true, execute, executed)
+        self.swap_executing(seq_ids, MoveKind::ToHost, execute, executed)
     }
 
     /// [`KvCache::swap_in`] as one transaction like [`KvCache::swap_out_executing`]; once
@@ -63,7 +63,7 @@ impl KvCache {
     where
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
-        self.swap_executing(seq_ids, false, execute, executed)?;
+        self.swap_executing(seq_ids, MoveKind::ToDevice, execute, executed)?;
         for &seq_id in seq_ids {
             // Known swapped in: `swap_in` checked every id.
             let _ = self.mark_computed(seq_id, None);
@@ -74,7 +74,7 @@ impl KvCache {
     fn swap_executing<E>(
         &mut self,
         seq_ids: &[u64],
-        out: bool,
+        direction: MoveKind,
         execute: E,
         executed: &mut Vec<BlockMove>,
     ) -> CoreResult<()>
@@ -83,10 +83,7 @@ impl KvCache {
     {
         executed.clear();
         self.begin();
-        let planned = match out {
-            true => self.swap_out(seq_ids),
-            false => self.swap_in(seq_ids),
-        };
+        let planned = self.swap(seq_ids, direction);
         if let Err(error) = planned {
             self.rollback();
             return Err(error);
