@@ -28,9 +28,9 @@ pub(super) struct SequenceTable {
     vacant: UndoVec<u32>,
     index: HashMap<u64, u32>,
     next_version: u64,
-    /// The transaction's record: the slab count and next version it began with, each index
-    /// entry's value before its first change (newest last), and the sequences it changed.
-    saved: Saved<(usize, u64)>,
+    /// The transaction's record: the slab count it began with, each index entry's value
+    /// before its first change (newest last), and the sequences it changed.
+    saved: Saved<usize>,
     index_before: Vec<(u64, Option<u32>)>,
     log: SequenceLog,
     /// Per slab, the number of the transaction that last changed it.
@@ -227,7 +227,7 @@ impl SequenceTable {
     /// it. Slabs added by the transaction go as a whole.
     #[inline]
     fn record(&mut self, slab: u32) {
-        let Some(&(slabs, _)) = self.saved.peek() else {
+        let Some(&slabs) = self.saved.peek() else {
             return;
         };
         let index = slab as usize;
@@ -248,7 +248,7 @@ impl SequenceTable {
 impl Undo for SequenceTable {
     fn begin(&mut self) {
         self.transaction += 1;
-        self.saved.save((self.slabs.len(), self.next_version));
+        self.saved.save(self.slabs.len());
         if self.changed_in.len() < self.slabs.len() {
             self.changed_in.resize(self.slabs.len(), 0);
         }
@@ -264,7 +264,7 @@ impl Undo for SequenceTable {
     }
 
     fn rollback(&mut self) {
-        let Some((slabs, next_version)) = self.saved.take() else {
+        let Some(slabs) = self.saved.take() else {
             return;
         };
         while let Some((seq_id, before)) = self.index_before.pop() {
@@ -275,9 +275,8 @@ impl Undo for SequenceTable {
         }
         self.log.rollback(&mut self.slabs);
         self.slabs.truncate(slabs);
-        // Versions only need to be unique, and a block table the failed step wrote may
-        // already carry the ones it handed out: they are not handed out again.
-        debug_assert!(self.next_version >= next_version);
+        // `next_version` stays: versions only need to be unique, and a block table the
+        // failed step wrote may already carry the ones it handed out.
         self.vacant.rollback();
     }
 }
