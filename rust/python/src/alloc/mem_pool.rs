@@ -215,7 +215,7 @@ struct PoolState {
 }
 
 /// A preallocated byte pool with O(1) `malloc`/`free` of any size inside it.
-#[pyclass(frozen, subclass, name = "MemPool", module = "atb_mem._core")]
+#[pyclass(frozen, name = "MemPool", module = "atb_mem._core")]
 pub struct PyMemPool {
     state: Mutex<PoolState>,
     base_ptr: u64,

@@ -32,7 +32,7 @@ use crate::lock::PyLock;
 
 /// Paged KV cache: fixed-size blocks handed to sequences on demand, with prefix caching and
 /// copy-on-write forks.
-#[pyclass(frozen, subclass, name = "KVCachePool", module = "atb_mem._core")]
+#[pyclass(frozen, name = "KVCachePool", module = "atb_mem._core")]
 pub struct PyKvCachePool {
     cache: PyLock<KvCache>,
 }
