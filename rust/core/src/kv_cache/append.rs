@@ -1,12 +1,10 @@
 //! Growing sequences: the block budget of an append (copy-on-write included) and the append
 //! itself, batched.
 
-use super::host_prefix::allocate_device;
 use super::sequence::Sequence;
 use super::sequence_record::SequenceLog;
-use super::swap::HostTier;
-use super::{swapped_out, KvCache, KvEventLog, PAD_SLOT};
-use crate::alloc::{BlockPool, NULL_BLOCK};
+use super::{swapped_out, KvCache, Tiers, PAD_SLOT};
+use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
 
@@ -21,7 +19,7 @@ impl KvCache {
     /// fails with `OutOfBlocks` otherwise.
     pub(super) fn check_append_budget(&mut self, slabs: &[u32], n: usize) -> CoreResult<()> {
         let needed = self.append_need(slabs, n)?;
-        let available = self.block_pool.num_free();
+        let available = self.tiers.block_pool.num_free();
         if needed > available {
             return Err(CoreError::OutOfBlocks { needed, available });
         }
@@ -35,7 +33,7 @@ impl KvCache {
     fn append_need(&mut self, slabs: &[u32], n: usize) -> CoreResult<usize> {
         let block_size = self.block_size();
         let mut needed = 0;
-        self.scratch_blocks.clear();
+        self.scratch.blocks.clear();
         for &slab in slabs {
             let seq = &self.sequences[slab];
             if seq.swapped {
@@ -55,19 +53,19 @@ impl KvCache {
                 needed += new_blocks * growing;
             }
             // Only a fork shares a partly filled block (prefix hits share full ones).
-            if self.has_forked && seq.num_tokens % block_size != 0 {
+            if self.sequences.has_forked() && seq.num_tokens % block_size != 0 {
                 for table in seq.tables.iter().filter(|table| table.complete()) {
                     let last = table.blocks.last().copied().unwrap_or(NULL_BLOCK);
-                    if last != NULL_BLOCK && self.block_pool.ref_count(last) > 1 {
-                        self.scratch_blocks.push(last);
+                    if last != NULL_BLOCK && self.tiers.block_pool.ref_count(last) > 1 {
+                        self.scratch.blocks.push(last);
                     }
                 }
             }
         }
-        self.scratch_blocks.sort_unstable();
-        for holders in self.scratch_blocks.chunk_by(|a, b| a == b) {
+        self.scratch.blocks.sort_unstable();
+        for holders in self.scratch.blocks.chunk_by(|a, b| a == b) {
             let every_holder_appends =
-                holders.len() == self.block_pool.ref_count(holders[0]) as usize;
+                holders.len() == self.tiers.block_pool.ref_count(holders[0]) as usize;
             needed += holders.len() - usize::from(every_holder_appends);
         }
         Ok(needed)
@@ -99,9 +97,9 @@ impl KvCache {
             );
         }
         self.resolve_batch(seq_ids)?;
-        let slabs = std::mem::take(&mut self.scratch_slabs);
+        let slabs = std::mem::take(&mut self.scratch.slabs);
         let result = self.append_resolved(&slabs, n, token_ids, slots);
-        self.scratch_slabs = slabs;
+        self.scratch.slabs = slabs;
         result
     }
 
@@ -138,25 +136,19 @@ impl KvCache {
         let version = self.sequences.new_version();
         let block_size = self.block_size();
         let KvCache {
-            sequences,
-            block_pool,
-            host_tier,
-            pending_moves,
-            events,
-            has_forked,
-            ..
+            sequences, tiers, ..
         } = self;
+        let has_forked = sequences.has_forked();
         let (seq, log) = sequences.with_log(slab);
-        if *has_forked && seq.num_tokens % block_size != 0 {
-            let tiers = (&mut *block_pool, host_tier.as_mut(), &mut *pending_moves);
-            copy_shared_tails((seq, log, slab), tiers, events, version)?;
+        if has_forked && seq.num_tokens % block_size != 0 {
+            copy_shared_tails((seq, log, slab), tiers, version)?;
         }
         if token_ids.is_none() && seq.hashable {
             seq.hashable = false;
             seq.forget_token_ids(log, slab);
         }
         let keep_token_ids =
-            seq.hashable && (events.enabled() || block_pool.sub_blocks_per_block() > 0);
+            seq.hashable && (tiers.events.enabled() || tiers.block_pool.sub_blocks_per_block() > 0);
         for t in 0..n {
             let position = seq.num_tokens + t;
             let (index, offset) = (position / block_size, position % block_size);
@@ -170,13 +162,7 @@ impl KvCache {
                     continue;
                 }
                 if offset == 0 {
-                    let host_tier = host_tier.as_mut();
-                    table.push(allocate_device(
-                        block_pool,
-                        host_tier,
-                        pending_moves,
-                        events,
-                    )?);
+                    table.push(tiers.allocate_device()?);
                 }
                 let block = table.blocks[index];
                 emit(group, t, (block as usize * block_size + offset) as i32);
@@ -203,8 +189,7 @@ impl KvCache {
 /// shared (only after a fork), is replaced by a copy of its own, stamped `version`.
 fn copy_shared_tails(
     (seq, log, slab): (&mut Sequence, &mut SequenceLog, u32),
-    (block_pool, mut host_tier, pending_moves): TiersMut<'_>,
-    events: &mut KvEventLog,
+    tiers: &mut Tiers,
     version: u64,
 ) -> CoreResult<()> {
     for (group, table) in seq.tables.iter_mut().enumerate() {
@@ -213,21 +198,15 @@ fn copy_shared_tails(
         }
         let index = table.allocated - 1;
         let last = table.blocks[index];
-        if block_pool.ref_count(last) > 1 {
-            let copy =
-                allocate_device(block_pool, host_tier.as_deref_mut(), pending_moves, events)?;
-            pending_moves.push(BlockMove::new(MoveKind::Copy, last, copy));
-            block_pool.release(last);
+        if tiers.block_pool.ref_count(last) > 1 {
+            let copy = tiers.allocate_device()?;
+            tiers
+                .pending_moves
+                .push(BlockMove::new(MoveKind::Copy, last, copy));
+            tiers.block_pool.release(last);
             table.set(index, copy, log, (slab, group as u32));
             table.layout = version;
         }
     }
     Ok(())
 }
-
-/// The device pool, the host tier and the move list.
-type TiersMut<'a> = (
-    &'a mut BlockPool,
-    Option<&'a mut HostTier>,
-    &'a mut Vec<BlockMove>,
-);

@@ -64,16 +64,16 @@ impl KvCache {
     /// writes the blocks involved.
     pub fn take_moves(&mut self, out: &mut Vec<BlockMove>) {
         out.clear();
-        out.append(&mut self.pending_moves);
+        out.append(&mut self.tiers.pending_moves);
     }
 
     /// The moves not yet taken.
     pub fn pending_moves(&self) -> &[BlockMove] {
-        &self.pending_moves
+        &self.tiers.pending_moves
     }
 
     pub fn num_pending_moves(&self) -> usize {
-        self.pending_moves.len()
+        self.tiers.pending_moves.len()
     }
 
     /// Rolls back the open transaction (the operation that decided `moves`) after executing
@@ -100,7 +100,7 @@ impl KvCache {
         }
         self.rollback();
         // Replay what is still pending: a destination is rewritten from its source.
-        for planned in &self.pending_moves {
+        for planned in &self.tiers.pending_moves {
             let source_damaged = match planned.kind.reads_host() {
                 true => damaged_host[planned.src as usize],
                 false => damaged_device[planned.src as usize],
@@ -126,10 +126,10 @@ impl KvCache {
             let _ = self.free_sequence(seq_id);
         }
         for (block, _) in damaged_device.iter().enumerate().filter(|(_, &bad)| bad) {
-            self.block_pool.uncache(block as u32);
+            self.tiers.block_pool.uncache(block as u32);
         }
         // A host prefix copy the failed moves overwrote (a demotion into an evicted copy).
-        if let Some(tier) = self.host_tier.as_mut() {
+        if let Some(tier) = self.tiers.host_tier.as_mut() {
             for (block, _) in damaged_host.iter().enumerate().filter(|(_, &bad)| bad) {
                 tier.pool.uncache(block as u32);
             }

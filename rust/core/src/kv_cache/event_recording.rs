@@ -19,17 +19,19 @@ impl KvCache {
             self.groups.len()
         );
         let host_blocks = self
+            .tiers
             .host_tier
             .as_ref()
             .map_or(0, |tier| tier.pool.num_blocks());
-        self.events
-            .enable(self.block_pool.num_blocks(), host_blocks)?;
-        self.block_pool.set_record_removed(true);
+        self.tiers
+            .events
+            .enable(self.tiers.block_pool.num_blocks(), host_blocks)?;
+        self.tiers.block_pool.set_record_removed(true);
         self.record_host_prefix_events()
     }
 
     pub fn kv_events_enabled(&self) -> bool {
-        self.events.enabled()
+        self.tiers.events.enabled()
     }
 
     /// Records what a tier below the host did, for the routers that read the events: the
@@ -60,19 +62,20 @@ impl KvCache {
             if stored { "stored" } else { "removed" },
             token_ids.len()
         );
-        if !self.events.enabled() || hashes.is_empty() {
+        if !self.tiers.events.enabled() || hashes.is_empty() {
             return Ok(());
         }
         self.sync_removed();
         match stored {
             true => {
                 let root = BlockHash::root(None);
-                self.events
+                self.tiers
+                    .events
                     .stored_run(medium, 0, parent, root, hashes, token_ids);
             }
             false => hashes
                 .iter()
-                .for_each(|&hash| self.events.removed(medium, 0, hash)),
+                .for_each(|&hash| self.tiers.events.removed(medium, 0, hash)),
         }
         Ok(())
     }
@@ -87,30 +90,17 @@ impl KvCache {
     /// The events recorded since the last `clear_kv_events`, without dropping them.
     pub fn kv_events(&mut self) -> &KvEventLog {
         self.sync_removed();
-        &self.events
+        &self.tiers.events
     }
 
     pub fn clear_kv_events(&mut self) {
-        self.events.clear();
+        self.tiers.events.clear();
     }
 
     /// Moves the device's evictions, buffered by the block pool, into the event log: called
     /// before anything else is logged, so the log keeps the order things happened in.
     pub(super) fn sync_removed(&mut self) {
-        let KvCache {
-            block_pool,
-            host_tier,
-            events,
-            ..
-        } = self;
-        if events.enabled() {
-            block_pool.drain_removed(|key, block| events.removed_from_device(key, block));
-            if let Some(tier) = host_tier.as_mut() {
-                // The host prefix cache's copies that left it (evicted, or reset).
-                tier.pool
-                    .drain_removed(|_, block| events.host_block_freed(block));
-            }
-        }
+        self.tiers.sync_removed();
     }
 
     /// With events and a host prefix cache both, the host pool reports the copies that leave
@@ -118,12 +108,14 @@ impl KvCache {
     pub(super) fn record_host_prefix_events(&mut self) -> CoreResult<()> {
         let block_size = self.block_size();
         let num_blocks = self.num_blocks();
-        let Some(tier) = self.host_tier.as_mut() else {
+        let Some(tier) = self.tiers.host_tier.as_mut() else {
             return Ok(());
         };
-        if self.events.enabled() && tier.pool.enable_prefix_caching() {
+        if self.tiers.events.enabled() && tier.pool.enable_prefix_caching() {
             tier.pool.set_record_removed(true);
-            self.events.keep_device_names(num_blocks, block_size)?;
+            self.tiers
+                .events
+                .keep_device_names(num_blocks, block_size)?;
         }
         Ok(())
     }

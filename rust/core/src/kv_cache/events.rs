@@ -23,7 +23,7 @@ use std::ops::Range;
 
 use hashbrown::HashMap;
 
-use super::groups::group_key;
+use super::keys::group_key;
 use crate::alloc::fallible::try_filled_vec;
 use crate::alloc::BlockHash;
 use crate::error::CoreResult;

@@ -14,7 +14,6 @@
 //! needs a block (every position in it is outside the window of every token still to be
 //! computed) releases it and the null block stands in its slot, as vLLM does.
 
-use crate::alloc::BlockHash;
 use crate::error::CoreResult;
 
 /// What the layers of a group attend to.
@@ -267,21 +266,6 @@ pub fn group_hybrid_layers(kinds: &[LayerKind]) -> CoreResult<LayerGroups> {
     Ok(split)
 }
 
-/// The prefix-cache key of a block of group `group`: group 0 keeps the chain's hash itself (a
-/// one-group cache and KV events see the plain hashes); other groups XOR a constant of their
-/// own in, so the same tokens cached by two groups are two entries. XOR undoes itself:
-/// `group_key(group_key(hash, g), g) == hash`, which names an evicted block for its event
-/// from its key and group alone. (The chain's hash is uniform, so its XOR with a constant is
-/// as well spread in the prefix table.)
-#[inline]
-pub fn group_key(hash: BlockHash, group: usize) -> BlockHash {
-    let group = group as u64;
-    BlockHash([
-        hash.0[0] ^ group.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        hash.0[1] ^ group,
-    ])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,14 +364,5 @@ mod tests {
         assert_eq!(groups.recurrent, [(640, vec![0, 1]), (640, vec![3, 4])]);
         let recurrent = [LayerKind::Recurrent { state_bytes: 8 }; 3];
         assert!(group_hybrid_layers(&recurrent).is_err());
-    }
-
-    #[test]
-    fn group_keys_differ_except_group_zero() {
-        let hash = BlockHash([7, 9]);
-        assert_eq!(group_key(hash, 0), hash);
-        assert_ne!(group_key(hash, 1), hash);
-        assert_ne!(group_key(hash, 1), group_key(hash, 2));
-        assert_eq!(group_key(group_key(hash, 3), 3), hash);
     }
 }

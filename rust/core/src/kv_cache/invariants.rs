@@ -23,10 +23,10 @@ impl KvCache {
                 tier[block as usize] += 1;
             }
         }
-        if let Some(tier) = &self.host_tier {
+        if let Some(tier) = &self.tiers.host_tier {
             tier.check_invariants(&host_holders)?;
         }
-        self.block_pool.check_invariants(&holders)
+        self.tiers.block_pool.check_invariants(&holders)
     }
 
     /// One sequence's group tables, token bookkeeping and hashes.
@@ -38,11 +38,11 @@ impl KvCache {
                 seq.tables.len()
             ));
         }
-        if seq.state.len() != self.state_blocks_per_seq {
+        if seq.state.len() != self.states.blocks_per_seq {
             return Err(format!(
                 "sequence {seq_id}: {} state blocks, not {}",
                 seq.state.len(),
-                self.state_blocks_per_seq
+                self.states.blocks_per_seq
             ));
         }
         for (group, (table, spec)) in seq.tables.iter().zip(&self.groups).enumerate() {

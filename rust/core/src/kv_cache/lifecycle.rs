@@ -1,19 +1,17 @@
 //! A sequence's life: admission with prefix reuse, fork, computed marks, and its end.
 
-use super::groups::group_key;
-use super::host_prefix::{allocate_device, host_block};
+use super::keys::group_key;
 use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
 use super::retention::retain_joined;
 use super::sequence::Sequence;
 use super::sequence_record::SequenceLog;
 use super::state_checkpoints::{hold_checkpoint, resume_from_checkpoint};
-use super::swap::HostTier;
-use super::{swapped_out, KvCache, KvCacheGroup, KvEventLog, Tokens};
+use super::tiers::host_block;
+use super::{swapped_out, KvCache, KvCacheGroup, Tiers, Tokens};
 
-use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
+use crate::alloc::{BlockHash, NULL_BLOCK};
 use crate::error::{CoreError, CoreResult};
-use crate::kv_cache::{BlockMove, MoveKind};
 
 impl KvCache {
     /// Whether `alloc_sequence` would succeed now for a new sequence with these tokens.
@@ -22,7 +20,7 @@ impl KvCache {
         tokens: Tokens<'_>,
         cache_salt: Option<&[u8]>,
     ) -> CoreResult<bool> {
-        Ok(self.blocks_to_allocate(tokens, cache_salt)? <= self.block_pool.num_free())
+        Ok(self.blocks_to_allocate(tokens, cache_salt)? <= self.tiers.block_pool.num_free())
     }
 
     /// How many blocks of the free queue `alloc_sequence` would take now (fresh blocks plus
@@ -65,9 +63,9 @@ impl KvCache {
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
         // A partial hit's block is a fresh block (filled by a copy).
         let num_blocks = tokens.len().div_ceil(self.block_size());
-        let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
-        Ok(found.need(num_blocks, eager, free, self.state_blocks_per_seq, scratch))
+        let (eager, free) = (self.eager_groups(lazy), self.tiers.block_pool.num_free());
+        let scratch = (&mut self.scratch.partial, &mut self.scratch.checkpoint);
+        Ok(found.need(num_blocks, eager, free, self.states.blocks_per_seq, scratch))
     }
 
     /// Groups that take a new sequence's blocks up front: all, or only the full-attention
@@ -137,18 +135,12 @@ impl KvCache {
         // The hit's states: copies of the checkpoint at its end (see `state_checkpoints`).
         let KvCache {
             sequences,
-            block_pool,
-            pending_moves,
-            scratch_checkpoint: checkpoint,
+            tiers,
+            scratch,
             ..
         } = self;
-        resume_from_checkpoint(
-            block_pool,
-            pending_moves,
-            checkpoint,
-            &sequences[slab].state,
-        );
-        checkpoint.clear();
+        resume_from_checkpoint(tiers, &scratch.checkpoint, &sequences[slab].state);
+        scratch.checkpoint.clear();
         self.sequences.insert(seq_id, slab);
         Ok(found.hits * self.block_size() + found.partial)
     }
@@ -166,10 +158,10 @@ impl KvCache {
         self.check_token_count(num_tokens, "token count", lazy)?;
         let num_blocks = num_tokens.div_ceil(self.block_size());
         let mut found = self.match_known_prefix(tokens, cache_salt, known);
-        let (eager, free) = (self.eager_groups(lazy), self.block_pool.num_free());
-        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
-        let needed = found.need(num_blocks, eager, free, self.state_blocks_per_seq, scratch);
-        ensure_free(needed, self.block_pool.num_free())?;
+        let (eager, free) = (self.eager_groups(lazy), self.tiers.block_pool.num_free());
+        let scratch = (&mut self.scratch.partial, &mut self.scratch.checkpoint);
+        let needed = found.need(num_blocks, eager, free, self.states.blocks_per_seq, scratch);
+        ensure_free(needed, self.tiers.block_pool.num_free())?;
         Ok(found)
     }
 
@@ -188,41 +180,29 @@ impl KvCache {
     ) -> CoreResult<u32> {
         let (queries, hits) = (found.queries, found.hits);
         let (num_tokens, block_size) = (tokens.len(), self.block_size());
-        let keep_token_ids = self.events.enabled() || self.has_sub_blocks();
+        let keep_token_ids = self.tiers.events.enabled() || self.has_sub_blocks();
         let version = self.sequences.new_version();
         let slab = self.sequences.vacant_slab(version, self.groups.len());
         let KvCache {
             sequences,
-            block_pool,
-            host_tier,
-            pending_moves,
-            scratch_hashes,
-            scratch_blocks,
-            scratch_partial,
-            scratch_checkpoint,
-            events,
+            tiers,
+            scratch,
             groups,
             ..
         } = self;
         // Held until their copies are planned, so that no allocation below can take them.
-        for &source in scratch_partial.iter() {
-            block_pool.take_hit(source);
+        for &source in scratch.partial.iter() {
+            tiers.block_pool.take_hit(source);
         }
-        hold_checkpoint(block_pool, scratch_checkpoint);
+        hold_checkpoint(&mut tiers.block_pool, &scratch.checkpoint);
         let (seq, log) = sequences.with_log(slab);
         (seq.seq_id, seq.live, seq.swapped) = (seq_id, true, false);
         (seq.num_tokens, seq.version) = (num_tokens, version);
-        let hit_row = |group: usize| &scratch_blocks[group * queries..group * queries + hits];
-        let tiers = Tiers {
-            block_pool,
-            host_tier: host_tier.as_mut(),
-            moves: pending_moves,
-            events,
-        };
+        let hit_row = |group: usize| &scratch.blocks[group * queries..group * queries + hits];
         let num_blocks = num_tokens.div_ceil(block_size);
         let first_promoted =
             take_blocks((seq, log, slab), tiers, groups, hit_row, (num_blocks, lazy))?;
-        copy_partial_hit(seq, block_pool, pending_moves, scratch_partial, hits);
+        copy_partial_hit(seq, tiers, &scratch.partial, hits);
         seq.partial_tokens.clear();
         seq.hashes.clear();
         seq.token_ids.clear();
@@ -235,12 +215,12 @@ impl KvCache {
         seq.kv_reach = found.kv_hits as u32;
         seq.prompt_blocks = ((num_tokens - 1) / block_size) as u32;
         match tokens {
-            Tokens::Ids(ids) if block_pool.enable_prefix_caching() => {
+            Tokens::Ids(ids) if tiers.block_pool.enable_prefix_caching() => {
                 seq.hashable = true;
                 seq.root_hash = BlockHash::root(cache_salt);
-                seq.hashes.extend_from_slice(scratch_hashes);
+                seq.hashes.extend_from_slice(&scratch.hashes);
                 seq.partial_tokens
-                    .extend_from_slice(&ids[scratch_hashes.len() * block_size..]);
+                    .extend_from_slice(&ids[scratch.hashes.len() * block_size..]);
                 if keep_token_ids {
                     seq.token_ids.extend_from_slice(ids);
                 }
@@ -290,9 +270,9 @@ impl KvCache {
         child.token_ids.extend_from_slice(&parent.token_ids);
         child.retention.clone_from(&parent.retention);
         for block in child.held_blocks() {
-            self.block_pool.share(block);
+            self.tiers.block_pool.share(block);
         }
-        self.has_forked = true;
+        self.sequences.mark_forked();
         self.copy_state(parent_slab, child_slab)?;
         self.sequences.insert(child_id, child_slab);
         Ok(())
@@ -323,10 +303,10 @@ impl KvCache {
             seq.num_tokens
         );
         let needed = self.window_need(slab, num_tokens);
-        if needed > self.block_pool.num_free() {
+        if needed > self.tiers.block_pool.num_free() {
             return Err(CoreError::OutOfBlocks {
                 needed,
-                available: self.block_pool.num_free(),
+                available: self.tiers.block_pool.num_free(),
             });
         }
         self.advance_windows(slab, num_tokens)?;
@@ -334,13 +314,15 @@ impl KvCache {
         self.sync_removed();
         let KvCache {
             sequences,
-            block_pool,
-            events,
+            tiers,
             groups,
-            scratch_sub_keys,
+            scratch,
             deferred_sub_blocks,
             ..
         } = self;
+        let Tiers {
+            block_pool, events, ..
+        } = tiers;
         let seq = &mut sequences[slab];
         seq.num_computed = seq.num_computed.max(num_tokens);
         let full = (seq.num_computed / block_size).min(seq.hashes.len());
@@ -361,7 +343,7 @@ impl KvCache {
                 joined += usize::from(stored);
                 if stored {
                     retain_joined(block_pool, seq.retention.as_deref(), index, block);
-                    let scratch = (&mut *scratch_sub_keys, &mut *deferred_sub_blocks);
+                    let scratch = (&mut scratch.sub_keys, &mut *deferred_sub_blocks);
                     index_sub_blocks(block_pool, seq, scratch, (index, group, block, key));
                 }
                 if !events.enabled() {
@@ -401,12 +383,14 @@ impl KvCache {
         let slab = self.sequences.remove(seq_id)?;
         self.keep_last_pieces(slab);
         let KvCache {
-            sequences,
+            sequences, tiers, ..
+        } = self;
+        let Tiers {
             block_pool,
             host_tier,
             events,
             ..
-        } = self;
+        } = tiers;
         let (seq, log) = sequences.with_log(slab);
         let (pool, on_host) = match (seq.swapped, host_tier.as_mut()) {
             (true, Some(tier)) => (&mut tier.pool, true),
@@ -444,33 +428,26 @@ impl KvCache {
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.sync_removed();
         let host_dropped = self
+            .tiers
             .host_tier
             .as_mut()
             .map_or(0, |tier| tier.pool.reset_prefix_cache());
-        let dropped = self.block_pool.reset_prefix_cache();
-        let nothing_left = self.block_pool.num_cached() == 0 && !self.events.has_host_copies();
-        if self.events.enabled() && dropped > 0 && nothing_left {
-            self.block_pool.drain_removed(|_, _| {});
-            self.events.all_cleared();
+        let dropped = self.tiers.block_pool.reset_prefix_cache();
+        let nothing_left =
+            self.tiers.block_pool.num_cached() == 0 && !self.tiers.events.has_host_copies();
+        if self.tiers.events.enabled() && dropped > 0 && nothing_left {
+            self.tiers.block_pool.drain_removed(|_, _| {});
+            self.tiers.events.all_cleared();
         }
         self.sync_removed();
         dropped + host_dropped
     }
 }
 
-/// The device pool, the host tier and the move list, as an allocation that may demote or
-/// promote needs them.
-struct Tiers<'a> {
-    block_pool: &'a mut BlockPool,
-    host_tier: Option<&'a mut HostTier>,
-    moves: &'a mut Vec<BlockMove>,
-    events: &'a mut KvEventLog,
-}
-
-impl Tiers<'_> {
-    fn allocate(&mut self) -> CoreResult<u32> {
-        let host_tier = self.host_tier.as_deref_mut();
-        allocate_device(self.block_pool, host_tier, self.moves, self.events)
+fn ensure_free(needed: usize, available: usize) -> CoreResult<()> {
+    match needed > available {
+        true => Err(CoreError::OutOfBlocks { needed, available }),
+        false => Ok(()),
     }
 }
 
@@ -482,16 +459,9 @@ impl Tiers<'_> {
 /// fresh device block by a (host → device) move. Returns the first block index promoted
 /// (`hits` when none was): the blocks from there join the device's prefix cache with
 /// `mark_computed`.
-fn ensure_free(needed: usize, available: usize) -> CoreResult<()> {
-    match needed > available {
-        true => Err(CoreError::OutOfBlocks { needed, available }),
-        false => Ok(()),
-    }
-}
-
 fn take_blocks<'a>(
     (seq, log, slab): (&mut Sequence, &mut SequenceLog, u32),
-    mut tiers: Tiers<'_>,
+    tiers: &mut Tiers,
     groups: &[KvCacheGroup],
     hit_row: impl Fn(usize) -> &'a [u32],
     (num_blocks, lazy): (usize, bool),
@@ -505,7 +475,7 @@ fn take_blocks<'a>(
             if block == NULL_BLOCK {
                 table.released += 1;
             } else if let Some(copy) = host_block(block) {
-                if let Some(tier) = tiers.host_tier.as_deref_mut() {
+                if let Some(tier) = tiers.host_tier.as_mut() {
                     tier.pool.take_hit(copy);
                 }
                 first_promoted = first_promoted.min(index);
@@ -522,15 +492,7 @@ fn take_blocks<'a>(
             let Some(copy) = host_block(table.blocks[index]) else {
                 continue;
             };
-            let block = tiers.allocate()?;
-            tiers
-                .moves
-                .push(BlockMove::new(MoveKind::ToDevice, copy, block));
-            if let Some(tier) = tiers.host_tier.as_deref_mut() {
-                // Read by the move just planned; a later demotion may reuse it after that.
-                tier.pool.release(copy);
-                tier.prefix_counters.promoted += 1;
-            }
+            let block = tiers.promote(copy)?;
             table.set(index, block, log, (slab, group as u32));
         }
     }
@@ -540,7 +502,7 @@ fn take_blocks<'a>(
             continue;
         }
         for _ in hits..num_blocks {
-            table.push(tiers.allocate()?);
+            table.push(tiers.allocate_device()?);
         }
     }
     Ok(first_promoted)

@@ -5,17 +5,22 @@
 //! Every public call checks all of its arguments and its block budget before it changes
 //! anything, so a call that fails leaves the cache exactly as it was.
 //!
-//! State is owned by the part that changes it: the sequences and their block lists by the
-//! sequence table (`sequence_table`, with what a transaction changed of them in
-//! `sequence_record`), device blocks by the [`BlockPool`], the host tier's blocks by
-//! `swap::HostTier`, recurrent states' blocks and checkpoints by `state` and
-//! `state_checkpoints`, KV events by the [`KvEventLog`], prefix-hit counters by
-//! `stats::PrefixStats`, and what a group of each attention kind keeps and releases by the
-//! window policy (`windows`). Each records its own changes in a transaction, and
-//! `undo_record` keeps the rest (see `crate::undo`). The verbs built on them: `lifecycle`
-//! (admit, fork, mark computed, free), `append`, `tables`, `swap`, `transaction` (plan,
-//! execute, commit or roll back); block moves and the batch table are the two parts other
-//! layers see; `config` is what a cache is built with.
+//! State is owned by the part that changes it:
+//! - blocks by the `tiers` (`Tiers`): the device's [`BlockPool`], the host tier, the block
+//!   moves planned between them and the [`KvEventLog`]; every feature takes, frees,
+//!   demotes, promotes and looks up blocks through it;
+//! - the sequences and their block lists by the sequence table (`sequence_table`, with what
+//!   a transaction changed of them in `sequence_record`);
+//! - recurrent states by `state::RecurrentStates` (their checkpoints are cached blocks:
+//!   `state_checkpoints`);
+//! - prefix-hit counters by `stats::PrefixStats`; what a group of each attention kind keeps
+//!   and releases by the window policy (`windows`); per-call buffers by `scratch`.
+//!
+//! The names blocks are cached under are a leaf of their own (`keys`). Each owner records
+//! its own changes in a transaction, and `undo_record` keeps the rest (see `crate::undo`).
+//! The verbs built on them: `lifecycle` (admit, fork, mark computed, free), `append`,
+//! `tables`, `swap`, `transaction` (plan, execute, commit or roll back); block moves and the
+//! batch table are the two parts other layers see; `config` is what a cache is built with.
 
 mod append;
 mod batch_table;
@@ -26,11 +31,13 @@ mod events;
 mod groups;
 mod host_prefix;
 mod invariants;
+mod keys;
 mod lifecycle;
 mod partial_hits;
 mod prefix_explain;
 mod prefix_match;
 mod retention;
+mod scratch;
 mod sequence;
 mod sequence_record;
 mod sequence_table;
@@ -39,6 +46,7 @@ mod state_checkpoints;
 mod stats;
 mod swap;
 mod tables;
+mod tiers;
 mod transaction;
 mod undo_record;
 mod windows;
@@ -48,21 +56,23 @@ pub use block_move::{pairs_of, BlockMove, MoveKind};
 pub use config::KvCacheConfig;
 pub use events::{KvEvent, KvEventKind, KvEventLog, Medium};
 pub use groups::{
-    group_hybrid_layers, group_key, group_layers, layer_kinds, AttentionKind, KvCacheGroup,
-    LayerGroups, LayerKind, RECURRENT_LAYER_TYPE,
+    group_hybrid_layers, group_layers, layer_kinds, AttentionKind, KvCacheGroup, LayerGroups,
+    LayerKind, RECURRENT_LAYER_TYPE,
 };
-pub use host_prefix::HostPrefixCounters;
+pub use keys::{checkpoint_key, group_key, is_checkpoint_key};
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use retention::{RetentionConfig, TokenRetention, MAX_RETENTION_RANGES};
+use scratch::Scratch;
 pub use sequence::SEQUENCE_BYTES;
 use sequence::{GroupTable, Sequence};
 use sequence_table::SequenceTable;
+use state::RecurrentStates;
 pub use state::StateGroup;
-pub use state_checkpoints::{checkpoint_key, is_checkpoint_key};
 pub use stats::KvCacheStats;
 use stats::PrefixStats;
-use swap::HostTier;
 pub use tables::RowMemo;
+pub use tiers::HostPrefixCounters;
+use tiers::Tiers;
 pub use transaction::MoveFailure;
 
 use crate::alloc::{BlockHash, BlockPool, EvictionPolicy};
@@ -92,9 +102,8 @@ impl Tokens<'_> {
 
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    block_pool: BlockPool,
-    /// Where swapped-out sequences' blocks go, once `enable_host_tier` made one.
-    host_tier: Option<HostTier>,
+    /// The device's blocks, the host tier's, the moves between them and the KV events.
+    tiers: Tiers,
     /// The model's layers, K/V heads, head size and dtype.
     layout: KvLayout,
     /// The layers' groups (one full-attention group of every layer unless layer kinds were
@@ -102,33 +111,15 @@ pub struct KvCache {
     groups: Vec<KvCacheGroup>,
     layers_per_block: usize,
     bytes_per_block: usize,
-    /// The recurrent layers' groups, and the blocks each sequence holds for their states.
-    state_groups: Vec<state::StateGroup>,
-    state_blocks_per_seq: usize,
-    /// Blocks between two checkpoints of a sequence's states (see `state_checkpoints`).
-    checkpoint_interval: usize,
-    sequences: SequenceTable,
-    /// Block moves decided but not yet executed, in the order they must run.
-    pending_moves: Vec<BlockMove>,
-    /// Set once any fork happened: only then can a shared, partly filled block (and so a
-    /// copy-on-write) appear.
-    has_forked: bool,
     /// `tokens_in_blocks(num_blocks - 1)`, checked on every append.
     max_seq_tokens: usize,
-    /// Prefix-cache membership changes, recorded once `enable_kv_events` was called.
-    events: KvEventLog,
+    /// The recurrent layers' states and their checkpoints.
+    states: RecurrentStates,
+    sequences: SequenceTable,
     prefix_stats: PrefixStats,
-    // Reused per call so that hot paths allocate nothing.
-    scratch_hashes: Vec<BlockHash>,
-    scratch_blocks: Vec<u32>,
-    /// A lookup's sub-block keys, and its partial hit's source block per group.
-    scratch_sub_keys: Vec<BlockHash>,
-    scratch_partial: Vec<u32>,
-    /// The checkpoint a lookup's hit resumes from (its state blocks), or one being saved.
-    scratch_checkpoint: Vec<u32>,
     deferred_sub_blocks: partial_hits::DeferredSubBlocks,
-    /// The slabs of the batch being worked on (see `SequenceTable::resolve_batch`).
-    scratch_slabs: Vec<u32>,
+    /// Reused per call so that hot paths allocate nothing.
+    scratch: Scratch,
     /// What an open transaction puts back if it fails (see `undo_record`).
     undo: undo_record::UndoRecord,
 }
@@ -230,28 +221,21 @@ impl KvCache {
         // A checkpoint per as many blocks of K/V as it takes (see `state_checkpoints`).
         let checkpoint_interval = state_blocks.div_ceil(groups.len().max(1)).max(1);
         let mut cache = KvCache {
-            block_pool,
-            host_tier: None,
+            tiers: Tiers::new(block_pool),
             layout,
             groups,
             layers_per_block,
             bytes_per_block,
-            state_groups,
-            state_blocks_per_seq: state_blocks,
-            checkpoint_interval,
-            sequences: SequenceTable::default(),
-            pending_moves: Vec::new(),
-            has_forked: false,
             max_seq_tokens: 0,
-            events: KvEventLog::default(),
+            states: RecurrentStates {
+                groups: state_groups,
+                blocks_per_seq: state_blocks,
+                checkpoint_interval,
+            },
+            sequences: SequenceTable::default(),
             prefix_stats: PrefixStats::default(),
-            scratch_hashes: Vec::new(),
-            scratch_blocks: Vec::new(),
-            scratch_sub_keys: Vec::new(),
-            scratch_partial: Vec::new(),
-            scratch_checkpoint: Vec::new(),
             deferred_sub_blocks: Default::default(),
-            scratch_slabs: Vec::new(),
+            scratch: Scratch::default(),
             undo: Default::default(),
         };
         cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
@@ -293,11 +277,11 @@ impl KvCache {
 
     #[inline]
     pub fn block_size(&self) -> usize {
-        self.block_pool.block_size()
+        self.tiers.block_pool.block_size()
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.block_pool.num_blocks()
+        self.tiers.block_pool.num_blocks()
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -309,7 +293,7 @@ impl KvCache {
     }
 
     pub fn enable_prefix_caching(&self) -> bool {
-        self.block_pool.enable_prefix_caching()
+        self.tiers.block_pool.enable_prefix_caching()
     }
 
     /// Evicts the device's cached blocks by `policy` (see [`EvictionPolicy`]); set before
@@ -317,36 +301,36 @@ impl KvCache {
     /// [`KvCache::with_policy`] keeps the pool where the cache first put it.)
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) -> CoreResult<()> {
         ensure!(
-            self.sequences.is_empty() && self.block_pool.num_cached() == 0,
+            self.sequences.is_empty() && self.tiers.block_pool.num_cached() == 0,
             "the eviction policy is set once, before any sequence exists"
         );
-        let pool = &self.block_pool;
+        let pool = &self.tiers.block_pool;
         let mut rebuilt = BlockPool::with_policy(
             pool.num_blocks(),
             pool.block_size(),
             pool.enable_prefix_caching(),
             policy,
         )?;
-        rebuilt.set_record_removed(self.events.enabled());
+        rebuilt.set_record_removed(self.tiers.events.enabled());
         if pool.sub_blocks_per_block() > 0 {
             rebuilt.enable_sub_blocks(pool.sub_blocks_per_block())?;
         }
-        self.block_pool = rebuilt;
+        self.tiers.block_pool = rebuilt;
         Ok(())
     }
 
     pub fn eviction_policy(&self) -> EvictionPolicy {
-        self.block_pool.eviction_policy()
+        self.tiers.block_pool.eviction_policy()
     }
 
     /// Whether any fork happened (only then can a copy-on-write be decided).
     pub fn has_forked(&self) -> bool {
-        self.has_forked
+        self.sequences.has_forked()
     }
 
     /// Blocks an allocation can take now (free plus evictable cached blocks).
     pub fn num_free_blocks(&self) -> usize {
-        self.block_pool.num_free()
+        self.tiers.block_pool.num_free()
     }
 
     pub fn num_sequences(&self) -> usize {
@@ -372,7 +356,7 @@ impl KvCache {
     pub fn tokens_in_blocks(&self, blocks: usize) -> usize {
         let block_size = self.block_size();
         // Recurrent layers' states come first, whatever the length.
-        let Some(blocks) = blocks.checked_sub(self.state_blocks_per_seq) else {
+        let Some(blocks) = blocks.checked_sub(self.states.blocks_per_seq) else {
             return 0;
         };
         // Blocks a sequence of `k` blocks' worth of tokens holds at once; nondecreasing in k.
@@ -418,7 +402,7 @@ impl KvCache {
     }
 
     pub fn block_pool(&self) -> &BlockPool {
-        &self.block_pool
+        &self.tiers.block_pool
     }
 
     /// Ids of the live sequences, in no particular order.
@@ -507,7 +491,7 @@ impl KvCache {
         let usable = self.num_blocks() - 1;
         let most = match lazy {
             true => self.max_seq_tokens(),
-            false => (usable - self.state_blocks_per_seq) / self.groups.len() * self.block_size(),
+            false => (usable - self.states.blocks_per_seq) / self.groups.len() * self.block_size(),
         };
         ensure!(
             count <= most,
@@ -515,7 +499,7 @@ impl KvCache {
              ({usable} usable blocks of {} for {} group(s){})",
             self.block_size(),
             self.groups.len(),
-            match self.state_blocks_per_seq {
+            match self.states.blocks_per_seq {
                 0 => String::new(),
                 blocks => format!(", {blocks} of them each sequence's recurrent states"),
             }
@@ -526,16 +510,10 @@ impl KvCache {
     /// Resolves a batch of ids into `scratch_slabs` (see `SequenceTable::resolve_batch`).
     fn resolve_batch(&mut self, seq_ids: &[u64]) -> CoreResult<()> {
         self.sequences
-            .resolve_batch(seq_ids, &mut self.scratch_slabs)
+            .resolve_batch(seq_ids, &mut self.scratch.slabs)
     }
 }
 
 fn swapped_out(seq_id: u64) -> CoreError {
     invalid!("sequence {seq_id} is swapped out; swap_in() it first")
-}
-
-#[inline]
-fn allocate_checked(block_pool: &mut BlockPool) -> CoreResult<u32> {
-    // Callers check the budget first; this is a guard, not a code path.
-    block_pool.allocate().ok_or_else(CoreError::no_block)
 }

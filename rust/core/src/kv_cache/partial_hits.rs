@@ -38,10 +38,10 @@
 //!
 //! Omitting `hash_block_size` (or setting it to `block_size`) changes nothing at all.
 
-use super::groups::group_key;
+use super::keys::{group_key, piece_keys};
 use super::retention::retain_joined;
 use super::sequence::Sequence;
-use super::{BlockMove, KvCache, MoveKind};
+use super::{BlockMove, KvCache, MoveKind, Tiers};
 use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
 use crate::error::CoreResult;
 
@@ -56,7 +56,7 @@ impl KvCache {
             "hash_block_size must divide block_size = {block_size}, got {hash_block_size}"
         );
         ensure!(
-            self.sequences.is_empty() && self.block_pool.num_cached() == 0,
+            self.sequences.is_empty() && self.tiers.block_pool.num_cached() == 0,
             "hash_block_size is set once, before any sequence exists"
         );
         if hash_block_size == block_size {
@@ -76,13 +76,14 @@ impl KvCache {
             "hash_block_size serves caches without recurrent layers: their prefix hits need \
              states kept at the hit's position"
         );
-        self.block_pool
+        self.tiers
+            .block_pool
             .enable_sub_blocks(block_size / hash_block_size - 1)
     }
 
     /// Tokens per prefix key: `block_size` unless `set_hash_block_size` made it finer.
     pub fn hash_block_size(&self) -> usize {
-        self.block_size() / (self.block_pool.sub_blocks_per_block() + 1)
+        self.block_size() / (self.tiers.block_pool.sub_blocks_per_block() + 1)
     }
 
     /// From now on, blocks that join the prefix cache get their sub-keys only at the next
@@ -95,13 +96,13 @@ impl KvCache {
     /// the contents they were deferred with.
     pub(crate) fn publish_sub_blocks(&mut self) {
         let deferred = &mut self.deferred_sub_blocks;
-        let per_block = self.block_pool.sub_blocks_per_block();
+        let per_block = self.tiers.block_pool.sub_blocks_per_block();
         for (at, &(block, key, count)) in deferred.blocks.iter().enumerate() {
-            let same = self.block_pool.holds(block, key);
-            if same && !self.block_pool.has_sub_blocks(block) {
+            let same = self.tiers.block_pool.holds(block, key);
+            if same && !self.tiers.block_pool.has_sub_blocks(block) {
                 let first = at * per_block;
                 let keys = &deferred.keys[first..first + count];
-                self.block_pool.register_sub_blocks(block, keys);
+                self.tiers.block_pool.register_sub_blocks(block, keys);
             }
         }
         deferred.blocks.clear();
@@ -111,7 +112,7 @@ impl KvCache {
     /// Whether sequences keep every token id (their blocks' sub-keys are made from them
     /// when the blocks join the cache).
     pub(super) fn has_sub_blocks(&self) -> bool {
-        self.block_pool.sub_blocks_per_block() > 0
+        self.tiers.block_pool.sub_blocks_per_block() > 0
     }
 
     /// After `hits` whole blocks of `ids` (their keys in `scratch_hashes`), the longest run
@@ -125,8 +126,8 @@ impl KvCache {
         queries: usize,
         cache_salt: Option<&[u8]>,
     ) -> (usize, usize) {
-        self.scratch_partial.clear();
-        let per_block = self.block_pool.sub_blocks_per_block();
+        self.scratch.partial.clear();
+        let per_block = self.tiers.block_pool.sub_blocks_per_block();
         if per_block == 0 {
             return (0, 0);
         }
@@ -137,24 +138,25 @@ impl KvCache {
         let most = ((ids.len() - 1 - start) / piece).min(per_block);
         let parent = match hits {
             0 => BlockHash::root(cache_salt),
-            _ => self.scratch_hashes[hits - 1],
+            _ => self.scratch.hashes[hits - 1],
         };
-        self.scratch_sub_keys.clear();
+        self.scratch.sub_keys.clear();
         let pieces = &ids[start..start + most * piece];
-        self.scratch_sub_keys
+        self.scratch
+            .sub_keys
             .extend(piece_keys(parent, pieces, piece));
         'pieces: for j in (1..=most).rev() {
-            self.scratch_partial.clear();
+            self.scratch.partial.clear();
             for group in 0..self.groups.len() {
-                let key = group_key(self.scratch_sub_keys[j - 1], group);
-                match self.block_pool.lookup_sub_block(key) {
-                    Some((source, _)) => self.scratch_partial.push(source),
+                let key = group_key(self.scratch.sub_keys[j - 1], group);
+                match self.tiers.block_pool.lookup_sub_block(key) {
+                    Some((source, _)) => self.scratch.partial.push(source),
                     None => continue 'pieces,
                 }
             }
             return (j * piece, queryable);
         }
-        self.scratch_partial.clear();
+        self.scratch.partial.clear();
         (0, queryable)
     }
 
@@ -175,18 +177,19 @@ impl KvCache {
     /// needs them all; see the module docs). Deferred like a full block's sub-keys when a
     /// scheduler's step ends it: what that step marked is computed only once it ran.
     pub(super) fn keep_last_pieces(&mut self, slab: u32) {
-        let per_block = self.block_pool.sub_blocks_per_block();
+        let per_block = self.tiers.block_pool.sub_blocks_per_block();
         if per_block == 0 {
             return;
         }
         let (block_size, piece) = (self.block_size(), self.hash_block_size());
         let KvCache {
             sequences,
-            block_pool,
-            scratch_sub_keys: keys,
+            tiers,
+            scratch,
             deferred_sub_blocks: deferred,
             ..
         } = self;
+        let (block_pool, keys) = (&mut tiers.block_pool, &mut scratch.sub_keys);
         let seq = &sequences[slab];
         let index = seq.num_computed / block_size;
         let pieces = seq.num_computed % block_size / piece;
@@ -226,19 +229,6 @@ impl KvCache {
             }
         }
     }
-}
-
-/// The keys of the leading `piece`-token pieces of `tokens`, chained after `parent`: `s_1`,
-/// `s_2`, ... (what a lookup asks for and what a cached block is indexed by).
-fn piece_keys(
-    parent: BlockHash,
-    tokens: &[u32],
-    piece: usize,
-) -> impl Iterator<Item = BlockHash> + '_ {
-    tokens.chunks_exact(piece).scan(parent, |key, chunk| {
-        *key = key.chain(chunk);
-        Some(*key)
-    })
 }
 
 /// Sub-keys of blocks that joined the prefix cache during a scheduler's step, with the key
@@ -294,16 +284,11 @@ pub(super) fn index_sub_blocks(
 /// Plans the copy of each group's partial-hit source (`sources[group]`, held since the
 /// lookup so that no allocation in between could take it) into block `index` of the new
 /// sequence's table, then lets the sources go.
-pub(super) fn copy_partial_hit(
-    seq: &Sequence,
-    block_pool: &mut BlockPool,
-    moves: &mut Vec<BlockMove>,
-    sources: &[u32],
-    index: usize,
-) {
+pub(super) fn copy_partial_hit(seq: &Sequence, tiers: &mut Tiers, sources: &[u32], index: usize) {
     for (table, &source) in seq.tables.iter().zip(sources) {
-        moves.push(BlockMove::new(MoveKind::Copy, source, table.blocks[index]));
+        let copy = BlockMove::new(MoveKind::Copy, source, table.blocks[index]);
+        tiers.pending_moves.push(copy);
         // Read by the move just planned: any later writer of it is planned after it.
-        block_pool.release(source);
+        tiers.block_pool.release(source);
     }
 }

@@ -2,7 +2,7 @@
 //! stops there; for the lookup, the group that limits it and its reason. Admissions count
 //! their misses by reason (`stats()`), so a hit rate that collapses says why.
 
-use super::groups::group_key;
+use super::keys::group_key;
 use super::state_checkpoints::STATE_LIMIT;
 use super::{KvCache, Medium, Tokens};
 use crate::error::CoreResult;
@@ -107,12 +107,12 @@ impl KvCache {
         let block_size = self.block_size();
         // A partial hit that would not fit now is not what an admission now would get.
         let (num_blocks, free) = (token_ids.len().div_ceil(block_size), self.num_free_blocks());
-        let scratch = (&mut self.scratch_partial, &mut self.scratch_checkpoint);
+        let scratch = (&mut self.scratch.partial, &mut self.scratch.checkpoint);
         found.need(
             num_blocks,
             self.groups.len(),
             free,
-            self.state_blocks_per_seq,
+            self.states.blocks_per_seq,
             scratch,
         );
         let groups = (0..self.groups.len())
@@ -143,7 +143,7 @@ impl KvCache {
             }
         }
         // What the lookup found is no admission's to take.
-        self.scratch_checkpoint.clear();
+        self.scratch.checkpoint.clear();
         Ok(PrefixExplanation {
             tiers,
             partial_tokens: found.partial,
@@ -168,8 +168,8 @@ impl KvCache {
         if self.groups[group].kind.is_windowed() {
             return MissReason::WindowGone;
         }
-        let key = group_key(self.scratch_hashes[index], group);
-        match self.block_pool.was_evicted(key) {
+        let key = group_key(self.scratch.hashes[index], group);
+        match self.tiers.block_pool.was_evicted(key) {
             true => MissReason::Evicted,
             false => MissReason::NotCached,
         }
@@ -195,8 +195,8 @@ impl KvCache {
         if self.enable_prefix_caching() {
             self.count_miss(queries, hits, limited_by);
         }
-        self.block_pool.record_lookups(queries, hits);
+        self.tiers.block_pool.record_lookups(queries, hits);
         self.prefix_stats
-            .count_lookup(queries, hits, self.block_pool.block_size());
+            .count_lookup(queries, hits, self.tiers.block_pool.block_size());
     }
 }

@@ -1,9 +1,9 @@
 //! What the prefix cache holds of a prompt: the longest hit every group can serve, on the
 //! device or the host tier, and where it stops.
 
-use super::groups::group_key;
-use super::host_prefix::host_block;
+use super::keys::group_key;
 use super::state_checkpoints::STATE_LIMIT;
+use super::tiers::host_block;
 use super::{KvCache, Tokens};
 use crate::alloc::{BlockHash, NULL_BLOCK};
 
@@ -81,15 +81,15 @@ impl KvCache {
         cache_salt: Option<&[u8]>,
         known: Option<&[BlockHash]>,
     ) -> PrefixMatch {
-        self.scratch_hashes.clear();
-        self.scratch_blocks.clear();
-        self.scratch_partial.clear();
+        self.scratch.hashes.clear();
+        self.scratch.blocks.clear();
+        self.scratch.partial.clear();
         // Filled by this lookup only: an admission holds what it finds.
-        self.scratch_checkpoint.clear();
+        self.scratch.checkpoint.clear();
         let Tokens::Ids(ids) = tokens else {
             return PrefixMatch::default();
         };
-        if !self.block_pool.enable_prefix_caching() {
+        if !self.tiers.block_pool.enable_prefix_caching() {
             return PrefixMatch::default();
         }
         let block_size = self.block_size();
@@ -99,17 +99,17 @@ impl KvCache {
         match known {
             Some(hashes) => {
                 debug_assert_eq!(hashes.len(), ids.len() / block_size);
-                self.scratch_hashes.extend_from_slice(hashes);
+                self.scratch.hashes.extend_from_slice(hashes);
             }
             None => {
-                let mut hashes = std::mem::take(&mut self.scratch_hashes);
+                let mut hashes = std::mem::take(&mut self.scratch.hashes);
                 self.block_hashes(ids, cache_salt, &mut hashes);
-                self.scratch_hashes = hashes;
+                self.scratch.hashes = hashes;
             }
         }
         // One row of `queries` blocks per group: full groups' rows are filled while the hit
         // is sought, windowed groups' windows once it is known.
-        let mut blocks = std::mem::take(&mut self.scratch_blocks);
+        let mut blocks = std::mem::take(&mut self.scratch.blocks);
         blocks.resize(self.groups.len() * queries, NULL_BLOCK);
         let (mut hits, mut limited_by) = self.longest_hit(queries, &mut blocks);
         let kv_hits = hits;
@@ -124,22 +124,24 @@ impl KvCache {
                 if index < needed_from {
                     *block = NULL_BLOCK;
                 } else if spec.kind.is_windowed() {
-                    let key = group_key(self.scratch_hashes[index], group);
-                    *block = self.lookup_tiers(key).unwrap_or(NULL_BLOCK);
+                    let key = group_key(self.scratch.hashes[index], group);
+                    *block = self.tiers.lookup(key).unwrap_or(NULL_BLOCK);
                 }
                 // A host hit takes a device block to be promoted into.
                 hits_queued += usize::from(
                     *block != NULL_BLOCK
-                        && (host_block(*block).is_some() || self.block_pool.ref_count(*block) == 0),
+                        && (host_block(*block).is_some()
+                            || self.tiers.block_pool.ref_count(*block) == 0),
                 );
             }
         }
-        self.scratch_blocks = blocks;
+        self.scratch.blocks = blocks;
         let (partial, queryable) = self.find_partial_hit(ids, hits, queries, cache_salt);
         let partial_held = self
-            .scratch_partial
+            .scratch
+            .partial
             .iter()
-            .filter(|&&source| self.block_pool.ref_count(source) == 0)
+            .filter(|&&source| self.tiers.block_pool.ref_count(source) == 0)
             .count();
         PrefixMatch {
             queries,
@@ -156,8 +158,8 @@ impl KvCache {
 
     #[inline]
     fn cached(&self, index: usize, group: usize) -> bool {
-        let key = group_key(self.scratch_hashes[index], group);
-        self.lookup_tiers(key).is_some()
+        let key = group_key(self.scratch.hashes[index], group);
+        self.tiers.lookup(key).is_some()
     }
 
     /// The most leading blocks (at most `limit`) that every group can serve from the cache,
@@ -203,8 +205,8 @@ impl KvCache {
         found: &mut [u32],
     ) -> (usize, Option<usize>) {
         for index in 0..limit {
-            let key = group_key(self.scratch_hashes[index], group);
-            match self.lookup_tiers(key) {
+            let key = group_key(self.scratch.hashes[index], group);
+            match self.tiers.lookup(key) {
                 Some(block) => {
                     if let Some(cell) = found.get_mut(index) {
                         *cell = block;

@@ -149,10 +149,9 @@ impl KvCache {
         self.prepare_retention(config)?;
         let slab = self.slab_of(seq_id)?;
         let KvCache {
-            sequences,
-            block_pool,
-            ..
+            sequences, tiers, ..
         } = self;
+        let block_pool = &mut tiers.block_pool;
         let seq = &mut sequences[slab];
         let kept = match seq.retention.as_mut() {
             Some(kept) => {
@@ -193,10 +192,10 @@ impl KvCache {
             policy.name()
         );
         if config.asks_for_retention() {
-            self.block_pool.keep_priorities()?;
+            self.tiers.block_pool.keep_priorities()?;
         }
         if config.has_durations() {
-            self.block_pool.reserve_expiries()?;
+            self.tiers.block_pool.reserve_expiries()?;
         }
         Ok(())
     }
@@ -204,7 +203,7 @@ impl KvCache {
     /// Moves the retention clock to `now_ns` (it never goes back): priorities given for a
     /// duration that has ended fall back to the default.
     pub fn advance_clock(&mut self, now_ns: u64) {
-        self.block_pool.advance_clock(now_ns);
+        self.tiers.block_pool.advance_clock(now_ns);
     }
 }
 

@@ -2,8 +2,7 @@
 
 use std::ops::Range;
 
-use super::retention::{RetentionConfig, NO_RETENTION};
-use super::sequence_record::SequenceLog;
+use super::retention::RetentionConfig;
 use super::windows::WindowBounds;
 use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
@@ -106,13 +105,6 @@ impl GroupTable {
         &self.blocks[self.released..self.allocated]
     }
 
-    /// Replaces block `index` of group `group` of the sequence in slab `slab` by `block`,
-    /// recording the old one in `log`.
-    pub(super) fn set(&mut self, index: usize, block: u32, log: &mut SequenceLog, at: (u32, u32)) {
-        let old = std::mem::replace(&mut self.blocks.0[index], block);
-        log.replaced(at.0, at.1, index, old);
-    }
-
     /// Whether every block up to the last is allocated (no prompt blocks still to come).
     pub(super) fn complete(&self) -> bool {
         self.allocated == self.blocks.len()
@@ -165,27 +157,6 @@ impl<'a> IntoIterator for &'a BlockList {
 }
 
 impl Sequence {
-    /// Empties an ended sequence's slab, keeping its vectors' capacity; `log` keeps what
-    /// its lists held for a transaction's rollback.
-    pub(super) fn clear(&mut self, log: &mut SequenceLog, slab: u32) {
-        log.cleared(slab, self);
-        self.live = false;
-        self.swapped = false;
-        self.num_tokens = 0;
-        for table in &mut self.tables {
-            table.reset(0);
-        }
-        self.state.clear();
-        self.kv_reach = 0;
-        self.prompt_blocks = 0;
-        self.partial_tokens.clear();
-        self.hashes.clear();
-        self.token_ids.clear();
-        if let Some(retention) = self.retention.as_mut() {
-            RetentionConfig::clone_from(retention, &NO_RETENTION);
-        }
-    }
-
     /// The block list of group 0 (the only group of a cache without layer types).
     pub(super) fn blocks(&self) -> &[u32] {
         &self.tables[0].blocks
@@ -285,19 +256,5 @@ impl Sequence {
         (self.num_computed, self.num_registered) = (num_computed, num_registered);
         (self.kv_reach, self.prompt_blocks) = (kv_reach, prompt_blocks);
         (self.window_bounds, self.version) = (window_bounds, version);
-    }
-
-    /// Replaces state block `index` by `block`, recording the old one in `log`.
-    pub(super) fn set_state(&mut self, index: usize, block: u32, log: &mut SequenceLog, slab: u32) {
-        let old = std::mem::replace(&mut self.state[index], block);
-        log.replaced(slab, super::sequence_record::STATE_LIST, index, old);
-    }
-
-    /// Forgets the token ids (an append without them), `log` keeping them for a rollback.
-    pub(super) fn forget_token_ids(&mut self, log: &mut SequenceLog, slab: u32) {
-        log.cleared(slab, self);
-        self.partial_tokens.clear();
-        self.hashes.clear();
-        self.token_ids.clear();
     }
 }

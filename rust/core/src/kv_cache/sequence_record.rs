@@ -10,7 +10,8 @@
 //! the scalars back.
 
 use super::retention::RetentionConfig;
-use super::sequence::{Scalars, Sequence};
+use super::retention::NO_RETENTION;
+use super::sequence::{GroupTable, Scalars, Sequence};
 use crate::alloc::BlockHash;
 
 /// The list `replaced` names for a sequence's state blocks (groups are numbered from 0).
@@ -205,5 +206,54 @@ impl SequenceLog {
         seq.hashes.clear();
         seq.hashes
             .extend_from_slice(&self.hashes[hashes_at..hashes_at + len]);
+    }
+}
+
+// The changes a sequence records as they happen: the only ways to replace one of its blocks
+// in place or to empty its lists.
+
+impl GroupTable {
+    /// Replaces block `index` of group `group` of the sequence in slab `slab` by `block`,
+    /// recording the old one in `log`.
+    pub(super) fn set(&mut self, index: usize, block: u32, log: &mut SequenceLog, at: (u32, u32)) {
+        let old = std::mem::replace(&mut self.blocks.0[index], block);
+        log.replaced(at.0, at.1, index, old);
+    }
+}
+
+impl Sequence {
+    /// Empties an ended sequence's slab, keeping its vectors' capacity; `log` keeps what
+    /// its lists held for a transaction's rollback.
+    pub(super) fn clear(&mut self, log: &mut SequenceLog, slab: u32) {
+        log.cleared(slab, self);
+        self.live = false;
+        self.swapped = false;
+        self.num_tokens = 0;
+        for table in &mut self.tables {
+            table.reset(0);
+        }
+        self.state.clear();
+        self.kv_reach = 0;
+        self.prompt_blocks = 0;
+        self.partial_tokens.clear();
+        self.hashes.clear();
+        self.token_ids.clear();
+        if let Some(retention) = self.retention.as_mut() {
+            RetentionConfig::clone_from(retention, &NO_RETENTION);
+        }
+    }
+
+    /// Replaces state block `index` by `block`, recording the old one in `log`.
+    pub(super) fn set_state(&mut self, index: usize, block: u32, log: &mut SequenceLog, slab: u32) {
+        let old = std::mem::replace(&mut self.state[index], block);
+        log.replaced(slab, STATE_LIST, index, old);
+    }
+
+    /// Forgets the token ids (an append without them), `log` keeping them for a rollback.
+    pub(super) fn forget_token_ids(&mut self, log: &mut SequenceLog, slab: u32) {
+        log.cleared(slab, self);
+        self.partial_tokens.clear();
+        self.hashes.clear();
+        self.token_ids.clear();
     }
 }

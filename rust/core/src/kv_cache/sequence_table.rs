@@ -28,9 +28,12 @@ pub(super) struct SequenceTable {
     vacant: UndoVec<u32>,
     index: HashMap<u64, u32>,
     next_version: u64,
-    /// The transaction's record: the slab count it began with, each index entry's value
-    /// before its first change (newest last), and the sequences it changed.
-    saved: Saved<usize>,
+    /// Set once any fork happened: only then can a shared, partly filled block (and so a
+    /// copy-on-write) appear.
+    has_forked: bool,
+    /// The transaction's record: the slab count and fork flag it began with, each index
+    /// entry's value before its first change (newest last), and the sequences it changed.
+    saved: Saved<(usize, bool)>,
     index_before: Vec<(u64, Option<u32>)>,
     log: SequenceLog,
     /// Per slab, the number of the transaction that last changed it.
@@ -48,6 +51,7 @@ impl Default for SequenceTable {
             vacant: UndoVec::default(),
             index: HashMap::new(),
             next_version: 1,
+            has_forked: false,
             saved: Saved::default(),
             index_before: Vec::new(),
             log: SequenceLog::default(),
@@ -227,7 +231,7 @@ impl SequenceTable {
     /// it. Slabs added by the transaction go as a whole.
     #[inline]
     fn record(&mut self, slab: u32) {
-        let Some(&slabs) = self.saved.peek() else {
+        let Some(&(slabs, _)) = self.saved.peek() else {
             return;
         };
         let index = slab as usize;
@@ -235,6 +239,16 @@ impl SequenceTable {
             self.changed_in[index] = self.transaction;
             self.log.first_change(slab, &self.slabs[index]);
         }
+    }
+
+    /// Whether any fork happened (see `has_forked`).
+    #[inline]
+    pub(super) fn has_forked(&self) -> bool {
+        self.has_forked
+    }
+
+    pub(super) fn mark_forked(&mut self) {
+        self.has_forked = true;
     }
 
     /// Sequence `slab` to change, and the log its in-place changes go to.
@@ -248,7 +262,7 @@ impl SequenceTable {
 impl Undo for SequenceTable {
     fn begin(&mut self) {
         self.transaction += 1;
-        self.saved.save(self.slabs.len());
+        self.saved.save((self.slabs.len(), self.has_forked));
         if self.changed_in.len() < self.slabs.len() {
             self.changed_in.resize(self.slabs.len(), 0);
         }
@@ -264,9 +278,10 @@ impl Undo for SequenceTable {
     }
 
     fn rollback(&mut self) {
-        let Some(slabs) = self.saved.take() else {
+        let Some((slabs, has_forked)) = self.saved.take() else {
             return;
         };
+        self.has_forked = has_forked;
         while let Some((seq_id, before)) = self.index_before.pop() {
             match before {
                 Some(slab) => self.index.insert(seq_id, slab),
@@ -293,6 +308,7 @@ impl fmt::Debug for SequenceTable {
             .field("slabs", &self.slabs)
             .field("vacant", &self.vacant)
             .field("index", &index)
+            .field("has_forked", &self.has_forked)
             .finish()
     }
 }

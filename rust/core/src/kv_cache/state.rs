@@ -16,7 +16,6 @@
 //! the hit's position; until such checkpoints exist, a cache with state groups serves no
 //! prefix hit and caches no block (`explain_prefix` says `state_checkpoint`).
 
-use super::host_prefix::allocate_device;
 use super::KvCache;
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::{BlockMove, MoveKind};
@@ -32,6 +31,16 @@ pub struct StateGroup {
     pub num_blocks: usize,
     /// Where the group's blocks start in a sequence's state blocks (its state-table row).
     pub first_column: usize,
+}
+
+/// The recurrent layers' states: their groups, the blocks each sequence holds for them, and
+/// how often a sequence keeps a checkpoint of them (see `state_checkpoints`).
+#[derive(Debug, Clone)]
+pub(super) struct RecurrentStates {
+    pub(super) groups: Vec<StateGroup>,
+    pub(super) blocks_per_seq: usize,
+    /// Blocks between two checkpoints of a sequence's states.
+    pub(super) checkpoint_interval: usize,
 }
 
 /// The state groups of `recurrent` (state bytes, layers), with blocks whose every slot holds
@@ -60,24 +69,25 @@ pub(super) fn state_groups(
 impl KvCache {
     /// The recurrent layers' groups (none for a model of attention layers only).
     pub fn state_groups(&self) -> &[StateGroup] {
-        &self.state_groups
+        &self.states.groups
     }
 
     /// Blocks every sequence holds for its recurrent layers' states, whatever its length.
     #[inline]
     pub fn num_state_blocks(&self) -> usize {
-        self.state_blocks_per_seq
+        self.states.blocks_per_seq
     }
 
     #[inline]
     pub(super) fn has_state(&self) -> bool {
-        self.state_blocks_per_seq > 0
+        self.states.blocks_per_seq > 0
     }
 
     /// The state group of recurrent layer `layer` and the slot it uses in that group's blocks.
     pub fn state_of_layer(&self, layer: usize) -> CoreResult<(usize, usize)> {
         let found = self
-            .state_groups
+            .states
+            .groups
             .iter()
             .enumerate()
             .find_map(|(group, spec)| {
@@ -106,7 +116,7 @@ impl KvCache {
     /// The state blocks of `seq_ids` (on the device), row by row, into `out` (`len(seq_ids)
     /// × num_state_blocks` entries). Checks every id before it writes.
     pub fn state_table(&self, seq_ids: &[u64], out: &mut [i32]) -> CoreResult<()> {
-        let width = self.state_blocks_per_seq;
+        let width = self.states.blocks_per_seq;
         ensure!(
             out.len() == seq_ids.len() * width,
             "a state table of {} sequences has {} entries, got {}",
@@ -130,25 +140,21 @@ impl KvCache {
     pub(super) fn take_state_blocks(&mut self, slab: u32) -> CoreResult<()> {
         let KvCache {
             sequences,
-            block_pool,
-            host_tier,
-            pending_moves,
-            events,
-            state_blocks_per_seq,
+            tiers,
+            states,
             ..
         } = self;
         let seq = &mut sequences[slab];
         debug_assert!(seq.state.is_empty());
-        for _ in 0..*state_blocks_per_seq {
-            let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
-            seq.state.push(block);
+        for _ in 0..states.blocks_per_seq {
+            seq.state.push(tiers.allocate_device()?);
         }
         Ok(())
     }
 
     /// Fails unless the free queue holds a state's blocks (what a fork takes).
     pub(super) fn check_state_budget(&self) -> CoreResult<()> {
-        let (needed, available) = (self.state_blocks_per_seq, self.block_pool.num_free());
+        let (needed, available) = (self.states.blocks_per_seq, self.tiers.block_pool.num_free());
         match needed <= available {
             true => Ok(()),
             false => Err(CoreError::OutOfBlocks { needed, available }),
@@ -164,7 +170,8 @@ impl KvCache {
         self.take_state_blocks(child_slab)?;
         let (parent, child) = self.sequences.two_mut(parent_slab, child_slab);
         for (&src, &dst) in parent.state.iter().zip(&child.state) {
-            self.pending_moves
+            self.tiers
+                .pending_moves
                 .push(BlockMove::new(MoveKind::Copy, src, dst));
         }
         self.sync_removed();

@@ -28,31 +28,11 @@
 //! checkpoints are the engine's own business. A lower tier (host prefix cache, disk, store)
 //! keeps no checkpoint: a hit always resumes from one on the device.
 
-use super::groups::group_key;
-use super::host_prefix::allocate_device;
-use super::KvCache;
+use super::keys::checkpoint_key;
+use super::{KvCache, Tiers};
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::CoreResult;
 use crate::kv_cache::{BlockMove, MoveKind};
-
-/// The second word of every checkpoint key: what tells one from a K/V block's key (which
-/// has it with odds of 2^-64), so that whoever mirrors the cache from its KV events can leave
-/// checkpoints out.
-const CHECKPOINT_TAG: u64 = 0x5354_4154_4543_4B50;
-
-/// The key of the `column`-th block of the checkpoint at the end of the block named `hash`:
-/// 64 bits of the chain hash, mixed with the column, and the tag.
-#[inline]
-pub fn checkpoint_key(hash: BlockHash, column: usize) -> BlockHash {
-    let mixed = group_key(hash, column + 1);
-    BlockHash([mixed.0[0], CHECKPOINT_TAG])
-}
-
-/// Whether `key` names a block of a state checkpoint rather than K/V.
-#[inline]
-pub fn is_checkpoint_key(key: BlockHash) -> bool {
-    key.0[1] == CHECKPOINT_TAG
-}
 
 /// A lookup's limiting "group" when a checkpoint cut the hit short (see `miss_reason`).
 pub(super) const STATE_LIMIT: usize = usize::MAX;
@@ -74,13 +54,13 @@ impl KvCache {
              holds ({} blocks)",
             self.num_blocks()
         );
-        self.checkpoint_interval = blocks;
+        self.states.checkpoint_interval = blocks;
         Ok(())
     }
 
     /// Blocks between two checkpoints of a sequence.
     pub fn state_checkpoint_interval(&self) -> usize {
-        self.checkpoint_interval
+        self.states.checkpoint_interval
     }
 
     /// Whether this cache keeps checkpoints of recurrent states, and so serves prefix hits to
@@ -95,7 +75,7 @@ impl KvCache {
     /// Tokens between checkpoints (0 when none are kept).
     pub fn checkpoint_stride(&self) -> usize {
         match self.keeps_state_checkpoints() {
-            true => self.checkpoint_interval * self.block_size(),
+            true => self.states.checkpoint_interval * self.block_size(),
             false => 0,
         }
     }
@@ -121,7 +101,7 @@ impl KvCache {
         if computed % block_size != 0 || stride == 0 {
             return None;
         }
-        if self.block_pool.num_free() < self.state_blocks_per_seq {
+        if self.tiers.block_pool.num_free() < self.states.blocks_per_seq {
             return None;
         }
         let on_boundary = computed % stride == 0
@@ -169,39 +149,34 @@ impl KvCache {
         };
         let KvCache {
             sequences,
-            block_pool,
-            host_tier,
-            pending_moves,
-            events,
-            scratch_checkpoint: blocks,
+            tiers,
+            scratch,
             ..
         } = self;
         // Every block is taken before any is released to the cache, so that no policy can
         // evict one column for the next.
-        blocks.clear();
+        scratch.checkpoint.clear();
         for &source in &sequences[slab].state {
-            let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
-            pending_moves.push(BlockMove::new(MoveKind::Copy, source, block));
-            blocks.push(block);
+            let block = tiers.allocate_device()?;
+            let copy = BlockMove::new(MoveKind::Copy, source, block);
+            tiers.pending_moves.push(copy);
+            scratch.checkpoint.push(block);
         }
         // The K/V blocks those evicted are logged as such before the blocks change roles.
         self.sync_removed();
-        let KvCache {
-            block_pool,
-            events,
-            prefix_stats,
-            scratch_checkpoint: blocks,
-            ..
-        } = self;
-        for (column, &block) in blocks.iter().enumerate() {
+        let KvCache { tiers, scratch, .. } = self;
+        for (column, &block) in scratch.checkpoint.iter().enumerate() {
             // A column another block holds already (its twins evicted) stays as it is.
-            if block_pool.register(block, checkpoint_key(hash, column), false) {
-                events.checkpoint_cached(block);
+            if tiers
+                .block_pool
+                .register(block, checkpoint_key(hash, column), false)
+            {
+                tiers.events.checkpoint_cached(block);
             }
-            block_pool.release(block);
+            tiers.block_pool.release(block);
         }
-        blocks.clear();
-        prefix_stats.count_checkpoint();
+        scratch.checkpoint.clear();
+        self.prefix_stats.count_checkpoint();
         Ok(true)
     }
 
@@ -214,17 +189,18 @@ impl KvCache {
             .iter()
             .filter(|planned| planned.kind == MoveKind::Copy);
         for planned in copies.clone() {
-            self.block_pool.uncache(planned.dst);
+            self.tiers.block_pool.uncache(planned.dst);
         }
-        let saves = copies.count() / self.state_blocks_per_seq.max(1);
+        let saves = copies.count() / self.states.blocks_per_seq.max(1);
         self.prefix_stats.count_checkpoints_lost(saves);
     }
 
     /// Whether every block of the checkpoint at the end of the block named `hash` is cached
     /// (asked column by column: a missing first one answers in one probe).
     fn find_checkpoint(&self, hash: BlockHash) -> bool {
-        (0..self.state_blocks_per_seq).all(|column| {
-            self.block_pool
+        (0..self.states.blocks_per_seq).all(|column| {
+            self.tiers
+                .block_pool
                 .lookup(checkpoint_key(hash, column))
                 .is_some()
         })
@@ -238,20 +214,20 @@ impl KvCache {
         hits: usize,
         limited_by: &mut Option<(usize, usize)>,
     ) -> usize {
-        self.scratch_checkpoint.clear();
+        self.scratch.checkpoint.clear();
         let found = match self.keeps_state_checkpoints() {
             // The first column rules most candidates out in one probe.
             true => (1..=hits)
                 .rev()
-                .find(|&end| self.find_checkpoint(self.scratch_hashes[end - 1])),
+                .find(|&end| self.find_checkpoint(self.scratch.hashes[end - 1])),
             false => None,
         };
         let resumed = found.unwrap_or(0);
         if let Some(end) = found {
-            let hash = self.scratch_hashes[end - 1];
-            for column in 0..self.state_blocks_per_seq {
-                let block = self.block_pool.lookup(checkpoint_key(hash, column));
-                self.scratch_checkpoint.extend(block);
+            let hash = self.scratch.hashes[end - 1];
+            for column in 0..self.states.blocks_per_seq {
+                let block = self.tiers.block_pool.lookup(checkpoint_key(hash, column));
+                self.scratch.checkpoint.extend(block);
             }
         }
         if resumed < hits {
@@ -263,9 +239,10 @@ impl KvCache {
     /// Blocks of the checkpoint in `scratch_checkpoint` that no sequence uses: held off the
     /// free queue while an admission allocates.
     pub(super) fn checkpoint_held(&self) -> usize {
-        self.scratch_checkpoint
+        self.scratch
+            .checkpoint
             .iter()
-            .filter(|&&block| self.block_pool.ref_count(block) == 0)
+            .filter(|&&block| self.tiers.block_pool.ref_count(block) == 0)
             .count()
     }
 }
@@ -280,15 +257,12 @@ pub(super) fn hold_checkpoint(block_pool: &mut BlockPool, checkpoint: &[u32]) {
 
 /// Plans the copies of the held `checkpoint` into a new sequence's `state` blocks, then lets
 /// the checkpoint go back to the cache (the most recently used).
-pub(super) fn resume_from_checkpoint(
-    block_pool: &mut BlockPool,
-    moves: &mut Vec<BlockMove>,
-    checkpoint: &[u32],
-    state: &[u32],
-) {
+pub(super) fn resume_from_checkpoint(tiers: &mut Tiers, checkpoint: &[u32], state: &[u32]) {
     debug_assert!(checkpoint.is_empty() || checkpoint.len() == state.len());
     for (&source, &block) in checkpoint.iter().zip(state) {
-        moves.push(BlockMove::new(MoveKind::Copy, source, block));
-        block_pool.release(source);
+        tiers
+            .pending_moves
+            .push(BlockMove::new(MoveKind::Copy, source, block));
+        tiers.block_pool.release(source);
     }
 }

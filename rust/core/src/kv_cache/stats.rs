@@ -164,7 +164,7 @@ impl PrefixStats {
 impl KvCache {
     pub fn stats(&self) -> KvCacheStats {
         let block_size = self.block_size();
-        let pool = &self.block_pool;
+        let pool = &self.tiers.block_pool;
         let blocks_used = self.num_blocks() - 1 - pool.num_free();
         let allocated_slots = blocks_used * block_size;
         // A partly filled block shared by forks counts once: sort the (block, fill) pairs.
@@ -210,7 +210,7 @@ impl KvCache {
             prefix_cache_query_tokens: self.prefix_stats.query_tokens,
             prefix_cache_hit_tokens: self.prefix_stats.hit_tokens,
             evictions,
-            pending_copies: self.pending_moves.len(),
+            pending_copies: self.tiers.pending_moves.len(),
             bytes_per_block: self.bytes_per_block,
             host_blocks: self.num_host_blocks(),
             host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
@@ -231,7 +231,7 @@ impl KvCache {
     pub fn heap_bytes(&self) -> (usize, usize) {
         let per_sequence = self.sequences.heap_bytes();
         (
-            self.block_pool.heap_bytes() + self.events.heap_bytes(),
+            self.tiers.block_pool.heap_bytes() + self.tiers.events.heap_bytes(),
             per_sequence,
         )
     }

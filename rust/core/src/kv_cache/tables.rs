@@ -237,7 +237,7 @@ impl KvCache {
             let block = slot as usize / block_size;
             if block >= self.num_blocks()
                 || block == NULL_BLOCK as usize
-                || self.block_pool.ref_count(block as u32) == 0
+                || self.tiers.block_pool.ref_count(block as u32) == 0
             {
                 return Err(invalid!(
                     "slot {slot} is in block {block}, which no sequence holds: refusing to write there"

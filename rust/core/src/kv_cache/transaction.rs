@@ -31,7 +31,7 @@ impl KvCache {
         E: FnMut(&[BlockMove]) -> Result<(), MoveFailure>,
     {
         executed.clear();
-        if self.pending_moves.is_empty() {
+        if self.tiers.pending_moves.is_empty() {
             return Ok(());
         }
         self.begin();

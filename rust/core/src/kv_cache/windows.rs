@@ -6,7 +6,6 @@
 //! (a prompt admitted with `admit_sequence` gets them chunk by chunk). The rest of the cache
 //! asks the questions below rather than matching on the kind.
 
-use super::host_prefix::allocate_device;
 use super::{AttentionKind, KvCache};
 use crate::alloc::NULL_BLOCK;
 use crate::error::CoreResult;
@@ -85,10 +84,7 @@ impl KvCache {
         let version = self.sequences.new_version();
         let KvCache {
             sequences,
-            block_pool,
-            host_tier,
-            pending_moves,
-            events,
+            tiers,
             groups,
             ..
         } = self;
@@ -112,14 +108,14 @@ impl KvCache {
                 // Head first: the oldest of them is evicted first if it stays cached.
                 let held = from.min(table.allocated).max(table.released);
                 for index in table.released..held {
-                    block_pool.release(table.blocks[index]);
+                    tiers.block_pool.release(table.blocks[index]);
                     table.set(index, NULL_BLOCK, log, at);
                 }
                 table.released = from;
                 table.allocated = table.allocated.max(from);
             }
             while table.allocated < end {
-                let block = allocate_device(block_pool, host_tier.as_mut(), pending_moves, events)?;
+                let block = tiers.allocate_device()?;
                 table.set(table.allocated, block, log, at);
                 table.allocated += 1;
             }
