@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from atb_mem import _core
-from atb_mem._composition import bind_core, composed
 from atb_mem._types import (
     GroupPrefix,
     KVCacheGroup,
@@ -30,6 +29,7 @@ from atb_mem._types import (
     PrefixExplanation,
     StateGroup,
 )
+from atb_mem.kv.block_bookkeeping import BlockBookkeeping
 from atb_mem.kv.planning import plan_kv_cache
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
@@ -46,14 +46,7 @@ _CONFIG_KEYS = {"max_pages": "num_blocks", "page_size": "block_size", **{name: n
 
 _DEFAULT_DEVICE = "host"
 
-if TYPE_CHECKING:
-    _CoreInterface = _core.KVCachePool  # what the instance answers from its core
-else:
-    _CoreInterface = object
-
-
-@composed(_core.KVCachePool)
-class KVCachePool(_CoreInterface):
+class KVCachePool(BlockBookkeeping):
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots, with their bytes.
 
     ``device``: ``"host"`` (default; numpy), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"`` (torch),
@@ -80,9 +73,10 @@ class KVCachePool(_CoreInterface):
     checkpoint takes; ``checkpoint_state``, which a scheduler calls itself).
 
     Block 0 is the reserved null block (block tables are padded with it), so
-    ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's
-    (``core``, a ``_core.KVCachePool``; see ``_core.pyi``): its methods and properties are
-    answered by it directly.
+    ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's (``core``, a
+    ``_core.KVCachePool``): the methods and properties of ``BlockBookkeeping`` forward to
+    it, and a loop that calls them millions of times calls ``core`` instead (no Python frame
+    per call).
     """
 
     _mem_pool: MemPool | None
@@ -101,7 +95,6 @@ class KVCachePool(_CoreInterface):
             raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
         self._core = _core.KVCachePool(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                        **kwargs)
-        bind_core(self)
         if pool is None and device is None:
             return
         if pool is not None:
@@ -136,12 +129,12 @@ class KVCachePool(_CoreInterface):
         """The KV-cache groups, by first layer: one full-attention group of every layer
         unless ``layer_types``/``sliding_window`` made more."""
         return [KVCacheGroup(kind, tuple(layers), window)
-                for kind, layers, window in self._groups]
+                for kind, layers, window in self._core._groups]
 
     @property
     def state_groups(self) -> list[StateGroup]:
         """The recurrent (``"linear_attention"``) layers' state groups, by first layer."""
-        return [StateGroup(tuple(layers), *sizes) for layers, *sizes in self._state_groups]
+        return [StateGroup(tuple(layers), *sizes) for layers, *sizes in self._core._state_groups]
 
     # ---- the bytes -------------------------------------------------------------------------
 
@@ -149,7 +142,7 @@ class KVCachePool(_CoreInterface):
                        ) -> PrefixExplanation:
         """Why a prompt of ``token_ids`` would hit what it hits now, per group and in all,
         without changing anything (reasons: ``MISS_REASONS`` and ``"prefix_caching_off"``)."""
-        hit, reason, limited_by, per_group, tiers, partial = self._explain_prefix(
+        hit, reason, limited_by, per_group, tiers, partial = self._core._explain_prefix(
             token_ids, cache_salt=cache_salt)
         groups = [GroupPrefix(index, group.kind, cached, why)
                   for index, (group, (cached, why)) in enumerate(zip(self.groups, per_group,
@@ -278,6 +271,8 @@ class KVCachePool(_CoreInterface):
         return self._core.swap_in(seq_ids, execute or self.executor)
 
     def stats(self) -> KVCachePoolStats:
+        """The core's figures (``_core.KVCachePool.stats``) and where the bytes are:
+        ``device``, ``bytes_device``, ``bytes_host_tier``."""
         tensors = self.tensors
         held = 0 if tensors is None else self.num_blocks * self.bytes_per_block
         host = 0 if tensors is None or tensors.host_kv is None else \

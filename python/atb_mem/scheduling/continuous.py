@@ -60,7 +60,7 @@ class ContinuousBatchScheduler:
         self.kv_cache = kv_cache
         self.eos_token_id = eos_token_id
         # A KVCachePool's core; anything else is the core's to refuse (TypeError).
-        core_cache = getattr(kv_cache, "core", kv_cache)
+        core_cache: Any = getattr(kv_cache, "core", kv_cache)
         self._core = _core.ContinuousScheduler(core_cache, {
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "enable_chunked_prefill": bool(enable_chunked_prefill), "preemption": preemption,

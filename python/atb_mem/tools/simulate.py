@@ -213,6 +213,7 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
                          f"bytes; the memory budget is {memory_bytes}")
     pool = atb_mem.MemPool(memory_bytes, alignment=bytes_per_token, backing=None,
                            max_allocations=max(1, min(1 << 20, memory_bytes // bytes_per_token)))
+    core = pool.core  # a malloc or free per request, the stats per step: no Python frame each
     waiting: deque[int] = deque()
     running: dict[int, list[Any]] = {}  # id -> [allocation, reserved tokens, computed, sampled]
     finish: dict[int, float] = {}
@@ -226,7 +227,7 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
             request = requests[waiting[0]]
             tokens = request.prompt + request.output if exact else max_model_len
             try:
-                allocation = pool.malloc(tokens * bytes_per_token)
+                allocation = core.malloc(tokens * bytes_per_token)
             except atb_mem.OutOfMemoryError:
                 break  # head of line waits for memory
             running[waiting.popleft()] = [allocation, tokens, 0, 0]
@@ -249,12 +250,12 @@ def replay_reserved(requests: list[Request], memory_bytes: int, bytes_per_token:
             reserved = sum(s[1] for s in running.values())
             seconds = cost.step_seconds(batched)
             timeline.record(now, seconds, used, reserved, len(running),
-                            pool.stats()["fragmentation"])
+                            core.stats()["fragmentation"])
             now += seconds
         elif next_request < len(requests):
             now = max(now, requests[next_request].arrival)
         for seq_id in done:
-            pool.free(running.pop(seq_id)[0])
+            core.free(running.pop(seq_id)[0])
             finish[seq_id] = now
     name = "contiguous-exact" if exact else "contiguous-max"
     return _result(name, None, requests, finish, now, timeline, 0, external=exact)

@@ -22,12 +22,17 @@ _Result = TypeVar("_Result")
 Workload = tuple[Callable[[], _Result], int]
 
 
-def churn_workload(pairs: int = 1_000_000) -> Workload[None]:
-    """W1: allocate one block's worth of tokens for a sequence and free it."""
+def churn_workload(pairs: int = 1_000_000, *, through_wrapper: bool = False) -> Workload[None]:
+    """W1: allocate one block's worth of tokens for a sequence and free it.
+
+    The calls go to ``kv.core`` (the Rust object, as a hot loop makes them), so W1 times the
+    core; with ``through_wrapper`` they go through ``KVCachePool``'s forwarding methods, which
+    add a Python frame per call (the difference is that frame)."""
     kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None)
+    calls = kv if through_wrapper else kv.core
 
     def churn() -> None:
-        alloc, free = kv.alloc_sequence, kv.free_sequence
+        alloc, free = calls.alloc_sequence, calls.free_sequence
         for seq_id in range(pairs):
             alloc(seq_id, BLOCK_SIZE)
             free(seq_id)
@@ -48,12 +53,14 @@ def decode_workload(steps: int = 2000, *, batch_table: bool = True, running: int
     """W2: `running` sequences each get a token per step, through a BatchTable (one call) or
     through append_tokens plus a full block_tables/context_lens rebuild; finished sequences
     are freed and replaced (prefill allocates the whole prompt). With ``kv_events`` the pool
-    records KV-cache events and each step drains them, as an engine does."""
+    records KV-cache events and each step drains them, as an engine does. The calls go to
+    the pool's core (as W1's)."""
     prompts, outputs = decode_lengths()
 
     def run() -> None:
-        kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
-                                 enable_kv_events=kv_events)
+        pool = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
+                                   enable_kv_events=kv_events)
+        kv = pool.core
         table = kv.batch_table(running, (4096 + 2048) // BLOCK_SIZE)
         rows = np.zeros(running, dtype=np.int64)  # a replacement takes its predecessor's row
         finishing: dict[int, list[int]] = {}
@@ -105,17 +112,19 @@ def prefix_workload(prompts: list[np.ndarray], *, kv_events: bool = False,
                     typed: bool = False) -> Workload[KVCachePoolStats]:
     """W3: allocate each prompt with its token ids, then free it. Returns the stats. With
     ``kv_events`` the pool records KV-cache events, drained after each request (and with
-    ``typed`` read as named tuples there too, rather than where they are published)."""
+    ``typed`` read as named tuples there too, rather than where they are published). The
+    calls go to the pool's core (as W1's)."""
 
     def run() -> KVCachePoolStats:
         kv = atb_mem.KVCachePool(NUM_BLOCKS, BLOCK_SIZE, device=None,
                                  enable_kv_events=kv_events)
+        core = kv.core
         for seq_id, tokens in enumerate(prompts):
-            kv.alloc_sequence(seq_id, tokens)
-            kv.mark_computed(seq_id)  # the prefill ran
-            kv.free_sequence(seq_id)
+            core.alloc_sequence(seq_id, tokens)
+            core.mark_computed(seq_id)  # the prefill ran
+            core.free_sequence(seq_id)
             if kv_events:
-                events = kv.take_events()
+                events = core.take_events()
                 if typed:
                     list(events)
         return kv.stats()
@@ -124,12 +133,13 @@ def prefix_workload(prompts: list[np.ndarray], *, kv_events: bool = False,
 
 
 def mem_pool_workload(pairs: int = 1_000_000) -> Workload[None]:
-    """MemPool malloc + free of 256 KiB, with a few other ranges in the bins."""
+    """MemPool malloc + free of 256 KiB, with a few other ranges in the bins; the calls go
+    to the pool's core (as W1's)."""
     pool = atb_mem.MemPool(1 << 30, backing=None)
     keep = [pool.malloc(4096 * (i % 7 + 1)) for i in range(64)]
 
     def churn() -> None:
-        malloc, free = pool.malloc, pool.free
+        malloc, free = pool.core.malloc, pool.core.free
         for _ in range(pairs):
             free(malloc(262_144))
         assert len(pool) == len(keep)

@@ -86,7 +86,7 @@ class WriteThrough:
             full = min(int(after[row]), len(prompt.hashes))
             if full <= prompt.saved:
                 continue
-            table = self.kv_cache.block_table(seq_id)
+            table = self.kv_cache.core.block_table(seq_id)  # per row: no Python frame
             hashes, token_ids = prompt.hashes, prompt.token_ids
             for index in range(prompt.saved, full):
                 # Computed this step: to every store. Hit (before this step, never saved: its
