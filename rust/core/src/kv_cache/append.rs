@@ -1,8 +1,7 @@
 //! Growing sequences: the block budget of an append (copy-on-write included) and the append
 //! itself, batched.
 
-use super::sequence::Sequence;
-use super::sequence_record::SequenceLog;
+use super::sequences::{Sequence, SequenceLog};
 use super::{swapped_out, KvCache, Tiers, PAD_SLOT};
 use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
@@ -36,26 +35,26 @@ impl KvCache {
         self.scratch.blocks.clear();
         for &slab in slabs {
             let seq = &self.sequences[slab];
-            if seq.swapped {
-                return Err(swapped_out(seq.seq_id));
+            if seq.is_swapped() {
+                return Err(swapped_out(seq.seq_id()));
             }
-            let total = seq.num_tokens + n;
+            let total = seq.num_tokens() + n;
             ensure!(
                 total <= self.max_seq_tokens(),
                 "sequence {} would hold {total} tokens; the pool holds at most {} per sequence",
-                seq.seq_id,
+                seq.seq_id(),
                 self.max_seq_tokens()
             );
             let new_blocks = total.div_ceil(block_size) - seq.num_blocks();
             if new_blocks > 0 {
                 // A group still taking a prompt's blocks as it is computed takes these later.
-                let growing = seq.tables.iter().filter(|table| table.complete()).count();
+                let growing = seq.tables().iter().filter(|table| table.complete()).count();
                 needed += new_blocks * growing;
             }
             // Only a fork shares a partly filled block (prefix hits share full ones).
-            if self.sequences.has_forked() && seq.num_tokens % block_size != 0 {
-                for table in seq.tables.iter().filter(|table| table.complete()) {
-                    let last = table.blocks.last().copied().unwrap_or(NULL_BLOCK);
+            if self.sequences.has_forked() && seq.num_tokens() % block_size != 0 {
+                for table in seq.tables().iter().filter(|table| table.complete()) {
+                    let last = table.blocks().last().copied().unwrap_or(NULL_BLOCK);
                     if last != NULL_BLOCK && self.tiers.block_pool.ref_count(last) > 1 {
                         self.scratch.blocks.push(last);
                     }
@@ -140,23 +139,22 @@ impl KvCache {
         } = self;
         let has_forked = sequences.has_forked();
         let (seq, log) = sequences.with_log(slab);
-        if has_forked && seq.num_tokens % block_size != 0 {
+        if has_forked && seq.num_tokens() % block_size != 0 {
             copy_shared_tails((seq, log, slab), tiers, version)?;
         }
-        if token_ids.is_none() && seq.hashable {
-            seq.hashable = false;
-            seq.forget_token_ids(log, slab);
+        if token_ids.is_none() && seq.is_hashable() {
+            seq.stop_naming(log, slab);
         }
-        let keep_token_ids =
-            seq.hashable && (tiers.events.enabled() || tiers.block_pool.sub_blocks_per_block() > 0);
+        let keep_token_ids = seq.is_hashable()
+            && (tiers.events.enabled() || tiers.block_pool.sub_blocks_per_block() > 0);
         for t in 0..n {
-            let position = seq.num_tokens + t;
+            let position = seq.num_tokens() + t;
             let (index, offset) = (position / block_size, position % block_size);
-            for (group, table) in seq.tables.iter_mut().enumerate() {
+            for (group, table) in seq.tables_mut().iter_mut().enumerate() {
                 if !table.complete() {
                     // Its blocks come as the tokens are computed; no slot yet.
                     if offset == 0 {
-                        table.blocks.push(NULL_BLOCK);
+                        table.push_pending();
                     }
                     emit(group, t, PAD_SLOT);
                     continue;
@@ -164,23 +162,14 @@ impl KvCache {
                 if offset == 0 {
                     table.push(tiers.allocate_device()?);
                 }
-                let block = table.blocks[index];
+                let block = table.blocks()[index];
                 emit(group, t, (block as usize * block_size + offset) as i32);
             }
-            if let (Some(ids), true) = (token_ids, seq.hashable) {
-                seq.partial_tokens.push(ids[t]);
-                if keep_token_ids {
-                    seq.token_ids.push(ids[t]);
-                }
-                if seq.partial_tokens.len() == block_size {
-                    let parent = seq.hashes.last().copied().unwrap_or(seq.root_hash);
-                    seq.hashes.push(parent.chain(&seq.partial_tokens));
-                    seq.partial_tokens.clear();
-                }
+            if let (Some(ids), true) = (token_ids, seq.is_hashable()) {
+                seq.push_token_id(ids[t], keep_token_ids, block_size);
             }
         }
-        seq.num_tokens += n;
-        seq.version = version;
+        seq.grew(n, version);
         Ok(())
     }
 }
@@ -192,12 +181,12 @@ fn copy_shared_tails(
     tiers: &mut Tiers,
     version: u64,
 ) -> CoreResult<()> {
-    for (group, table) in seq.tables.iter_mut().enumerate() {
-        if !table.complete() || table.released == table.allocated {
+    for (group, table) in seq.tables_mut().iter_mut().enumerate() {
+        if !table.complete() || table.released() == table.allocated() {
             continue;
         }
-        let index = table.allocated - 1;
-        let last = table.blocks[index];
+        let index = table.allocated() - 1;
+        let last = table.blocks()[index];
         if tiers.block_pool.ref_count(last) > 1 {
             let copy = tiers.allocate_device()?;
             tiers
@@ -205,7 +194,7 @@ fn copy_shared_tails(
                 .push(BlockMove::new(MoveKind::Copy, last, copy));
             tiers.block_pool.release(last);
             table.set(index, copy, log, (slab, group as u32));
-            table.layout = version;
+            table.stamp_layout(version);
         }
     }
     Ok(())

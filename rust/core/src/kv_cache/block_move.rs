@@ -112,7 +112,7 @@ impl KvCache {
         }
         let first_aborted = aborted.len();
         for (seq_id, seq) in self.sequences.live() {
-            let damaged = match seq.swapped {
+            let damaged = match seq.is_swapped() {
                 true => &damaged_host,
                 false => &damaged_device,
             };

@@ -4,8 +4,7 @@ use super::keys::group_key;
 use super::partial_hits::{copy_partial_hit, index_sub_blocks};
 use super::prefix_match::PrefixMatch;
 use super::retention::retain_joined;
-use super::sequence::Sequence;
-use super::sequence_record::SequenceLog;
+use super::sequences::{Sequence, SequenceLog};
 use super::state_checkpoints::{hold_checkpoint, resume_from_checkpoint};
 use super::tiers::host_block;
 use super::{swapped_out, KvCache, KvCacheGroup, Tiers, Tokens};
@@ -139,7 +138,7 @@ impl KvCache {
             scratch,
             ..
         } = self;
-        resume_from_checkpoint(tiers, &scratch.checkpoint, &sequences[slab].state);
+        resume_from_checkpoint(tiers, &scratch.checkpoint, sequences[slab].state());
         scratch.checkpoint.clear();
         self.sequences.insert(seq_id, slab);
         Ok(found.hits * self.block_size() + found.partial)
@@ -196,36 +195,26 @@ impl KvCache {
         }
         hold_checkpoint(&mut tiers.block_pool, &scratch.checkpoint);
         let (seq, log) = sequences.with_log(slab);
-        (seq.seq_id, seq.live, seq.swapped) = (seq_id, true, false);
-        (seq.num_tokens, seq.version) = (num_tokens, version);
+        seq.admit(seq_id, num_tokens, version);
         let hit_row = |group: usize| &scratch.blocks[group * queries..group * queries + hits];
         let num_blocks = num_tokens.div_ceil(block_size);
         let first_promoted =
             take_blocks((seq, log, slab), tiers, groups, hit_row, (num_blocks, lazy))?;
         copy_partial_hit(seq, tiers, &scratch.partial, hits);
-        seq.partial_tokens.clear();
-        seq.hashes.clear();
-        seq.token_ids.clear();
         // Hits are computed already (promoted ones once their moves ran, before any kernel
         // reads them); the rest joins the prefix cache once `mark_computed` says its K/V is
         // written, promoted blocks with it.
-        seq.num_computed = hits * block_size + found.partial;
-        seq.num_registered = first_promoted;
+        let computed = (hits * block_size + found.partial, first_promoted);
         // Block counts stay below MAX_BLOCKS (2**25): they fit.
-        seq.kv_reach = found.kv_hits as u32;
-        seq.prompt_blocks = ((num_tokens - 1) / block_size) as u32;
-        match tokens {
-            Tokens::Ids(ids) if tiers.block_pool.enable_prefix_caching() => {
-                seq.hashable = true;
-                seq.root_hash = BlockHash::root(cache_salt);
-                seq.hashes.extend_from_slice(&scratch.hashes);
-                seq.partial_tokens
-                    .extend_from_slice(&ids[scratch.hashes.len() * block_size..]);
-                if keep_token_ids {
-                    seq.token_ids.extend_from_slice(ids);
-                }
+        let reach = (found.kv_hits as u32, ((num_tokens - 1) / block_size) as u32);
+        seq.admitted_at(computed, reach);
+        if let Tokens::Ids(ids) = tokens {
+            if tiers.block_pool.enable_prefix_caching() {
+                let partial = &ids[scratch.hashes.len() * block_size..];
+                let all_ids = keep_token_ids.then_some(ids);
+                let root = BlockHash::root(cache_salt);
+                seq.name_tokens(root, (&scratch.hashes, partial), all_ids);
             }
-            _ => seq.hashable = false,
         }
         Ok(slab)
     }
@@ -244,31 +233,7 @@ impl KvCache {
         let version = self.sequences.new_version();
         let child_slab = self.sequences.vacant_slab(version, self.groups.len());
         let (parent, child) = self.sequences.two_mut(parent_slab, child_slab);
-        child.seq_id = child_id;
-        child.live = true;
-        child.swapped = false;
-        child.num_tokens = parent.num_tokens;
-        child.version = version;
-        child.hashable = parent.hashable;
-        child.root_hash = parent.root_hash;
-        child.hashes.clear();
-        child.hashes.extend_from_slice(&parent.hashes);
-        child.num_computed = parent.num_computed;
-        child.num_registered = parent.num_registered;
-        child.kv_reach = parent.kv_reach;
-        child.prompt_blocks = parent.prompt_blocks;
-        for (table, parent_table) in child.tables.iter_mut().zip(&parent.tables) {
-            table.blocks.extend_from_slice(&parent_table.blocks);
-            table.released = parent_table.released;
-            table.allocated = parent_table.allocated;
-        }
-        child.partial_tokens.clear();
-        child
-            .partial_tokens
-            .extend_from_slice(&parent.partial_tokens);
-        child.token_ids.clear();
-        child.token_ids.extend_from_slice(&parent.token_ids);
-        child.retention.clone_from(&parent.retention);
+        child.fork_of(parent, child_id, version);
         for block in child.held_blocks() {
             self.tiers.block_pool.share(block);
         }
@@ -293,14 +258,14 @@ impl KvCache {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
         let seq = &self.sequences[slab];
-        if seq.swapped {
+        if seq.is_swapped() {
             return Err(swapped_out(seq_id));
         }
-        let num_tokens = num_tokens.unwrap_or(seq.num_computed);
+        let num_tokens = num_tokens.unwrap_or(seq.num_computed());
         ensure!(
-            num_tokens <= seq.num_tokens,
+            num_tokens <= seq.num_tokens(),
             "sequence {seq_id} holds {} tokens; {num_tokens} cannot be computed",
-            seq.num_tokens
+            seq.num_tokens()
         );
         let needed = self.window_need(slab, num_tokens);
         if needed > self.tiers.block_pool.num_free() {
@@ -324,25 +289,25 @@ impl KvCache {
             block_pool, events, ..
         } = tiers;
         let seq = &mut sequences[slab];
-        seq.num_computed = seq.num_computed.max(num_tokens);
-        let full = (seq.num_computed / block_size).min(seq.hashes.len());
-        if full <= seq.num_registered {
+        seq.computed_up_to(num_tokens);
+        let full = (seq.num_computed() / block_size).min(seq.hashes().len());
+        if full <= seq.num_registered() {
             return Ok(0); // most calls: no block filled since the last
         }
         let mut joined = 0;
         // Group by group, so that a group's new blocks are one chain: one event per run of
         // blocks that joined (a block whose contents another block holds does not).
-        for (group, (table, spec)) in seq.tables.iter().zip(groups.iter()).enumerate() {
+        for (group, (table, spec)) in seq.tables().iter().zip(groups.iter()).enumerate() {
             let mut run_start = None;
             let remember_eviction = spec.kind.remembers_evictions();
-            for index in seq.num_registered..full {
-                let block = table.blocks[index];
-                let key = group_key(seq.hashes[index], group);
+            for index in seq.num_registered()..full {
+                let block = table.blocks()[index];
+                let key = group_key(seq.hashes()[index], group);
                 let stored =
                     block != NULL_BLOCK && block_pool.register(block, key, remember_eviction);
                 joined += usize::from(stored);
                 if stored {
-                    retain_joined(block_pool, seq.retention.as_deref(), index, block);
+                    retain_joined(block_pool, seq.retention(), index, block);
                     let scratch = (&mut scratch.sub_keys, &mut *deferred_sub_blocks);
                     index_sub_blocks(block_pool, seq, scratch, (index, group, block, key));
                 }
@@ -351,7 +316,7 @@ impl KvCache {
                 }
                 if stored {
                     let name = seq.named_block(index, block_size);
-                    events.cached_for(block, group as u32, name, seq.root_hash);
+                    events.cached_for(block, group as u32, name, seq.root_hash());
                     run_start.get_or_insert(index);
                 } else if let Some(start) = run_start.take() {
                     seq.log_stored(events, group, start..index, block_size);
@@ -361,13 +326,13 @@ impl KvCache {
                 seq.log_stored(events, group, start..full, block_size);
             }
         }
-        seq.num_registered = seq.num_registered.max(full);
+        seq.registered_up_to(full);
         Ok(joined)
     }
 
     /// Tokens of a sequence whose K/V is known to be computed.
     pub fn num_computed(&self, seq_id: u64) -> CoreResult<usize> {
-        Ok(self.sequence(seq_id)?.num_computed)
+        Ok(self.sequence(seq_id)?.num_computed())
     }
 
     /// Ends a sequence. Its blocks are released last-first, so that when they are cached
@@ -392,27 +357,27 @@ impl KvCache {
             ..
         } = tiers;
         let (seq, log) = sequences.with_log(slab);
-        let (pool, on_host) = match (seq.swapped, host_tier.as_mut()) {
+        let (pool, on_host) = match (seq.is_swapped(), host_tier.as_mut()) {
             (true, Some(tier)) => (&mut tier.pool, true),
             _ => (block_pool, false),
         };
         let touch_released = !on_host && pool.enable_prefix_caching();
-        for &block in &seq.state {
+        for &block in seq.state() {
             pool.release(block);
             if on_host && events.enabled() && pool.ref_count(block) == 0 {
                 events.host_block_freed(block);
             }
         }
         for index in (0..seq.num_blocks()).rev() {
-            for (group, table) in seq.tables.iter().enumerate() {
-                let block = table.blocks[index];
+            for (group, table) in seq.tables().iter().enumerate() {
+                let block = table.blocks()[index];
                 if block != NULL_BLOCK {
                     pool.release(block);
                     if on_host && events.enabled() && pool.ref_count(block) == 0 {
                         events.host_block_freed(block);
                     }
-                } else if touch_released && index < seq.num_registered.min(seq.hashes.len()) {
-                    if let Some(cached) = pool.lookup(group_key(seq.hashes[index], group)) {
+                } else if touch_released && index < seq.num_registered().min(seq.hashes().len()) {
+                    if let Some(cached) = pool.lookup(group_key(seq.hashes()[index], group)) {
                         pool.touch(cached);
                     }
                 }
@@ -468,12 +433,12 @@ fn take_blocks<'a>(
 ) -> CoreResult<usize> {
     let mut hits = 0;
     let mut first_promoted = usize::MAX;
-    for (group, table) in seq.tables.iter_mut().enumerate() {
+    for (group, table) in seq.tables_mut().iter_mut().enumerate() {
         let row = hit_row(group);
         hits = row.len();
         for (index, &block) in row.iter().enumerate() {
             if block == NULL_BLOCK {
-                table.released += 1;
+                // A window released it: nothing to hold.
             } else if let Some(copy) = host_block(block) {
                 if let Some(tier) = tiers.host_tier.as_mut() {
                     tier.pool.take_hit(copy);
@@ -482,23 +447,23 @@ fn take_blocks<'a>(
             } else {
                 tiers.block_pool.take_hit(block);
             }
-            table.blocks.push(block);
+            table.push_hit(block);
         }
-        table.allocated = hits;
+        table.hits_taken();
     }
     let first_promoted = first_promoted.min(hits);
-    for (group, table) in seq.tables.iter_mut().enumerate() {
+    for (group, table) in seq.tables_mut().iter_mut().enumerate() {
         for index in first_promoted..hits {
-            let Some(copy) = host_block(table.blocks[index]) else {
+            let Some(copy) = host_block(table.blocks()[index]) else {
                 continue;
             };
             let block = tiers.promote(copy)?;
             table.set(index, block, log, (slab, group as u32));
         }
     }
-    for (table, spec) in seq.tables.iter_mut().zip(groups) {
+    for (table, spec) in seq.tables_mut().iter_mut().zip(groups) {
         if lazy && spec.kind.is_windowed() {
-            table.blocks.grow(num_blocks, NULL_BLOCK);
+            table.pend_up_to(num_blocks);
             continue;
         }
         for _ in hits..num_blocks {

@@ -9,8 +9,9 @@
 //! - blocks by the `tiers` (`Tiers`): the device's [`BlockPool`], the host tier, the block
 //!   moves planned between them and the [`KvEventLog`]; every feature takes, frees,
 //!   demotes, promotes and looks up blocks through it;
-//! - the sequences and their block lists by the sequence table (`sequence_table`, with what
-//!   a transaction changed of them in `sequence_record`);
+//! - the sequences and their block lists by the sequence table (`sequences`): a sequence's
+//!   fields are private to it, read through methods and changed only by those that say what
+//!   the change is (`sequences::changes`), and the table records what a transaction changed;
 //! - recurrent states by `state::RecurrentStates` (their checkpoints are cached blocks:
 //!   `state_checkpoints`);
 //! - prefix-hit counters by `stats::PrefixStats`; what a group of each attention kind keeps
@@ -38,9 +39,7 @@ mod prefix_explain;
 mod prefix_match;
 mod retention;
 mod scratch;
-mod sequence;
-mod sequence_record;
-mod sequence_table;
+mod sequences;
 mod state;
 mod state_checkpoints;
 mod stats;
@@ -63,9 +62,8 @@ pub use keys::{checkpoint_key, group_key, is_checkpoint_key};
 pub use prefix_explain::{GroupPrefix, MissReason, PrefixExplanation};
 pub use retention::{RetentionConfig, TokenRetention, MAX_RETENTION_RANGES};
 use scratch::Scratch;
-pub use sequence::SEQUENCE_BYTES;
-use sequence::{GroupTable, Sequence};
-use sequence_table::SequenceTable;
+pub use sequences::SEQUENCE_BYTES;
+use sequences::{GroupTable, Sequence, SequenceTable};
 use state::RecurrentStates;
 pub use state::StateGroup;
 pub use stats::KvCacheStats;
@@ -420,12 +418,12 @@ impl KvCache {
     fn slab_view(&self, slab: u32) -> SlabView<'_> {
         let seq = &self.sequences[slab];
         SlabView {
-            seq_id: seq.live.then_some(seq.seq_id),
-            swapped: seq.swapped,
+            seq_id: seq.is_live().then_some(seq.seq_id()),
+            swapped: seq.is_swapped(),
             blocks: seq.blocks(),
-            tables: &seq.tables,
-            num_tokens: seq.num_tokens,
-            version: seq.version,
+            tables: seq.tables(),
+            num_tokens: seq.num_tokens(),
+            version: seq.version(),
         }
     }
 
@@ -438,24 +436,24 @@ impl KvCache {
     #[inline]
     fn device_sequence(&self, seq_id: u64) -> CoreResult<&Sequence> {
         let seq = self.sequence(seq_id)?;
-        if seq.swapped {
+        if seq.is_swapped() {
             return Err(swapped_out(seq_id));
         }
         Ok(seq)
     }
 
     pub fn is_swapped(&self, seq_id: u64) -> CoreResult<bool> {
-        Ok(self.sequence(seq_id)?.swapped)
+        Ok(self.sequence(seq_id)?.is_swapped())
     }
 
     /// (tokens, swapped out) of a sequence, in one lookup.
     pub fn seq_len_and_tier(&self, seq_id: u64) -> CoreResult<(usize, bool)> {
         let sequence = self.sequence(seq_id)?;
-        Ok((sequence.num_tokens, sequence.swapped))
+        Ok((sequence.num_tokens(), sequence.is_swapped()))
     }
 
     pub fn seq_len(&self, seq_id: u64) -> CoreResult<usize> {
-        Ok(self.sequence(seq_id)?.num_tokens)
+        Ok(self.sequence(seq_id)?.num_tokens())
     }
 
     /// The blocks of one sequence in group 0, in token order (host blocks while it is
@@ -467,7 +465,7 @@ impl KvCache {
     /// The blocks of one sequence in `group`, the null block where a window released one.
     pub fn group_block_table(&self, seq_id: u64, group: usize) -> CoreResult<&[u32]> {
         self.check_group(group)?;
-        Ok(&self.sequence(seq_id)?.tables[group].blocks)
+        Ok(self.sequence(seq_id)?.tables()[group].blocks())
     }
 
     /// Blocks the sequence holds now, summed over its groups (null blocks not counted).

@@ -40,7 +40,7 @@
 
 use super::keys::{group_key, piece_keys};
 use super::retention::retain_joined;
-use super::sequence::Sequence;
+use super::sequences::Sequence;
 use super::{BlockMove, KvCache, MoveKind, Tiers};
 use crate::alloc::{BlockHash, BlockPool, NULL_BLOCK};
 use crate::error::CoreResult;
@@ -168,7 +168,7 @@ impl KvCache {
         let slab = self.slab_of(seq_id)?;
         let block_size = self.block_size();
         let seq = &mut self.sequences[slab];
-        seq.num_computed = seq.num_computed / block_size * block_size;
+        seq.computed_to_block_start(block_size);
         Ok(())
     }
 
@@ -191,33 +191,33 @@ impl KvCache {
         } = self;
         let (block_pool, keys) = (&mut tiers.block_pool, &mut scratch.sub_keys);
         let seq = &sequences[slab];
-        let index = seq.num_computed / block_size;
-        let pieces = seq.num_computed % block_size / piece;
+        let index = seq.num_computed() / block_size;
+        let pieces = seq.num_computed() % block_size / piece;
         let start = index * block_size;
         // A hashable sequence keeps its token ids while sub-block keys are on; a swapped
         // one's blocks are on the host, which serves whole blocks only.
-        let tokens = match seq.token_ids.get(start..start + pieces * piece) {
-            Some(tokens) if pieces > 0 && seq.hashable && !seq.swapped => tokens,
+        let tokens = match seq.token_ids().get(start..start + pieces * piece) {
+            Some(tokens) if pieces > 0 && seq.is_hashable() && !seq.is_swapped() => tokens,
             _ => return,
         };
-        let ours = |table: &super::sequence::GroupTable| {
-            let block = table.blocks.get(index).copied().unwrap_or(NULL_BLOCK);
+        let ours = |table: &super::sequences::GroupTable| {
+            let block = table.blocks().get(index).copied().unwrap_or(NULL_BLOCK);
             block != NULL_BLOCK && block_pool.can_keep_pieces(block)
         };
-        if !seq.tables.iter().all(ours) {
+        if !seq.tables().iter().all(ours) {
             return;
         }
         let parent = match index {
-            0 => seq.root_hash,
-            _ => seq.hashes[index - 1],
+            0 => seq.root_hash(),
+            _ => seq.hashes()[index - 1],
         };
-        for (group, table) in seq.tables.iter().enumerate() {
-            let block = table.blocks[index];
+        for (group, table) in seq.tables().iter().enumerate() {
+            let block = table.blocks()[index];
             keys.clear();
             keys.extend(piece_keys(parent, tokens, piece).map(|key| group_key(key, group)));
             let identity = keys[pieces - 1];
             block_pool.keep_pieces(block, identity);
-            retain_joined(block_pool, seq.retention.as_deref(), index, block);
+            retain_joined(block_pool, seq.retention(), index, block);
             match deferred.active {
                 true => {
                     deferred.blocks.push((block, identity, pieces));
@@ -256,15 +256,15 @@ pub(super) fn index_sub_blocks(
     let block_size = block_pool.block_size();
     let piece = block_size / (per_block + 1);
     let Some(tokens) = seq
-        .token_ids
+        .token_ids()
         .get(index * block_size..(index + 1) * block_size)
     else {
         debug_assert!(false, "a hashable sequence keeps its token ids");
         return;
     };
     let parent = match index {
-        0 => seq.root_hash,
-        _ => seq.hashes[index - 1],
+        0 => seq.root_hash(),
+        _ => seq.hashes()[index - 1],
     };
     let keys = match deferred.active {
         true => &mut deferred.keys,
@@ -285,8 +285,8 @@ pub(super) fn index_sub_blocks(
 /// lookup so that no allocation in between could take it) into block `index` of the new
 /// sequence's table, then lets the sources go.
 pub(super) fn copy_partial_hit(seq: &Sequence, tiers: &mut Tiers, sources: &[u32], index: usize) {
-    for (table, &source) in seq.tables.iter().zip(sources) {
-        let copy = BlockMove::new(MoveKind::Copy, source, table.blocks[index]);
+    for (table, &source) in seq.tables().iter().zip(sources) {
+        let copy = BlockMove::new(MoveKind::Copy, source, table.blocks()[index]);
         tiers.pending_moves.push(copy);
         // Read by the move just planned: any later writer of it is planned after it.
         tiers.block_pool.release(source);

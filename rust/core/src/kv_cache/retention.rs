@@ -153,22 +153,15 @@ impl KvCache {
         } = self;
         let block_pool = &mut tiers.block_pool;
         let seq = &mut sequences[slab];
-        let kept = match seq.retention.as_mut() {
-            Some(kept) => {
-                RetentionConfig::clone_from(kept, config);
-                kept
-            }
-            None => seq.retention.insert(Box::new(config.clone())),
-        };
-        kept.decode_from = config.decode_from.min(seq.num_tokens);
-        if seq.swapped || block_pool.eviction_policy() != EvictionPolicy::Priority {
+        seq.keep_retention(config);
+        if seq.is_swapped() || block_pool.eviction_policy() != EvictionPolicy::Priority {
             return Ok(());
         }
-        let retention = seq.retention.as_deref().unwrap_or(&NO_RETENTION);
+        let retention = seq.retention().unwrap_or(&NO_RETENTION);
         let block_size = block_pool.block_size();
-        let named = seq.num_registered.min(seq.hashes.len());
-        for table in &seq.tables {
-            for (index, &block) in table.blocks[..named].iter().enumerate() {
+        let named = seq.num_registered().min(seq.hashes().len());
+        for table in seq.tables() {
+            for (index, &block) in table.blocks()[..named].iter().enumerate() {
                 if block != NULL_BLOCK {
                     let (priority, duration) =
                         retention.for_tokens(index * block_size, (index + 1) * block_size);

@@ -110,7 +110,7 @@ impl KvCache {
     /// A sequence's state blocks: `num_state_blocks` of them, state group by group (host
     /// blocks while it is swapped out).
     pub fn state_blocks(&self, seq_id: u64) -> CoreResult<&[u32]> {
-        Ok(&self.sequence(seq_id)?.state)
+        Ok(self.sequence(seq_id)?.state())
     }
 
     /// The state blocks of `seq_ids` (on the device), row by row, into `out` (`len(seq_ids)
@@ -128,7 +128,7 @@ impl KvCache {
             self.device_sequence(seq_id)?;
         }
         for (row, &seq_id) in out.chunks_exact_mut(width.max(1)).zip(seq_ids) {
-            let state = &self.device_sequence(seq_id)?.state;
+            let state = self.device_sequence(seq_id)?.state();
             for (cell, &block) in row.iter_mut().zip(state) {
                 *cell = block as i32;
             }
@@ -145,9 +145,9 @@ impl KvCache {
             ..
         } = self;
         let seq = &mut sequences[slab];
-        debug_assert!(seq.state.is_empty());
+        debug_assert!(seq.state().is_empty());
         for _ in 0..states.blocks_per_seq {
-            seq.state.push(tiers.allocate_device()?);
+            seq.add_state_block(tiers.allocate_device()?);
         }
         Ok(())
     }
@@ -169,7 +169,7 @@ impl KvCache {
         }
         self.take_state_blocks(child_slab)?;
         let (parent, child) = self.sequences.two_mut(parent_slab, child_slab);
-        for (&src, &dst) in parent.state.iter().zip(&child.state) {
+        for (&src, &dst) in parent.state().iter().zip(child.state()) {
             self.tiers
                 .pending_moves
                 .push(BlockMove::new(MoveKind::Copy, src, dst));

@@ -96,7 +96,7 @@ impl KvCache {
     #[inline]
     fn due_checkpoint(&self, slab: u32) -> Option<BlockHash> {
         let seq = &self.sequences[slab];
-        let (computed, block_size) = (seq.num_computed, self.block_size());
+        let (computed, block_size) = (seq.num_computed(), self.block_size());
         let stride = self.checkpoint_stride();
         if computed % block_size != 0 || stride == 0 {
             return None;
@@ -105,12 +105,12 @@ impl KvCache {
             return None;
         }
         let on_boundary = computed % stride == 0
-            || computed == seq.kv_reach as usize * block_size
-            || computed == seq.prompt_blocks as usize * block_size;
-        if seq.swapped || !seq.hashable || computed == 0 || !on_boundary {
+            || computed == seq.kv_reach() as usize * block_size
+            || computed == seq.prompt_blocks() as usize * block_size;
+        if seq.is_swapped() || !seq.is_hashable() || computed == 0 || !on_boundary {
             return None;
         }
-        let hash = *seq.hashes.get(computed / block_size - 1)?;
+        let hash = *seq.hashes().get(computed / block_size - 1)?;
         (!self.find_checkpoint(hash)).then_some(hash)
     }
 
@@ -122,7 +122,7 @@ impl KvCache {
     pub fn kv_reach(&self, seq_id: u64) -> CoreResult<usize> {
         let seq = self.sequence(seq_id)?;
         Ok(match self.has_state() {
-            true => seq.kv_reach as usize * self.block_size(),
+            true => seq.kv_reach() as usize * self.block_size(),
             false => 0,
         })
     }
@@ -133,7 +133,7 @@ impl KvCache {
     pub fn prompt_checkpoint(&self, seq_id: u64) -> CoreResult<usize> {
         let seq = self.sequence(seq_id)?;
         Ok(match self.has_state() {
-            true => seq.prompt_blocks as usize * self.block_size(),
+            true => seq.prompt_blocks() as usize * self.block_size(),
             false => 0,
         })
     }
@@ -156,7 +156,7 @@ impl KvCache {
         // Every block is taken before any is released to the cache, so that no policy can
         // evict one column for the next.
         scratch.checkpoint.clear();
-        for &source in &sequences[slab].state {
+        for &source in sequences[slab].state() {
             let block = tiers.allocate_device()?;
             let copy = BlockMove::new(MoveKind::Copy, source, block);
             tiers.pending_moves.push(copy);

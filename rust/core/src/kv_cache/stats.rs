@@ -172,12 +172,12 @@ impl KvCache {
             .sequences
             .live()
             .map(|(_, seq)| seq)
-            .filter(|seq| !seq.swapped && seq.num_tokens % block_size != 0)
+            .filter(|seq| !seq.is_swapped() && seq.num_tokens() % block_size != 0)
             .flat_map(|seq| {
-                let fill = seq.num_tokens % block_size;
-                seq.tables
+                let fill = seq.num_tokens() % block_size;
+                seq.tables()
                     .iter()
-                    .map(move |table| (*table.blocks.last().unwrap_or(&NULL_BLOCK), fill))
+                    .map(move |table| (*table.blocks().last().unwrap_or(&NULL_BLOCK), fill))
             })
             .filter(|&(block, _)| block != NULL_BLOCK)
             .collect();
@@ -197,7 +197,7 @@ impl KvCache {
             blocks_free: pool.num_free() - pool.num_evictable(),
             blocks_cached: pool.num_evictable(),
             num_sequences: self.sequences.len(),
-            num_tokens: self.sequences.live().map(|(_, seq)| seq.num_tokens).sum(),
+            num_tokens: self.sequences.live().map(|(_, seq)| seq.num_tokens()).sum(),
             allocated_slots,
             used_slots,
             fragmentation: if allocated_slots == 0 {
@@ -214,7 +214,11 @@ impl KvCache {
             bytes_per_block: self.bytes_per_block,
             host_blocks: self.num_host_blocks(),
             host_blocks_used: self.num_host_blocks() - self.num_free_host_blocks(),
-            num_swapped: self.sequences.live().filter(|(_, seq)| seq.swapped).count(),
+            num_swapped: self
+                .sequences
+                .live()
+                .filter(|(_, seq)| seq.is_swapped())
+                .count(),
             host_blocks_cached: self.num_host_cached_blocks(),
             prefix_cache_host_hit_tokens: self.prefix_stats.host_hit_tokens,
             prefix_cache_partial_hit_tokens: self.prefix_stats.partial_hit_tokens,

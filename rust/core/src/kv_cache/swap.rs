@@ -101,10 +101,10 @@ impl KvCache {
         let out = direction.writes_host();
         for &slab in slabs {
             let seq = &self.sequences[slab];
-            if seq.swapped == out {
+            if seq.is_swapped() == out {
                 return Err(match out {
-                    true => swapped_out(seq.seq_id),
-                    false => invalid!("sequence {} is not swapped out", seq.seq_id),
+                    true => swapped_out(seq.seq_id()),
+                    false => invalid!("sequence {} is not swapped out", seq.seq_id()),
                 });
             }
         }
@@ -153,40 +153,39 @@ impl KvCache {
             // New block tables: a new version (rows that show it are rewritten).
             let version = sequences.new_version();
             let (seq, log) = sequences.with_log(slab);
-            seq.version = version;
-            for (group, table) in seq.tables.iter_mut().enumerate() {
-                for index in (table.released..table.allocated).rev() {
-                    let moved = tiers.move_block(table.blocks[index], direction)?;
+            seq.stamp(version);
+            for (group, table) in seq.tables_mut().iter_mut().enumerate() {
+                for index in (table.released()..table.allocated()).rev() {
+                    let moved = tiers.move_block(table.blocks()[index], direction)?;
                     table.set(index, moved, log, (slab, group as u32));
                 }
-                table.layout = seq.version;
+                table.stamp_layout(version);
             }
-            for index in 0..seq.state.len() {
-                let moved = tiers.move_block(seq.state[index], direction)?;
+            for index in 0..seq.state().len() {
+                let moved = tiers.move_block(seq.state()[index], direction)?;
                 seq.set_state(index, moved, log, slab);
             }
             // Blocks whose contents the prefix cache names: their host copies are events.
-            let named = seq.num_registered.min(seq.hashes.len());
+            let named = seq.num_registered().min(seq.hashes().len());
             let (host_tier, events) = (&mut tiers.host_tier, &mut tiers.events);
             if let (true, Some(tier)) = (out && events.enabled(), host_tier.as_mut()) {
                 // Host copies this evicted leave first: a block holds one name at a time.
                 tier.pool
                     .drain_removed(|_, block| events.host_block_freed(block));
-                for group in 0..seq.tables.len() {
+                for group in 0..seq.tables().len() {
                     for index in 0..named {
-                        let block = seq.tables[group].blocks[index];
+                        let block = seq.tables()[group].blocks()[index];
                         if block == NULL_BLOCK {
                             continue; // released by a window
                         }
                         let (parent, hash, tokens) = seq.named_block(index, block_size);
-                        let root = seq.root_hash;
+                        let root = seq.root_hash();
                         events.host_copy_made(block, group as u32, parent, root, hash, tokens);
                     }
                 }
             }
-            seq.swapped = out;
             // Fresh device blocks: offered to the prefix cache again once computed.
-            seq.num_registered = 0;
+            seq.moved_tier(out);
         }
         tiers.forget_moved(first_move)?;
         self.sync_removed();

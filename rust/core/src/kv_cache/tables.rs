@@ -19,9 +19,9 @@ use crate::error::CoreResult;
 impl GroupTable {
     pub(super) fn row_view(&self) -> RowView<'_> {
         RowView {
-            blocks: &self.blocks,
-            released: self.released,
-            layout: self.layout,
+            blocks: self.blocks(),
+            released: self.released(),
+            layout: self.layout(),
         }
     }
 }
@@ -105,13 +105,16 @@ impl KvCache {
         let mut total = 0usize;
         for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
             let seq = self.device_sequence(seq_id)?;
-            let len = seq.num_tokens;
+            let len = seq.num_tokens();
             ensure!(
                 start >= 0 && start <= end && end <= len as i64,
                 "range [{start}, {end}) of sequence {seq_id} is not within its {len} tokens"
             );
-            let table = &seq.tables[group];
-            let (released, allocated) = (table.released * block_size, table.allocated * block_size);
+            let table = &seq.tables()[group];
+            let (released, allocated) = (
+                table.released() * block_size,
+                table.allocated() * block_size,
+            );
             ensure!(
                 start == end || start as usize >= released,
                 "range [{start}, {end}) of sequence {seq_id} starts before token {released}: \
@@ -127,7 +130,7 @@ impl KvCache {
         slots.clear();
         slots.reserve(total);
         for ((&seq_id, &start), &end) in seq_ids.iter().zip(starts).zip(ends) {
-            let blocks = &self.sequence(seq_id)?.tables[group].blocks;
+            let blocks = self.sequence(seq_id)?.tables()[group].blocks();
             slots.extend((start as usize..end as usize).map(|position| {
                 (blocks[position / block_size] as usize * block_size + position % block_size) as i32
             }));
@@ -139,14 +142,14 @@ impl KvCache {
     /// stamp: what a step plan's row needs, in one lookup. `group` must exist.
     pub fn row_view(&self, seq_id: u64, group: usize) -> CoreResult<(&[u32], usize, u64)> {
         let seq = self.device_sequence(seq_id)?;
-        let table = &seq.tables[group];
-        Ok((&table.blocks, seq.num_tokens, table.layout))
+        let table = &seq.tables()[group];
+        Ok((table.blocks(), seq.num_tokens(), table.layout()))
     }
 
     /// Every group's block list of a device sequence, in group order, in one lookup.
     pub fn group_rows(&self, seq_id: u64) -> CoreResult<impl Iterator<Item = RowView<'_>>> {
         let seq = self.device_sequence(seq_id)?;
-        Ok(seq.tables.iter().map(GroupTable::row_view))
+        Ok(seq.tables().iter().map(GroupTable::row_view))
     }
 
     /// Padded block tables of `group`, row-major `[batch, max blocks in the batch]`. Returns
@@ -166,7 +169,7 @@ impl KvCache {
         out.resize(seq_ids.len() * width, NULL_BLOCK as i32);
         if width > 0 {
             for (&seq_id, row) in seq_ids.iter().zip(out.chunks_exact_mut(width)) {
-                let blocks = &self.sequence(seq_id)?.tables[group].blocks;
+                let blocks = self.sequence(seq_id)?.tables()[group].blocks();
                 for (cell, &block) in row.iter_mut().zip(blocks) {
                     *cell = block as i32;
                 }
@@ -214,7 +217,7 @@ impl KvCache {
             // The run of blocks the group holds: a window's released blocks before it (read
             // with FlashInfer's `window_left`, the positions shift alike), a lazily admitted
             // prompt's blocks not allocated yet after it.
-            let blocks = &seq.tables[group].blocks;
+            let blocks = seq.tables()[group].blocks();
             let first = blocks.iter().position(|&block| block != NULL_BLOCK);
             let first = first.unwrap_or(blocks.len());
             let end = blocks[first..]
@@ -224,7 +227,7 @@ impl KvCache {
             indices.extend(blocks[first..end].iter().map(|&block| block as i32));
             indptr.push(indices.len() as i32);
             let before_last = end.saturating_sub(1) * block_size;
-            last_page_len.push(seq.num_tokens.saturating_sub(before_last).min(block_size) as i32);
+            last_page_len.push(seq.num_tokens().saturating_sub(before_last).min(block_size) as i32);
         }
         Ok(())
     }

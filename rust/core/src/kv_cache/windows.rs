@@ -42,9 +42,9 @@ impl KvCache {
         let slab = self.slab_of(seq_id)?;
         let seq = self.device_sequence(seq_id)?;
         ensure!(
-            num_tokens <= seq.num_tokens,
+            num_tokens <= seq.num_tokens(),
             "sequence {seq_id} holds {} tokens; {num_tokens} cannot be computed",
-            seq.num_tokens
+            seq.num_tokens()
         );
         Ok(self.window_need(slab, num_tokens))
     }
@@ -53,16 +53,16 @@ impl KvCache {
     pub(super) fn window_need(&self, slab: u32, num_tokens: usize) -> usize {
         let block_size = self.block_size();
         let seq = &self.sequences[slab];
-        if seq.window_bounds.settled(seq.num_computed) {
+        if seq.window_bounds().settled(seq.num_computed()) {
             return 0;
         }
         let end = num_tokens.div_ceil(block_size);
         let mut needed = 0;
         let mut first_needed = FirstNeeded::default();
-        for (table, spec) in seq.tables.iter().zip(&self.groups) {
+        for (table, spec) in seq.tables().iter().zip(&self.groups) {
             if spec.kind.is_windowed() {
-                let from = first_needed.of(spec.kind, seq.num_computed, block_size);
-                needed += end.saturating_sub(table.allocated.max(from));
+                let from = first_needed.of(spec.kind, seq.num_computed(), block_size);
+                needed += end.saturating_sub(table.allocated().max(from));
             }
         }
         needed
@@ -74,7 +74,7 @@ impl KvCache {
     pub(super) fn advance_windows(&mut self, slab: u32, num_tokens: usize) -> CoreResult<()> {
         let block_size = self.block_size();
         let seq = &self.sequences[slab];
-        if seq.window_bounds.settled(seq.num_computed) {
+        if seq.window_bounds().settled(seq.num_computed()) {
             debug_assert!(
                 self.windows_stay(slab, num_tokens),
                 "window bounds skipped a release or an allocation"
@@ -92,42 +92,41 @@ impl KvCache {
         let end = num_tokens.div_ceil(block_size);
         let mut first_needed = FirstNeeded::default();
         let mut bounds = WindowBounds::SETTLED;
-        for (group, (table, spec)) in seq.tables.iter_mut().zip(groups.iter()).enumerate() {
+        let (num_computed, mut changed) = (seq.num_computed(), false);
+        for (group, (table, spec)) in seq.tables_mut().iter_mut().zip(groups.iter()).enumerate() {
             let at = (slab, group as u32);
             if !spec.kind.is_windowed() {
                 continue;
             }
             let from = first_needed
-                .of(spec.kind, seq.num_computed, block_size)
-                .min(table.blocks.len());
+                .of(spec.kind, num_computed, block_size)
+                .min(table.blocks().len());
             // A release only turns leading cells null (tables follow `released`); filling a
             // prompt's pending cells replaces entries, which the layout stamp says.
-            let released = table.released < from;
-            let filled = table.allocated < end;
+            let released = table.released() < from;
+            let filled = table.allocated() < end;
             if released {
                 // Head first: the oldest of them is evicted first if it stays cached.
-                let held = from.min(table.allocated).max(table.released);
-                for index in table.released..held {
-                    tiers.block_pool.release(table.blocks[index]);
+                let held = from.min(table.allocated()).max(table.released());
+                for index in table.released()..held {
+                    tiers.block_pool.release(table.blocks()[index]);
                     table.set(index, NULL_BLOCK, log, at);
                 }
-                table.released = from;
-                table.allocated = table.allocated.max(from);
+                table.release_before(from);
             }
-            while table.allocated < end {
-                let block = tiers.allocate_device()?;
-                table.set(table.allocated, block, log, at);
-                table.allocated += 1;
+            while table.allocated() < end {
+                table.fill_next(tiers.allocate_device()?, log, at);
             }
             if filled {
-                table.layout = version;
+                table.stamp_layout(version);
             }
-            if released || filled {
-                seq.version = version;
-            }
-            bounds.include(spec.kind, table.released, table.complete(), block_size);
+            changed |= released || filled;
+            bounds.include(spec.kind, table.released(), table.complete(), block_size);
         }
-        seq.window_bounds = bounds;
+        if changed {
+            seq.stamp(version);
+        }
+        seq.set_window_bounds(bounds);
         Ok(())
     }
 
@@ -137,13 +136,13 @@ impl KvCache {
         let block_size = self.block_size();
         let seq = &self.sequences[slab];
         let end = num_tokens.div_ceil(block_size);
-        seq.tables
+        seq.tables()
             .iter()
             .zip(&self.groups)
             .filter(|(_, spec)| spec.kind.is_windowed())
             .all(|(table, spec)| {
-                let from = spec.kind.first_needed_block(seq.num_computed, block_size);
-                table.released >= from.min(table.blocks.len()) && table.allocated >= end
+                let from = spec.kind.first_needed_block(seq.num_computed(), block_size);
+                table.released() >= from.min(table.blocks().len()) && table.allocated() >= end
             })
     }
 }

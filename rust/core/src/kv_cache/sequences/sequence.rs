@@ -2,16 +2,16 @@
 
 use std::ops::Range;
 
-use super::retention::RetentionConfig;
-use super::windows::WindowBounds;
-use super::{KvEventLog, Medium};
 use crate::alloc::BlockHash;
+use crate::kv_cache::retention::RetentionConfig;
+use crate::kv_cache::windows::WindowBounds;
+use crate::kv_cache::{KvEventLog, Medium};
 
 /// Bytes of one sequence's fixed state (for memory accounting).
 pub const SEQUENCE_BYTES: usize = std::mem::size_of::<Sequence>();
 
 #[derive(Debug, Clone, Default)]
-pub(super) struct Sequence {
+pub(in crate::kv_cache) struct Sequence {
     pub(super) seq_id: u64,
     pub(super) live: bool,
     pub(super) num_tokens: usize,
@@ -56,9 +56,104 @@ pub(super) struct Sequence {
     pub(super) retention: Option<Box<RetentionConfig>>,
 }
 
+/// What the rest of the cache reads of a sequence. It changes one only through the methods
+/// that say what the change is (`changes`), which the sequence table records.
+impl Sequence {
+    #[inline]
+    pub(in crate::kv_cache) fn seq_id(&self) -> u64 {
+        self.seq_id
+    }
+
+    /// Whether the slab holds a sequence (a vacant one holds none).
+    #[inline]
+    pub(in crate::kv_cache) fn is_live(&self) -> bool {
+        self.live
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn tables(&self) -> &[GroupTable] {
+        &self.tables
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn state(&self) -> &[u32] {
+        &self.state
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn is_swapped(&self) -> bool {
+        self.swapped
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn is_hashable(&self) -> bool {
+        self.hashable
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn root_hash(&self) -> BlockHash {
+        self.root_hash
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn partial_tokens(&self) -> &[u32] {
+        &self.partial_tokens
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn token_ids(&self) -> &[u32] {
+        &self.token_ids
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn num_computed(&self) -> usize {
+        self.num_computed
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn num_registered(&self) -> usize {
+        self.num_registered
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn kv_reach(&self) -> u32 {
+        self.kv_reach
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn prompt_blocks(&self) -> u32 {
+        self.prompt_blocks
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn window_bounds(&self) -> WindowBounds {
+        self.window_bounds
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn version(&self) -> u64 {
+        self.version
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn retention(&self) -> Option<&RetentionConfig> {
+        self.retention.as_deref()
+    }
+}
+
 /// A sequence's fields that are no vector, as a transaction found them.
 #[derive(Clone, Copy)]
-pub(super) struct Scalars {
+pub(in crate::kv_cache) struct Scalars {
     seq_id: u64,
     live: bool,
     num_tokens: usize,
@@ -80,7 +175,7 @@ pub(super) struct Scalars {
 /// `allocated` on are the null block too (a windowed group admitted by the scheduler takes a
 /// prompt's blocks only as it is computed); the ones between are held.
 #[derive(Debug, Clone, Default)]
-pub(super) struct GroupTable {
+pub(in crate::kv_cache) struct GroupTable {
     pub(super) blocks: BlockList,
     pub(super) released: usize,
     pub(super) allocated: usize,
@@ -93,25 +188,47 @@ pub(super) struct GroupTable {
 impl GroupTable {
     /// Starts a new list stamped `version` (a transaction recorded what it held, see
     /// `Sequence::clear`).
-    pub(super) fn reset(&mut self, version: u64) {
+    pub(in crate::kv_cache) fn reset(&mut self, version: u64) {
         self.blocks.0.clear();
         self.released = 0;
         self.allocated = 0;
         self.layout = version;
     }
 
+    #[inline]
+    pub(in crate::kv_cache) fn blocks(&self) -> &BlockList {
+        &self.blocks
+    }
+
+    /// Entries before this are null: released, or never needed.
+    #[inline]
+    pub(in crate::kv_cache) fn released(&self) -> usize {
+        self.released
+    }
+
+    /// Entries from this on are null: a windowed group's prompt blocks still to come.
+    #[inline]
+    pub(in crate::kv_cache) fn allocated(&self) -> usize {
+        self.allocated
+    }
+
+    #[inline]
+    pub(in crate::kv_cache) fn layout(&self) -> u64 {
+        self.layout
+    }
+
     /// The blocks held (neither released nor still to be allocated).
-    pub(super) fn live(&self) -> &[u32] {
+    pub(in crate::kv_cache) fn live(&self) -> &[u32] {
         &self.blocks[self.released..self.allocated]
     }
 
     /// Whether every block up to the last is allocated (no prompt blocks still to come).
-    pub(super) fn complete(&self) -> bool {
+    pub(in crate::kv_cache) fn complete(&self) -> bool {
         self.allocated == self.blocks.len()
     }
 
     /// Adds a held block at the end.
-    pub(super) fn push(&mut self, block: u32) {
+    pub(in crate::kv_cache) fn push(&mut self, block: u32) {
         debug_assert!(self.complete());
         self.blocks.push(block);
         self.allocated += 1;
@@ -121,19 +238,19 @@ impl GroupTable {
 /// A group's block list: it grows freely, but an entry is replaced only through
 /// `GroupTable::set`, which records the old one for a transaction's rollback.
 #[derive(Debug, Clone, Default)]
-pub(super) struct BlockList(pub(super) Vec<u32>);
+pub(in crate::kv_cache) struct BlockList(pub(super) Vec<u32>);
 
 impl BlockList {
-    pub(super) fn push(&mut self, block: u32) {
+    pub(in crate::kv_cache) fn push(&mut self, block: u32) {
         self.0.push(block);
     }
 
-    pub(super) fn extend_from_slice(&mut self, blocks: &[u32]) {
+    pub(in crate::kv_cache) fn extend_from_slice(&mut self, blocks: &[u32]) {
         self.0.extend_from_slice(blocks);
     }
 
     /// Grows the list to `len` with `block` (a list never shrinks but by `reset`).
-    pub(super) fn grow(&mut self, len: usize, block: u32) {
+    pub(in crate::kv_cache) fn grow(&mut self, len: usize, block: u32) {
         debug_assert!(len >= self.0.len());
         self.0.resize(len, block);
     }
@@ -158,17 +275,17 @@ impl<'a> IntoIterator for &'a BlockList {
 
 impl Sequence {
     /// The block list of group 0 (the only group of a cache without layer types).
-    pub(super) fn blocks(&self) -> &[u32] {
+    pub(in crate::kv_cache) fn blocks(&self) -> &[u32] {
         &self.tables[0].blocks
     }
 
     /// Blocks the sequence holds per group: the length of every list.
-    pub(super) fn num_blocks(&self) -> usize {
+    pub(in crate::kv_cache) fn num_blocks(&self) -> usize {
         self.tables[0].blocks.len()
     }
 
     /// Every block the sequence holds, in any group, its state's too (null blocks skipped).
-    pub(super) fn held_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+    pub(in crate::kv_cache) fn held_blocks(&self) -> impl Iterator<Item = u32> + '_ {
         self.tables
             .iter()
             .flat_map(|table| table.live().iter().copied())
@@ -176,7 +293,7 @@ impl Sequence {
     }
 
     /// Logs that full blocks `blocks` of `group` joined the device's prefix cache.
-    pub(super) fn log_stored(
+    pub(in crate::kv_cache) fn log_stored(
         &self,
         events: &mut KvEventLog,
         group: usize,
@@ -204,7 +321,7 @@ impl Sequence {
 
     /// What a stored event says of full block `index`: its parent's hash (`None` for the
     /// first block), its own hash and its token ids (empty unless KV events keep them).
-    pub(super) fn named_block(
+    pub(in crate::kv_cache) fn named_block(
         &self,
         index: usize,
         block_size: usize,
@@ -219,7 +336,7 @@ impl Sequence {
 }
 
 impl Sequence {
-    pub(super) fn scalars(&self) -> Scalars {
+    pub(in crate::kv_cache) fn scalars(&self) -> Scalars {
         Scalars {
             seq_id: self.seq_id,
             live: self.live,
@@ -236,7 +353,7 @@ impl Sequence {
         }
     }
 
-    pub(super) fn set_scalars(&mut self, scalars: Scalars) {
+    pub(in crate::kv_cache) fn set_scalars(&mut self, scalars: Scalars) {
         let Scalars {
             seq_id,
             live,

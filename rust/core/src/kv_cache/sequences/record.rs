@@ -5,20 +5,19 @@
 //! tables' bounds, the lengths of its lists and the few token ids of its partly filled
 //! block. Its lists only grow in between, but for two kinds of change recorded as they
 //! happen: a block replaced in place (`GroupTable::set`, `Sequence::set_state`) and lists
-//! emptied (`Sequence::clear`, `Sequence::forget_token_ids`), whose contents are kept. A
+//! emptied (`Sequence::clear`, `Sequence::stop_naming`), whose contents are kept. A
 //! rollback undoes those, newest first, then cuts every list back to its length and puts
 //! the scalars back.
 
-use super::retention::RetentionConfig;
-use super::retention::NO_RETENTION;
-use super::sequence::{GroupTable, Scalars, Sequence};
+use super::sequence::{Scalars, Sequence};
 use crate::alloc::BlockHash;
+use crate::kv_cache::retention::RetentionConfig;
 
 /// The list `replaced` names for a sequence's state blocks (groups are numbered from 0).
-pub(super) const STATE_LIST: u32 = u32::MAX;
+pub(in crate::kv_cache) const STATE_LIST: u32 = u32::MAX;
 
 #[derive(Clone, Default)]
-pub(super) struct SequenceLog {
+pub(in crate::kv_cache) struct SequenceLog {
     recording: bool,
     before: Vec<Before>,
     /// Each recorded sequence's group bounds: (released, allocated, layout, length).
@@ -55,7 +54,7 @@ enum Change {
 
 impl SequenceLog {
     /// Records `seq` (in slab `slab`) as it is before its first change in the transaction.
-    pub(super) fn first_change(&mut self, slab: u32, seq: &Sequence) {
+    pub(in crate::kv_cache) fn first_change(&mut self, slab: u32, seq: &Sequence) {
         let groups = self.groups.len() as u32;
         for table in &seq.tables {
             let bounds = (table.released, table.allocated, table.layout);
@@ -85,7 +84,7 @@ impl SequenceLog {
 
     /// Entry `index` of list `list` (a group, or `STATE_LIST`) of slab `slab` held `old`.
     #[inline]
-    pub(super) fn replaced(&mut self, slab: u32, list: u32, index: usize, old: u32) {
+    pub(in crate::kv_cache) fn replaced(&mut self, slab: u32, list: u32, index: usize, old: u32) {
         if self.recording {
             let index = index as u32;
             self.changes.push(Change::Replaced {
@@ -98,7 +97,7 @@ impl SequenceLog {
     }
 
     /// `seq`'s lists are about to be emptied: keeps their contents.
-    pub(super) fn cleared(&mut self, slab: u32, seq: &Sequence) {
+    pub(in crate::kv_cache) fn cleared(&mut self, slab: u32, seq: &Sequence) {
         if !self.recording {
             return;
         }
@@ -117,11 +116,11 @@ impl SequenceLog {
         self.ids.push(seq.hashes.len() as u32);
     }
 
-    pub(super) fn begin(&mut self) {
+    pub(in crate::kv_cache) fn begin(&mut self) {
         self.recording = true;
     }
 
-    pub(super) fn commit(&mut self) {
+    pub(in crate::kv_cache) fn commit(&mut self) {
         self.recording = false;
         self.before.clear();
         self.groups.clear();
@@ -131,7 +130,7 @@ impl SequenceLog {
     }
 
     /// Puts the recorded sequences of `slabs` back as the transaction found them.
-    pub(super) fn rollback(&mut self, slabs: &mut [Sequence]) {
+    pub(in crate::kv_cache) fn rollback(&mut self, slabs: &mut [Sequence]) {
         while let Some(change) = self.changes.pop() {
             match change {
                 Change::Replaced {
@@ -206,54 +205,5 @@ impl SequenceLog {
         seq.hashes.clear();
         seq.hashes
             .extend_from_slice(&self.hashes[hashes_at..hashes_at + len]);
-    }
-}
-
-// The changes a sequence records as they happen: the only ways to replace one of its blocks
-// in place or to empty its lists.
-
-impl GroupTable {
-    /// Replaces block `index` of group `group` of the sequence in slab `slab` by `block`,
-    /// recording the old one in `log`.
-    pub(super) fn set(&mut self, index: usize, block: u32, log: &mut SequenceLog, at: (u32, u32)) {
-        let old = std::mem::replace(&mut self.blocks.0[index], block);
-        log.replaced(at.0, at.1, index, old);
-    }
-}
-
-impl Sequence {
-    /// Empties an ended sequence's slab, keeping its vectors' capacity; `log` keeps what
-    /// its lists held for a transaction's rollback.
-    pub(super) fn clear(&mut self, log: &mut SequenceLog, slab: u32) {
-        log.cleared(slab, self);
-        self.live = false;
-        self.swapped = false;
-        self.num_tokens = 0;
-        for table in &mut self.tables {
-            table.reset(0);
-        }
-        self.state.clear();
-        self.kv_reach = 0;
-        self.prompt_blocks = 0;
-        self.partial_tokens.clear();
-        self.hashes.clear();
-        self.token_ids.clear();
-        if let Some(retention) = self.retention.as_mut() {
-            RetentionConfig::clone_from(retention, &NO_RETENTION);
-        }
-    }
-
-    /// Replaces state block `index` by `block`, recording the old one in `log`.
-    pub(super) fn set_state(&mut self, index: usize, block: u32, log: &mut SequenceLog, slab: u32) {
-        let old = std::mem::replace(&mut self.state[index], block);
-        log.replaced(slab, STATE_LIST, index, old);
-    }
-
-    /// Forgets the token ids (an append without them), `log` keeping them for a rollback.
-    pub(super) fn forget_token_ids(&mut self, log: &mut SequenceLog, slab: u32) {
-        log.cleared(slab, self);
-        self.partial_tokens.clear();
-        self.hashes.clear();
-        self.token_ids.clear();
     }
 }

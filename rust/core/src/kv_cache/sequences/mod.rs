@@ -9,18 +9,23 @@
 //! In a transaction (see `undo`) the table records what it changes: the index's entries,
 //! the vacant list, the slabs it adds, and — through `index_mut`, `two_mut`, `with_log` and
 //! `vacant_slab`, the only ways to change a sequence — each sequence it hands out for
-//! changing, as it was (see `sequence_record`).
+//! changing, as it was (see `record`).
 
 use std::fmt;
 use std::ops::{Index, IndexMut};
 
 use hashbrown::HashMap;
 
-use super::sequence::{GroupTable, Sequence};
-use super::sequence_record::SequenceLog;
+mod changes;
+mod record;
+mod sequence;
+
 use super::windows::WindowBounds;
 use crate::error::{CoreError, CoreResult};
 use crate::undo::{Saved, Undo, UndoVec};
+pub(super) use record::SequenceLog;
+pub use sequence::SEQUENCE_BYTES;
+pub(super) use sequence::{GroupTable, Sequence};
 
 #[derive(Clone)]
 pub(super) struct SequenceTable {
