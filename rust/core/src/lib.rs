@@ -23,6 +23,7 @@ mod error;
 #[macro_use]
 mod figures;
 mod alloc;
+mod attention;
 mod content_digest;
 mod kv_cache;
 mod layout;
@@ -33,6 +34,9 @@ pub use alloc::{
     AlignmentPolicy, BlockHash, BlockPool, EvictionPolicy, MemPool, MemPoolStats, PoolAllocation,
     PrefixCacheCounters, DEFAULT_PRIORITY, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_PRIORITY,
     MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
+};
+pub use attention::{
+    bf16, f16, write_slots, AttentionShape, Element, NewKv, PagedAttention, StepRows, Visibility,
 };
 pub use content_digest::{content_digests, Digest, PIECE_BYTES};
 pub use error::{CoreError, CoreResult};

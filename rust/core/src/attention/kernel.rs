@@ -1,0 +1,210 @@
+//! One work item of paged attention: the query heads that share one KV head, for a tile of
+//! one row's new tokens, attending over the row's K/V block by block with an online softmax
+//! (no score matrix, no gathered copy of the context).
+//!
+//! Per block, the item's K is converted to `f32` transposed (`[head_dim, keys]`), so that a
+//! query's scores over the block are `head_dim` multiply-adds over the keys' lanes, and V
+//! kept as rows, so that the weighted sum is multiply-adds over `head_dim` lanes: no
+//! horizontal sum anywhere in the loop.
+
+use super::element::Element;
+use super::lanes::{add_scaled, exp, exp_shifted_sum, scale};
+use super::{PagedAttention, Visibility};
+
+/// Tokens of one prefill row attended together: their K/V blocks are read once for all.
+pub(super) const TOKEN_TILE: usize = 16;
+
+/// The item: `row`'s new tokens `tokens` (indices into the step's tokens), with the query
+/// heads of KV head `kv_head`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WorkItem {
+    pub row: u32,
+    pub kv_head: u32,
+    pub tokens: (u32, u32),
+}
+
+/// Per-thread buffers, sized once for the largest item.
+pub(super) struct Scratch {
+    /// The (query heads per KV head, head_dim, block_size) it was sized for.
+    pub sizes: (usize, usize, usize),
+    queries: Vec<f32>,
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    keys_t: Vec<f32>,
+    values: Vec<f32>,
+    row: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+impl Scratch {
+    pub(super) fn new(group: usize, head_dim: usize, block_size: usize) -> Self {
+        let vectors = group * TOKEN_TILE;
+        Scratch {
+            sizes: (group, head_dim, block_size),
+            queries: vec![0.0; vectors * head_dim],
+            acc: vec![0.0; vectors * head_dim],
+            max: vec![0.0; vectors],
+            sum: vec![0.0; vectors],
+            keys_t: vec![0.0; head_dim * block_size],
+            values: vec![0.0; block_size * head_dim],
+            row: vec![0.0; head_dim],
+            scores: vec![0.0; block_size],
+        }
+    }
+}
+
+/// Where outputs go: every item writes its own tokens' heads, which no other item writes.
+#[derive(Clone, Copy)]
+pub(super) struct Output<E>(pub *mut E);
+
+// Items write disjoint parts of the output (see `attend`).
+unsafe impl<E: Send> Send for Output<E> {}
+unsafe impl<E: Send> Sync for Output<E> {}
+
+/// Attends `item`, writing its tokens' heads of `out` (`[tokens, heads, head_dim]`).
+///
+/// # Safety
+/// `out` points at the call's output, of `tokens × heads × head_dim` elements, and no other
+/// thread writes this item's part of it.
+#[inline(always)]
+pub(super) unsafe fn attend<E: Element>(
+    call: &PagedAttention<'_, E>,
+    item: WorkItem,
+    scratch: &mut Scratch,
+    out: Output<E>,
+) {
+    let shape = &call.shape;
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let group = shape.num_heads / shape.num_kv_heads;
+    let (row, kv_head) = (item.row as usize, item.kv_head as usize);
+    let (first_token, end_token) = (item.tokens.0 as usize, item.tokens.1 as usize);
+    let rows = &call.rows;
+    let row_start = rows.query_start_loc[row] as usize;
+    let query_len = rows.query_start_loc[row + 1] as usize - row_start;
+    let first_position = rows.seq_lens[row] as usize - query_len;
+    let position = |token: usize| first_position + token - row_start;
+    let vectors = (end_token - first_token) * group;
+
+    // Queries, pre-scaled; vector `i` is token `first_token + i / group`, head
+    // `kv_head * group + i % group`.
+    for token in first_token..end_token {
+        for head in 0..group {
+            let i = (token - first_token) * group + head;
+            let at = (token * shape.num_heads + kv_head * group + head) * dim;
+            let query = &mut scratch.queries[i * dim..(i + 1) * dim];
+            E::load(&call.query[at..at + dim], query);
+            scale(query, call.scale);
+        }
+    }
+    scratch.acc[..vectors * dim].fill(0.0);
+    scratch.max[..vectors].fill(f32::NEG_INFINITY);
+    scratch.sum[..vectors].fill(0.0);
+
+    let (lowest, highest) = (
+        call.visibility.first_visible(position(first_token)),
+        position(end_token - 1),
+    );
+    let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
+    let blocks = table.iter().enumerate().take(highest / block_size + 1);
+    for (index, &block) in blocks.skip(lowest / block_size) {
+        let first_key = (index * block_size).max(lowest);
+        let end_key = ((index + 1) * block_size).min(highest + 1);
+        let (keys, block) = (end_key - first_key, block as usize);
+        load_block(
+            call,
+            scratch,
+            (block, first_key % block_size, keys),
+            kv_head,
+        );
+        for i in 0..vectors {
+            let token_position = position(first_token + i / group);
+            let from = call.visibility.first_visible(token_position).max(first_key);
+            let to = (token_position + 1).min(end_key);
+            if from >= to {
+                continue;
+            }
+            let (skip, count) = (from - first_key, to - from);
+            let query = &scratch.queries[i * dim..(i + 1) * dim];
+            let scores = &mut scratch.scores[..count];
+            scores.fill(0.0);
+            for (d, &q) in query.iter().enumerate() {
+                let column = &scratch.keys_t[d * block_size + skip..d * block_size + skip + count];
+                add_scaled(scores, q, column);
+            }
+            let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let acc = &mut scratch.acc[i * dim..(i + 1) * dim];
+            let old_max = scratch.max[i];
+            if block_max > old_max {
+                let factor = exp(old_max - block_max);
+                scratch.sum[i] *= factor;
+                scale(acc, factor);
+                scratch.max[i] = block_max;
+            }
+            scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
+            for (j, &weight) in scores.iter().enumerate() {
+                let key = skip + j;
+                add_scaled(acc, weight, &scratch.values[key * dim..(key + 1) * dim]);
+            }
+        }
+    }
+
+    for i in 0..vectors {
+        let token = first_token + i / group;
+        let head = kv_head * group + i % group;
+        let (mut max, mut sum) = (scratch.max[i], scratch.sum[i]);
+        let acc = &mut scratch.acc[i * dim..(i + 1) * dim];
+        if let Some(sinks) = call.sinks {
+            // gpt-oss: one more logit per head, whose value is nothing.
+            let sink = sinks[head];
+            if sink > max {
+                let factor = exp(max - sink);
+                sum *= factor;
+                scale(acc, factor);
+                max = sink;
+            }
+            sum += exp(sink - max);
+        }
+        scale(acc, 1.0 / sum);
+        let at = (token * shape.num_heads + head) * dim;
+        // Safety: the caller's contract; this item alone writes (token, head).
+        let target = std::slice::from_raw_parts_mut(out.0.add(at), dim);
+        E::store(acc, target);
+    }
+}
+
+/// Converts keys `first..first + count` of `block` (offsets within it) for `kv_head`:
+/// transposed into `keys_t` (`[head_dim, block_size]`, at their offsets), as rows into
+/// `values`.
+#[inline(always)]
+fn load_block<E: Element>(
+    call: &PagedAttention<'_, E>,
+    scratch: &mut Scratch,
+    (block, first, count): (usize, usize, usize),
+    kv_head: usize,
+) {
+    let shape = &call.shape;
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    for offset in first..first + count {
+        let slot = block * block_size + offset;
+        let at = (slot * shape.num_kv_heads + kv_head) * dim;
+        E::load(&call.key_cache[at..at + dim], &mut scratch.row);
+        for (d, &value) in scratch.row.iter().enumerate() {
+            scratch.keys_t[d * block_size + offset - first] = value;
+        }
+        let value_row = &mut scratch.values[(offset - first) * dim..(offset - first + 1) * dim];
+        E::load(&call.value_cache[at..at + dim], value_row);
+    }
+}
+
+impl Visibility {
+    /// The first position a query at `position` attends.
+    #[inline(always)]
+    pub(super) fn first_visible(self, position: usize) -> usize {
+        match self {
+            Visibility::Causal => 0,
+            Visibility::Sliding { window } => (position + 1).saturating_sub(window),
+            Visibility::Chunked { chunk } => position / chunk * chunk,
+        }
+    }
+}
