@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from dynamo._core import RadixTree, compute_block_hash_for_seq
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from atb_mem import KVCachePool
@@ -69,6 +69,11 @@ def test_the_router_scores_what_the_cache_would_serve(operations: list[tuple],
 @settings(max_examples=100, deadline=None)
 @given(st.lists(hybrid_operation, max_size=40),
        st.lists(st.integers(0, 2), min_size=3, max_size=9))
+# A reset once removed a freed sequence's blocks in block order, head before tail, and the
+# tree could not remove a block whose parent it had removed.
+@example(operations=[("alloc", 0, [0]), ("alloc", 1, [1]), ("decode", 0, 1), ("decode", 1, 3),
+                     ("alloc", 0, [0]), ("free", 1), ("alloc", 0, [0]), ("reset",)],
+         probe=[0, 0, 0])
 def test_with_kv_cache_groups_the_router_follows_the_full_attention_group(
         operations: list[tuple], probe: list[int]) -> None:
     """Dynamo's tree has no groups: it follows the first full-attention group, and scores

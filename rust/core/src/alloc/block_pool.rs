@@ -452,14 +452,16 @@ impl BlockPool {
             return 0;
         }
         let mut dropped = 0;
-        for block in 1..self.num_blocks() as u32 {
-            if self.cached[block as usize] != Cached::No && self.ref_counts[block as usize] == 0 {
-                self.unregister(block);
-                // Among the free blocks now.
-                self.free_queue.remove(block);
-                self.free_queue.push_front(FREE, block);
-                dropped += 1;
-            }
+        // In eviction order, not block order: a sequence's blocks are released tail first, so
+        // a chain's tail leaves before its head, as it does when evicted — a router mirroring
+        // the cache from its events (Dynamo's radix tree) cannot remove a block whose parent
+        // it already removed.
+        while let Some(block) = self.policy.victim(&self.free_queue) {
+            self.unregister(block);
+            // Among the free blocks now.
+            self.free_queue.remove(block);
+            self.free_queue.push_front(FREE, block);
+            dropped += 1;
         }
         self.num_evictable -= dropped;
         dropped
