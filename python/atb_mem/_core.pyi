@@ -43,6 +43,29 @@ def content_digests(buffers: Sequence[npt.NDArray[np.uint8]], threads: int = 0) 
     pieces on ``threads`` threads (0: every core) with the GIL released; the same whatever
     the thread count."""
 
+def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
+                    value_cache: npt.NDArray[Any], out: npt.NDArray[Any],
+                    query_start_loc: npt.NDArray[np.int32], seq_lens: npt.NDArray[np.int32],
+                    block_tables: npt.NDArray[np.int32], *, block_size: int, scale: float,
+                    dtype: str, window: int | None = None, chunk: int | None = None,
+                    sinks: npt.NDArray[np.float32] | None = None,
+                    new_keys: npt.NDArray[Any] | None = None,
+                    new_values: npt.NDArray[Any] | None = None,
+                    slot_mapping: npt.NDArray[np.int32] | None = None,
+                    threads: int = 1) -> None:
+    """Paged attention on the CPU for one layer and step, into ``out``.
+
+    ``query`` and ``out`` ``[tokens, heads, head_dim]``, the caches ``[slots, kv_heads,
+    head_dim]`` (slot = block × ``block_size`` + offset), all C-contiguous: float32 arrays for
+    ``dtype="float32"``, int16 arrays of the bits for ``"bfloat16"`` and ``"float16"``. Row
+    ``r``'s new tokens are ``query_start_loc[r]:query_start_loc[r + 1]``, the last of its
+    ``seq_lens[r]`` positions; its blocks are ``block_tables[r]``. Causal, within ``window``
+    (sliding) or ``chunk`` positions when given; grouped-query heads; ``sinks`` (``[heads]``)
+    adds gpt-oss's sink logit. With ``new_keys``/``new_values`` (``[tokens, kv_heads,
+    head_dim]``) and ``slot_mapping``, writes them into their slots first (negative: none).
+    Every input is checked before anything is read or written; ``threads`` threads, the GIL
+    released."""
+
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
 SeqIdsLike = IntsLike

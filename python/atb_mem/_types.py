@@ -22,7 +22,7 @@ Preemption = Literal["recompute", "swap"]
 """What the continuous scheduler does with a sequence it preempts."""
 TimeoutAction = Literal["reject", "delay"]
 """What the request batcher does with a request that outlived its timeout."""
-AttentionBackend = Literal["auto", "torch", "flashinfer"]
+AttentionBackend = Literal["auto", "torch", "flashinfer", "cpu"]
 """The attention a model runner uses: FlashInfer's paged kernel where it runs (CUDA), the torch
 reference, or the first that works (``"auto"``)."""
 BackendName = Literal["numpy", "torch"]

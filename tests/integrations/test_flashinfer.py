@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from atb_mem.integrations import attention_backends as backends
 from atb_mem.integrations import flashinfer as kernels
+from atb_mem.integrations.cpu_attention import CpuPagedAttention
 from atb_mem.serving import Engine, SamplingParams
 from tests.support import fake_flashinfer, models
 from tests.support.models import WINDOW, hf_greedy, model_pair, require_transformers
@@ -58,14 +60,17 @@ def test_page_table_refuses_rows_that_are_not_a_live_run(row: list[int]) -> None
 
 def choose(backend: Any, device: str = "cpu") -> Any:
     torch = models.require_torch()
-    return kernels.attention_kernel(backend, device, 4, 2, 16, BLOCK_SIZE, torch.float32)
+    return backends.attention_kernel(backend, device, 4, 2, 16, BLOCK_SIZE, torch.float32)
 
 
-def test_auto_on_the_cpu_and_torch_use_the_reference() -> None:
+def test_auto_on_the_cpu_is_atb_mems_kernel_and_torch_the_reference() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert choose("auto") is None
+        assert isinstance(choose("auto"), CpuPagedAttention)
+        assert isinstance(choose("cpu"), CpuPagedAttention)
         assert choose("torch") is None
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        choose("cpu", "cuda")
 
 
 def test_without_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:

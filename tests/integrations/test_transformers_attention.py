@@ -1,6 +1,7 @@
-"""The paged attention function against the model's own attention: last-token logits of a
-chunked, mixed step equal HF's full forward; and negative controls that show the comparison
-fails when the block table is permuted or the slot map shifted."""
+"""The paged attention function against the model's own attention, on atb-mem's CPU kernel and
+on the torch reference: last-token logits of a chunked, mixed step equal HF's full forward;
+and negative controls that show the comparison fails when the block table is permuted or the
+slot map shifted, on each."""
 
 from __future__ import annotations
 
@@ -29,15 +30,19 @@ def prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
 
 
+BACKENDS = ["cpu", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_last_token_logits_equal_a_full_forward(architecture: str) -> None:
+def test_last_token_logits_equal_a_full_forward(architecture: str, backend: str) -> None:
     """Three prompts prefilled in chunks of at most 8 tokens per step, the later chunks
     attending to K/V earlier steps wrote: each prompt's last-token logits equal HF's."""
     torch = require_torch()
     model, reference = model_pair(architecture)
     kv = KVCachePool(32, 4, device="cpu", **paged.kv_cache_layout(model))
     scheduler = ContinuousBatchScheduler(kv, max_num_batched_tokens=8)
-    runner = paged.ModelRunner(model, kv)
+    runner = paged.ModelRunner(model, kv, attention_backend=backend)  # type: ignore[arg-type]
     prompts = {1: prompt(1, 11), 2: prompt(2, 5), 3: prompt(3, 14)}
     for seq_id, tokens in prompts.items():
         scheduler.add_request(seq_id, tokens, 1)
@@ -66,21 +71,36 @@ def corrupt(monkeypatch: pytest.MonkeyPatch, change: Callable[[Any], dict[str, A
     monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
 
 
-def mismatches(architecture: str) -> int:
+def mismatches(architecture: str, backend: str) -> int:
     """How many of 3 prompts' greedy outputs differ from HF's (NaN-poisoned run)."""
     model, reference = model_pair(architecture)
-    engine = Engine(model, num_blocks=48, block_size=4)
+    engine = Engine(model, num_blocks=48, block_size=4,
+                    attention_backend=backend)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = {f"r{n}": prompt(n, n) for n in (6, 9, 13)}
     results = run_poisoned(engine, {0: [(rid, p, params) for rid, p in prompts.items()]})
     return sum(results[rid][0][0] != hf_greedy(reference, p, 8) for rid, p in prompts.items())
 
 
-def test_the_comparison_passes_unchanged() -> None:
-    assert mismatches("llama") == 0
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_comparison_passes_unchanged(backend: str) -> None:
+    assert mismatches("llama", backend) == 0
 
 
-def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_permuted_block_table_is_caught_on_the_cpu_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each row's first block is the previous row's: valid blocks, the wrong ones.
+    def permuted(step: paged.StepAttention) -> dict[str, Any]:
+        tables = step.kernel.table_planes.copy()
+        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
+        return {"kernel": dataclasses.replace(step.kernel, table_planes=tables)}
+
+    corrupt(monkeypatch, permuted)
+    assert mismatches("llama", "cpu") > 0
+
+
+def test_a_permuted_block_table_is_caught_on_the_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     build = paged.PagedRows.build
 
     def permuted(*args: Any, **kwargs: Any) -> paged.PagedRows:
@@ -90,14 +110,20 @@ def test_a_permuted_block_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
         return dataclasses.replace(rows, kv_slots=rows.kv_slots.roll(1, dims=0))
 
     monkeypatch.setattr(paged.PagedRows, "build", permuted)
-    assert mismatches("llama") > 0
+    assert mismatches("llama", "torch") > 0
 
 
-def test_a_shifted_slot_map_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shifted_slot_map_is_caught(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     # New K/V lands one slot late: reads see a neighbour's bytes or poison.
-    corrupt(monkeypatch, lambda step: {"slot_mappings": [slots + 1
-                                                         for slots in step.slot_mappings]})
-    assert mismatches("llama") > 0
+    def shifted(step: paged.StepAttention) -> dict[str, Any]:
+        if backend == "cpu":
+            slots = step.kernel.slot_planes + 1
+            return {"kernel": dataclasses.replace(step.kernel, slot_planes=slots)}
+        return {"slot_mappings": [slots + 1 for slots in step.slot_mappings]}
+
+    corrupt(monkeypatch, shifted)
+    assert mismatches("llama", backend) > 0
 
 
 def left_padded(tokens: list[list[int]]) -> tuple[Any, Any]:

@@ -6,10 +6,14 @@ slides fails it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
+from atb_mem.integrations import reference_attention
 from atb_mem.integrations import transformers as paged
+from atb_mem.integrations.cpu_attention import CpuPagedStep
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     HYBRID_ARCHITECTURES,
@@ -98,13 +102,24 @@ def test_attending_past_the_window_is_caught(architecture: str,
     assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)
 
 
-def test_dropping_attention_sinks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control for gpt-oss: attention without its sinks gets other tokens."""
-    attention = paged._attention
-    monkeypatch.setattr(paged, "_attention", lambda queries, keys, values, mask, scaling, sinks:
-                        attention(queries, keys, values, mask, scaling, None))
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_dropping_attention_sinks_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                            backend: str) -> None:
+    """Negative control for gpt-oss, on the CPU kernel and on the torch reference: attention
+    without its sinks gets other tokens."""
+    if backend == "cpu":
+        attend = CpuPagedStep.attend
+        monkeypatch.setattr(CpuPagedStep, "attend", lambda self, *args, **kwargs: attend(
+            self, *args[:6], None, *args[7:], **kwargs))
+    else:
+        attention = reference_attention.sdpa_attention
+        for module in (paged, reference_attention):  # new rows' attention, and gathered rows'
+            monkeypatch.setattr(module, "sdpa_attention",
+                                lambda queries, keys, values, mask, scaling, sinks:
+                                attention(queries, keys, values, mask, scaling, None))
     model, reference = model_pair("gpt_oss")
-    engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE)
+    engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE,
+                    attention_backend=backend)  # type: ignore[arg-type]
     tokens = prompt(7, 2 * WINDOW + 1)
     results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})
     assert results["r"][0][0] != hf_tokens(reference, tokens, 3 * WINDOW)
@@ -155,13 +170,29 @@ def test_sliding_groups_hold_only_their_window(monkeypatch: pytest.MonkeyPatch) 
     assert peaks[True] < 0.75 * peaks[False], peaks
 
 
-def test_groups_without_the_window_mask_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control for groups: attention that drops the window sees other K/V (the
-    positions still held before the window) and gets other tokens."""
-    monkeypatch.setattr(paged.LayerAttention, "visible",
-                        lambda self, query, key: np.asarray(key <= query))
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_groups_with_a_wrong_window_are_caught(monkeypatch: pytest.MonkeyPatch,
+                                               backend: str) -> None:
+    """Negative control for groups: attention that drops the window (the torch reference)
+    sees other K/V (the positions still held before the window) and gets other tokens; so
+    does the CPU kernel with a window one position short (a longer one would read blocks the
+    window released, which the kernel refuses)."""
+    if backend == "cpu":
+        attend = CpuPagedStep.attend
+
+        def short_window(self: CpuPagedStep, group: int, kind: paged.LayerAttention,
+                         *args: Any, **kwargs: Any) -> Any:
+            if kind.kind == "sliding_attention" and kind.window:
+                kind = paged.LayerAttention(kind.kind, kind.window - 1)
+            return attend(self, group, kind, *args, **kwargs)
+
+        monkeypatch.setattr(CpuPagedStep, "attend", short_window)
+    else:
+        monkeypatch.setattr(paged.LayerAttention, "visible",
+                            lambda self, query, key: np.asarray(key <= query))
     model, reference = model_pair("gemma3")
-    engine = Engine(model, num_blocks=64, block_size=BLOCK_SIZE)
+    engine = Engine(model, num_blocks=64, block_size=BLOCK_SIZE,
+                    attention_backend=backend)  # type: ignore[arg-type]
     assert len(engine.kv_cache.groups) == 3
     tokens = prompt(7, 2 * WINDOW + 1)
     results = run_poisoned(engine, {0: [("r", tokens, greedy(3 * WINDOW))]})

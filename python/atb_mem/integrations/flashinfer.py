@@ -19,22 +19,18 @@ attention sinks — keep the torch reference in ``atb_mem.integrations.transform
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from atb_mem._types import AttentionBackend
 from atb_mem.integrations.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ATTENTION_BACKENDS", "FlashInferAttention", "FlashInferStep", "PageTable",
-           "attention_kernel"]
+__all__ = ["FlashInferAttention", "FlashInferStep", "PageTable"]
 
-ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "torch", "flashinfer")
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (split-K partial results), shared by the wrappers: they run one
 after another on one stream. 128 MiB is what FlashInfer's examples and vLLM allocate."""
@@ -110,8 +106,9 @@ class FlashInferAttention:
         return self.wrappers[key]
 
     def begin_step(self, query_lens: np.ndarray, seq_lens: np.ndarray,
-                   table_planes: np.ndarray) -> FlashInferStep:
-        """``table_planes``: ``[groups, rows, width]``, the step plan's block tables."""
+                   table_planes: np.ndarray, slot_planes: np.ndarray) -> FlashInferStep:
+        """``table_planes``: ``[groups, rows, width]``, the step plan's block tables (the
+        slots are written before the kernel runs)."""
         return FlashInferStep(self, query_lens, seq_lens, table_planes)
 
     def probe(self) -> None:
@@ -119,11 +116,12 @@ class FlashInferAttention:
         fails here, at start-up, rather than in the first step."""
         import torch
 
-        shape = (2, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (2 * self.block_size, self.num_kv_heads, self.head_dim)
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         query = torch.zeros((1, self.num_heads, self.head_dim), dtype=self.dtype,
                             device=self.device)
-        step = self.begin_step(np.array([1]), np.array([1]), np.array([[[1]]], dtype=np.int32))
+        step = self.begin_step(np.array([1]), np.array([1]), np.array([[[1]]], dtype=np.int32),
+                               np.array([[self.block_size]], dtype=np.int32))
         out = step.attend(0, LayerAttention(), query, keys, keys, None)
         if not bool(torch.isfinite(out).all()):
             raise RuntimeError("FlashInfer returned non-finite attention over zero K/V")
@@ -144,7 +142,9 @@ class FlashInferStep:
                key_cache: torch.Tensor, value_cache: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
         """``queries`` ``[T, H, D]`` of the step's tokens over the K/V already written to the
-        group's blocks (``[num_blocks, block_size, kv_heads, D]``); returns ``[T, H, D]``."""
+        group's slots (``[slots, kv_heads, D]``); returns ``[T, H, D]``."""
+        pages = (-1, self.kernel.block_size, *key_cache.shape[1:])
+        key_cache, value_cache = key_cache.view(pages), value_cache.view(pages)
         key = (group, kind)
         planned = self.planned.get(key)
         if planned is None or planned[1] != scaling:
@@ -175,34 +175,3 @@ class FlashInferStep:
                      window_left=window_left,
                      q_data_type=kernel.dtype, kv_data_type=kernel.dtype)
         return wrapper
-
-
-def attention_kernel(backend: AttentionBackend, device: Any, num_heads: int, num_kv_heads: int,
-                     head_dim: int, block_size: int, dtype: Any) -> FlashInferAttention | None:
-    """The paged kernel a model runner uses, or None for the torch reference.
-
-    ``"auto"``: FlashInfer on a CUDA device where it imports and runs this model's shape and
-    dtype, else the reference with a one-line warning (on CUDA); ``"flashinfer"``: FlashInfer
-    or an error; ``"torch"``: the reference.
-    """
-    import torch
-
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    device = torch.device(device)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return None
-    try:
-        import flashinfer
-
-        kernel = FlashInferAttention(flashinfer, device, num_heads, num_kv_heads, head_dim,
-                                     block_size, dtype)
-        kernel.probe()
-    except Exception as error:  # any failure to import, build or run the kernel falls back
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        if backend == "flashinfer":
-            raise RuntimeError(f"FlashInfer cannot serve this model here ({reason})") from error
-        warnings.warn(f"atb-mem: FlashInfer is not usable here ({reason}); using the torch "
-                      "reference attention", stacklevel=3)
-        return None
-    return kernel

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atb_mem._types import AttentionBackend
+from atb_mem.integrations.attention_backends import attention_kernel
 from atb_mem.integrations.attention_switch import AttentionSwitch
-from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep, attention_kernel
+from atb_mem.integrations.cpu_attention import CpuPagedAttention, CpuPagedStep
+from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep
 from atb_mem.integrations.layer_attention import (
     FULL_ATTENTION,
     LayerAttention,
@@ -35,6 +37,7 @@ from atb_mem.integrations.layer_attention import (
     layer_groups,
 )
 from atb_mem.integrations.recurrent_state import RecurrentStates, recurrent_step
+from atb_mem.integrations.reference_attention import PagedRows, attend_paged, sdpa_attention
 
 if TYPE_CHECKING:
     import torch
@@ -52,68 +55,6 @@ _TORCH_TO_KV_DTYPE = {"torch.float32": "float32", "torch.float16": "float16",
                       "torch.bfloat16": "bfloat16"}
 
 _current_step: ContextVar[StepAttention | None] = ContextVar("atb_mem_step", default=None)
-
-
-@dataclass(frozen=True)
-class PagedRows:
-    """Rows attended together over K/V gathered through their block tables: ``Q`` is the
-    longest row's new tokens, ``L`` the longest row's K/V length. Padding gathers slot 0 and is
-    masked out and zeroed (0 × NaN is NaN: a poisoned block behind padding must not leak)."""
-
-    tokens: torch.Tensor
-    """int64 ``[rows, Q]``: the step-token index of each row's ``j``-th new token (0: padding)."""
-    token_ids: torch.Tensor
-    token_row: torch.Tensor
-    token_col: torch.Tensor
-    """int64 ``[n]``: the rows' real tokens, and each one's row and place in the row."""
-    kv_slots: torch.Tensor
-    """int64 ``[rows, L]``: the slot of each row's ``j``-th K/V position (0 for padding)."""
-    kv_valid: torch.Tensor
-    """bool ``[rows, L, 1, 1]``: ``j`` < the row's length."""
-    masks: dict[LayerAttention, torch.Tensor]
-    """Per kind of layer, bool ``[rows, 1, Q, L]``: the new token may attend position ``j``."""
-
-    @classmethod
-    def build(cls, plan: StepPlan, rows: np.ndarray, tables: np.ndarray, block_size: int,
-              device: Any, kinds: set[LayerAttention]) -> PagedRows:
-        """``tables``: the block tables of the plan's rows in the layers' KV-cache group; a
-        null block there (a window released it) is padding too."""
-        import torch
-
-        query_lens = plan.query_lens.astype(np.int64)[rows]
-        seq_lens = plan.seq_lens.astype(np.int64)[rows]
-        starts = plan.query_start_loc.astype(np.int64)[rows]
-        width, length = int(query_lens.max()), int(seq_lens.max())
-        token_row = np.repeat(np.arange(len(rows)), query_lens)
-        token_col = np.arange(len(token_row)) - np.repeat(np.cumsum(query_lens) - query_lens,
-                                                          query_lens)
-        token_ids = starts[token_row] + token_col
-        tokens = np.zeros((len(rows), width), dtype=np.int64)
-        tokens[token_row, token_col] = token_ids
-        positions = np.arange(length)
-        tables = tables[rows]
-        columns = np.minimum(positions // block_size, tables.shape[1] - 1)
-        blocks = tables[:, columns].astype(np.int64)
-        kv_valid = (positions[None, :] < seq_lens[:, None]) & (blocks != 0)
-        kv_slots = blocks * block_size + positions % block_size
-        kv_slots[~kv_valid] = 0
-        # The j-th new token of a row sits at position seq_len - query_len + j.
-        query_positions = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
-        padded = np.nonzero(np.arange(width)[None, :] >= query_lens[:, None])
-
-        def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-        def mask(kind: LayerAttention) -> torch.Tensor:
-            visible = kind.visible(query_positions[:, :, None], positions[None, None, :])
-            visible &= kv_valid[:, None, :]
-            visible[padded] = kv_valid[padded[0]]  # padding rows: any finite softmax
-            return tensor(visible[:, None])
-
-        return cls(tokens=tensor(tokens), token_ids=tensor(token_ids),
-                   token_row=tensor(token_row), token_col=tensor(token_col),
-                   kv_slots=tensor(kv_slots), kv_valid=tensor(kv_valid[:, :, None, None]),
-                   masks={kind: mask(kind) for kind in kinds})
 
 
 @dataclass(frozen=True)
@@ -142,8 +83,9 @@ class StepAttention:
     """The plan's rows other than the fresh ones, as they are gathered together."""
     block_size: int
     device: Any
-    kernel: FlashInferStep | None = None
-    """The step of a paged kernel (FlashInfer) that serves the layers it can."""
+    kernel: FlashInferStep | CpuPagedStep | None = None
+    """The step of a paged kernel (FlashInfer, atb-mem's on the CPU) that serves the layers
+    it can."""
     paged: dict[int, list[PagedRows]] = field(default_factory=dict)
     """Per KV-cache group, its ``row_sets`` gathered through the group's block tables: built
     on first use (a group whose layers all run on the kernel never needs them)."""
@@ -163,7 +105,8 @@ class StepAttention:
     def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
                   device: Any, layers: list[LayerAttention] | None = None,
                   layer_groups: list[int] | None = None,
-                  kernel: FlashInferAttention | None = None) -> StepAttention:
+                  kernel: FlashInferAttention | CpuPagedAttention | None = None
+                  ) -> StepAttention:
         import torch
 
         layers = layers or [FULL_ATTENTION] * len(layer_caches)
@@ -196,7 +139,7 @@ class StepAttention:
                                 for kind in kinds},
                    plan=plan, row_sets=row_sets, block_size=block_size, device=device,
                    kernel=None if kernel is None else kernel.begin_step(
-                       query_lens, seq_lens, table_planes))
+                       query_lens, seq_lens, table_planes, slot_rows))
 
 
 @contextmanager
@@ -229,69 +172,40 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     kind = step.layers[module.layer_idx]
     sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per head that takes a softmax share
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
-    key_cache.index_copy_(0, slot_mapping, new_keys.to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, new_values.to(value_cache.dtype))
-    if step.kernel is not None and step.kernel.kernel.serves(kind, sinks):
-        pages = (-1, step.block_size, *key_cache.shape[1:])
-        out = step.kernel.attend(group, kind, query[0].transpose(0, 1), key_cache.view(pages),
-                                 value_cache.view(pages), scaling)
+    new_keys, new_values = new_keys.to(key_cache.dtype), new_values.to(value_cache.dtype)
+    kernel = step.kernel
+    if kernel is not None and kernel.kernel.serves(kind, sinks):
+        queries = query[0].transpose(0, 1)
+        if isinstance(kernel, CpuPagedStep):  # writes the slots in the same call
+            out = kernel.attend(group, kind, queries, key_cache, value_cache, scaling, sinks,
+                                (new_keys, new_values))
+            _attend_fresh(step, kind, (query, key, value), scaling, sinks, out)
+        else:
+            key_cache.index_copy_(0, slot_mapping, new_keys)
+            value_cache.index_copy_(0, slot_mapping, new_values)
+            out = kernel.attend(group, kind, queries, key_cache, value_cache, scaling)
         return out.unsqueeze(0), None
+    key_cache.index_copy_(0, slot_mapping, new_keys)
+    value_cache.index_copy_(0, slot_mapping, new_values)
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
                       device=query.device)                                 # [T, H, D]
-    for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
-        attended = _attention(query[:, :, start:end], key[:, :, start:end],
-                              value[:, :, start:end], mask, scaling, sinks)
-        out[start:end] = attended[0].transpose(0, 1)
+    _attend_fresh(step, kind, (query, key, value), scaling, sinks, out)
     queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
     for rows in step.paged_rows(group):
-        out[rows.token_ids] = _attend_paged(queries_by_token, key_cache, value_cache, rows,
+        out[rows.token_ids] = attend_paged(queries_by_token, key_cache, value_cache, rows,
                                             rows.masks[kind], scaling, sinks)
     return out.unsqueeze(0), None
 
 
-def _attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               mask: torch.Tensor | None, scaling: float | None,
-               sinks: torch.Tensor | None) -> torch.Tensor:
-    """``[B, H, Q, D]`` queries over ``[B, kv, L, D]`` keys and values; ``mask`` None means
-    causal with Q == L. With ``sinks`` (``[H]``) each head's softmax also spreads over one
-    extra logit that carries no value, as gpt-oss trains it."""
-    import torch
-    import torch.nn.functional as F
-
-    if sinks is None:
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                              is_causal=mask is None, scale=scaling,
-                                              enable_gqa=True)
-    if mask is None:
-        length = keys.shape[2]
-        mask = torch.ones((length, length), dtype=torch.bool, device=keys.device).tril()
-    group = queries.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
-    logits = torch.matmul(queries, keys.transpose(2, 3)) * scale
-    logits = logits.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
-    weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(weights.to(values.dtype), values)
-
-
-def _attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, rows: PagedRows, mask: torch.Tensor,
-                  scaling: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``."""
-    import torch
-
-    count, length = rows.kv_slots.shape
-    slots = rows.kv_slots.reshape(-1)
-    dtype = queries_by_token.dtype
-    # [rows, L, kv, D] -> [rows, kv, L, D], padding zeroed.
-    keys = torch.where(rows.kv_valid, key_cache.index_select(0, slots).view(
-        count, length, *key_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
-    values = torch.where(rows.kv_valid, value_cache.index_select(0, slots).view(
-        count, length, *value_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
-    queries = queries_by_token[rows.tokens].transpose(1, 2)               # [rows, H, Q, D]
-    out = _attention(queries, keys, values, mask, scaling, sinks)
-    return out.transpose(1, 2)[rows.token_row, rows.token_col]
+def _attend_fresh(step: StepAttention, kind: LayerAttention,
+                  qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scaling: float | None,
+                  sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The rows whose K/V is all new, attending over their own new keys, into ``out``."""
+    query, key, value = qkv
+    for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
+        attended = sdpa_attention(query[:, :, start:end], key[:, :, start:end],
+                                  value[:, :, start:end], mask, scaling, sinks)
+        out[start:end] = attended[0].transpose(0, 1)
 
 
 def use_paged_attention(model: Any) -> None:

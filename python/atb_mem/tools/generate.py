@@ -24,7 +24,7 @@ from atb_mem.tools.options import console
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--num-blocks", type=click.IntRange(min=2), default=None,
               help="KV-cache blocks (default: sized from memory).")
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer"]),
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer", "cpu"]),
               default="auto", show_default=True)
 def generate(model_dir: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, device: str | None, dtype: str, block_size: int,

@@ -56,7 +56,7 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer"]),
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer", "cpu"]),
               default="auto", show_default=True,
               help="Paged attention: FlashInfer's kernel (CUDA), the torch reference, or "
                    "FlashInfer where it runs.")

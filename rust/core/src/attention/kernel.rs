@@ -2,10 +2,11 @@
 //! one row's new tokens, attending over the row's K/V block by block with an online softmax
 //! (no score matrix, no gathered copy of the context).
 //!
-//! Per block, the item's K is converted to `f32` transposed (`[head_dim, keys]`), so that a
-//! query's scores over the block are `head_dim` multiply-adds over the keys' lanes, and V
-//! kept as rows, so that the weighted sum is multiply-adds over `head_dim` lanes: no
-//! horizontal sum anywhere in the loop.
+//! Per block, the item's K is converted to `f32` transposed (`[head_dim, keys]`), so that
+//! the scores of `QUAD` query vectors over `KEYS` keys are a register tile that `head_dim`
+//! steps of one load and `QUAD` broadcast multiply-adds fill (`score_quad`), and V kept as
+//! rows, so that the weighted sum is multiply-adds over `head_dim` lanes: no horizontal sum
+//! anywhere in the loop.
 
 use super::element::Element;
 use super::lanes::{add_scaled, exp, exp_shifted_sum, scale};
@@ -13,6 +14,9 @@ use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
 pub(super) const TOKEN_TILE: usize = 16;
+/// Query vectors, and keys, whose scores one register tile holds.
+const QUAD: usize = 4;
+const KEYS: usize = 16;
 
 /// The item: `row`'s new tokens `tokens` (indices into the step's tokens), with the query
 /// heads of KV head `kv_head`.
@@ -40,18 +44,24 @@ pub(super) struct Scratch {
 impl Scratch {
     pub(super) fn new(group: usize, head_dim: usize, block_size: usize) -> Self {
         let vectors = group * TOKEN_TILE;
+        let padded = padded_keys(block_size);
         Scratch {
             sizes: (group, head_dim, block_size),
-            queries: vec![0.0; vectors * head_dim],
+            queries: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
             acc: vec![0.0; vectors * head_dim],
             max: vec![0.0; vectors],
             sum: vec![0.0; vectors],
-            keys_t: vec![0.0; head_dim * block_size],
+            keys_t: vec![0.0; head_dim * padded],
             values: vec![0.0; block_size * head_dim],
             row: vec![0.0; head_dim],
-            scores: vec![0.0; block_size],
+            scores: vec![0.0; QUAD * padded],
         }
     }
+}
+
+/// A block's keys rounded up to whole tiles: the row length of `keys_t` and `scores`.
+fn padded_keys(block_size: usize) -> usize {
+    block_size.next_multiple_of(KEYS)
 }
 
 /// Where outputs go: every item writes its own tokens' heads, which no other item writes.
@@ -97,6 +107,8 @@ pub(super) unsafe fn attend<E: Element>(
             scale(query, call.scale);
         }
     }
+    // Padding vectors of the last quad: zeros, whose scores nobody reads.
+    scratch.queries[vectors * dim..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
     scratch.acc[..vectors * dim].fill(0.0);
     scratch.max[..vectors].fill(f32::NEG_INFINITY);
     scratch.sum[..vectors].fill(0.0);
@@ -117,7 +129,18 @@ pub(super) unsafe fn attend<E: Element>(
             (block, first_key % block_size, keys),
             kv_head,
         );
+        let padded = padded_keys(block_size);
         for i in 0..vectors {
+            if i % QUAD == 0 {
+                let queries = &scratch.queries[i * dim..(i + QUAD) * dim];
+                score_quad(
+                    queries,
+                    &scratch.keys_t,
+                    (dim, padded),
+                    keys,
+                    &mut scratch.scores,
+                );
+            }
             let token_position = position(first_token + i / group);
             let from = call.visibility.first_visible(token_position).max(first_key);
             let to = (token_position + 1).min(end_key);
@@ -125,13 +148,8 @@ pub(super) unsafe fn attend<E: Element>(
                 continue;
             }
             let (skip, count) = (from - first_key, to - from);
-            let query = &scratch.queries[i * dim..(i + 1) * dim];
-            let scores = &mut scratch.scores[..count];
-            scores.fill(0.0);
-            for (d, &q) in query.iter().enumerate() {
-                let column = &scratch.keys_t[d * block_size + skip..d * block_size + skip + count];
-                add_scaled(scores, q, column);
-            }
+            let at = (i % QUAD) * padded + skip;
+            let scores = &mut scratch.scores[at..at + count];
             let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let acc = &mut scratch.acc[i * dim..(i + 1) * dim];
             let old_max = scratch.max[i];
@@ -173,9 +191,35 @@ pub(super) unsafe fn attend<E: Element>(
     }
 }
 
+/// The scores of the `QUAD` vectors of `queries` over the first `keys` keys of `keys_t`
+/// (`[head_dim, padded]`), into `scores` (`[QUAD, padded]`), a `QUAD` × `KEYS` tile at a time.
+#[inline(always)]
+fn score_quad(
+    queries: &[f32],
+    keys_t: &[f32],
+    (dim, padded): (usize, usize),
+    keys: usize,
+    scores: &mut [f32],
+) {
+    for chunk in (0..keys).step_by(KEYS) {
+        let mut tile = [[0.0f32; KEYS]; QUAD];
+        for d in 0..dim {
+            let column = &keys_t[d * padded + chunk..d * padded + chunk + KEYS];
+            for (i, row) in tile.iter_mut().enumerate() {
+                let q = queries[i * dim + d];
+                for (score, &key) in row.iter_mut().zip(column) {
+                    *score = q.mul_add(key, *score);
+                }
+            }
+        }
+        for (i, row) in tile.iter().enumerate() {
+            scores[i * padded + chunk..i * padded + chunk + KEYS].copy_from_slice(row);
+        }
+    }
+}
+
 /// Converts keys `first..first + count` of `block` (offsets within it) for `kv_head`:
-/// transposed into `keys_t` (`[head_dim, block_size]`, at their offsets), as rows into
-/// `values`.
+/// transposed into `keys_t` (`[head_dim, padded]`, from column 0), as rows into `values`.
 #[inline(always)]
 fn load_block<E: Element>(
     call: &PagedAttention<'_, E>,
@@ -185,12 +229,13 @@ fn load_block<E: Element>(
 ) {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let padded = padded_keys(block_size);
     for offset in first..first + count {
         let slot = block * block_size + offset;
         let at = (slot * shape.num_kv_heads + kv_head) * dim;
         E::load(&call.key_cache[at..at + dim], &mut scratch.row);
         for (d, &value) in scratch.row.iter().enumerate() {
-            scratch.keys_t[d * block_size + offset - first] = value;
+            scratch.keys_t[d * padded + offset - first] = value;
         }
         let value_row = &mut scratch.values[(offset - first) * dim..(offset - first + 1) * dim];
         E::load(&call.value_cache[at..at + dim], value_row);

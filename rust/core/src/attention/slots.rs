@@ -9,7 +9,7 @@ use crate::error::CoreResult;
 pub struct NewKv<'a, E> {
     pub keys: &'a [E],
     pub values: &'a [E],
-    pub slot_mapping: &'a [i64],
+    pub slot_mapping: &'a [i32],
 }
 
 /// Writes `new` into the caches (`[slots, kv_heads, head_dim]`): `row` elements per token.
@@ -34,12 +34,12 @@ pub fn write_slots<E: Element>(
         key_cache.len(),
         value_cache.len()
     );
-    let slots = (key_cache.len() / row) as i64;
+    let slots = key_cache.len() / row;
     if let Some((token, &slot)) = new
         .slot_mapping
         .iter()
         .enumerate()
-        .find(|(_, &slot)| slot >= slots)
+        .find(|(_, &slot)| slot >= 0 && slot as usize >= slots)
     {
         return Err(invalid!(
             "slot_mapping[{token}] = {slot} is beyond the cache's {slots} slots"

@@ -1,0 +1,258 @@
+//! `paged_attention`: the core's CPU paged attention over numpy views of a model's tensors
+//! (torch's `Tensor.numpy()`; 16-bit ones viewed as int16, their bits), with the GIL released
+//! while the threads attend.
+
+use atb_mem_core::{
+    bf16, f16, write_slots, AttentionShape, Element, NewKv, PagedAttention, StepRows, Visibility,
+};
+use numpy::{
+    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+
+use crate::convert::Count;
+use crate::errors::{value_error, IntoPyResult};
+
+/// The step's rows and how they attend, as Python gave them.
+struct Rows<'py> {
+    query_start_loc: PyReadonlyArray1<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    block_tables: PyReadonlyArray2<'py, i32>,
+    block_size: usize,
+    scale: f32,
+    visibility: Visibility,
+    sinks: Option<PyReadonlyArray1<'py, f32>>,
+    slot_mapping: Option<PyReadonlyArray1<'py, i32>>,
+}
+
+/// The tensors, as numpy arrays of their storage type.
+struct Tensors<'a, 'py> {
+    query: &'a Bound<'py, PyAny>,
+    key_cache: &'a Bound<'py, PyAny>,
+    value_cache: &'a Bound<'py, PyAny>,
+    out: &'a Bound<'py, PyAny>,
+    new_kv: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>)>,
+}
+
+/// Attends a step's rows for one layer into `out` (see `_core.pyi`).
+#[pyfunction]
+#[pyo3(signature = (
+    query, key_cache, value_cache, out, query_start_loc, seq_lens, block_tables, *,
+    block_size, scale, dtype, window=None, chunk=None, sinks=None, new_keys=None,
+    new_values=None, slot_mapping=None, threads=Count(1)
+))]
+#[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per input
+pub fn paged_attention<'py>(
+    py: Python<'py>,
+    query: &Bound<'py, PyAny>,
+    key_cache: &Bound<'py, PyAny>,
+    value_cache: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    query_start_loc: PyReadonlyArray1<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    block_tables: PyReadonlyArray2<'py, i32>,
+    block_size: Count<1>,
+    scale: f64,
+    dtype: &str,
+    window: Option<Count<1>>,
+    chunk: Option<Count<1>>,
+    sinks: Option<PyReadonlyArray1<'py, f32>>,
+    new_keys: Option<&Bound<'py, PyAny>>,
+    new_values: Option<&Bound<'py, PyAny>>,
+    slot_mapping: Option<PyReadonlyArray1<'py, i32>>,
+    threads: Count<1>,
+) -> PyResult<()> {
+    let visibility = match (window, chunk) {
+        (None, None) => Visibility::Causal,
+        (Some(window), None) => Visibility::Sliding {
+            window: window.get(),
+        },
+        (None, Some(chunk)) => Visibility::Chunked { chunk: chunk.get() },
+        (Some(_), Some(_)) => return Err(value_error("give a window or a chunk, not both")),
+    };
+    let new_kv = match (new_keys, new_values, slot_mapping.is_some()) {
+        (Some(keys), Some(values), true) => Some((keys, values)),
+        (None, None, false) => None,
+        _ => {
+            return Err(value_error(
+                "new_keys, new_values and slot_mapping come together",
+            ))
+        }
+    };
+    let rows = Rows {
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        block_size: block_size.get(),
+        scale: scale as f32,
+        visibility,
+        sinks,
+        slot_mapping,
+    };
+    let tensors = Tensors {
+        query,
+        key_cache,
+        value_cache,
+        out,
+        new_kv,
+    };
+    match dtype {
+        "float32" => attend::<f32, f32>(py, &tensors, &rows, threads.get()),
+        "bfloat16" => attend::<bf16, i16>(py, &tensors, &rows, threads.get()),
+        "float16" => attend::<f16, i16>(py, &tensors, &rows, threads.get()),
+        other => Err(value_error(format!(
+            "dtype must be 'float32', 'bfloat16' or 'float16', got {other:?}"
+        ))),
+    }
+}
+
+/// Runs the call with elements `E`, held by numpy as `T` (the same bits).
+fn attend<E: Element, T: numpy::Element>(
+    py: Python<'_>,
+    tensors: &Tensors<'_, '_>,
+    rows: &Rows<'_>,
+    threads: usize,
+) -> PyResult<()> {
+    let query = readonly::<T>(tensors.query, "query")?;
+    let mut key_cache = writable::<T>(tensors.key_cache, "key_cache")?;
+    let mut value_cache = writable::<T>(tensors.value_cache, "value_cache")?;
+    let mut out = writable::<T>(tensors.out, "out")?;
+    let new_kv = match tensors.new_kv {
+        Some((keys, values)) => Some((
+            readonly::<T>(keys, "new_keys")?,
+            readonly::<T>(values, "new_values")?,
+        )),
+        None => None,
+    };
+    let [_, num_heads, head_dim] = dims(query.shape(), "query")?;
+    let [_, num_kv_heads, cache_dim] = dims(key_cache.shape(), "key_cache")?;
+    if cache_dim != head_dim || out.shape() != query.shape() {
+        return Err(value_error(format!(
+            "query {:?}, out {:?} and key_cache {:?} disagree on head_dim or shape",
+            query.shape(),
+            out.shape(),
+            key_cache.shape()
+        )));
+    }
+    let shape = AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size: rows.block_size,
+    };
+    let width = rows.block_tables.shape()[1];
+    let sinks = rows
+        .sinks
+        .as_ref()
+        .map(|sinks| sinks.as_slice())
+        .transpose();
+    let sinks = sinks.map_err(|_| value_error("sinks must be a contiguous float32 array"))?;
+    let slices = (
+        contiguous(&rows.query_start_loc.as_slice(), "query_start_loc")?,
+        contiguous(&rows.seq_lens.as_slice(), "seq_lens")?,
+        contiguous(&rows.block_tables.as_slice(), "block_tables")?,
+    );
+    let query = cast::<T, E>(contiguous(&query.as_slice(), "query")?);
+    let keys = cast_mut::<T, E>(contiguous_mut(key_cache.as_slice_mut(), "key_cache")?);
+    let values = cast_mut::<T, E>(contiguous_mut(value_cache.as_slice_mut(), "value_cache")?);
+    let out = cast_mut::<T, E>(contiguous_mut(out.as_slice_mut(), "out")?);
+    let new = match (&new_kv, &rows.slot_mapping) {
+        (Some((new_keys, new_values)), Some(slot_mapping)) => Some(NewKv {
+            keys: cast::<T, E>(contiguous(&new_keys.as_slice(), "new_keys")?),
+            values: cast::<T, E>(contiguous(&new_values.as_slice(), "new_values")?),
+            slot_mapping: contiguous(&slot_mapping.as_slice(), "slot_mapping")?,
+        }),
+        _ => None,
+    };
+    let (visibility, scale) = (rows.visibility, rows.scale);
+    py.detach(|| {
+        if let Some(new) = &new {
+            write_slots(new, keys, values, num_kv_heads * head_dim)?;
+        }
+        let call = PagedAttention {
+            shape,
+            rows: StepRows {
+                query_start_loc: slices.0,
+                seq_lens: slices.1,
+                block_tables: slices.2,
+                width,
+            },
+            query,
+            key_cache: keys,
+            value_cache: values,
+            visibility,
+            scale,
+            sinks,
+        };
+        call.run(out, threads)
+    })
+    .into_py_result()
+}
+
+fn dims(shape: &[usize], name: &str) -> PyResult<[usize; 3]> {
+    <[usize; 3]>::try_from(shape)
+        .map_err(|_| value_error(format!("{name} must be 3-D, got shape {shape:?}")))
+}
+
+fn readonly<'py, T: numpy::Element>(
+    array: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    let typed = array
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| wrong_type::<T>(name))?;
+    typed
+        .try_readonly()
+        .map_err(|_| value_error(format!("{name} is borrowed for writing elsewhere")))
+}
+
+fn writable<'py, T: numpy::Element>(
+    array: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    let typed = array
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| wrong_type::<T>(name))?;
+    typed.try_readwrite().map_err(|_| {
+        value_error(format!(
+            "{name} must be a writable array borrowed nowhere else"
+        ))
+    })
+}
+
+fn wrong_type<T: numpy::Element>(name: &str) -> PyErr {
+    let wanted = if std::mem::size_of::<T>() == 4 {
+        "float32"
+    } else {
+        "int16 (a 16-bit tensor's bits)"
+    };
+    value_error(format!("{name} must be a numpy {wanted} array"))
+}
+
+fn contiguous<'a, T, E>(slice: &Result<&'a [T], E>, name: &str) -> PyResult<&'a [T]> {
+    slice
+        .as_ref()
+        .map(|slice| *slice)
+        .map_err(|_| value_error(format!("{name} must be C-contiguous")))
+}
+
+fn contiguous_mut<'a, T, E>(slice: Result<&'a mut [T], E>, name: &str) -> PyResult<&'a mut [T]> {
+    slice.map_err(|_| value_error(format!("{name} must be C-contiguous")))
+}
+
+/// Numpy's storage type as the element type of the same bits (f32 as f32; int16 as bf16 or
+/// f16).
+fn cast<T, E>(slice: &[T]) -> &[E] {
+    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
+    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
+    // Safety: same size and alignment, and every bit pattern is a valid f32, bf16 or f16.
+    unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<E>(), slice.len()) }
+}
+
+fn cast_mut<T, E>(slice: &mut [T]) -> &mut [E] {
+    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
+    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
+    // Safety: as `cast`; the slice is borrowed mutably for the result's life.
+    unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<E>(), slice.len()) }
+}
