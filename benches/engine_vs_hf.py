@@ -2,6 +2,8 @@
 HF ``generate`` with static padded batches, on the same model and requests (one run each):
 
     python benches/engine_vs_hf.py [--requests 256] [--layers 8] [--hidden 256]
+    python benches/engine_vs_hf.py --only engine --batch-size 64 \
+        --attention-backends cpu,torch --rounds 2     # the engine's attention paths, alternating
 
 Requests are the first ``--requests`` of the Azure LLM code trace 2023 (tests/data):
 prompts divided by ``--scale`` to fit the model (4–448 tokens), outputs as traced (1–64).
@@ -46,8 +48,10 @@ def percentiles(values: list[float]) -> str:
     return f"TTFT p50 {p50 * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms"
 
 
-def run_engine(model: Any, work: list[tuple[list[int], int]], max_num_seqs: int) -> None:
-    engine = Engine(model, block_size=16, max_num_seqs=max_num_seqs, num_blocks=4096)
+def run_engine(model: Any, work: list[tuple[list[int], int]], max_num_seqs: int,
+               backend: str = "auto") -> None:
+    engine = Engine(model, block_size=16, max_num_seqs=max_num_seqs, num_blocks=4096,
+                    attention_backend=backend)  # type: ignore[arg-type]
     bytes_per_block = engine.kv_cache.bytes_per_block
     start = time.perf_counter()
     first: dict[str, float] = {}
@@ -82,8 +86,9 @@ def run_engine(model: Any, work: list[tuple[list[int], int]], max_num_seqs: int)
             first.setdefault(output.request_id, now - start)
     elapsed = time.perf_counter() - start
     rest = elapsed - timers["model"] - timers["scheduler"]
-    print(f"atb-mem Engine     {tokens / elapsed:8.1f} tok/s  {percentiles(list(first.values()))}"
-          f"  peak KV {peak_blocks * bytes_per_block / 2**20:8.1f} MiB")
+    print(f"atb-mem Engine ({backend}) {tokens / elapsed:8.1f} tok/s  "
+          f"{percentiles(list(first.values()))}  "
+          f"peak KV {peak_blocks * bytes_per_block / 2**20:8.1f} MiB")
     print(f"    where the time went: model {timers['model'] / elapsed:.0%} (of which paged "
           f"attention {timers['attention'] / elapsed:.0%}), scheduler + cache "
           f"{timers['scheduler'] / elapsed:.0%}, sampling and the rest {rest / elapsed:.0%}")
@@ -144,6 +149,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--only", choices=["engine", "generate_batch", "static"], default=None)
+    parser.add_argument("--attention-backends", default="auto",
+                        help="the engine's attention backends, comma-separated (run in turn)")
+    parser.add_argument("--rounds", type=int, default=1, help="engine runs per backend")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden,
@@ -160,8 +168,10 @@ def main() -> None:
         torch.manual_seed(0)
         run_generate_batch(LlamaForCausalLM(config).eval(), work)
     if args.only in (None, "engine"):
-        torch.manual_seed(0)
-        run_engine(LlamaForCausalLM(config).eval(), work, args.batch_size)
+        for _ in range(args.rounds):
+            for backend in args.attention_backends.split(","):
+                torch.manual_seed(0)
+                run_engine(LlamaForCausalLM(config).eval(), work, args.batch_size, backend)
 
 
 if __name__ == "__main__":
