@@ -9,7 +9,7 @@
 //! anywhere in the loop.
 
 use super::element::Element;
-use super::lanes::{add_scaled, exp, exp_shifted_sum, scale};
+use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, scale};
 use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
@@ -123,15 +123,17 @@ pub(super) unsafe fn attend<E: Element>(
         let first_key = (index * block_size).max(lowest);
         let end_key = ((index + 1) * block_size).min(highest + 1);
         let (keys, block) = (end_key - first_key, block as usize);
-        load_block(
-            call,
-            scratch,
-            (block, first_key % block_size, keys),
-            kv_head,
-        );
+        // One or two vectors (a decode with few query heads per KV head) fill too little of
+        // a tile to pay for transposing K: they take a dot product per key instead.
+        let by_rows = vectors <= 2;
+        let keys_at = (block, first_key % block_size, keys);
+        load_block(call, scratch, keys_at, kv_head, by_rows);
         let padded = padded_keys(block_size);
+        if by_rows {
+            score_rows(call, scratch, keys_at, kv_head, vectors);
+        }
         for i in 0..vectors {
-            if i % QUAD == 0 {
+            if i % QUAD == 0 && !by_rows {
                 let queries = &scratch.queries[i * dim..(i + QUAD) * dim];
                 score_quad(
                     queries,
@@ -218,14 +220,40 @@ fn score_quad(
     }
 }
 
+/// The scores of the first `vectors` (at most `QUAD`) query vectors over keys
+/// `first..first + count` of `block`, a dot product per key, into `scores` as `score_quad`
+/// leaves them.
+#[inline(always)]
+fn score_rows<E: Element>(
+    call: &PagedAttention<'_, E>,
+    scratch: &mut Scratch,
+    (block, first, count): (usize, usize, usize),
+    kv_head: usize,
+    vectors: usize,
+) {
+    let shape = &call.shape;
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let padded = padded_keys(block_size);
+    for offset in first..first + count {
+        let at = ((block * block_size + offset) * shape.num_kv_heads + kv_head) * dim;
+        E::load(&call.key_cache[at..at + dim], &mut scratch.row);
+        for i in 0..vectors {
+            let query = &scratch.queries[i * dim..(i + 1) * dim];
+            scratch.scores[i * padded + offset - first] = dot(query, &scratch.row);
+        }
+    }
+}
+
 /// Converts keys `first..first + count` of `block` (offsets within it) for `kv_head`:
-/// transposed into `keys_t` (`[head_dim, padded]`, from column 0), as rows into `values`.
+/// transposed into `keys_t` (`[head_dim, padded]`, from column 0) unless they are scored
+/// `by_rows`, and as rows into `values`.
 #[inline(always)]
 fn load_block<E: Element>(
     call: &PagedAttention<'_, E>,
     scratch: &mut Scratch,
     (block, first, count): (usize, usize, usize),
     kv_head: usize,
+    by_rows: bool,
 ) {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
@@ -233,9 +261,11 @@ fn load_block<E: Element>(
     for offset in first..first + count {
         let slot = block * block_size + offset;
         let at = (slot * shape.num_kv_heads + kv_head) * dim;
-        E::load(&call.key_cache[at..at + dim], &mut scratch.row);
-        for (d, &value) in scratch.row.iter().enumerate() {
-            scratch.keys_t[d * padded + offset - first] = value;
+        if !by_rows {
+            E::load(&call.key_cache[at..at + dim], &mut scratch.row);
+            for (d, &value) in scratch.row.iter().enumerate() {
+                scratch.keys_t[d * padded + offset - first] = value;
+            }
         }
         let value_row = &mut scratch.values[(offset - first) * dim..(offset - first + 1) * dim];
         E::load(&call.value_cache[at..at + dim], value_row);

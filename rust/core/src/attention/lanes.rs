@@ -6,6 +6,31 @@
 
 const LANES: usize = 16;
 
+/// `a · b` (as long): lane-parallel partial sums, added as a tree.
+#[inline(always)]
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut partial = [0.0f32; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (a_tail, b_tail) = (a_chunks.remainder(), b_chunks.remainder());
+    for (a, b) in a_chunks.zip(b_chunks) {
+        for lane in 0..LANES {
+            partial[lane] = a[lane].mul_add(b[lane], partial[lane]);
+        }
+    }
+    let mut width = LANES / 2;
+    while width > 0 {
+        for lane in 0..width {
+            partial[lane] += partial[lane + width];
+        }
+        width /= 2;
+    }
+    let mut sum = partial[0];
+    for (a, b) in a_tail.iter().zip(b_tail) {
+        sum = a.mul_add(*b, sum);
+    }
+    sum
+}
+
 /// `acc += weight × values`.
 #[inline(always)]
 pub(super) fn add_scaled(acc: &mut [f32], weight: f32, values: &[f32]) {
@@ -87,6 +112,16 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp(-1e30), 0.0);
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn dot_matches_the_plain_loop() {
+        for len in [0, 1, 15, 16, 17, 64, 100, 128, 257] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
+            assert!((f64::from(dot(&a, &b)) - want).abs() < 1e-4, "len {len}");
+        }
     }
 
     #[test]
