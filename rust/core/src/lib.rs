@@ -36,7 +36,8 @@ pub use alloc::{
     MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
 };
 pub use attention::{
-    bf16, f16, write_slots, AttentionShape, Element, NewKv, PagedAttention, StepRows, Visibility,
+    bf16, f16, write_slots, AttentionShape, Element, InstructionSet, NewKv, PagedAttention,
+    StepRows, Visibility,
 };
 pub use content_digest::{content_digests, Digest, PIECE_BYTES};
 pub use error::{CoreError, CoreResult};

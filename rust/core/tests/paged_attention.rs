@@ -3,7 +3,7 @@
 //! and one-token contexts, sinks), every block no row may read poisoned with NaN; a wrong
 //! block table entry is caught; bad inputs are errors that leave the output alone.
 
-use atb_mem_core::{bf16, AttentionShape, PagedAttention, StepRows, Visibility};
+use atb_mem_core::{bf16, AttentionShape, InstructionSet, PagedAttention, StepRows, Visibility};
 use proptest::prelude::*;
 
 /// A step: the shape, per row (cached tokens, new tokens), the tables and caches.
@@ -247,10 +247,15 @@ proptest! {
     fn matches_the_reference(step in steps(), threads in 1usize..=3) {
         let built = build(&step);
         let scale = 1.0 / (step.shape.head_dim as f32).sqrt();
-        let mut out = vec![f32::NAN; built.query.len()];
-        call(&step, &built, &built.tables, scale).run(&mut out, threads).unwrap();
         let want = reference(&step, &built, scale);
-        prop_assert!(close(&out, &want, 2e-5).is_ok(), "{:?}", close(&out, &want, 2e-5));
+        // Every copy of the kernel this CPU runs (AVX-512, AVX2, portable).
+        let sets = [InstructionSet::Avx512, InstructionSet::Avx2, InstructionSet::Portable];
+        for set in sets.into_iter().filter(|set| set.available()) {
+            let mut out = vec![f32::NAN; built.query.len()];
+            call(&step, &built, &built.tables, scale).run_with(&mut out, threads, set).unwrap();
+            let compared = close(&out, &want, 2e-5);
+            prop_assert!(compared.is_ok(), "{set:?}: {compared:?}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! The kernel (`kernel::attend`) is inlined into one function per instruction set, each
 //! compiled with that set's target features; which one runs is decided once per call from
-//! what the CPU reports. Threads come from a pool kept for the size last asked for (the
+//! what the CPU reports (tests run each copy the CPU has). Threads come from a pool kept for the size last asked for (the
 //! caller passes torch's thread count); one thread runs on the caller's own.
 
 use std::cell::RefCell;
@@ -18,12 +18,56 @@ use crate::error::CoreResult;
 
 type Piece<E> = unsafe fn(&PagedAttention<'_, E>, WorkItem, &mut Scratch, Output<E>);
 
+/// The vector instructions a copy of the kernel is compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstructionSet {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl InstructionSet {
+    /// The best this CPU has.
+    pub fn detected() -> Self {
+        [InstructionSet::Avx512, InstructionSet::Avx2]
+            .into_iter()
+            .find(|set| set.available())
+            .unwrap_or(InstructionSet::Portable)
+    }
+
+    /// Whether this CPU runs it.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let fma = std::arch::is_x86_feature_detected!("fma");
+        #[cfg(target_arch = "x86_64")]
+        return match self {
+            InstructionSet::Avx512 => fma && std::arch::is_x86_feature_detected!("avx512f"),
+            InstructionSet::Avx2 => fma && std::arch::is_x86_feature_detected!("avx2"),
+            InstructionSet::Portable => true,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        return self == InstructionSet::Portable;
+    }
+
+    fn piece<E: Element>(self) -> Piece<E> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            InstructionSet::Avx512 => piece_avx512::<E>,
+            #[cfg(target_arch = "x86_64")]
+            InstructionSet::Avx2 => piece_avx2::<E>,
+            _ => piece_portable::<E>,
+        }
+    }
+}
+
+/// Runs a checked call on `threads` threads with the copy for `set`, which this CPU has.
 pub(super) fn run<E: Element>(
     call: &PagedAttention<'_, E>,
     out: &mut [E],
     threads: usize,
+    set: InstructionSet,
 ) -> CoreResult<()> {
-    let piece = best_piece::<E>();
+    let piece = set.piece::<E>();
     let rows = call.rows.seq_lens.len();
     let kv_heads = call.shape.num_kv_heads;
     let output = Output(out.as_mut_ptr());
@@ -52,23 +96,6 @@ pub(super) fn run<E: Element>(
         pool(threads)?.install(|| (0..pieces).into_par_iter().for_each(attend_row));
     }
     Ok(())
-}
-
-/// The kernel copy for this CPU.
-fn best_piece<E: Element>() -> Piece<E> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            return piece_avx512::<E>;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return piece_avx2::<E>;
-        }
-    }
-    piece_portable::<E>
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -22,6 +22,7 @@ mod kernel;
 mod lanes;
 mod slots;
 
+pub use dispatch::InstructionSet;
 pub use element::Element;
 pub use half::{bf16, f16};
 pub use slots::{write_slots, NewKv};
@@ -82,9 +83,16 @@ impl<E: Element> PagedAttention<'_, E> {
     /// Attends every row into `out` (`[tokens, num_heads, head_dim]`) on `threads` threads.
     /// Checks every input first: a bad one is an error and `out` is left as it was.
     pub fn run(&self, out: &mut [E], threads: usize) -> CoreResult<()> {
+        self.run_with(out, threads, InstructionSet::detected())
+    }
+
+    /// `run`, with the kernel's copy for `set` (which this CPU must have): how tests reach
+    /// every copy.
+    pub fn run_with(&self, out: &mut [E], threads: usize, set: InstructionSet) -> CoreResult<()> {
         self.check(out.len())?;
         ensure!(threads > 0, "threads must be at least 1");
-        dispatch::run(self, out, threads)
+        ensure!(set.available(), "this CPU has no {set:?} instructions");
+        dispatch::run(self, out, threads, set)
     }
 }
 
