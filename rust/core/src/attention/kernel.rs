@@ -48,7 +48,7 @@ impl Scratch {
         Scratch {
             sizes: (group, head_dim, block_size),
             queries: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
-            acc: vec![0.0; vectors * head_dim],
+            acc: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
             max: vec![0.0; vectors],
             sum: vec![0.0; vectors],
             keys_t: vec![0.0; head_dim * padded],
@@ -109,7 +109,7 @@ pub(super) unsafe fn attend<E: Element>(
     }
     // Padding vectors of the last quad: zeros, whose scores nobody reads.
     scratch.queries[vectors * dim..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
-    scratch.acc[..vectors * dim].fill(0.0);
+    scratch.acc[..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
     scratch.max[..vectors].fill(f32::NEG_INFINITY);
     scratch.sum[..vectors].fill(0.0);
 
@@ -132,9 +132,9 @@ pub(super) unsafe fn attend<E: Element>(
         if by_rows {
             score_rows(call, scratch, keys_at, kv_head, vectors);
         }
-        for i in 0..vectors {
-            if i % QUAD == 0 && !by_rows {
-                let queries = &scratch.queries[i * dim..(i + QUAD) * dim];
+        for quad in (0..vectors).step_by(QUAD) {
+            if !by_rows {
+                let queries = &scratch.queries[quad * dim..(quad + QUAD) * dim];
                 score_quad(
                     queries,
                     &scratch.keys_t,
@@ -143,29 +143,37 @@ pub(super) unsafe fn attend<E: Element>(
                     &mut scratch.scores,
                 );
             }
-            let token_position = position(first_token + i / group);
-            let from = call.visibility.first_visible(token_position).max(first_key);
-            let to = (token_position + 1).min(end_key);
-            if from >= to {
-                continue;
+            for i in quad..quad + QUAD {
+                let (mut skip, mut end) = (0, 0);
+                if i < vectors {
+                    let token_position = position(first_token + i / group);
+                    let from = call.visibility.first_visible(token_position).max(first_key);
+                    let to = (token_position + 1).min(end_key);
+                    // A query before this block, or whose window starts after it, sees none
+                    // of it.
+                    (skip, end) = ((from - first_key).min(keys), to.saturating_sub(first_key));
+                }
+                let at = (i - quad) * padded;
+                let weights = &mut scratch.scores[at..at + keys];
+                // Keys this vector does not see weigh nothing in the tile's sums.
+                weights[..skip].fill(0.0);
+                weights[end.max(skip)..].fill(0.0);
+                if skip >= end {
+                    continue;
+                }
+                let scores = &mut weights[skip..end];
+                let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let old_max = scratch.max[i];
+                if block_max > old_max {
+                    let factor = exp(old_max - block_max);
+                    scratch.sum[i] *= factor;
+                    scale(&mut scratch.acc[i * dim..(i + 1) * dim], factor);
+                    scratch.max[i] = block_max;
+                }
+                scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
             }
-            let (skip, count) = (from - first_key, to - from);
-            let at = (i % QUAD) * padded + skip;
-            let scores = &mut scratch.scores[at..at + count];
-            let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let acc = &mut scratch.acc[i * dim..(i + 1) * dim];
-            let old_max = scratch.max[i];
-            if block_max > old_max {
-                let factor = exp(old_max - block_max);
-                scratch.sum[i] *= factor;
-                scale(acc, factor);
-                scratch.max[i] = block_max;
-            }
-            scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
-            for (j, &weight) in scores.iter().enumerate() {
-                let key = skip + j;
-                add_scaled(acc, weight, &scratch.values[key * dim..(key + 1) * dim]);
-            }
+            let acc = &mut scratch.acc[quad * dim..(quad + QUAD) * dim];
+            accumulate_quad(acc, &scratch.scores, &scratch.values, (dim, padded), keys);
         }
     }
 
@@ -240,6 +248,45 @@ fn score_rows<E: Element>(
         for i in 0..vectors {
             let query = &scratch.queries[i * dim..(i + 1) * dim];
             scratch.scores[i * padded + offset - first] = dot(query, &scratch.row);
+        }
+    }
+}
+
+/// `acc` (`QUAD` vectors of `head_dim`) += the weights of `weights` (`[QUAD, padded]`) times
+/// the first `keys` rows of `values`, `QUAD` × `KEYS` accumulators at a time.
+#[inline(always)]
+fn accumulate_quad(
+    acc: &mut [f32],
+    weights: &[f32],
+    values: &[f32],
+    (dim, padded): (usize, usize),
+    keys: usize,
+) {
+    let whole = dim / KEYS * KEYS;
+    for chunk in (0..whole).step_by(KEYS) {
+        let mut tile = [[0.0f32; KEYS]; QUAD];
+        for (i, row) in tile.iter_mut().enumerate() {
+            row.copy_from_slice(&acc[i * dim + chunk..i * dim + chunk + KEYS]);
+        }
+        for key in 0..keys {
+            let value = &values[key * dim + chunk..key * dim + chunk + KEYS];
+            for (i, row) in tile.iter_mut().enumerate() {
+                let weight = weights[i * padded + key];
+                for (sum, &v) in row.iter_mut().zip(value) {
+                    *sum = weight.mul_add(v, *sum);
+                }
+            }
+        }
+        for (i, row) in tile.iter().enumerate() {
+            acc[i * dim + chunk..i * dim + chunk + KEYS].copy_from_slice(row);
+        }
+    }
+    if whole < dim {
+        for (i, sums) in acc.chunks_exact_mut(dim).enumerate() {
+            for key in 0..keys {
+                let value = &values[key * dim + whole..(key + 1) * dim];
+                add_scaled(&mut sums[whole..], weights[i * padded + key], value);
+            }
         }
     }
 }
