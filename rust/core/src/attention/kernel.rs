@@ -13,7 +13,7 @@ use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, scale};
 use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
-pub(super) const TOKEN_TILE: usize = 16;
+pub(super) const TOKEN_TILE: usize = 64;
 /// Query vectors, and keys, whose scores one register tile holds.
 const QUAD: usize = 4;
 const KEYS: usize = 16;
