@@ -35,6 +35,7 @@ pub use alloc::{
     PrefixCacheCounters, DEFAULT_PRIORITY, LFU_LEVELS, MAX_BOOKKEEPING_BYTES, MAX_PRIORITY,
     MAX_SLOTS, NULL_BLOCK, PROTECTED_SHARE,
 };
+pub use attention::MAX_THREADS as MAX_ATTENTION_THREADS;
 pub use attention::{
     bf16, f16, write_slots, AttentionShape, Element, InstructionSet, NewKv, PagedAttention,
     StepRows, Visibility,

@@ -402,4 +402,7 @@ fn bad_inputs_are_errors_that_leave_the_output_alone() {
         "sinks",
     );
     assert!(base.run(&mut out, 0).is_err());
+    assert!(base
+        .run(&mut out, atb_mem_core::MAX_ATTENTION_THREADS + 1)
+        .is_err());
 }

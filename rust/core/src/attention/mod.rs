@@ -29,6 +29,9 @@ pub use slots::{write_slots, NewKv};
 
 use crate::error::{CoreError, CoreResult};
 
+/// The most threads a call may ask for (a pool of this many is started once).
+pub const MAX_THREADS: usize = 1024;
+
 /// The heads and blocks of one model's layer: `num_heads` query heads share `num_kv_heads`
 /// KV heads (grouped-query attention), each `head_dim` wide; a block holds `block_size`
 /// slots.
@@ -90,7 +93,10 @@ impl<E: Element> PagedAttention<'_, E> {
     /// every copy.
     pub fn run_with(&self, out: &mut [E], threads: usize, set: InstructionSet) -> CoreResult<()> {
         self.check(out.len())?;
-        ensure!(threads > 0, "threads must be at least 1");
+        ensure!(
+            (1..=MAX_THREADS).contains(&threads),
+            "threads must be 1 to {MAX_THREADS}, got {threads}"
+        );
         ensure!(set.available(), "this CPU has no {set:?} instructions");
         dispatch::run(self, out, threads, set)
     }
