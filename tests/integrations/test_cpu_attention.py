@@ -270,8 +270,6 @@ def test_a_good_call_after_every_refused_one_is_right() -> None:
 @pytest.mark.parametrize("change", [with_table(0, 2, -3), set_args(threads=10**6),
                                     set_args(sinks=np.zeros(1, dtype=np.float32))],
                          ids=["bad-table", "threads", "sinks"])
-@pytest.mark.xfail(strict=True, reason="the binding writes new K/V into their slots before the "
-                   "attention checks the step: a refused call changes the caches")
 def test_a_call_refused_after_valid_new_kv_writes_no_slot(
         change: Callable[[dict[str, Any]], None]) -> None:
     step = make_step("float32", seed=11)

@@ -165,29 +165,43 @@ fn attend<E: Element, T: numpy::Element>(
         }),
         _ => None,
     };
-    let (visibility, scale) = (rows.visibility, rows.scale);
+    let step = StepRows {
+        query_start_loc: slices.0,
+        seq_lens: slices.1,
+        block_tables: slices.2,
+        width,
+    };
+    let how = (rows.visibility, rows.scale, sinks);
     py.detach(|| {
+        // Checked before the new K/V are written: a refused call changes nothing.
+        paged_call(shape, step, query, (keys, values), how).validate(out.len(), threads)?;
         if let Some(new) = &new {
             write_slots(new, keys, values, num_kv_heads * head_dim)?;
         }
-        let call = PagedAttention {
-            shape,
-            rows: StepRows {
-                query_start_loc: slices.0,
-                seq_lens: slices.1,
-                block_tables: slices.2,
-                width,
-            },
-            query,
-            key_cache: keys,
-            value_cache: values,
-            visibility,
-            scale,
-            sinks,
-        };
-        call.run(out, threads)
+        paged_call(shape, step, query, (keys, values), how).run(out, threads)
     })
     .into_py_result()
+}
+
+/// The core's call over these caches (built twice: once to validate, once to run after the
+/// caches were written).
+fn paged_call<'a, E>(
+    shape: AttentionShape,
+    rows: StepRows<'a>,
+    query: &'a [E],
+    (key_cache, value_cache): (&'a [E], &'a [E]),
+    (visibility, scale, sinks): (Visibility, f32, Option<&'a [f32]>),
+) -> PagedAttention<'a, E> {
+    PagedAttention {
+        shape,
+        rows,
+        query,
+        key_cache,
+        value_cache,
+        visibility,
+        scale,
+        sinks,
+    }
 }
 
 fn dims(shape: &[usize], name: &str) -> PyResult<[usize; 3]> {

@@ -151,6 +151,14 @@ fn with_scratch<E: Element>(call: &PagedAttention<'_, E>, work: impl FnOnce(&mut
     });
 }
 
+/// Starts the pool for `threads` threads (none for one) if it is not running.
+pub(super) fn start_threads(threads: usize) -> CoreResult<()> {
+    if threads > 1 {
+        pool(threads)?;
+    }
+    Ok(())
+}
+
 /// The pool of `threads` threads (rebuilt when another size is asked for).
 fn pool(threads: usize) -> CoreResult<Arc<rayon::ThreadPool>> {
     static POOL: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(None);

@@ -92,13 +92,22 @@ impl<E: Element> PagedAttention<'_, E> {
     /// `run`, with the kernel's copy for `set` (which this CPU must have): how tests reach
     /// every copy.
     pub fn run_with(&self, out: &mut [E], threads: usize, set: InstructionSet) -> CoreResult<()> {
-        self.check(out.len())?;
+        self.validate(out.len(), threads)?;
+        ensure!(set.available(), "this CPU has no {set:?} instructions");
+        dispatch::run(self, out, threads, set)
+    }
+
+    /// Everything `run` checks (with an output of `out_len` elements), and its threads
+    /// started: after this, `run` with the same inputs fails at nothing. A caller that writes
+    /// the step's new K/V first (`write_slots`) validates before it, so that a refused call
+    /// changes nothing.
+    pub fn validate(&self, out_len: usize, threads: usize) -> CoreResult<()> {
+        self.check(out_len)?;
         ensure!(
             (1..=MAX_THREADS).contains(&threads),
             "threads must be 1 to {MAX_THREADS}, got {threads}"
         );
-        ensure!(set.available(), "this CPU has no {set:?} instructions");
-        dispatch::run(self, out, threads, set)
+        dispatch::start_threads(threads)
     }
 }
 
