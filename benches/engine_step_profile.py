@@ -1,0 +1,53 @@
+"""Where an Engine step's time goes, by operator (torch's profiler), on the Engine
+benchmark's model and the first ``--requests`` of its requests; atb-mem's CPU kernel appears
+as ``atb_mem::paged_attention``.
+
+    python benches/engine_step_profile.py --attention-backend cpu --requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from engine_vs_hf import requests  # beside this script
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from atb_mem.integrations import cpu_attention
+from atb_mem.serving import Engine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention-backend", default="cpu", choices=["cpu", "torch"])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=14, help="operators shown")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024)
+    engine = Engine(LlamaForCausalLM(config).eval(), block_size=16, max_num_seqs=64,
+                    num_blocks=4096, attention_backend=args.attention_backend)
+    for index, (prompt, max_tokens) in enumerate(requests(args.requests, 16, 2048)):
+        engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens,
+                                                              temperature=0, ignore_eos=True))
+    kernel = cpu_attention._core.paged_attention
+
+    def labelled(*call_args: Any, **kwargs: Any) -> None:
+        with torch.profiler.record_function("atb_mem::paged_attention"):
+            kernel(*call_args, **kwargs)
+
+    cpu_attention._core.paged_attention = labelled  # type: ignore[assignment]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        cpu_attention._core.paged_attention = kernel  # type: ignore[assignment]
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
