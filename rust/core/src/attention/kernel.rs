@@ -72,6 +72,51 @@ pub(super) struct Output<E>(pub *mut E);
 unsafe impl<E: Send> Send for Output<E> {}
 unsafe impl<E: Send> Sync for Output<E> {}
 
+/// Where an item's query vectors sit: vector `i` is token `first_token + i / group`, query
+/// head `kv_head * group + i % group`; the row's new tokens start at step token `row_start`,
+/// position `first_position`.
+#[derive(Clone, Copy)]
+struct Place {
+    tokens: (usize, usize),
+    row_start: usize,
+    first_position: usize,
+    group: usize,
+    kv_head: usize,
+    vectors: usize,
+}
+
+impl Place {
+    fn of<E>(call: &PagedAttention<'_, E>, item: WorkItem) -> Self {
+        let rows = &call.rows;
+        let row = item.row as usize;
+        let row_start = rows.query_start_loc[row] as usize;
+        let query_len = rows.query_start_loc[row + 1] as usize - row_start;
+        let group = call.shape.num_heads / call.shape.num_kv_heads;
+        let tokens = (item.tokens.0 as usize, item.tokens.1 as usize);
+        Place {
+            tokens,
+            row_start,
+            first_position: rows.seq_lens[row] as usize - query_len,
+            group,
+            kv_head: item.kv_head as usize,
+            vectors: (tokens.1 - tokens.0) * group,
+        }
+    }
+
+    /// The position of step token `token`.
+    fn position(&self, token: usize) -> usize {
+        self.first_position + token - self.row_start
+    }
+
+    /// The step token and query head of vector `i`.
+    fn vector(&self, i: usize) -> (usize, usize) {
+        (
+            self.tokens.0 + i / self.group,
+            self.kv_head * self.group + i % self.group,
+        )
+    }
+}
+
 /// Attends `item`, writing its tokens' heads of `out` (`[tokens, heads, head_dim]`).
 ///
 /// # Safety
@@ -84,39 +129,17 @@ pub(super) unsafe fn attend<E: Element>(
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    let shape = &call.shape;
-    let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let group = shape.num_heads / shape.num_kv_heads;
-    let (row, kv_head) = (item.row as usize, item.kv_head as usize);
-    let (first_token, end_token) = (item.tokens.0 as usize, item.tokens.1 as usize);
-    let rows = &call.rows;
-    let row_start = rows.query_start_loc[row] as usize;
-    let query_len = rows.query_start_loc[row + 1] as usize - row_start;
-    let first_position = rows.seq_lens[row] as usize - query_len;
-    let position = |token: usize| first_position + token - row_start;
-    let vectors = (end_token - first_token) * group;
-
-    // Queries, pre-scaled; vector `i` is token `first_token + i / group`, head
-    // `kv_head * group + i % group`.
-    for token in first_token..end_token {
-        for head in 0..group {
-            let i = (token - first_token) * group + head;
-            let at = (token * shape.num_heads + kv_head * group + head) * dim;
-            let query = &mut scratch.queries[i * dim..(i + 1) * dim];
-            E::load(&call.query[at..at + dim], query);
-            scale(query, call.scale);
-        }
-    }
-    // Padding vectors of the last quad: zeros, whose scores nobody reads.
-    scratch.queries[vectors * dim..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
-    scratch.acc[..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
-    scratch.max[..vectors].fill(f32::NEG_INFINITY);
-    scratch.sum[..vectors].fill(0.0);
-
+    let (dim, block_size) = (call.shape.head_dim, call.shape.block_size);
+    let place = Place::of(call, item);
+    let vectors = place.vectors;
+    load_queries(call, &place, scratch);
     let (lowest, highest) = (
-        call.visibility.first_visible(position(first_token)),
-        position(end_token - 1),
+        call.visibility
+            .first_visible(place.position(place.tokens.0)),
+        place.position(place.tokens.1 - 1),
     );
+    let rows = &call.rows;
+    let row = item.row as usize;
     let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
     let blocks = table.iter().enumerate().take(highest / block_size + 1);
     for (index, &block) in blocks.skip(lowest / block_size) {
@@ -127,59 +150,100 @@ pub(super) unsafe fn attend<E: Element>(
         // a tile to pay for transposing K: they take a dot product per key instead.
         let by_rows = vectors <= 2;
         let keys_at = (block, first_key % block_size, keys);
-        load_block(call, scratch, keys_at, kv_head, by_rows);
+        load_block(call, scratch, keys_at, place.kv_head, by_rows);
         let padded = padded_keys(block_size);
         if by_rows {
-            score_rows(call, scratch, keys_at, kv_head, vectors);
+            score_rows(call, scratch, keys_at, place.kv_head, vectors);
         }
         for quad in (0..vectors).step_by(QUAD) {
             if !by_rows {
                 let queries = &scratch.queries[quad * dim..(quad + QUAD) * dim];
-                score_quad(
-                    queries,
-                    &scratch.keys_t,
-                    (dim, padded),
-                    keys,
-                    &mut scratch.scores,
-                );
+                let shape = (dim, padded);
+                score_quad(queries, &scratch.keys_t, shape, keys, &mut scratch.scores);
             }
-            for i in quad..quad + QUAD {
-                let (mut skip, mut end) = (0, 0);
-                if i < vectors {
-                    let token_position = position(first_token + i / group);
-                    let from = call.visibility.first_visible(token_position).max(first_key);
-                    let to = (token_position + 1).min(end_key);
-                    // A query before this block, or whose window starts after it, sees none
-                    // of it.
-                    (skip, end) = ((from - first_key).min(keys), to.saturating_sub(first_key));
-                }
-                let at = (i - quad) * padded;
-                let weights = &mut scratch.scores[at..at + keys];
-                // Keys this vector does not see weigh nothing in the tile's sums.
-                weights[..skip].fill(0.0);
-                weights[end.max(skip)..].fill(0.0);
-                if skip >= end {
-                    continue;
-                }
-                let scores = &mut weights[skip..end];
-                let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let old_max = scratch.max[i];
-                if block_max > old_max {
-                    let factor = exp(old_max - block_max);
-                    scratch.sum[i] *= factor;
-                    scale(&mut scratch.acc[i * dim..(i + 1) * dim], factor);
-                    scratch.max[i] = block_max;
-                }
-                scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
-            }
+            softmax_quad(call, &place, scratch, quad, (first_key, end_key));
             let acc = &mut scratch.acc[quad * dim..(quad + QUAD) * dim];
             accumulate_quad(acc, &scratch.scores, &scratch.values, (dim, padded), keys);
         }
     }
+    write_out(call, &place, scratch, out);
+}
 
+/// Loads the item's queries, pre-scaled, and starts its softmax state.
+#[inline(always)]
+fn load_queries<E: Element>(call: &PagedAttention<'_, E>, place: &Place, scratch: &mut Scratch) {
+    let (dim, vectors) = (call.shape.head_dim, place.vectors);
     for i in 0..vectors {
-        let token = first_token + i / group;
-        let head = kv_head * group + i % group;
+        let (token, head) = place.vector(i);
+        let at = (token * call.shape.num_heads + head) * dim;
+        let query = &mut scratch.queries[i * dim..(i + 1) * dim];
+        E::load(&call.query[at..at + dim], query);
+        scale(query, call.scale);
+    }
+    // Padding vectors of the last quad: zeros, whose scores nobody reads.
+    scratch.queries[vectors * dim..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
+    scratch.acc[..vectors.next_multiple_of(QUAD) * dim].fill(0.0);
+    scratch.max[..vectors].fill(f32::NEG_INFINITY);
+    scratch.sum[..vectors].fill(0.0);
+}
+
+/// Turns the scores of the quad's vectors over keys `first_key..end_key` into softmax
+/// weights (zero where a vector does not see a key), rescaling each one's sums when its
+/// maximum grows.
+#[inline(always)]
+fn softmax_quad<E>(
+    call: &PagedAttention<'_, E>,
+    place: &Place,
+    scratch: &mut Scratch,
+    quad: usize,
+    (first_key, end_key): (usize, usize),
+) {
+    let dim = call.shape.head_dim;
+    let (keys, padded) = (end_key - first_key, padded_keys(call.shape.block_size));
+    for i in quad..quad + QUAD {
+        let (mut skip, mut end) = (0, 0);
+        if i < place.vectors {
+            let position = place.position(place.vector(i).0);
+            let from = call.visibility.first_visible(position).max(first_key);
+            let to = (position + 1).min(end_key);
+            // A query before this block, or whose window starts after it, sees none of it.
+            (skip, end) = ((from - first_key).min(keys), to.saturating_sub(first_key));
+        }
+        let at = (i - quad) * padded;
+        let weights = &mut scratch.scores[at..at + keys];
+        // Keys this vector does not see weigh nothing in the tile's sums.
+        weights[..skip].fill(0.0);
+        weights[end.max(skip)..].fill(0.0);
+        if skip >= end {
+            continue;
+        }
+        let scores = &mut weights[skip..end];
+        let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let old_max = scratch.max[i];
+        if block_max > old_max {
+            let factor = exp(old_max - block_max);
+            scratch.sum[i] *= factor;
+            scale(&mut scratch.acc[i * dim..(i + 1) * dim], factor);
+            scratch.max[i] = block_max;
+        }
+        scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
+    }
+}
+
+/// Ends each vector's softmax (gpt-oss's sink included) and writes it to `out`.
+///
+/// # Safety
+/// As `attend`'s.
+#[inline(always)]
+unsafe fn write_out<E: Element>(
+    call: &PagedAttention<'_, E>,
+    place: &Place,
+    scratch: &mut Scratch,
+    out: Output<E>,
+) {
+    let dim = call.shape.head_dim;
+    for i in 0..place.vectors {
+        let (token, head) = place.vector(i);
         let (mut max, mut sum) = (scratch.max[i], scratch.sum[i]);
         let acc = &mut scratch.acc[i * dim..(i + 1) * dim];
         if let Some(sinks) = call.sinks {
@@ -194,7 +258,7 @@ pub(super) unsafe fn attend<E: Element>(
             sum += exp(sink - max);
         }
         scale(acc, 1.0 / sum);
-        let at = (token * shape.num_heads + head) * dim;
+        let at = (token * call.shape.num_heads + head) * dim;
         // Safety: the caller's contract; this item alone writes (token, head).
         let target = std::slice::from_raw_parts_mut(out.0.add(at), dim);
         E::store(acc, target);
