@@ -55,13 +55,12 @@ class CpuPagedAttention:
         import torch
 
         query_lens = np.asarray(query_lens, dtype=np.int64)
-        with_context = np.flatnonzero(query_lens != np.asarray(seq_lens))
+        has_context = query_lens != np.asarray(seq_lens)
+        with_context = np.flatnonzero(has_context)
         tokens = None
         if len(with_context) < len(query_lens):
-            ends = np.cumsum(query_lens)
-            tokens = torch.from_numpy(np.concatenate(
-                [np.arange(ends[row] - query_lens[row], ends[row]) for row in with_context]
-                or [np.zeros(0, dtype=np.int64)]))
+            # The step tokens of those rows: each row's flag, once per token of it.
+            tokens = torch.from_numpy(np.flatnonzero(np.repeat(has_context, query_lens)))
         starts = np.zeros(len(with_context) + 1, dtype=np.int32)
         np.cumsum(query_lens[with_context], out=starts[1:])
         return CpuPagedStep(
@@ -95,7 +94,7 @@ class CpuPagedStep:
         caller's to fill."""
         import torch
 
-        every = torch.empty_like(queries)
+        every = queries  # all the step's tokens; the kernel's are `self.tokens` of them
         if self.tokens is not None:
             queries = queries[self.tokens]
         queries = queries.contiguous()
@@ -117,8 +116,9 @@ class CpuPagedStep:
             threads=self.threads, **new)
         if self.tokens is None:
             return out
-        every[self.tokens] = out
-        return every
+        result = torch.empty_like(every)
+        result[self.tokens] = out
+        return result
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:

@@ -264,17 +264,15 @@ impl Sequence {
     }
 
     /// Keeps `config` as what the request asks the prefix cache to keep, its decode start
-    /// no later than the sequence's end; returns it.
-    pub(in crate::kv_cache) fn keep_retention(
-        &mut self,
-        config: &RetentionConfig,
-    ) -> &RetentionConfig {
+    /// no later than the sequence's end (the slab's box is reused when it has one).
+    pub(in crate::kv_cache) fn keep_retention(&mut self, config: &RetentionConfig) {
         let decode_from = config.decode_from.min(self.num_tokens);
-        let kept = self
-            .retention
-            .get_or_insert_with(|| Box::new(config.clone()));
-        RetentionConfig::clone_from(kept, config);
-        kept.decode_from = decode_from;
-        kept
+        match self.retention.as_deref_mut() {
+            Some(kept) => RetentionConfig::clone_from(kept, config),
+            None => self.retention = Some(Box::new(config.clone())),
+        }
+        if let Some(kept) = self.retention.as_deref_mut() {
+            kept.decode_from = decode_from;
+        }
     }
 }
