@@ -1,8 +1,10 @@
-"""Where an Engine step's time goes, by operator (torch's profiler), on the Engine
-benchmark's model and the first ``--requests`` of its requests; atb-mem's CPU kernel appears
-as ``atb_mem::paged_attention``.
+"""Where an Engine step's time goes, by operator (torch's profiler), on the model and the first
+``--requests`` of the requests of ``benches/engine_vs_vllm.py``; atb-mem's CPU kernel appears
+as ``atb_mem kernel``, the compiled forward's fused loops as ``cpp_fused_*`` (inside
+``CompiledFunction``).
 
-    python benches/engine_step_profile.py --attention-backend cpu --requests 64
+    python benches/engine_step_profile.py --requests 64 [--enforce-eager]
+    python benches/engine_step_profile.py --attention-backend torch --enforce-eager
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 from typing import Any
 
 import torch
-from engine_vs_hf import requests  # beside this script
+from engine_vs_vllm import workload  # beside this script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from atb_mem.integrations import cpu_attention
@@ -23,20 +25,22 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="cpu", choices=["cpu", "torch"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rows", type=int, default=14, help="operators shown")
+    parser.add_argument("--enforce-eager", action="store_true", help="no compiled forward")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768,
                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024)
+                         max_position_embeddings=2048)
     engine = Engine(LlamaForCausalLM(config).eval(), block_size=16, max_num_seqs=64,
-                    num_blocks=4096, attention_backend=args.attention_backend)
-    for index, (prompt, max_tokens) in enumerate(requests(args.requests, 16, 2048)):
+                    num_blocks=4096, attention_backend=args.attention_backend,
+                    enforce_eager=args.enforce_eager)
+    for index, (prompt, max_tokens) in enumerate(workload(args.requests, 2048)):
         engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens,
                                                               temperature=0, ignore_eos=True))
     kernel = cpu_attention._core.paged_attention
 
     def labelled(*call_args: Any, **kwargs: Any) -> None:
-        with torch.profiler.record_function("atb_mem::paged_attention"):
+        with torch.profiler.record_function("atb_mem kernel"):
             kernel(*call_args, **kwargs)
 
     cpu_attention._core.paged_attention = labelled  # type: ignore[assignment]

@@ -20,13 +20,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from atb_mem._types import AttentionBackend
 from atb_mem.integrations.attention_backends import attention_kernel
 from atb_mem.integrations.attention_switch import AttentionSwitch
+from atb_mem.integrations.compiled_forward import (
+    CompiledForward,
+    attend_compiled,
+    warm_up_plans,
+)
 from atb_mem.integrations.cpu_attention import CpuPagedAttention, CpuPagedStep
 from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep
 from atb_mem.integrations.layer_attention import (
@@ -159,6 +164,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     ``[1, kv_heads, T, D]`` (this step's new tokens); returns ``[1, T, heads, D]``."""
     import torch
 
+    if torch.compiler.is_compiling():  # the graph holds one opaque call (compiled_forward)
+        return attend_compiled(module, query, key, value, scaling, kwargs.get("s_aux")), None
     step = _current_step.get()
     if step is None:  # only a model switched for good (use_paged_attention) gets here
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention runs inside a step: call the "
@@ -254,7 +261,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, kv_cache: KVCachePool, tensor_parallel_size: int = 1,
-                 attention_backend: AttentionBackend = "auto") -> None:
+                 attention_backend: AttentionBackend = "auto", enforce_eager: bool = False
+                 ) -> None:
         import torch
 
         self.layers = supported_layers(model)
@@ -288,6 +296,12 @@ class ModelRunner:
             if any(attention.is_recurrent for attention in self.layers) else None
         # Only inside a step: outside, the user's model runs as transformers would.
         self.attention = AttentionSwitch(model, ATTN_IMPLEMENTATION, paged_attention_forward)
+        # Compiled around atb-mem's CPU kernel; a recurrent layer's Python hooks stay eager.
+        self.forward = model if enforce_eager or not isinstance(self.kernel, CpuPagedAttention) \
+            or self.recurrent is not None else CompiledForward(model)
+        if isinstance(self.forward, CompiledForward):  # compiles now, not in the first steps
+            for plan in warm_up_plans(max(self.layer_groups) + 1):
+                self.execute(cast("StepPlan", plan))
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the model over the plan's tokens; float32 logits ``[len(sample_seq_ids), V]``."""
@@ -307,7 +321,7 @@ class ModelRunner:
 
         with torch.inference_mode(), paged_step(step), self.attention.active(), \
                 recurrent_step(self.recurrent, plan):
-            output = self.model(input_ids=tensor(input_ids)[None],
+            output = self.forward(input_ids=tensor(input_ids)[None],
                                 position_ids=tensor(plan.positions)[None], use_cache=False,
                                 logits_to_keep=tensor(plan.logits_indices))
         logits: torch.Tensor = output.logits[0].float()

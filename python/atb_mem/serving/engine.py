@@ -1,10 +1,9 @@
 """``Engine``: a transformers model served through atb-mem's KV cache and scheduler.
 
-Each ``step()`` is one scheduler step (continuous batching, chunked prefill, preemption),
-one forward of the model over the step's tokens through the paged attention of
-``atb_mem.integrations.transformers``, and one sampled token per sequence that finished its
-prefill or decoded. A request of ``n`` samples is prefilled once, then forked ``n - 1`` times.
-"""
+Each ``step()`` is one scheduler step (continuous batching, chunked prefill, preemption), one
+forward of the model over the step's tokens through ``atb_mem.integrations.transformers``'s
+paged attention, and one sampled token per sequence that finished its prefill or decoded. A
+request of ``n`` samples is prefilled once, then forked ``n - 1`` times."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from atb_mem.distributed.tensor_parallel import PlanBroadcast
 
 __all__ = ["Engine"]
-
 
 
 @dataclass
@@ -75,7 +73,8 @@ class Engine:
     ``eviction_policy``: ``"priority"`` (``SamplingParams.retention``; LRU where no request
     asks), ``"lru"``, ``"lfu"`` or ``"slru"``; ``hash_block_size``: hits every that many
     tokens; ``state_checkpoint_interval``: blocks between the recurrent states kept for prefix
-    hits; ``kv_events`` (``ZmqEventPublisher``) gets the events."""
+    hits; ``kv_events`` (``ZmqEventPublisher``) gets the events. ``enforce_eager``: no
+    ``torch.compile`` around the CPU kernel (see ``integrations.compiled_forward``)."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
@@ -88,7 +87,8 @@ class Engine:
                  state_checkpoint_interval: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
-                 attention_backend: AttentionBackend = "auto") -> None:
+                 attention_backend: AttentionBackend = "auto", enforce_eager: bool = False
+                 ) -> None:
         if kv_events is not None and not callable(getattr(kv_events, "publish", None)):
             raise TypeError(f"kv_events must have a publish(events) method (a "
                             f"KVEventPublisher), got {type(kv_events).__name__}")
@@ -122,14 +122,14 @@ class Engine:
         self.scheduler = ContinuousBatchScheduler(
             self.kv_cache, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, preemption=preemption)
-        self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size, attention_backend)
+        self.runner = ModelRunner(model, self.kv_cache, tensor_parallel_size, attention_backend,
+                                  enforce_eager)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_seq_id = itertools.count(1)
         self._ended: list[_Request] = []  # aborted or failed, reported by the next step()
-        # (model forward, whole step) of the last step() in seconds; the tokens it ran.
-        self.last_step_seconds, self.last_step_tokens = (0.0, 0.0), 0
+        self.last_step_seconds, self.last_step_tokens = (0.0, 0.0), 0  # (forward, step) s
 
     # ---- tensor parallelism ----------------------------------------------------------------
 

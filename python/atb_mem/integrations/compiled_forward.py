@@ -1,0 +1,156 @@
+"""The model's forward compiled with ``torch.compile``, atb-mem's paged attention inside it as
+one opaque operator.
+
+Eager transformers spends a CPU step on many small operators: RMSNorm's five, rotary's
+slices and concatenations, SiLU times the up projection, residual adds, each a dispatch and a
+pass over memory. Inductor fuses them into a few loops, as vLLM's CPU build does. The
+attention stays atb-mem's: ``atb_mem::paged_attention`` is a custom operator that dynamo does
+not trace into; it finds the step (block tables, slots, caches) where the eager path does,
+writes the layer's new K/V into the cache and returns the attention output, so the graph sees
+only ``(query, key, value) -> out``.
+
+Shapes: the number of the step's tokens and of its sampled rows change every step. Both are
+compiled as symbolic sizes (``dynamic=True``), so one graph serves every step from 2 tokens
+up. torch specializes sizes 0 and 1: the sampled rows are padded to two at least (the padding
+row's logits are dropped), and a step of one token (a single decode) has the second graph.
+The runner compiles both at start-up on steps that touch no cache (``warm_up_plans``); no
+step recompiles after that. ``benches/engine_vs_vllm.py`` reports what that start-up costs.
+A model whose layers keep recurrent state is not compiled: its mixers read and write the
+state through Python hooks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CompiledForward", "WarmUpPlan", "paged_attention_op", "warm_up_plans"]
+
+_OPERATOR = "atb_mem::paged_attention"
+_SCHEMA = ("(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, "
+           "Tensor? sinks) -> Tensor")
+_registered: dict[str, Any] = {}
+
+
+def paged_attention_op() -> Any:
+    """``torch.ops.atb_mem.paged_attention``, registered on first use: ``(query [1, H, T, D],
+    key and value [1, kv_heads, T, D], layer index, scaling, sinks or None) -> [1, T, H, D]``,
+    the current step's attention for that layer (``paged_attention_forward``)."""
+    if "op" in _registered:
+        return _registered["op"]
+    import torch
+
+    from atb_mem.integrations import transformers as paged
+
+    @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
+    def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        layer_idx: int, scaling: float,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+        layer = _Layer(layer_idx)
+        out, _ = paged.paged_attention_forward(layer, query, key, value, None, scaling,
+                                               s_aux=sinks)
+        return out
+
+    @paged_attention.register_fake
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+          scaling: float, sinks: torch.Tensor | None) -> torch.Tensor:
+        return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+    _registered["op"] = paged_attention
+    return paged_attention
+
+
+class _Layer:
+    """What ``paged_attention_forward`` reads of a layer's attention module."""
+
+    __slots__ = ("layer_idx",)
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+
+
+class CompiledForward:
+    """``model``'s forward under ``torch.compile``, or eager where compiling fails: the first
+    failure (torch cannot compile this model here) warns once and the model runs eager from
+    then on. Compiles its graphs when the runner warms it up (``warm_up_plans``)."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        paged_attention_op()
+        self.model = model
+        self.compiled: Any = torch.compile(model, dynamic=True)
+        self.failed: str | None = None
+
+    def __call__(self, *, logits_to_keep: torch.Tensor, **inputs: Any) -> Any:
+        import torch
+
+        # Two rows at least: sizes 0 and 1 would each compile a graph of their own.
+        count = len(logits_to_keep)
+        if count < 2:
+            logits_to_keep = torch.cat([logits_to_keep, logits_to_keep.new_zeros(2 - count)])
+        output = self._run(logits_to_keep=logits_to_keep, **inputs)
+        output.logits = output.logits[:, :count]
+        return output
+
+    def _run(self, **inputs: Any) -> Any:
+        if self.failed is None:
+            from torch._dynamo.exc import TorchDynamoException
+
+            try:
+                return self.compiled(**inputs)
+            except TorchDynamoException as error:
+                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+                warnings.warn(f"atb-mem: torch.compile cannot compile this model here "
+                              f"({self.failed}); it runs eager", stacklevel=3)
+        return self.model(**inputs)
+
+
+@dataclass(frozen=True)
+class WarmUpPlan:
+    """What a model runner reads of a ``StepPlan``, for a step that touches no cache: one row
+    of ``tokens`` new tokens whose slots are all -1 (the kernel writes nothing there)."""
+
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def of(cls, tokens: int, num_groups: int) -> WarmUpPlan:
+        lengths = np.array([tokens], dtype=np.int32)
+        return cls(query_lens=lengths, seq_lens=lengths,
+                   query_start_loc=np.array([0, tokens], dtype=np.int32),
+                   slot_mapping=np.full(num_groups * tokens, -1, dtype=np.int32),
+                   block_tables=np.zeros((num_groups, 1, 1), dtype=np.int32),
+                   input_ids=np.zeros(tokens, dtype=np.int32),
+                   positions=np.arange(tokens, dtype=np.int32),
+                   logits_indices=np.array([tokens - 1], dtype=np.int32))
+
+
+def warm_up_plans(num_groups: int) -> list[WarmUpPlan]:
+    """A step of one token and one of two: the graphs every later step reuses."""
+    return [WarmUpPlan.of(tokens, num_groups) for tokens in (1, 2)]
+
+
+def attend_compiled(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scaling: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The attention call inside a compiled graph: the opaque operator."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out: torch.Tensor = paged_attention_op()(query, key, value, module.layer_idx, float(scale),
+                                             sinks)
+    return out

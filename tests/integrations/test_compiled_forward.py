@@ -1,0 +1,133 @@
+"""The Engine's compiled forward on the CPU (torch.compile around atb-mem's attention kernel,
+an opaque operator): greedy tokens equal HF's own ``generate`` for Llama, Qwen3, Mistral
+(sliding) and Gemma 3 (sliding and full layers) in a continuous batch with chunked prefill,
+prefix hits and preemption, unused blocks NaN-poisoned before every step; the graphs are
+compiled at start-up and no step recompiles; a wrong block table through the compiled graph
+fails the comparison; ``enforce_eager`` and recurrent models stay eager; a model torch
+cannot compile runs eager after one warning."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atb_mem.integrations import compiled_forward
+from atb_mem.integrations import transformers as paged
+from atb_mem.integrations.compiled_forward import CompiledForward
+from atb_mem.serving import Engine, SamplingParams
+from tests.support.models import (
+    assert_each_matches_hf,
+    greedy,
+    model_pair,
+    random_prompt,
+    require_torch,
+    run_poisoned,
+)
+
+pytestmark = pytest.mark.usefixtures("compiled")
+
+
+def arrivals() -> dict[int, list[tuple[str, list[int], SamplingParams]]]:
+    """Seven requests at steps 0, 2 and 5: two share a prefix with an earlier one, prompts of
+    1 to 29 tokens (several chunks at 24 tokens a step), outputs of 1 to 14."""
+    shared = random_prompt(100, 13)
+    specs = [(0, "a", random_prompt(1, 11), 14), (0, "b", random_prompt(2, 29), 3),
+             (0, "c", shared, 12), (2, "d", random_prompt(3, 17), 9),
+             (2, "e", [*shared, 7, 8], 8), (5, "f", [*shared[:9], 42], 12),
+             (5, "g", random_prompt(4, 1), 1)]
+    found: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
+    for step, request_id, tokens, max_tokens in specs:
+        found.setdefault(step, []).append((request_id, tokens, greedy(max_tokens)))
+    return found
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def engine_for(model: Any, **options: Any) -> Engine:
+    # 19 usable blocks of 4 tokens cannot hold the batch: sequences get preempted.
+    return Engine(model, num_blocks=20, block_size=4, max_num_seqs=6,
+                  max_num_batched_tokens=24, **options)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3"])
+def test_greedy_tokens_equal_hf_through_the_compiled_forward(architecture: str) -> None:
+    model, reference = model_pair(architecture)
+    engine = engine_for(model)
+    forward = engine.runner.forward
+    assert isinstance(forward, CompiledForward)
+    graphs = compiled_graphs()
+    results = run_poisoned(engine, arrivals())
+    assert forward.failed is None
+    assert compiled_graphs() == graphs, "a step compiled a graph the warm-up had not"
+    assert_each_matches_hf(results, reference, arrivals())
+    stats = engine.kv_cache.stats()
+    assert stats["prefix_cache_hits"] > 0
+    # Mistral's window frees blocks behind it: its batch fits without preemption.
+    assert (engine.scheduler.stats()["preemptions"] > 0) == (architecture != "mistral")
+    assert stats["blocks_used"] == 0
+
+
+def test_a_wrong_block_table_through_the_compiled_graph_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: each row with context reads the previous row's first block."""
+    build = paged.StepAttention.from_plan
+
+    def from_plan(*args: Any, **kwargs: Any) -> paged.StepAttention:
+        step = build(*args, **kwargs)
+        assert step.kernel is not None
+        tables = step.kernel.table_planes.copy()
+        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
+        return dataclasses.replace(step, kernel=dataclasses.replace(step.kernel,
+                                                                    table_planes=tables))
+
+    model, reference = model_pair("llama")
+    engine = engine_for(model)
+    monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
+    results = run_poisoned(engine, arrivals())
+    with pytest.raises(AssertionError):
+        assert_each_matches_hf(results, reference, arrivals())
+
+
+def test_enforce_eager_and_recurrent_models_are_not_compiled() -> None:
+    graphs = compiled_graphs()
+    model, _ = model_pair("llama")
+    assert engine_for(model, enforce_eager=True).runner.forward is model
+    model, _ = model_pair("granitemoehybrid")
+    assert Engine(model, num_blocks=64, block_size=4).runner.forward is model
+    model, _ = model_pair("llama")
+    assert engine_for(model, attention_backend="torch").runner.forward is model
+    assert compiled_graphs() == graphs
+
+
+def test_a_model_torch_cannot_compile_runs_eager_after_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = require_torch()
+
+    def refuse(graph: Any, inputs: Any) -> Any:
+        raise RuntimeError("this backend compiles nothing")
+
+    torch._dynamo.reset()  # else the graphs earlier tests compiled for Llama serve it
+    compile_model = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_model(
+        model, backend=refuse, dynamic=True))
+    model, reference = model_pair("llama")
+    with pytest.warns(UserWarning, match="cannot compile this model here"):
+        engine = engine_for(model)
+    forward = engine.runner.forward
+    assert isinstance(forward, CompiledForward) and forward.failed is not None
+    assert_each_matches_hf(run_poisoned(engine, arrivals()), reference, arrivals())
+
+
+def test_the_operator_outside_a_step_is_a_clear_error() -> None:
+    torch = require_torch()
+    op = compiled_forward.paged_attention_op()
+    query, key = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
+    with pytest.raises(RuntimeError, match="runs inside a step"):
+        op(query, key, key, 0, 0.25, None)
