@@ -3,8 +3,9 @@ an opaque operator): greedy tokens equal HF's own ``generate`` for Llama, Qwen3,
 (sliding) and Gemma 3 (sliding and full layers) in a continuous batch with chunked prefill,
 prefix hits and preemption, unused blocks NaN-poisoned before every step; the graphs are
 compiled at start-up and no step recompiles; a wrong block table through the compiled graph
-fails the comparison; ``enforce_eager`` and recurrent models stay eager; a model torch
-cannot compile runs eager after one warning."""
+fails the comparison; two models of one class keep their own weights; ``enforce_eager``,
+recurrent models and the torch reference stay eager; a model torch cannot compile runs eager
+after one warning."""
 
 from __future__ import annotations
 
@@ -72,6 +73,18 @@ def test_greedy_tokens_equal_hf_through_the_compiled_forward(architecture: str) 
     # Mistral's window frees blocks behind it: its batch fits without preemption.
     assert (engine.scheduler.stats()["preemptions"] > 0) == (architecture != "mistral")
     assert stats["blocks_used"] == 0
+
+
+def test_two_models_of_one_class_each_get_their_own_weights() -> None:
+    """Graphs are cached per class (one forward's code): a second model with other weights
+    in the same process must not be served the first one's."""
+    engines, references = [], []
+    for seed in (0, 1):
+        model, reference = model_pair("llama", seed)
+        engines.append(engine_for(model))
+        references.append(reference)
+    for engine, reference in zip(reversed(engines), reversed(references), strict=True):
+        assert_each_matches_hf(run_poisoned(engine, arrivals()), reference, arrivals())
 
 
 def test_a_wrong_block_table_through_the_compiled_graph_is_caught(

@@ -38,6 +38,7 @@ _SCHEMA = ("(Tensor query, Tensor key, Tensor value, int layer_idx, float scalin
 _registered: dict[str, Any] = {}
 
 
+
 def paged_attention_op() -> Any:
     """``torch.ops.atb_mem.paged_attention``, registered on first use: ``(query [1, H, T, D],
     key and value [1, kv_heads, T, D], layer index, scaling, sinks or None) -> [1, T, H, D]``,
@@ -114,8 +115,9 @@ class CompiledForward:
 
 @dataclass(frozen=True)
 class WarmUpPlan:
-    """What a model runner reads of a ``StepPlan``, for a step that touches no cache: one row
-    of ``tokens`` new tokens whose slots are all -1 (the kernel writes nothing there)."""
+    """What a model runner reads of a ``StepPlan``, for a step that changes no cache: one row
+    of ``tokens`` new tokens whose slots are all -1 (the kernel writes nothing there) and whose
+    table names block 1 (the kernel reads whatever it holds; the logits are dropped)."""
 
     query_lens: np.ndarray
     seq_lens: np.ndarray
@@ -136,7 +138,7 @@ class WarmUpPlan:
         return cls(query_lens=lengths, seq_lens=lengths,
                    query_start_loc=np.array([0, tokens], dtype=np.int32),
                    slot_mapping=np.full(num_groups * tokens, -1, dtype=np.int32),
-                   block_tables=np.zeros((num_groups, 1, 1), dtype=np.int32),
+                   block_tables=np.ones((num_groups, 1, tokens), dtype=np.int32),
                    input_ids=np.zeros(tokens, dtype=np.int32),
                    positions=np.arange(tokens, dtype=np.int32),
                    logits_indices=np.array([tokens - 1], dtype=np.int32))

@@ -1,16 +1,11 @@
 """atb-mem's own paged attention on the CPU: the core's Rust kernel over the KV cache's blocks.
 
-One call per layer writes the step's new K/V into their slots and attends the rows that have
-cached context — decodes, later prefill chunks, prefix hits — reading K/V in place through the
+One call per layer writes the step's new K/V into their slots and attends every row of the
+step — decodes, first and later prefill chunks, prefix hits — reading K/V in place through the
 group's block tables (no gather, no mask tensor): ATB's fused operator, for the device that has
 none of its own. It computes every kind of layer the models here have: full, sliding-window
 and chunked attention, grouped-query heads, gpt-oss's attention sinks; in float32, bfloat16 or
 float16, on as many threads as torch uses, with the GIL released.
-
-A row whose K/V is all new this step (a first prefill chunk) is left to the caller, which
-attends it over its own new keys with torch's SDPA: the kernel attends such rows correctly
-too (its tests do), but torch's tiled prefill is faster there today (``benches/
-paged_attention_cpu.py``).
 
 Tensors cross as numpy views of the same memory (16-bit ones as their int16 bits), so the
 kernel needs CPU tensors; every input is checked by the core before anything is read.
@@ -54,34 +49,25 @@ class CpuPagedAttention:
         the step plan's block tables and slots."""
         import torch
 
-        query_lens = np.asarray(query_lens, dtype=np.int64)
-        has_context = query_lens != np.asarray(seq_lens)
-        with_context = np.flatnonzero(has_context)
-        tokens = None
-        if len(with_context) < len(query_lens):
-            # The step tokens of those rows: each row's flag, once per token of it.
-            tokens = torch.from_numpy(np.flatnonzero(np.repeat(has_context, query_lens)))
-        starts = np.zeros(len(with_context) + 1, dtype=np.int32)
-        np.cumsum(query_lens[with_context], out=starts[1:])
-        return CpuPagedStep(
-            self, starts, np.ascontiguousarray(np.asarray(seq_lens)[with_context], dtype=np.int32),
-            np.ascontiguousarray(np.asarray(table_planes)[:, with_context], dtype=np.int32),
-            np.ascontiguousarray(slot_planes, dtype=np.int32), tokens, torch.get_num_threads())
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        return CpuPagedStep(self, starts, np.ascontiguousarray(seq_lens, dtype=np.int32),
+                            np.ascontiguousarray(table_planes, dtype=np.int32),
+                            np.ascontiguousarray(slot_planes, dtype=np.int32),
+                            torch.get_num_threads())
 
 
 @dataclass(frozen=True)
 class CpuPagedStep:
-    """One step's rows with cached context, shared by every layer."""
+    """One step's rows, shared by every layer."""
 
     kernel: CpuPagedAttention
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     table_planes: np.ndarray
-    """``[groups, rows, width]``: the block tables of the rows the kernel attends."""
+    """``[groups, rows, width]``: the rows' block tables."""
     slot_planes: np.ndarray
-    """``[groups, tokens]``: every token's slot (the kernel writes them all)."""
-    tokens: torch.Tensor | None
-    """The step tokens of the rows the kernel attends, when not all of them."""
+    """``[groups, tokens]``: every token's slot."""
     threads: int
 
     def attend(self, group: int, kind: LayerAttention, queries: torch.Tensor,
@@ -90,13 +76,9 @@ class CpuPagedStep:
                new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``queries`` ``[T, H, D]`` of the step's tokens over the group's caches (``[slots,
         kv_heads, D]``), after writing ``new_kv`` (``[T, kv_heads, D]`` keys and values) into
-        the step's slots; returns ``[T, H, D]``, whose rows without cached context are the
-        caller's to fill."""
+        the step's slots; returns ``[T, H, D]``."""
         import torch
 
-        every = queries  # all the step's tokens; the kernel's are `self.tokens` of them
-        if self.tokens is not None:
-            queries = queries[self.tokens]
         queries = queries.contiguous()
         out = torch.empty_like(queries)
         scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
@@ -114,11 +96,7 @@ class CpuPagedStep:
             window=window, chunk=chunk,
             sinks=None if sinks is None else sinks.detach().float().contiguous().numpy(),
             threads=self.threads, **new)
-        if self.tokens is None:
-            return out
-        result = torch.empty_like(every)
-        result[self.tokens] = out
-        return result
+        return out
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:

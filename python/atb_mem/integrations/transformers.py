@@ -186,7 +186,6 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         if isinstance(kernel, CpuPagedStep):  # writes the slots in the same call
             out = kernel.attend(group, kind, queries, key_cache, value_cache, scaling, sinks,
                                 (new_keys, new_values))
-            _attend_fresh(step, kind, (query, key, value), scaling, sinks, out)
         else:
             key_cache.index_copy_(0, slot_mapping, new_keys)
             value_cache.index_copy_(0, slot_mapping, new_values)
@@ -296,9 +295,10 @@ class ModelRunner:
             if any(attention.is_recurrent for attention in self.layers) else None
         # Only inside a step: outside, the user's model runs as transformers would.
         self.attention = AttentionSwitch(model, ATTN_IMPLEMENTATION, paged_attention_forward)
-        # Compiled around atb-mem's CPU kernel; a recurrent layer's Python hooks stay eager.
-        self.forward = model if enforce_eager or not isinstance(self.kernel, CpuPagedAttention) \
-            or self.recurrent is not None else CompiledForward(model)
+        # Compiled around the CPU kernel, one rank; recurrent layers' Python hooks stay eager.
+        compiles = isinstance(self.kernel, CpuPagedAttention) and self.recurrent is None \
+            and tensor_parallel_size == 1 and not enforce_eager
+        self.forward = CompiledForward(model) if compiles else model
         if isinstance(self.forward, CompiledForward):  # compiles now, not in the first steps
             for plan in warm_up_plans(max(self.layer_groups) + 1):
                 self.execute(cast("StepPlan", plan))

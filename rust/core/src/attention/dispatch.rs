@@ -136,16 +136,12 @@ thread_local! {
 
 fn with_scratch<E: Element>(call: &PagedAttention<'_, E>, work: impl FnOnce(&mut Scratch)) {
     let shape = &call.shape;
-    let sizes = (
-        shape.num_heads / shape.num_kv_heads,
-        shape.head_dim,
-        shape.block_size,
-    );
+    let sizes = (shape.num_heads / shape.num_kv_heads, shape.head_dim);
     SCRATCH.with(|cell| {
         let mut slot = cell.borrow_mut();
         let scratch = match slot.take() {
             Some(scratch) if scratch.sizes == sizes => slot.insert(scratch),
-            _ => slot.insert(Scratch::new(sizes.0, sizes.1, sizes.2)),
+            _ => slot.insert(Scratch::new(sizes.0, sizes.1)),
         };
         work(scratch);
     });

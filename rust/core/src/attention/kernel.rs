@@ -1,12 +1,14 @@
 //! One work item of paged attention: the query heads that share one KV head, for a tile of
-//! one row's new tokens, attending over the row's K/V block by block with an online softmax
-//! (no score matrix, no gathered copy of the context).
+//! one row's new tokens, attending over the row's K/V span by span (`SPAN` positions, read
+//! through the block table whatever the block size) with an online softmax (no score matrix,
+//! no gathered copy of the context).
 //!
-//! Per block, the item's K is converted to `f32` transposed (`[head_dim, keys]`), so that
-//! the scores of `QUAD` query vectors over `KEYS` keys are a register tile that `head_dim`
-//! steps of one load and `QUAD` broadcast multiply-adds fill (`score_quad`), and V kept as
-//! rows, so that the weighted sum is multiply-adds over `head_dim` lanes: no horizontal sum
-//! anywhere in the loop.
+//! Per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`), so that the
+//! scores of `QUAD` query vectors over `KEYS` keys are a register tile that `head_dim` steps
+//! of two loads and `QUAD` broadcast multiply-adds fill (`score_quad`), and V kept as rows,
+//! so that the weighted sum is a `QUAD` × `KEYS`-dims register tile too: no horizontal sum
+//! anywhere in the loop. A quad scores and sums only the keys its last vector sees, so a
+//! causal tile skips what lies past each of its quads' diagonal.
 
 use super::element::Element;
 use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, scale};
@@ -14,9 +16,13 @@ use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
 pub(super) const TOKEN_TILE: usize = 64;
-/// Query vectors, and keys, whose scores one register tile holds.
-const QUAD: usize = 4;
+/// Query vectors, and keys (or value dims), whose sums one register tile holds: eight
+/// AVX-512 registers, enough multiply-adds in flight to hide their latency.
+const QUAD: usize = 8;
 const KEYS: usize = 16;
+/// Key positions converted and attended at once (a multiple of `KEYS`): the softmax
+/// rescales once per span, not once per block.
+const SPAN: usize = 64;
 
 /// The item: `row`'s new tokens `tokens` (indices into the step's tokens), with the query
 /// heads of KV head `kv_head`.
@@ -29,8 +35,8 @@ pub(super) struct WorkItem {
 
 /// Per-thread buffers, sized once for the largest item.
 pub(super) struct Scratch {
-    /// The (query heads per KV head, head_dim, block_size) it was sized for.
-    pub sizes: (usize, usize, usize),
+    /// The (query heads per KV head, head_dim) it was sized for.
+    pub sizes: (usize, usize),
     queries: Vec<f32>,
     acc: Vec<f32>,
     max: Vec<f32>,
@@ -42,26 +48,20 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub(super) fn new(group: usize, head_dim: usize, block_size: usize) -> Self {
+    pub(super) fn new(group: usize, head_dim: usize) -> Self {
         let vectors = group * TOKEN_TILE;
-        let padded = padded_keys(block_size);
         Scratch {
-            sizes: (group, head_dim, block_size),
+            sizes: (group, head_dim),
             queries: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
             acc: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
             max: vec![0.0; vectors],
             sum: vec![0.0; vectors],
-            keys_t: vec![0.0; head_dim * padded],
-            values: vec![0.0; block_size * head_dim],
+            keys_t: vec![0.0; head_dim * SPAN],
+            values: vec![0.0; SPAN * head_dim],
             row: vec![0.0; head_dim],
-            scores: vec![0.0; QUAD * padded],
+            scores: vec![0.0; QUAD * SPAN],
         }
     }
-}
-
-/// A block's keys rounded up to whole tiles: the row length of `keys_t` and `scores`.
-fn padded_keys(block_size: usize) -> usize {
-    block_size.next_multiple_of(KEYS)
 }
 
 /// Where outputs go: every item writes its own tokens' heads, which no other item writes.
@@ -129,7 +129,7 @@ pub(super) unsafe fn attend<E: Element>(
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    let (dim, block_size) = (call.shape.head_dim, call.shape.block_size);
+    let dim = call.shape.head_dim;
     let place = Place::of(call, item);
     let vectors = place.vectors;
     load_queries(call, &place, scratch);
@@ -141,29 +141,42 @@ pub(super) unsafe fn attend<E: Element>(
     let rows = &call.rows;
     let row = item.row as usize;
     let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
-    let blocks = table.iter().enumerate().take(highest / block_size + 1);
-    for (index, &block) in blocks.skip(lowest / block_size) {
-        let first_key = (index * block_size).max(lowest);
-        let end_key = ((index + 1) * block_size).min(highest + 1);
-        let (keys, block) = (end_key - first_key, block as usize);
-        // One or two vectors (a decode with few query heads per KV head) fill too little of
-        // a tile to pay for transposing K: they take a dot product per key instead.
-        let by_rows = vectors <= 2;
-        let keys_at = (block, first_key % block_size, keys);
-        load_block(call, scratch, keys_at, place.kv_head, by_rows);
-        let padded = padded_keys(block_size);
+    // One or two vectors (a decode with few query heads per KV head) fill too little of a
+    // tile to pay for transposing K: they take a dot product per key instead.
+    let by_rows = vectors <= 2;
+    for first_key in (lowest..=highest).step_by(SPAN) {
+        let end_key = (first_key + SPAN).min(highest + 1);
+        load_span(
+            call,
+            scratch,
+            table,
+            (first_key, end_key),
+            place.kv_head,
+            by_rows,
+        );
         if by_rows {
-            score_rows(call, scratch, keys_at, place.kv_head, vectors);
+            score_rows(call, scratch, end_key - first_key, vectors);
         }
         for quad in (0..vectors).step_by(QUAD) {
+            // The quad's last vector sees furthest: no key past it is scored or summed.
+            let last = place.vector((quad + QUAD).min(vectors) - 1).0;
+            let seen_end = (place.position(last) + 1).min(end_key);
+            if seen_end <= first_key {
+                continue;
+            }
+            let keys = seen_end - first_key;
             if !by_rows {
                 let queries = &scratch.queries[quad * dim..(quad + QUAD) * dim];
-                let shape = (dim, padded);
-                score_quad(queries, &scratch.keys_t, shape, keys, &mut scratch.scores);
+                score_quad(queries, &scratch.keys_t, dim, keys, &mut scratch.scores);
             }
-            softmax_quad(call, &place, scratch, quad, (first_key, end_key));
+            softmax_quad(call, &place, scratch, quad, (first_key, seen_end));
             let acc = &mut scratch.acc[quad * dim..(quad + QUAD) * dim];
-            accumulate_quad(acc, &scratch.scores, &scratch.values, (dim, padded), keys);
+            let (weights, values) = (&scratch.scores, &scratch.values);
+            if by_rows {
+                accumulate::<2>(acc, weights, values, dim, keys);
+            } else {
+                accumulate::<QUAD>(acc, weights, values, dim, keys);
+            }
         }
     }
     write_out(call, &place, scratch, out);
@@ -199,17 +212,15 @@ fn softmax_quad<E>(
     (first_key, end_key): (usize, usize),
 ) {
     let dim = call.shape.head_dim;
-    let (keys, padded) = (end_key - first_key, padded_keys(call.shape.block_size));
-    for i in quad..quad + QUAD {
-        let (mut skip, mut end) = (0, 0);
-        if i < place.vectors {
-            let position = place.position(place.vector(i).0);
-            let from = call.visibility.first_visible(position).max(first_key);
-            let to = (position + 1).min(end_key);
-            // A query before this block, or whose window starts after it, sees none of it.
-            (skip, end) = ((from - first_key).min(keys), to.saturating_sub(first_key));
-        }
-        let at = (i - quad) * padded;
+    let keys = end_key - first_key;
+    // Padding vectors past the item's last are left alone: their sums are never written.
+    for i in quad..(quad + QUAD).min(place.vectors) {
+        let position = place.position(place.vector(i).0);
+        let from = call.visibility.first_visible(position).max(first_key);
+        let to = (position + 1).min(end_key);
+        // A query before this span, or whose window starts after it, sees none of it.
+        let (skip, end) = ((from - first_key).min(keys), to.saturating_sub(first_key));
+        let at = (i - quad) * SPAN;
         let weights = &mut scratch.scores[at..at + keys];
         // Keys this vector does not see weigh nothing in the tile's sums.
         weights[..skip].fill(0.0);
@@ -218,13 +229,13 @@ fn softmax_quad<E>(
             continue;
         }
         let scores = &mut weights[skip..end];
-        let block_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let span_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let old_max = scratch.max[i];
-        if block_max > old_max {
-            let factor = exp(old_max - block_max);
+        if span_max > old_max {
+            let factor = exp(old_max - span_max);
             scratch.sum[i] *= factor;
             scale(&mut scratch.acc[i * dim..(i + 1) * dim], factor);
-            scratch.max[i] = block_max;
+            scratch.max[i] = span_max;
         }
         scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
     }
@@ -266,19 +277,14 @@ unsafe fn write_out<E: Element>(
 }
 
 /// The scores of the `QUAD` vectors of `queries` over the first `keys` keys of `keys_t`
-/// (`[head_dim, padded]`), into `scores` (`[QUAD, padded]`), a `QUAD` × `KEYS` tile at a time.
+/// (`[head_dim, SPAN]`), into `scores` (`[QUAD, SPAN]`), a `QUAD` × `KEYS` tile at a time
+/// (the last tile's keys past `keys` are scored too, and never read).
 #[inline(always)]
-fn score_quad(
-    queries: &[f32],
-    keys_t: &[f32],
-    (dim, padded): (usize, usize),
-    keys: usize,
-    scores: &mut [f32],
-) {
+fn score_quad(queries: &[f32], keys_t: &[f32], dim: usize, keys: usize, scores: &mut [f32]) {
     for chunk in (0..keys).step_by(KEYS) {
         let mut tile = [[0.0f32; KEYS]; QUAD];
         for d in 0..dim {
-            let column = &keys_t[d * padded + chunk..d * padded + chunk + KEYS];
+            let column = &keys_t[d * SPAN + chunk..d * SPAN + chunk + KEYS];
             for (i, row) in tile.iter_mut().enumerate() {
                 let q = queries[i * dim + d];
                 for (score, &key) in row.iter_mut().zip(column) {
@@ -287,55 +293,46 @@ fn score_quad(
             }
         }
         for (i, row) in tile.iter().enumerate() {
-            scores[i * padded + chunk..i * padded + chunk + KEYS].copy_from_slice(row);
+            scores[i * SPAN + chunk..i * SPAN + chunk + KEYS].copy_from_slice(row);
         }
     }
 }
 
-/// The scores of the first `vectors` (at most `QUAD`) query vectors over keys
-/// `first..first + count` of `block`, a dot product per key, into `scores` as `score_quad`
-/// leaves them.
+/// The scores of the first `vectors` (at most `QUAD`) query vectors over the span's `keys`
+/// keys (as rows in `keys_t`, `load_span` with `by_rows`), a dot product per key, into
+/// `scores` as `score_quad` leaves them.
 #[inline(always)]
-fn score_rows<E: Element>(
-    call: &PagedAttention<'_, E>,
-    scratch: &mut Scratch,
-    (block, first, count): (usize, usize, usize),
-    kv_head: usize,
-    vectors: usize,
-) {
-    let shape = &call.shape;
-    let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let padded = padded_keys(block_size);
-    for offset in first..first + count {
-        let at = ((block * block_size + offset) * shape.num_kv_heads + kv_head) * dim;
-        E::load(&call.key_cache[at..at + dim], &mut scratch.row);
+fn score_rows<E>(call: &PagedAttention<'_, E>, scratch: &mut Scratch, keys: usize, vectors: usize) {
+    let dim = call.shape.head_dim;
+    for key in 0..keys {
+        let row = &scratch.keys_t[key * dim..(key + 1) * dim];
         for i in 0..vectors {
             let query = &scratch.queries[i * dim..(i + 1) * dim];
-            scratch.scores[i * padded + offset - first] = dot(query, &scratch.row);
+            scratch.scores[i * SPAN + key] = dot(query, row);
         }
     }
 }
 
-/// `acc` (`QUAD` vectors of `head_dim`) += the weights of `weights` (`[QUAD, padded]`) times
-/// the first `keys` rows of `values`, `QUAD` × `KEYS` accumulators at a time.
+/// `acc` (`Q` vectors of `head_dim`) += the weights of `weights` (`[Q, SPAN]`) times the
+/// first `keys` rows of `values`, `Q` × `KEYS` accumulators at a time.
 #[inline(always)]
-fn accumulate_quad(
+fn accumulate<const Q: usize>(
     acc: &mut [f32],
     weights: &[f32],
     values: &[f32],
-    (dim, padded): (usize, usize),
+    dim: usize,
     keys: usize,
 ) {
     let whole = dim / KEYS * KEYS;
     for chunk in (0..whole).step_by(KEYS) {
-        let mut tile = [[0.0f32; KEYS]; QUAD];
+        let mut tile = [[0.0f32; KEYS]; Q];
         for (i, row) in tile.iter_mut().enumerate() {
             row.copy_from_slice(&acc[i * dim + chunk..i * dim + chunk + KEYS]);
         }
         for key in 0..keys {
             let value = &values[key * dim + chunk..key * dim + chunk + KEYS];
             for (i, row) in tile.iter_mut().enumerate() {
-                let weight = weights[i * padded + key];
+                let weight = weights[i * SPAN + key];
                 for (sum, &v) in row.iter_mut().zip(value) {
                     *sum = weight.mul_add(v, *sum);
                 }
@@ -346,40 +343,48 @@ fn accumulate_quad(
         }
     }
     if whole < dim {
-        for (i, sums) in acc.chunks_exact_mut(dim).enumerate() {
+        for (i, sums) in acc.chunks_exact_mut(dim).take(Q).enumerate() {
             for key in 0..keys {
                 let value = &values[key * dim + whole..(key + 1) * dim];
-                add_scaled(&mut sums[whole..], weights[i * padded + key], value);
+                add_scaled(&mut sums[whole..], weights[i * SPAN + key], value);
             }
         }
     }
 }
 
-/// Converts keys `first..first + count` of `block` (offsets within it) for `kv_head`:
-/// transposed into `keys_t` (`[head_dim, padded]`, from column 0) unless they are scored
-/// `by_rows`, and as rows into `values`.
+/// Converts the K/V of positions `first_key..end_key` of the row whose block table is
+/// `table`, for `kv_head`: keys transposed into `keys_t` (`[head_dim, SPAN]`), or as rows
+/// when they are scored `by_rows`; values as rows into `values`.
 #[inline(always)]
-fn load_block<E: Element>(
+fn load_span<E: Element>(
     call: &PagedAttention<'_, E>,
     scratch: &mut Scratch,
-    (block, first, count): (usize, usize, usize),
+    table: &[i32],
+    (first_key, end_key): (usize, usize),
     kv_head: usize,
     by_rows: bool,
 ) {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let padded = padded_keys(block_size);
-    for offset in first..first + count {
-        let slot = block * block_size + offset;
+    for position in first_key..end_key {
+        let key = position - first_key;
+        let slot = table[position / block_size] as usize * block_size + position % block_size;
         let at = (slot * shape.num_kv_heads + kv_head) * dim;
-        if !by_rows {
+        if by_rows {
+            E::load(
+                &call.key_cache[at..at + dim],
+                &mut scratch.keys_t[key * dim..(key + 1) * dim],
+            );
+        } else {
             E::load(&call.key_cache[at..at + dim], &mut scratch.row);
             for (d, &value) in scratch.row.iter().enumerate() {
-                scratch.keys_t[d * padded + offset - first] = value;
+                scratch.keys_t[d * SPAN + key] = value;
             }
         }
-        let value_row = &mut scratch.values[(offset - first) * dim..(offset - first + 1) * dim];
-        E::load(&call.value_cache[at..at + dim], value_row);
+        E::load(
+            &call.value_cache[at..at + dim],
+            &mut scratch.values[key * dim..(key + 1) * dim],
+        );
     }
 }
 
