@@ -1,0 +1,68 @@
+"""A bfloat16 model through the engine on the CPU kernel (K/V held as bf16, attended in f32):
+greedy tokens equal HF's own bf16 ``generate`` for Llama, Qwen3, Mistral (sliding) and Gemma 3
+(sliding and full layers), with unused blocks NaN-poisoned before every step, eager and
+compiled; a negative control (each row reading the previous row's first block) fails it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atb_mem.integrations import transformers as paged
+from atb_mem.integrations.compiled_forward import CompiledForward
+from atb_mem.serving import Engine
+from tests.support.models import (
+    assert_each_matches_hf,
+    greedy,
+    model_pair,
+    random_prompt,
+    require_torch,
+    run_poisoned,
+)
+
+ARRIVALS = {0: [(f"r{n}", random_prompt(n, n), greedy(12)) for n in (3, 9, 17, 30)]}
+
+
+def bf16_engine(architecture: str) -> tuple[Engine, Any]:
+    torch = require_torch()
+    model, reference = model_pair(architecture)
+    model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=6,
+                    max_num_batched_tokens=24)
+    assert engine.kv_cache.dtype == "bfloat16"
+    return engine, reference
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3"])
+def test_bf16_greedy_tokens_equal_hf(architecture: str) -> None:
+    engine, reference = bf16_engine(architecture)
+    assert_each_matches_hf(run_poisoned(engine, ARRIVALS), reference, ARRIVALS)
+
+
+@pytest.mark.usefixtures("compiled")
+def test_bf16_greedy_tokens_equal_hf_compiled() -> None:
+    engine, reference = bf16_engine("llama")
+    assert isinstance(engine.runner.forward, CompiledForward)
+    assert_each_matches_hf(run_poisoned(engine, ARRIVALS), reference, ARRIVALS)
+    assert engine.runner.forward.failed is None
+
+
+def test_a_wrong_block_table_in_bf16_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    build = paged.StepAttention.from_plan
+
+    def from_plan(*args: Any, **kwargs: Any) -> paged.StepAttention:
+        step = build(*args, **kwargs)
+        assert step.kernel is not None
+        tables = step.kernel.table_planes.copy()
+        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
+        return dataclasses.replace(step, kernel=dataclasses.replace(step.kernel,
+                                                                    table_planes=tables))
+
+    engine, reference = bf16_engine("llama")
+    monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
+    results = run_poisoned(engine, ARRIVALS)
+    with pytest.raises(AssertionError):
+        assert_each_matches_hf(results, reference, ARRIVALS)
