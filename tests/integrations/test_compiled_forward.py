@@ -1,9 +1,9 @@
 """The Engine's compiled forward on the CPU (torch.compile around atb-mem's attention kernel,
 an opaque operator): greedy tokens equal HF's own ``generate`` for Llama, Qwen3, Mistral
-(sliding) and Gemma 3 (sliding and full layers) in a continuous batch with chunked prefill,
-prefix hits and preemption, unused blocks NaN-poisoned before every step; the graphs are
-compiled at start-up and no step recompiles; a wrong block table through the compiled graph
-fails the comparison; two models of one class keep their own weights; ``enforce_eager``,
+(sliding), Gemma 3 (sliding and full layers) and gpt-oss (sinks) in a continuous batch with
+chunked prefill, prefix hits and preemption, unused blocks NaN-poisoned before every step; the
+graphs are compiled at start-up and no step recompiles; a wrong block table through the compiled
+graph fails the comparison; two models of one class keep their own weights; ``enforce_eager``,
 recurrent models and the torch reference stay eager; a model torch cannot compile runs eager
 after one warning."""
 
@@ -57,7 +57,7 @@ def engine_for(model: Any, **options: Any) -> Engine:
                   max_num_batched_tokens=24, **options)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral", "gemma3", "gpt_oss"])
 def test_greedy_tokens_equal_hf_through_the_compiled_forward(architecture: str) -> None:
     model, reference = model_pair(architecture)
     engine = engine_for(model)
