@@ -13,10 +13,10 @@ Shapes: the number of the step's tokens and of its sampled rows change every ste
 compiled as symbolic sizes (``dynamic=True``), so one graph serves every step from 2 tokens
 up. torch specializes sizes 0 and 1: the sampled rows are padded to two at least (the padding
 row's logits are dropped), and a step of one token (a single decode) has the second graph.
-The runner compiles both at start-up on steps that touch no cache (``warm_up_plans``); no
+The runner compiles both at start-up on steps that change no cache (``warm_up_plans``); no
 step recompiles after that. ``benches/engine_vs_vllm.py`` reports what that start-up costs.
-A model whose layers keep recurrent state is not compiled: its mixers read and write the
-state through Python hooks.
+Not compiled: a model whose layers keep recurrent state (its mixers read and write the state
+through Python hooks), a tensor-parallel rank, and CUDA (FlashInfer's path stays eager).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompiledForward", "WarmUpPlan", "paged_attention_op", "warm_up_plans"]
+__all__ = ["CompiledForward", "WarmUpPlan", "attend_compiled", "paged_attention_op",
+           "warm_up_plans"]
 
 _OPERATOR = "atb_mem::paged_attention"
 _SCHEMA = ("(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, "
            "Tensor? sinks) -> Tensor")
 _registered: dict[str, Any] = {}
-
 
 
 def paged_attention_op() -> Any:
@@ -49,6 +49,8 @@ def paged_attention_op() -> Any:
 
     from atb_mem.integrations import transformers as paged
 
+    # It writes the layer's K/V into the cache, which is no input of the graph: nothing to
+    # declare. Its output feeds the next layer, so the graph keeps the layers in order.
     @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
     def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         layer_idx: int, scaling: float,
