@@ -173,9 +173,9 @@ pub(super) unsafe fn attend<E: Element>(
             let acc = &mut scratch.acc[quad * dim..(quad + QUAD) * dim];
             let (weights, values) = (&scratch.scores, &scratch.values);
             if by_rows {
-                accumulate::<2>(acc, weights, values, dim, keys);
+                accumulate::<1, 2>(acc, weights, values, dim, keys);
             } else {
-                accumulate::<QUAD>(acc, weights, values, dim, keys);
+                accumulate::<2, { QUAD / 2 }>(acc, weights, values, dim, keys);
             }
         }
     }
@@ -281,19 +281,30 @@ unsafe fn write_out<E: Element>(
 /// (the last tile's keys past `keys` are scored too, and never read).
 #[inline(always)]
 fn score_quad(queries: &[f32], keys_t: &[f32], dim: usize, keys: usize, scores: &mut [f32]) {
-    for chunk in (0..keys).step_by(KEYS) {
-        let mut tile = [[0.0f32; KEYS]; QUAD];
-        for d in 0..dim {
-            let column = &keys_t[d * SPAN + chunk..d * SPAN + chunk + KEYS];
-            for (i, row) in tile.iter_mut().enumerate() {
-                let q = queries[i * dim + d];
-                for (score, &key) in row.iter_mut().zip(column) {
-                    *score = q.mul_add(key, *score);
+    // Half a quad over two key columns at a time: per `d`, two loads and four broadcasts
+    // feed eight multiply-adds (a whole quad over one column would take nine loads).
+    const HALF: usize = QUAD / 2;
+    for half in [0, HALF] {
+        for chunk in (0..keys).step_by(2 * KEYS) {
+            let mut low = [[0.0f32; KEYS]; HALF];
+            let mut high = [[0.0f32; KEYS]; HALF];
+            for d in 0..dim {
+                let at = d * SPAN + chunk;
+                let (column_low, column_high) =
+                    (&keys_t[at..at + KEYS], &keys_t[at + KEYS..at + 2 * KEYS]);
+                for i in 0..HALF {
+                    let q = queries[(half + i) * dim + d];
+                    for k in 0..KEYS {
+                        low[i][k] = q.mul_add(column_low[k], low[i][k]);
+                        high[i][k] = q.mul_add(column_high[k], high[i][k]);
+                    }
                 }
             }
-        }
-        for (i, row) in tile.iter().enumerate() {
-            scores[i * SPAN + chunk..i * SPAN + chunk + KEYS].copy_from_slice(row);
+            for i in 0..HALF {
+                let at = (half + i) * SPAN + chunk;
+                scores[at..at + KEYS].copy_from_slice(&low[i]);
+                scores[at + KEYS..at + 2 * KEYS].copy_from_slice(&high[i]);
+            }
         }
     }
 }
@@ -313,37 +324,49 @@ fn score_rows<E>(call: &PagedAttention<'_, E>, scratch: &mut Scratch, keys: usiz
     }
 }
 
-/// `acc` (`Q` vectors of `head_dim`) += the weights of `weights` (`[Q, SPAN]`) times the
-/// first `keys` rows of `values`, `Q` × `KEYS` accumulators at a time.
+/// `acc` (`GROUPS × ROWS` vectors of `head_dim`) += the weights of `weights` (`[vectors,
+/// SPAN]`) times the first `keys` rows of `values`: `ROWS` vectors × 32 dims of accumulators
+/// at a time (per key, two loads of V and `ROWS` broadcast weights), the dims past the last
+/// whole 32 one vector at a time.
 #[inline(always)]
-fn accumulate<const Q: usize>(
+fn accumulate<const GROUPS: usize, const ROWS: usize>(
     acc: &mut [f32],
     weights: &[f32],
     values: &[f32],
     dim: usize,
     keys: usize,
 ) {
-    let whole = dim / KEYS * KEYS;
-    for chunk in (0..whole).step_by(KEYS) {
-        let mut tile = [[0.0f32; KEYS]; Q];
-        for (i, row) in tile.iter_mut().enumerate() {
-            row.copy_from_slice(&acc[i * dim + chunk..i * dim + chunk + KEYS]);
-        }
-        for key in 0..keys {
-            let value = &values[key * dim + chunk..key * dim + chunk + KEYS];
-            for (i, row) in tile.iter_mut().enumerate() {
-                let weight = weights[i * SPAN + key];
-                for (sum, &v) in row.iter_mut().zip(value) {
-                    *sum = weight.mul_add(v, *sum);
+    let whole = dim / (2 * KEYS) * (2 * KEYS);
+    for group in (0..GROUPS * ROWS).step_by(ROWS) {
+        for chunk in (0..whole).step_by(2 * KEYS) {
+            let mut low = [[0.0f32; KEYS]; ROWS];
+            let mut high = [[0.0f32; KEYS]; ROWS];
+            for i in 0..ROWS {
+                let at = (group + i) * dim + chunk;
+                low[i].copy_from_slice(&acc[at..at + KEYS]);
+                high[i].copy_from_slice(&acc[at + KEYS..at + 2 * KEYS]);
+            }
+            for key in 0..keys {
+                let at = key * dim + chunk;
+                let (value_low, value_high) =
+                    (&values[at..at + KEYS], &values[at + KEYS..at + 2 * KEYS]);
+                for i in 0..ROWS {
+                    let weight = weights[(group + i) * SPAN + key];
+                    for k in 0..KEYS {
+                        low[i][k] = weight.mul_add(value_low[k], low[i][k]);
+                        high[i][k] = weight.mul_add(value_high[k], high[i][k]);
+                    }
                 }
             }
-        }
-        for (i, row) in tile.iter().enumerate() {
-            acc[i * dim + chunk..i * dim + chunk + KEYS].copy_from_slice(row);
+            for i in 0..ROWS {
+                let at = (group + i) * dim + chunk;
+                acc[at..at + KEYS].copy_from_slice(&low[i]);
+                acc[at + KEYS..at + 2 * KEYS].copy_from_slice(&high[i]);
+            }
         }
     }
     if whole < dim {
-        for (i, sums) in acc.chunks_exact_mut(dim).take(Q).enumerate() {
+        for (i, sums) in acc.chunks_exact_mut(dim).take(GROUPS * ROWS).enumerate() {
             for key in 0..keys {
                 let value = &values[key * dim + whole..(key + 1) * dim];
                 add_scaled(&mut sums[whole..], weights[i * SPAN + key], value);
