@@ -4,11 +4,12 @@
 //! no gathered copy of the context).
 //!
 //! Per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`), so that the
-//! scores of `QUAD` query vectors over `KEYS` keys are a register tile that `head_dim` steps
-//! of two loads and `QUAD` broadcast multiply-adds fill (`score_quad`), and V kept as rows,
-//! so that the weighted sum is a `QUAD` × `KEYS`-dims register tile too: no horizontal sum
-//! anywhere in the loop. A quad scores and sums only the keys its last vector sees, so a
-//! causal tile skips what lies past each of its quads' diagonal.
+//! scores of half a quad's query vectors over two `KEYS`-wide columns of keys are a register
+//! tile that `head_dim` steps of two loads and four broadcast multiply-add pairs fill
+//! (`score_quad`), and V kept as rows, so that the weighted sum is such a tile too (vectors
+//! × two `KEYS`-wide columns of dims): no horizontal sum anywhere in the loop. A quad scores
+//! and sums only the keys its last vector sees, so a causal tile skips what lies past each
+//! of its quads' diagonal.
 
 use super::element::Element;
 use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, scale};
@@ -16,8 +17,9 @@ use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
 pub(super) const TOKEN_TILE: usize = 64;
-/// Query vectors, and keys (or value dims), whose sums one register tile holds: eight
-/// AVX-512 registers, enough multiply-adds in flight to hide their latency.
+/// Query vectors whose softmax is taken together (`softmax_quad`), and the width of one
+/// column of a register tile: half a quad over two columns is eight AVX-512 registers,
+/// enough multiply-adds in flight to hide their latency.
 const QUAD: usize = 8;
 const KEYS: usize = 16;
 /// Key positions converted and attended at once (a multiple of `KEYS`): the softmax
