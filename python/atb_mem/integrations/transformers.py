@@ -69,7 +69,8 @@ class StepAttention:
     Rows are split so no row pays for another's length: a row whose K/V is all new this step
     (a prefill without cached context) attends over its own new keys; decodes are batched;
     any other row (a later prefill chunk, a prefix hit) is gathered alone. Masks are built
-    once per kind of layer (full, each window, each chunk size) and shared by its layers.
+    once per kind of layer (full, each window, each chunk size), when a layer of that kind
+    first needs them (the CPU kernel's never do), and shared by its layers.
     """
 
     layer_caches: list[tuple[Any, Any]]
@@ -81,8 +82,6 @@ class StepAttention:
     """Per KV-cache group, int64 ``[T]``: where each new token's K/V is written."""
     fresh: list[tuple[int, int]]
     """Token ranges of the rows whose K/V is all new."""
-    fresh_masks: dict[LayerAttention, list[torch.Tensor | None]]
-    """Per kind of layer and fresh row, bool ``[1, 1, q, q]``; None where causal is all."""
     plan: StepPlan
     row_sets: list[np.ndarray]
     """The plan's rows other than the fresh ones, as they are gathered together."""
@@ -94,6 +93,16 @@ class StepAttention:
     paged: dict[int, list[PagedRows]] = field(default_factory=dict)
     """Per KV-cache group, its ``row_sets`` gathered through the group's block tables: built
     on first use (a group whose layers all run on the kernel never needs them)."""
+    masks: dict[LayerAttention, list[torch.Tensor | None]] = field(default_factory=dict)
+    """Per kind of layer and fresh row, bool ``[1, 1, q, q]`` (None where causal is all):
+    built on first use, as ``paged``."""
+
+    def fresh_masks(self, kind: LayerAttention) -> list[torch.Tensor | None]:
+        masks = self.masks.get(kind)
+        if masks is None:
+            masks = [_fresh_mask(kind, end - start, self.device) for start, end in self.fresh]
+            self.masks[kind] = masks
+        return masks
 
     def paged_rows(self, group: int) -> list[PagedRows]:
         rows = self.paged.get(group)
@@ -116,7 +125,6 @@ class StepAttention:
 
         layers = layers or [FULL_ATTENTION] * len(layer_caches)
         layer_groups = layer_groups or [0] * len(layers)
-        kinds = set(layers)
         num_groups = max(layer_groups) + 1
         # One group: 1-D slots and 2-D tables; several: one row (plane) per group.
         slot_rows = plan.slot_mapping.reshape(num_groups, -1)
@@ -129,20 +137,10 @@ class StepAttention:
         row_sets = ([decodes] if len(decodes) else []) + [alone[i:i + 1]
                                                            for i in range(len(alone))]
         fresh = [(starts[row], starts[row + 1]) for row in np.flatnonzero(is_fresh)]
-
-        def fresh_mask(kind: LayerAttention, length: int) -> torch.Tensor | None:
-            if kind.is_full or length <= (kind.window or 0):
-                return None  # the window cuts nothing off: causal is all
-            positions = np.arange(length)
-            visible = kind.visible(positions[:, None], positions[None, :])
-            return torch.from_numpy(visible[None, None]).to(device)
-
         slots = [torch.from_numpy(row.astype(np.int64)).to(device) for row in slot_rows]
         return cls(layer_caches=layer_caches, layers=layers, layer_groups=layer_groups,
-                   slot_mappings=slots, fresh=fresh,
-                   fresh_masks={kind: [fresh_mask(kind, end - start) for start, end in fresh]
-                                for kind in kinds},
-                   plan=plan, row_sets=row_sets, block_size=block_size, device=device,
+                   slot_mappings=slots, fresh=fresh, plan=plan, row_sets=row_sets,
+                   block_size=block_size, device=device,
                    kernel=None if kernel is None else kernel.begin_step(
                        query_lens, seq_lens, table_planes, slot_rows))
 
@@ -208,10 +206,21 @@ def _attend_fresh(step: StepAttention, kind: LayerAttention,
                   sinks: torch.Tensor | None, out: torch.Tensor) -> None:
     """The rows whose K/V is all new, attending over their own new keys, into ``out``."""
     query, key, value = qkv
-    for (start, end), mask in zip(step.fresh, step.fresh_masks[kind], strict=True):
+    for (start, end), mask in zip(step.fresh, step.fresh_masks(kind), strict=True):
         attended = sdpa_attention(query[:, :, start:end], key[:, :, start:end],
                                   value[:, :, start:end], mask, scaling, sinks)
         out[start:end] = attended[0].transpose(0, 1)
+
+
+def _fresh_mask(kind: LayerAttention, length: int, device: Any) -> torch.Tensor | None:
+    """Which of a fresh row's own ``length`` keys each of its queries sees under ``kind``."""
+    import torch
+
+    if kind.is_full or length <= (kind.window or 0):
+        return None  # the window cuts nothing off: causal is all
+    positions = np.arange(length)
+    visible = kind.visible(positions[:, None], positions[None, :])
+    return torch.from_numpy(visible[None, None]).to(device)
 
 
 def use_paged_attention(model: Any) -> None:
