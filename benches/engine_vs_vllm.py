@@ -18,9 +18,11 @@ own output length), TTFT p50/p99 from t=0, peak RSS of the process tree, start-u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,11 +183,19 @@ def spawn(system: str, job: dict[str, Any], folder: Path, python: str) -> dict[s
     job_file.write_text(json.dumps({**job, **SYSTEMS[system], "system": system}))
     environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING",
                    "PYTHONPATH": str(ROOT / "python"), **SYSTEMS[system].get("environment", {})}
-    done = subprocess.run([python, __file__, "--child", str(job_file)], capture_output=True,
-                          text=True, env=environment, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise SystemExit(f"{system} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    # A session of its own: vLLM's engine and worker processes outlive a killed child and
+    # spin, slowing every later run; the whole group goes when the run ends, however.
+    child = subprocess.Popen([python, __file__, "--child", str(job_file)], text=True,
+                             env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=1800)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if child.returncode or not lines:
+        raise SystemExit(f"{system} failed (exit {child.returncode}):\n{stderr[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
     return result
 
