@@ -9,14 +9,11 @@ after one warning."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import numpy as np
 import pytest
 
 from atb_mem.integrations import compiled_forward
-from atb_mem.integrations import transformers as paged
 from atb_mem.integrations.compiled_forward import CompiledForward
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
@@ -24,6 +21,7 @@ from tests.support.models import (
     greedy,
     model_pair,
     random_prompt,
+    read_the_previous_rows_first_block,
     require_torch,
     run_poisoned,
 )
@@ -89,20 +87,10 @@ def test_two_models_of_one_class_each_get_their_own_weights() -> None:
 
 def test_a_wrong_block_table_through_the_compiled_graph_is_caught(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: each row with context reads the previous row's first block."""
-    build = paged.StepAttention.from_plan
-
-    def from_plan(*args: Any, **kwargs: Any) -> paged.StepAttention:
-        step = build(*args, **kwargs)
-        assert step.kernel is not None
-        tables = step.kernel.table_planes.copy()
-        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
-        return dataclasses.replace(step, kernel=dataclasses.replace(step.kernel,
-                                                                    table_planes=tables))
-
+    """Negative control: each row reads the previous row's first block."""
     model, reference = model_pair("llama")
     engine = engine_for(model)
-    monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
+    read_the_previous_rows_first_block(monkeypatch)
     results = run_poisoned(engine, arrivals())
     with pytest.raises(AssertionError):
         assert_each_matches_hf(results, reference, arrivals())

@@ -5,13 +5,10 @@ compiled; a negative control (each row reading the previous row's first block) f
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import numpy as np
 import pytest
 
-from atb_mem.integrations import transformers as paged
 from atb_mem.integrations.compiled_forward import CompiledForward
 from atb_mem.serving import Engine
 from tests.support.models import (
@@ -19,6 +16,7 @@ from tests.support.models import (
     greedy,
     model_pair,
     random_prompt,
+    read_the_previous_rows_first_block,
     require_torch,
     run_poisoned,
 )
@@ -51,18 +49,8 @@ def test_bf16_greedy_tokens_equal_hf_compiled() -> None:
 
 
 def test_a_wrong_block_table_in_bf16_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    build = paged.StepAttention.from_plan
-
-    def from_plan(*args: Any, **kwargs: Any) -> paged.StepAttention:
-        step = build(*args, **kwargs)
-        assert step.kernel is not None
-        tables = step.kernel.table_planes.copy()
-        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
-        return dataclasses.replace(step, kernel=dataclasses.replace(step.kernel,
-                                                                    table_planes=tables))
-
     engine, reference = bf16_engine("llama")
-    monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
+    read_the_previous_rows_first_block(monkeypatch)
     results = run_poisoned(engine, ARRIVALS)
     with pytest.raises(AssertionError):
         assert_each_matches_hf(results, reference, ARRIVALS)

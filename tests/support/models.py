@@ -237,3 +237,25 @@ def save_tiny_checkpoint(path: Any, architecture: str = "llama") -> Any:
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return fast
+
+
+def read_the_previous_rows_first_block(monkeypatch: Any) -> None:
+    """Negative control for the CPU kernel: every step, each row reads the previous row's
+    first block in place of its own (valid blocks, the wrong ones)."""
+    import dataclasses
+
+    import numpy as np
+
+    from atb_mem.integrations import transformers as paged
+
+    build = paged.StepAttention.from_plan
+
+    def from_plan(*args: Any, **kwargs: Any) -> Any:
+        step = build(*args, **kwargs)
+        assert step.kernel is not None
+        tables = step.kernel.table_planes.copy()
+        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
+        return dataclasses.replace(step, kernel=dataclasses.replace(step.kernel,
+                                                                    table_planes=tables))
+
+    monkeypatch.setattr(paged.StepAttention, "from_plan", from_plan)
