@@ -21,6 +21,7 @@ from tests.support.models import (
     hf_tokens,
     model_pair,
     poison_unused_blocks,
+    read_the_previous_rows_first_block,
     require_torch,
     run_poisoned,
 )
@@ -89,13 +90,7 @@ def test_the_comparison_passes_unchanged(backend: str) -> None:
 
 def test_a_permuted_block_table_is_caught_on_the_cpu_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each row's first block is the previous row's: valid blocks, the wrong ones.
-    def permuted(step: paged.StepAttention) -> dict[str, Any]:
-        tables = step.kernel.table_planes.copy()
-        tables[:, :, 0] = np.roll(tables[:, :, 0], 1, axis=1)
-        return {"kernel": dataclasses.replace(step.kernel, table_planes=tables)}
-
-    corrupt(monkeypatch, permuted)
+    read_the_previous_rows_first_block(monkeypatch)
     assert mismatches("llama", "cpu") > 0
 
 
