@@ -132,3 +132,9 @@ def test_the_operator_outside_a_step_is_a_clear_error() -> None:
     query, key = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
     with pytest.raises(RuntimeError, match="runs inside a step"):
         op(query, key, key, 0, 0.25, None)
+
+
+def test_enforce_eager_must_be_a_bool() -> None:
+    model, _ = model_pair("llama")
+    with pytest.raises(TypeError, match="enforce_eager must be a bool, got str"):
+        engine_for(model, enforce_eager="yes")

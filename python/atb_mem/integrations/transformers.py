@@ -273,6 +273,8 @@ class ModelRunner:
                  ) -> None:
         import torch
 
+        if not isinstance(enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
         self.layers = supported_layers(model)
         layout = kv_cache_layout(model, tensor_parallel_size)
         for name, expected in layout.items():
