@@ -12,7 +12,7 @@
 //! of its quads' diagonal.
 
 use super::element::Element;
-use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, scale};
+use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, max, scale};
 use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
@@ -231,7 +231,7 @@ fn softmax_quad<E>(
             continue;
         }
         let scores = &mut weights[skip..end];
-        let span_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let span_max = max(scores);
         let old_max = scratch.max[i];
         if span_max > old_max {
             let factor = exp(old_max - span_max);

@@ -31,6 +31,28 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// The largest of `values` (`-inf` for none), in lane-parallel partial maxima: one
+/// running maximum is a chain of dependent instructions, as slow per element as an `exp`.
+#[inline(always)]
+pub(super) fn max(values: &[f32]) -> f32 {
+    let mut partial = [f32::NEG_INFINITY; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for lane in 0..LANES {
+            partial[lane] = partial[lane].max(chunk[lane]);
+        }
+    }
+    let mut width = LANES / 2;
+    while width > 0 {
+        for lane in 0..width {
+            partial[lane] = partial[lane].max(partial[lane + width]);
+        }
+        width /= 2;
+    }
+    tail.iter().fold(partial[0], |max, &value| max.max(value))
+}
+
 /// `acc += weight × values`.
 #[inline(always)]
 pub(super) fn add_scaled(acc: &mut [f32], weight: f32, values: &[f32]) {
@@ -121,6 +143,16 @@ mod tests {
             let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
             assert!((f64::from(dot(&a, &b)) - want).abs() < 1e-4, "len {len}");
+        }
+    }
+
+    #[test]
+    fn max_matches_the_plain_fold() {
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
+        for len in [1, 15, 16, 17, 64, 100, 257] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * i as f32).collect();
+            let want = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(&a), want, "len {len}");
         }
     }
 
