@@ -90,16 +90,21 @@ pub(super) fn exp_shifted_sum(values: &mut [f32], max: f32) -> f32 {
     sum
 }
 
-/// `e^x` for `x <= 0` (what softmax feeds it), branch-free so that it vectorizes.
+/// `e^x` for `x <= 0` (what softmax feeds it), branch-free and in float and `u32`
+/// arithmetic only, so that it vectorizes: `round` and a float-to-int cast would not (LLVM
+/// left this scalar when it had them).
 #[inline(always)]
 pub(super) fn exp(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 × 2^23: adding it rounds to an integer held in the mantissa's low bits.
+    const ROUNDER: f32 = 12_582_912.0;
     // Below this e^x is under f32's smallest normal: 0 (also for -inf and NaN's sign).
     let underflow = x < -87.0;
     let x = x.clamp(-87.0, 0.0);
-    let n = (x * LOG2_E).round();
+    let shifted = x.mul_add(LOG2_E, ROUNDER);
+    let n = shifted - ROUNDER;
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     let mut p = 1.987_569_1e-4_f32;
     p = p.mul_add(r, 1.398_199_9e-3);
@@ -108,11 +113,13 @@ pub(super) fn exp(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 0.5);
     let poly = (p * r).mul_add(r, r) + 1.0;
-    let scaled = poly * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n: n + 127 in the exponent field. `shifted`'s bits are ROUNDER's plus n, and
+    // ROUNDER's bits vanish in the shift (their low nine are zero).
+    let two_to_n = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
     if underflow {
         0.0
     } else {
-        scaled
+        poly * two_to_n
     }
 }
 
