@@ -1,5 +1,6 @@
 """Stubs of the Rust extension ``atb_mem._core``, kept in sync by tests/package/test_stubs.py."""
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, final, overload
 
@@ -65,6 +66,12 @@ def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
     head_dim]``) and ``slot_mapping``, writes them into their slots first (negative: none).
     Every input is checked before anything is read or written; ``threads`` threads, the GIL
     released."""
+
+def use_openmp(library: str | os.PathLike[str]) -> None:
+    """Runs ``paged_attention``'s threads on the team of the OpenMP runtime at ``library``
+    (torch's: libgomp, LLVM's libomp or Intel's libiomp5), which this process must already
+    have loaded, instead of a pool of their own. Once per process; ``ValueError`` for a path
+    not loaded, a library with no ``GOMP_parallel``, or a second, different runtime."""
 
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from atb_mem import _core
-from atb_mem.integrations.cpu_attention import _bits
+from atb_mem.integrations.cpu_attention import _bits, share_torchs_threads
 from tests.support.devices import require_torch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 24
@@ -279,3 +279,44 @@ def test_a_call_refused_after_valid_new_kv_writes_no_slot(
     with pytest.raises(ValueError):
         _core.paged_attention(**args)
     assert step.changed_since(before) == []
+
+
+# ---- a long prefill on torch's OpenMP team ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_a_long_prefill_on_torchs_threads_equals_causal_attention(dtype: str) -> None:
+    """40 new tokens (80 query vectors per KV head: the kernel's lane-tile path) in scrambled
+    blocks, every other slot NaN, on torch's own OpenMP threads, equal causal attention in
+    float64 over the same rounded values."""
+    torch = require_torch()
+    assert share_torchs_threads() is not None, "torch's OpenMP runtime was not found"
+    tokens, kind = 40, getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(len(dtype))
+    caches = [torch.full((NUM_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM), float("nan"), dtype=kind)
+              for _ in range(2)]
+    blocks = np.random.default_rng(1).permutation(np.arange(1, NUM_BLOCKS))[:tokens // BLOCK_SIZE]
+    slots = (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)
+    for cache in caches:
+        cache[slots] = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(kind)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).to(kind)
+    step = Step(dtype, query, caches[0], caches[1], torch.full_like(query, float("nan")),
+                np.array([0, tokens], dtype=np.int32), np.array([tokens], dtype=np.int32),
+                blocks.astype(np.int32)[None, :])
+    group = HEADS // KV_HEADS
+    keys, values = (cache[slots].double().repeat_interleave(group, 1).transpose(0, 1)
+                    for cache in caches)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double().transpose(0, 1), keys, values, is_causal=True, scale=SCALE)
+    for threads in (1, 2, 3):
+        step.out.fill_(float("nan"))
+        _core.paged_attention(**step.args(threads=threads))
+        assert_attends(step, expected.transpose(0, 1))
+
+
+def test_use_openmp_refuses_what_is_not_a_loaded_runtime(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="is not a library this process has loaded"):
+        _core.use_openmp(tmp_path / "libgomp.so.1")
+    with pytest.raises(ValueError, match="has no GOMP_parallel: not an OpenMP runtime"):
+        _core.use_openmp(_core.__file__)
+    with pytest.raises(ValueError, match="NUL byte"):
+        _core.use_openmp("lib\0gomp.so")

@@ -13,6 +13,10 @@ kernel needs CPU tensors; every input is checked by the core before anything is 
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +28,7 @@ from atb_mem.integrations.layer_attention import LayerAttention
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuPagedAttention", "CpuPagedStep"]
+__all__ = ["CpuPagedAttention", "CpuPagedStep", "share_torchs_threads"]
 
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -37,6 +41,7 @@ class CpuPagedAttention:
             raise ValueError(f"the CPU kernel computes {sorted(_DTYPES.values())}, not {dtype}")
         self.block_size = block_size
         self.dtype = _DTYPES[str(dtype)]
+        share_torchs_threads()
 
     @staticmethod
     def serves(kind: LayerAttention, sinks: Any) -> bool:
@@ -106,3 +111,32 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype in (torch.bfloat16, torch.float16):
         tensor = tensor.view(torch.int16)
     return tensor.detach().numpy()
+
+
+_OPENMP_RUNTIME = re.compile(r"lib(gomp|iomp5|omp)([-.][^/]*)?\.so[^/]*$")
+
+
+@functools.cache
+def share_torchs_threads() -> str | None:
+    """Runs the kernel's threads on the team of torch's OpenMP runtime (``_core.use_openmp``),
+    found among the libraries this process has mapped; returns its path, or None where there
+    is none to find (the kernel keeps a pool of its own). Torch's threads spin for a while
+    after each operator: a pool beside them would share the cores with spinning threads."""
+    import torch
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if ".so" in line}
+    except OSError:  # not Linux
+        return None
+    runtimes = sorted(path for path in paths if _OPENMP_RUNTIME.search(path))
+    torchs = [path for path in runtimes
+              if path.startswith(os.path.dirname(torch.__file__) + os.sep)]
+    for path in torchs or runtimes:
+        try:
+            _core.use_openmp(path)
+            return path
+        except ValueError as error:
+            warnings.warn(f"the CPU attention keeps threads of its own: {error}", stacklevel=2)
+            return None
+    return None

@@ -207,6 +207,7 @@ fn steps() -> impl Strategy<Value = Step> {
     let row = prop_oneof![
         (0usize..300).prop_map(|cached| (cached, 1)), // decode
         (0usize..120, 0usize..40),                    // prefill chunk (or nothing new)
+        (0usize..100, 40usize..150),                  // a long one: several token tiles
         Just((0usize, 1usize)),                       // one token, no context
     ];
     (

@@ -1,6 +1,9 @@
 //! `paged_attention`: the core's CPU paged attention over numpy views of a model's tensors
 //! (torch's `Tensor.numpy()`; 16-bit ones viewed as int16, their bits), with the GIL released
-//! while the threads attend.
+//! while the threads attend; `use_openmp`: its threads taken from torch's OpenMP runtime.
+
+use std::ffi::CString;
+use std::path::PathBuf;
 
 use atb_mem_core::{
     bf16, f16, write_slots, AttentionShape, Element, NewKv, PagedAttention, StepRows, Visibility,
@@ -33,6 +36,34 @@ struct Tensors<'a, 'py> {
     value_cache: &'a Bound<'py, PyAny>,
     out: &'a Bound<'py, PyAny>,
     new_kv: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>)>,
+}
+
+/// Runs `paged_attention`'s threads on the team of the OpenMP runtime at `library`, which
+/// this process must have loaded already (see `_core.pyi`).
+#[pyfunction]
+pub fn use_openmp(library: PathBuf) -> PyResult<()> {
+    let shown = library.display().to_string();
+    let path = CString::new(library.into_os_string().into_encoded_bytes())
+        .map_err(|_| value_error("the library's path has a NUL byte"))?;
+    // RTLD_NOLOAD: a handle only to a library already loaded (torch's), never a new copy.
+    // Safety: both take valid C strings; the handle is kept open for the process's life.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return Err(value_error(format!(
+            "{shown} is not a library this process has loaded"
+        )));
+    }
+    let parallel = unsafe { libc::dlsym(handle, c"GOMP_parallel".as_ptr()) };
+    if parallel.is_null() {
+        return Err(value_error(format!(
+            "{shown} has no GOMP_parallel: not an OpenMP runtime"
+        )));
+    }
+    // Safety: an OpenMP runtime's GOMP_parallel, of that signature, loaded for good.
+    unsafe {
+        let parallel: atb_mem_core::OpenMpParallel = std::mem::transmute(parallel);
+        atb_mem_core::use_openmp(parallel).into_py_result()
+    }
 }
 
 /// Attends a step's rows for one layer into `out` (see `_core.pyi`).

@@ -33,6 +33,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(layout::kv_layout_bytes, module)?)?;
     module.add_function(wrap_pyfunction!(content_digest::content_digests, module)?)?;
     module.add_function(wrap_pyfunction!(attention::paged_attention, module)?)?;
+    module.add_function(wrap_pyfunction!(attention::use_openmp, module)?)?;
     module.add_function(wrap_pyfunction!(layout::kv_cache_groups, module)?)?;
     module.add("KV_DTYPES", layout::dtype_names())?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;

@@ -1,13 +1,21 @@
-//! Running a checked call: its (row, KV head) pieces spread over a thread pool, each piece's
-//! code the copy of the kernel compiled for the best vector instructions this CPU has.
+//! Running a checked call: its (row, KV head) pieces spread over threads, each piece's code
+//! the copy of the kernel compiled for the best vector instructions this CPU has.
 //!
 //! The kernel (`kernel::attend`) is inlined into one function per instruction set, each
 //! compiled with that set's target features; which one runs is decided once per call from
-//! what the CPU reports (tests run each copy the CPU has). Threads come from a pool kept for the size last asked for (the
-//! caller passes torch's thread count); one thread runs on the caller's own.
+//! what the CPU reports (tests run each copy the CPU has).
+//!
+//! Threads (the caller passes torch's count) are those of the process's OpenMP runtime once
+//! `use_openmp` has named it: torch's operators run on that team, whose threads spin for a
+//! while after each operator, so a pool of the kernel's own would share the cores with them
+//! (a third slower on two cores, measured). Until then they come from a pool kept for the
+//! size last asked for.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex};
+use std::ffi::{c_uint, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
@@ -15,6 +23,32 @@ use super::element::Element;
 use super::kernel::{self, Output, Scratch, WorkItem, TOKEN_TILE};
 use super::PagedAttention;
 use crate::error::CoreResult;
+
+/// An OpenMP runtime's fork-join entry, with `GOMP_parallel`'s signature (libgomp's; LLVM's
+/// and Intel's runtimes export it too): runs `work(data)` on the calling thread and on
+/// `threads - 1` threads of its team, and returns when every one has.
+pub type OpenMpParallel = unsafe extern "C" fn(
+    work: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+    threads: c_uint,
+    flags: c_uint,
+);
+
+static OPENMP: OnceLock<OpenMpParallel> = OnceLock::new();
+
+/// Runs every later call's threads on `parallel`'s team instead of a pool of the kernel's
+/// own. Once per process: naming another runtime later is an error.
+///
+/// # Safety
+/// `parallel` is an OpenMP runtime's `GOMP_parallel`, loaded for the life of the process.
+pub unsafe fn use_openmp(parallel: OpenMpParallel) -> CoreResult<()> {
+    let held = *OPENMP.get_or_init(|| parallel);
+    ensure!(
+        std::ptr::fn_addr_eq(held, parallel),
+        "the attention threads already run on another OpenMP runtime"
+    );
+    Ok(())
+}
 
 type Piece<E> = unsafe fn(&PagedAttention<'_, E>, WorkItem, &mut Scratch, Output<E>);
 
@@ -92,10 +126,62 @@ pub(super) fn run<E: Element>(
     let pieces = rows * kv_heads;
     if threads == 1 || pieces < 2 {
         (0..pieces).for_each(attend_row);
+    } else if let Some(&parallel) = OPENMP.get() {
+        // Safety: `use_openmp`'s contract.
+        unsafe { fork_join(parallel, threads.min(pieces), pieces, &attend_row)? };
     } else {
         pool(threads)?.install(|| (0..pieces).into_par_iter().for_each(attend_row));
     }
     Ok(())
+}
+
+/// Pieces `0..pieces` handed out one at a time to whichever thread of the team asks next.
+struct Job<'a> {
+    work: &'a (dyn Fn(usize) + Sync),
+    next: AtomicUsize,
+    pieces: usize,
+    panicked: AtomicBool,
+}
+
+/// Runs `work` for every piece on `threads` threads of `parallel`'s team.
+///
+/// # Safety
+/// `parallel` behaves as `GOMP_parallel`.
+unsafe fn fork_join(
+    parallel: OpenMpParallel,
+    threads: usize,
+    pieces: usize,
+    work: &(dyn Fn(usize) + Sync),
+) -> CoreResult<()> {
+    let job = Job {
+        work,
+        next: AtomicUsize::new(0),
+        pieces,
+        panicked: AtomicBool::new(false),
+    };
+    let threads = c_uint::try_from(threads).unwrap_or(c_uint::MAX);
+    parallel(take_pieces, &job as *const Job as *mut c_void, threads, 0);
+    ensure!(
+        !job.panicked.load(Ordering::Relaxed),
+        "an attention thread failed"
+    );
+    Ok(())
+}
+
+/// One team thread's share of a `Job`. A panic stops at the C boundary, as it must.
+unsafe extern "C" fn take_pieces(data: *mut c_void) {
+    // Safety: `fork_join` passes its `Job`, which outlives the team's work.
+    let job = &*(data as *const Job);
+    let taken = catch_unwind(AssertUnwindSafe(|| loop {
+        let piece = job.next.fetch_add(1, Ordering::Relaxed);
+        if piece >= job.pieces {
+            break;
+        }
+        (job.work)(piece);
+    }));
+    if taken.is_err() {
+        job.panicked.store(true, Ordering::Relaxed);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -147,9 +233,9 @@ fn with_scratch<E: Element>(call: &PagedAttention<'_, E>, work: impl FnOnce(&mut
     });
 }
 
-/// Starts the pool for `threads` threads (none for one) if it is not running.
+/// Starts the pool for `threads` threads (none for one, or on OpenMP's) if it is not running.
 pub(super) fn start_threads(threads: usize) -> CoreResult<()> {
-    if threads > 1 {
+    if threads > 1 && OPENMP.get().is_none() {
         pool(threads)?;
     }
     Ok(())
@@ -172,4 +258,66 @@ fn pool(threads: usize) -> CoreResult<Arc<rayon::ThreadPool>> {
     );
     *held = Some((threads, Arc::clone(&pool)));
     Ok(pool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `GOMP_parallel`'s contract, with scoped threads for a team.
+    unsafe extern "C" fn scoped_team(
+        work: unsafe extern "C" fn(*mut c_void),
+        data: *mut c_void,
+        threads: c_uint,
+        _flags: c_uint,
+    ) {
+        let data = data as usize;
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(move || unsafe { work(data as *mut c_void) });
+            }
+            unsafe { work(data as *mut c_void) };
+        });
+    }
+
+    #[test]
+    fn a_team_takes_every_piece_once() {
+        let counts: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+        let count = |piece: usize| {
+            counts[piece].fetch_add(1, Ordering::Relaxed);
+        };
+        unsafe { fork_join(scoped_team, 3, counts.len(), &count) }.unwrap();
+        assert!(counts
+            .iter()
+            .all(|count| count.load(Ordering::Relaxed) == 1));
+    }
+
+    unsafe extern "C" fn another_team(
+        work: unsafe extern "C" fn(*mut c_void),
+        data: *mut c_void,
+        threads: c_uint,
+        flags: c_uint,
+    ) {
+        scoped_team(work, data, threads, flags)
+    }
+
+    #[test]
+    fn the_runtime_is_named_once() {
+        unsafe {
+            use_openmp(scoped_team).unwrap();
+            use_openmp(scoped_team).unwrap();
+            let refused = use_openmp(another_team).unwrap_err();
+            assert!(refused.to_string().contains("another OpenMP runtime"));
+        }
+    }
+
+    #[test]
+    fn a_panicking_piece_is_an_error_not_an_unwind() {
+        let fail = |piece: usize| assert_ne!(piece, 7, "piece 7 fails");
+        let result = unsafe { fork_join(scoped_team, 2, 20, &fail) };
+        assert!(result
+            .unwrap_err()
+            .to_string()
+            .contains("attention thread failed"));
+    }
 }

@@ -10,6 +10,11 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn load(src: &[Self], dst: &mut [f32]);
     /// Converts `src` into `dst` (as long), rounding to nearest.
     fn store(src: &[f32], dst: &mut [Self]);
+
+    /// `src` itself when it holds `f32`s: read in place, with no conversion.
+    fn as_f32(_src: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Element for f32 {
@@ -21,6 +26,11 @@ impl Element for f32 {
     #[inline(always)]
     fn store(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+
+    #[inline(always)]
+    fn as_f32(src: &[f32]) -> Option<&[f32]> {
+        Some(src)
     }
 }
 

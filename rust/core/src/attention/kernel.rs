@@ -12,6 +12,7 @@
 //! of its quads' diagonal.
 
 use super::element::Element;
+use super::lane_tile::{self, LANES, PAIR};
 use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, max, scale};
 use super::{PagedAttention, Visibility};
 
@@ -24,7 +25,7 @@ const QUAD: usize = 8;
 const KEYS: usize = 16;
 /// Key positions converted and attended at once (a multiple of `KEYS`): the softmax
 /// rescales once per span, not once per block.
-const SPAN: usize = 64;
+pub(super) const SPAN: usize = 64;
 
 /// The item: `row`'s new tokens `tokens` (indices into the step's tokens), with the query
 /// heads of KV head `kv_head`.
@@ -39,29 +40,36 @@ pub(super) struct WorkItem {
 pub(super) struct Scratch {
     /// The (query heads per KV head, head_dim) it was sized for.
     pub sizes: (usize, usize),
-    queries: Vec<f32>,
-    acc: Vec<f32>,
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    keys_t: Vec<f32>,
-    values: Vec<f32>,
-    row: Vec<f32>,
-    scores: Vec<f32>,
+    pub(super) queries: Vec<f32>,
+    pub(super) acc: Vec<f32>,
+    pub(super) max: Vec<f32>,
+    pub(super) sum: Vec<f32>,
+    pub(super) keys_t: Vec<f32>,
+    pub(super) values: Vec<f32>,
+    pub(super) row: Vec<f32>,
+    pub(super) scores: Vec<f32>,
+    /// Per vector, the first and last positions it sees (`lane_tile`).
+    pub(super) seen: Vec<(u32, u32)>,
+    /// Where each key of a span has its K and V rows (`lane_tile`).
+    pub(super) offsets: Vec<usize>,
 }
 
 impl Scratch {
     pub(super) fn new(group: usize, head_dim: usize) -> Self {
-        let vectors = group * TOKEN_TILE;
+        // Both paths pad to whole register tiles: a quad, or a pair of lane blocks.
+        let vectors = (group * TOKEN_TILE).next_multiple_of(PAIR.max(QUAD));
         Scratch {
             sizes: (group, head_dim),
-            queries: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
-            acc: vec![0.0; vectors.next_multiple_of(QUAD) * head_dim],
+            queries: vec![0.0; vectors * head_dim],
+            acc: vec![0.0; vectors * head_dim],
             max: vec![0.0; vectors],
             sum: vec![0.0; vectors],
             keys_t: vec![0.0; head_dim * SPAN],
             values: vec![0.0; SPAN * head_dim],
             row: vec![0.0; head_dim],
-            scores: vec![0.0; QUAD * SPAN],
+            scores: vec![0.0; SPAN * PAIR.max(QUAD)],
+            seen: vec![(0, 0); vectors],
+            offsets: vec![0; SPAN],
         }
     }
 }
@@ -78,13 +86,13 @@ unsafe impl<E: Send> Sync for Output<E> {}
 /// head `kv_head * group + i % group`; the row's new tokens start at step token `row_start`,
 /// position `first_position`.
 #[derive(Clone, Copy)]
-struct Place {
-    tokens: (usize, usize),
+pub(super) struct Place {
+    pub(super) tokens: (usize, usize),
     row_start: usize,
     first_position: usize,
     group: usize,
-    kv_head: usize,
-    vectors: usize,
+    pub(super) kv_head: usize,
+    pub(super) vectors: usize,
 }
 
 impl Place {
@@ -106,12 +114,12 @@ impl Place {
     }
 
     /// The position of step token `token`.
-    fn position(&self, token: usize) -> usize {
+    pub(super) fn position(&self, token: usize) -> usize {
         self.first_position + token - self.row_start
     }
 
     /// The step token and query head of vector `i`.
-    fn vector(&self, i: usize) -> (usize, usize) {
+    pub(super) fn vector(&self, i: usize) -> (usize, usize) {
         (
             self.tokens.0 + i / self.group,
             self.kv_head * self.group + i % self.group,
@@ -134,15 +142,18 @@ pub(super) unsafe fn attend<E: Element>(
     let dim = call.shape.head_dim;
     let place = Place::of(call, item);
     let vectors = place.vectors;
+    let rows = &call.rows;
+    let row = item.row as usize;
+    let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
+    if vectors >= LANES {
+        return lane_tile::attend(call, &place, table, scratch, out);
+    }
     load_queries(call, &place, scratch);
     let (lowest, highest) = (
         call.visibility
             .first_visible(place.position(place.tokens.0)),
         place.position(place.tokens.1 - 1),
     );
-    let rows = &call.rows;
-    let row = item.row as usize;
-    let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
     // One or two vectors (a decode with few query heads per KV head) fill too little of a
     // tile to pay for transposing K: they take a dot product per key instead.
     let by_rows = vectors <= 2;
@@ -248,7 +259,7 @@ fn softmax_quad<E>(
 /// # Safety
 /// As `attend`'s.
 #[inline(always)]
-unsafe fn write_out<E: Element>(
+pub(super) unsafe fn write_out<E: Element>(
     call: &PagedAttention<'_, E>,
     place: &Place,
     scratch: &mut Scratch,
@@ -381,7 +392,7 @@ fn accumulate<const GROUPS: usize, const ROWS: usize>(
 /// `table`, for `kv_head`: keys transposed into `keys_t` (`[head_dim, SPAN]`), or as rows
 /// when they are scored `by_rows`; values as rows into `values`.
 #[inline(always)]
-fn load_span<E: Element>(
+pub(super) fn load_span<E: Element>(
     call: &PagedAttention<'_, E>,
     scratch: &mut Scratch,
     table: &[i32],

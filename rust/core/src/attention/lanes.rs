@@ -157,7 +157,9 @@ mod tests {
     fn max_matches_the_plain_fold() {
         assert_eq!(max(&[]), f32::NEG_INFINITY);
         for len in [1, 15, 16, 17, 64, 100, 257] {
-            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * i as f32).collect();
+            let a: Vec<f32> = (0..len)
+                .map(|i| (i as f32 * 0.37).sin() * i as f32)
+                .collect();
             let want = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(max(&a), want, "len {len}");
         }

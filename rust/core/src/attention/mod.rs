@@ -19,10 +19,11 @@ mod check;
 mod dispatch;
 mod element;
 mod kernel;
+mod lane_tile;
 mod lanes;
 mod slots;
 
-pub use dispatch::InstructionSet;
+pub use dispatch::{use_openmp, InstructionSet, OpenMpParallel};
 pub use element::Element;
 pub use half::{bf16, f16};
 pub use slots::{write_slots, NewKv};

@@ -1,0 +1,358 @@
+//! The kernel's path for many query vectors (prefill tiles): sixteen query vectors side by
+//! side in the lanes of a vector register, transposed once per tile, and K and V read as
+//! the cache holds them, a row per key.
+//!
+//! Scores are then `[key, lane]`: one vector's scores run down a column, so the softmax's
+//! maximum, exponentials and sums are plain lane-wise operations over rows (no horizontal
+//! reduction, no per-vector loop), and the causal and window masks a lane-wise comparison
+//! of each lane's visible positions with the key's. Both products are register tiles of two
+//! lane blocks (32 vectors) × four broadcast elements of K or V: per step two loads and
+//! four broadcasts feed eight multiply-adds, and K is never transposed (the quad path
+//! transposes it once per span and tile).
+
+use super::element::Element;
+use super::kernel::{load_span, write_out, Output, Place, Scratch, SPAN};
+use super::lanes::exp;
+use super::PagedAttention;
+
+/// Query vectors per register (AVX-512's sixteen `f32`; AVX2 and the portable code take a
+/// block as two or four registers).
+pub(super) const LANES: usize = 16;
+/// Lane blocks a register tile spans.
+pub(super) const PAIR: usize = 2 * LANES;
+/// Keys (scores) or dims (the weighted sum of V) per register tile.
+const STEP: usize = 4;
+
+/// Attends the item at `place` (at least `LANES` vectors), writing its tokens' heads.
+///
+/// # Safety
+/// As `kernel::attend`'s.
+#[inline(always)]
+pub(super) unsafe fn attend<E: Element>(
+    call: &PagedAttention<'_, E>,
+    place: &Place,
+    table: &[i32],
+    scratch: &mut Scratch,
+    out: Output<E>,
+) {
+    let dim = call.shape.head_dim;
+    let padded = place.vectors.next_multiple_of(PAIR);
+    load_queries(call, place, scratch);
+    let (lowest, highest) = (
+        call.visibility
+            .first_visible(place.position(place.tokens.0)),
+        place.position(place.tokens.1 - 1),
+    );
+    for first_key in (lowest..=highest).step_by(SPAN) {
+        let end_key = (first_key + SPAN).min(highest + 1);
+        let (loaded, whole) = (
+            end_key - first_key,
+            (end_key - first_key).next_multiple_of(STEP),
+        );
+        let (keys_in, values_in) = span_rows(call, scratch, table, (first_key, end_key), place);
+        // Keys past the span's last are scored and summed with weight 0: they read the
+        // last key's row, finite whatever lies beyond it.
+        let last = scratch.offsets[loaded - 1];
+        scratch.offsets[loaded..whole].fill(last);
+        let (keys_in, values_in) = match (keys_in, values_in) {
+            (Some(keys), Some(values)) => (keys, values),
+            _ => (&scratch.keys_t[..], &scratch.values[..]),
+        };
+        for pair in (0..padded).step_by(PAIR) {
+            let seen = &scratch.seen[pair..pair + PAIR];
+            let from = seen
+                .iter()
+                .map(|&(first, _)| first)
+                .min()
+                .unwrap_or(u32::MAX) as usize;
+            let to = seen.iter().map(|&(_, last)| last + 1).max().unwrap_or(0) as usize;
+            let (from, to) = (from.max(first_key), to.min(end_key));
+            if from >= to {
+                continue;
+            }
+            let keys = (
+                (from - first_key) / STEP * STEP,
+                (to - first_key).next_multiple_of(STEP),
+            );
+            let rows = Rows {
+                data: keys_in,
+                offsets: &scratch.offsets,
+                dim,
+            };
+            let queries = &scratch.queries[pair * dim..(pair + PAIR) * dim];
+            score_pair(queries, rows, keys, &mut scratch.scores);
+            let state = Softmax {
+                seen,
+                max: &mut scratch.max[pair..pair + PAIR],
+                sum: &mut scratch.sum[pair..pair + PAIR],
+                acc: &mut scratch.acc[pair * dim..(pair + PAIR) * dim],
+            };
+            softmax_pair(state, &mut scratch.scores, first_key, keys, dim);
+            let acc = &mut scratch.acc[pair * dim..(pair + PAIR) * dim];
+            let rows = Rows {
+                data: values_in,
+                ..rows
+            };
+            accumulate_pair(acc, &scratch.scores, rows, keys);
+        }
+    }
+    // Back to a row per vector, as `write_out` reads the sums.
+    for i in 0..place.vectors {
+        let (block, lane) = (i / LANES * LANES, i % LANES);
+        for d in 0..dim {
+            scratch.queries[i * dim + d] = scratch.acc[block * dim + d * LANES + lane];
+        }
+    }
+    std::mem::swap(&mut scratch.queries, &mut scratch.acc);
+    write_out(call, place, scratch, out);
+}
+
+/// Loads the item's queries, pre-scaled, transposed per lane block (`[dim, LANES]`), each
+/// lane's visible positions, and starts its softmax state.
+#[inline(always)]
+fn load_queries<E: Element>(call: &PagedAttention<'_, E>, place: &Place, scratch: &mut Scratch) {
+    let (dim, vectors) = (call.shape.head_dim, place.vectors);
+    let padded = vectors.next_multiple_of(PAIR);
+    for i in 0..vectors {
+        let (token, head) = place.vector(i);
+        let at = (token * call.shape.num_heads + head) * dim;
+        E::load(&call.query[at..at + dim], &mut scratch.row);
+        let (block, lane) = (i / LANES * LANES, i % LANES);
+        for (d, &value) in scratch.row.iter().enumerate() {
+            scratch.queries[block * dim + d * LANES + lane] = value * call.scale;
+        }
+        let position = place.position(token);
+        let first = call.visibility.first_visible(position);
+        scratch.seen[i] = (first as u32, position as u32);
+    }
+    for i in vectors..padded {
+        let (block, lane) = (i / LANES * LANES, i % LANES);
+        for d in 0..dim {
+            scratch.queries[block * dim + d * LANES + lane] = 0.0;
+        }
+        // Padding lanes see no key: every score of theirs is masked.
+        scratch.seen[i] = (u32::MAX, 0);
+    }
+    scratch.acc[..padded * dim].fill(0.0);
+    scratch.max[..padded].fill(f32::NEG_INFINITY);
+    scratch.sum[..padded].fill(0.0);
+}
+
+/// The K or V rows of a span: key `k`'s is `data[offsets[k]..][..dim]`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    data: &'a [f32],
+    offsets: &'a [usize],
+    dim: usize,
+}
+
+impl Rows<'_> {
+    #[inline(always)]
+    fn row(&self, key: usize) -> &[f32] {
+        &self.data[self.offsets[key]..][..self.dim]
+    }
+}
+
+/// Points `scratch.offsets` at the rows of the span's keys `first_key..end_key`: in the
+/// caches themselves when they hold `f32` (returned: no copy), else in `keys_t` and
+/// `values`, converted there (`None`).
+#[inline(always)]
+fn span_rows<'a, E: Element>(
+    call: &PagedAttention<'a, E>,
+    scratch: &mut Scratch,
+    table: &[i32],
+    (first_key, end_key): (usize, usize),
+    place: &Place,
+) -> (Option<&'a [f32]>, Option<&'a [f32]>) {
+    let shape = &call.shape;
+    let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let direct = (E::as_f32(call.key_cache), E::as_f32(call.value_cache));
+    if direct.0.is_none() || direct.1.is_none() {
+        load_span(
+            call,
+            scratch,
+            table,
+            (first_key, end_key),
+            place.kv_head,
+            true,
+        );
+        for (key, offset) in scratch.offsets[..end_key - first_key]
+            .iter_mut()
+            .enumerate()
+        {
+            *offset = key * dim;
+        }
+        return (None, None);
+    }
+    let (mut block, mut offset) = (first_key / block_size, first_key % block_size);
+    for row in &mut scratch.offsets[..end_key - first_key] {
+        let slot = table[block] as usize * block_size + offset;
+        *row = (slot * shape.num_kv_heads + place.kv_head) * dim;
+        offset += 1;
+        if offset == block_size {
+            (block, offset) = (block + 1, 0);
+        }
+    }
+    direct
+}
+
+/// The scores of a pair of lane blocks (`queries`, `[2, dim, LANES]`) over the span's keys
+/// `first..end` (`keys`), into `scores` (`[SPAN, 2, LANES]`).
+#[inline(always)]
+fn score_pair(queries: &[f32], keys: Rows<'_>, (first, end): (usize, usize), scores: &mut [f32]) {
+    let (low_block, high_block) = queries.split_at(keys.dim * LANES);
+    for key in (first..end).step_by(STEP) {
+        let [k0, k1, k2, k3]: [&[f32]; STEP] = std::array::from_fn(|j| keys.row(key + j));
+        let mut low = [[0.0f32; LANES]; STEP];
+        let mut high = [[0.0f32; LANES]; STEP];
+        let columns = lane_arrays::<LANES>(low_block).zip(lane_arrays::<LANES>(high_block));
+        let elements = k0.iter().zip(k1).zip(k2).zip(k3);
+        for ((column_low, column_high), (((&a, &b), &c), &d)) in columns.zip(elements) {
+            for (j, k) in [a, b, c, d].into_iter().enumerate() {
+                for lane in 0..LANES {
+                    low[j][lane] = k.mul_add(column_low[lane], low[j][lane]);
+                    high[j][lane] = k.mul_add(column_high[lane], high[j][lane]);
+                }
+            }
+        }
+        let rows = scores[key * PAIR..(key + STEP) * PAIR].chunks_exact_mut(PAIR);
+        for (j, row) in rows.enumerate() {
+            row[..LANES].copy_from_slice(&low[j]);
+            row[LANES..].copy_from_slice(&high[j]);
+        }
+    }
+}
+
+/// A pair of lane blocks' softmax state: each lane's visible positions, maximum, sum, and
+/// weighted sum of V (`[2, dim, LANES]`).
+struct Softmax<'a> {
+    seen: &'a [(u32, u32)],
+    max: &'a mut [f32],
+    sum: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// Turns the pair's scores over `keys` (span positions from `first_key`) into softmax
+/// weights, masking what each lane does not see, and rescales the lanes' sums whose
+/// maximum grows.
+#[inline(always)]
+fn softmax_pair(
+    state: Softmax<'_>,
+    scores: &mut [f32],
+    first_key: usize,
+    (first, end): (usize, usize),
+    dim: usize,
+) {
+    for half in [0, LANES] {
+        let seen: &[(u32, u32); LANES] = state.seen[half..half + LANES].try_into().unwrap();
+        // A block that sees all of these keys needs no mask (most blocks of most spans).
+        let masked = seen.iter().any(|&(low, high)| {
+            low as usize > first_key + first || (high as usize) < first_key + end - 1
+        });
+        let mut span_max = [f32::NEG_INFINITY; LANES];
+        for key in first..end {
+            let scores: &mut [f32; LANES] = (&mut scores[key * PAIR + half..][..LANES])
+                .try_into()
+                .unwrap();
+            if masked {
+                let position = (first_key + key) as u32;
+                for lane in 0..LANES {
+                    let (low, high) = seen[lane];
+                    if position < low || position > high {
+                        scores[lane] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            for lane in 0..LANES {
+                span_max[lane] = span_max[lane].max(scores[lane]);
+            }
+        }
+        let max: &mut [f32; LANES] = (&mut state.max[half..half + LANES]).try_into().unwrap();
+        let mut shift = [0.0f32; LANES];
+        let mut factor = [1.0f32; LANES];
+        for lane in 0..LANES {
+            let grown = max[lane].max(span_max[lane]);
+            // A lane that has seen nothing yet keeps weights of exp(-inf) = 0.
+            let none = grown == f32::NEG_INFINITY;
+            shift[lane] = if none { 0.0 } else { grown };
+            factor[lane] = if none { 1.0 } else { exp(max[lane] - grown) };
+            max[lane] = grown;
+        }
+        let mut span_sum = [0.0f32; LANES];
+        for key in first..end {
+            let weights = &mut scores[key * PAIR + half..][..LANES];
+            for lane in 0..LANES {
+                weights[lane] = exp(weights[lane] - shift[lane]);
+                span_sum[lane] += weights[lane];
+            }
+        }
+        let sum = &mut state.sum[half..half + LANES];
+        for lane in 0..LANES {
+            sum[lane] = sum[lane].mul_add(factor[lane], span_sum[lane]);
+        }
+        if factor.iter().any(|&f| f != 1.0) {
+            let block = &mut state.acc[half * dim..(half + LANES) * dim];
+            for column in block.chunks_exact_mut(LANES) {
+                for lane in 0..LANES {
+                    column[lane] *= factor[lane];
+                }
+            }
+        }
+    }
+}
+
+/// `acc` (`[2, dim, LANES]`) += the pair's weights (`[SPAN, 2, LANES]`) over `keys` times
+/// those keys' rows of V, `STEP` dims at a time (then one at a time for the rest).
+#[inline(always)]
+fn accumulate_pair(acc: &mut [f32], weights: &[f32], values: Rows<'_>, keys: (usize, usize)) {
+    let dim = values.dim;
+    let whole = dim / STEP * STEP;
+    for d in (0..whole).step_by(STEP) {
+        accumulate_dims::<STEP>(acc, weights, values, keys, d);
+    }
+    for d in whole..dim {
+        accumulate_dims::<1>(acc, weights, values, keys, d);
+    }
+}
+
+/// `accumulate_pair` for dims `d..d + DIMS`.
+#[inline(always)]
+fn accumulate_dims<const DIMS: usize>(
+    acc: &mut [f32],
+    weights: &[f32],
+    values: Rows<'_>,
+    (first, end): (usize, usize),
+    d: usize,
+) {
+    let dim = values.dim;
+    let (low_at, high_at) = (d * LANES, (dim + d) * LANES);
+    let mut low = [[0.0f32; LANES]; DIMS];
+    let mut high = [[0.0f32; LANES]; DIMS];
+    for j in 0..DIMS {
+        low[j].copy_from_slice(&acc[low_at + j * LANES..][..LANES]);
+        high[j].copy_from_slice(&acc[high_at + j * LANES..][..LANES]);
+    }
+    let weights = lane_arrays::<PAIR>(&weights[first * PAIR..end * PAIR]);
+    for (row, &at) in weights.zip(&values.offsets[first..end]) {
+        let value: &[f32; DIMS] = values.data[at + d..at + d + DIMS].try_into().unwrap();
+        for j in 0..DIMS {
+            for lane in 0..LANES {
+                low[j][lane] = value[j].mul_add(row[lane], low[j][lane]);
+                high[j][lane] = value[j].mul_add(row[LANES + lane], high[j][lane]);
+            }
+        }
+    }
+    for j in 0..DIMS {
+        acc[low_at + j * LANES..][..LANES].copy_from_slice(&low[j]);
+        acc[high_at + j * LANES..][..LANES].copy_from_slice(&high[j]);
+    }
+}
+
+/// `values` as arrays of `N` (the length being a multiple of `N`): indexing one needs no
+/// bounds check in the loops above.
+#[inline(always)]
+fn lane_arrays<const N: usize>(values: &[f32]) -> impl Iterator<Item = &[f32; N]> {
+    values
+        .chunks_exact(N)
+        .map(|chunk| chunk.try_into().unwrap())
+}
