@@ -4,7 +4,8 @@ same block tables (what the torch reference path does), in one process, alternat
 Decode: ``S`` sequences of ``L`` cached tokens each get one new token. Prefill: one row's
 256-, 512- and 2,048-token chunks with no context (also against SDPA causal over the new K/V
 alone, no gather), and a 2,048-token chunk after 2,048 cached tokens. The shapes are the Engine
-benchmark's model (4 query heads, 2 KV heads of 64, 16-token blocks, fp32) unless given.
+benchmark's model (4 query heads, 2 KV heads of 64, 16-token blocks, fp32) unless given. The
+kernel runs on torch's OpenMP threads, as in the Engine (``--own-threads``: a pool of its own).
 
     python benches/paged_attention_cpu.py --rounds 5
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from atb_mem import _core
+from atb_mem.integrations.cpu_attention import share_torchs_threads
 
 
 def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--own-threads", action="store_true",
+                        help="the kernel on a pool of its own, not torch's OpenMP threads")
     args = parser.parse_args()
     shape = (args.heads, args.kv_heads, args.head_dim, args.block_size)
     cases = {f"decode {rows} x {cached}": (rows, cached, 1)
@@ -97,7 +101,9 @@ def main() -> None:
                   "prefill 512, no context": (1, 0, 512),
                   "prefill 2048, no context": (1, 0, 2048),
                   "prefill 2048 after 2048": (1, 2048, 2048)})
-    print(f"torch threads: {torch.get_num_threads()}; heads, kv heads, head_dim, block: {shape}")
+    runtime = None if args.own_threads else share_torchs_threads()
+    print(f"torch threads: {torch.get_num_threads()}, the kernel's on "
+          f"{runtime or 'a pool of its own'}; heads, kv heads, head_dim, block: {shape}")
     print(f"{'case':28} {'kernel ms':>10} {'gather+SDPA ms':>15} {'speed-up':>9} "
           f"{'SDPA causal, new K/V ms':>24} {'speed-up':>9}")
     for name, (rows, cached, new) in cases.items():

@@ -60,20 +60,9 @@ pub(super) unsafe fn attend<E: Element>(
         };
         for pair in (0..padded).step_by(PAIR) {
             let seen = &scratch.seen[pair..pair + PAIR];
-            let from = seen
-                .iter()
-                .map(|&(first, _)| first)
-                .min()
-                .unwrap_or(u32::MAX) as usize;
-            let to = seen.iter().map(|&(_, last)| last + 1).max().unwrap_or(0) as usize;
-            let (from, to) = (from.max(first_key), to.min(end_key));
-            if from >= to {
+            let Some(keys) = keys_seen(seen, (first_key, end_key)) else {
                 continue;
-            }
-            let keys = (
-                (from - first_key) / STEP * STEP,
-                (to - first_key).next_multiple_of(STEP),
-            );
+            };
             let rows = Rows {
                 data: keys_in,
                 offsets: &scratch.offsets,
@@ -105,6 +94,21 @@ pub(super) unsafe fn attend<E: Element>(
     }
     std::mem::swap(&mut scratch.queries, &mut scratch.acc);
     write_out(call, place, scratch, out);
+}
+
+/// The keys of the span `first_key..end_key` that any lane of `seen` sees, as indices into
+/// the span widened to whole `STEP`s (the lanes' masks drop what the widening adds).
+#[inline(always)]
+fn keys_seen(seen: &[(u32, u32)], (first_key, end_key): (usize, usize)) -> Option<(usize, usize)> {
+    let from = seen.iter().map(|&(first, _)| first).min()? as usize;
+    let to = seen.iter().map(|&(_, last)| last as usize + 1).max()?;
+    let (from, to) = (from.max(first_key), to.min(end_key));
+    (from < to).then(|| {
+        (
+            (from - first_key) / STEP * STEP,
+            (to - first_key).next_multiple_of(STEP),
+        )
+    })
 }
 
 /// Loads the item's queries, pre-scaled, transposed per lane block (`[dim, LANES]`), each
