@@ -68,10 +68,11 @@ def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
     released."""
 
 def use_openmp(library: str | os.PathLike[str]) -> None:
-    """Runs ``paged_attention``'s threads on the team of the OpenMP runtime at ``library``
-    (torch's: libgomp, LLVM's libomp or Intel's libiomp5), which this process must already
-    have loaded, instead of a pool of their own. Once per process; ``ValueError`` for a path
-    not loaded, a library with no ``GOMP_parallel``, or a second, different runtime."""
+    """Runs ``paged_attention``'s threads on the team of an OpenMP runtime (libgomp, LLVM's
+    libomp or Intel's libiomp5) instead of a pool of their own: the runtime ``library`` is,
+    or the one it links (torch's ``libtorch_cpu.so``). ``library`` is an absolute path this
+    process has already loaded. Once per process; ``ValueError`` for a relative path, a
+    library not loaded, one with no ``GOMP_parallel``, or a second, different runtime."""
 
 Int32Array = npt.NDArray[np.int32]
 IntsLike = Sequence[int] | npt.NDArray[np.integer[Any]]

@@ -319,4 +319,7 @@ def test_use_openmp_refuses_what_is_not_a_loaded_runtime(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="has no GOMP_parallel: not an OpenMP runtime"):
         _core.use_openmp(_core.__file__)
     with pytest.raises(ValueError, match="NUL byte"):
-        _core.use_openmp("lib\0gomp.so")
+        _core.use_openmp("/lib\0gomp.so")
+    for relative in ("", "libgomp.so.1"):  # dlopen would take the program, or search
+        with pytest.raises(ValueError, match="is not an absolute path"):
+            _core.use_openmp(relative)

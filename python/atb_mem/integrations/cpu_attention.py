@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -113,30 +112,31 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-_OPENMP_RUNTIME = re.compile(r"lib(gomp|iomp5|omp)([-.][^/]*)?\.so[^/]*$")
-
-
 @functools.cache
 def share_torchs_threads() -> str | None:
-    """Runs the kernel's threads on the team of torch's OpenMP runtime (``_core.use_openmp``),
-    found among the libraries this process has mapped; returns its path, or None where there
-    is none to find (the kernel keeps a pool of its own). Torch's threads spin for a while
-    after each operator: a pool beside them would share the cores with spinning threads."""
+    """Runs the kernel's threads on the team of torch's own OpenMP runtime
+    (``_core.use_openmp``); returns the path of the torch library it was found through, or
+    None where torch has no OpenMP runtime to share (the kernel keeps a pool of its own).
+    Torch's threads spin for a while after each operator: a pool beside them would share the
+    cores with spinning threads. The runtime is looked up through ``libtorch_cpu``, so it is
+    the one torch binds to, wherever its wheel or environment put it."""
     import torch
 
+    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]
+        return None
     try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if ".so" in line}
+        # Paths are bytes to the kernel: surrogateescape keeps any of them readable.
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
+            paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in maps
+                     if line.count(" ") >= 5}
     except OSError:  # not Linux
         return None
-    runtimes = sorted(path for path in paths if _OPENMP_RUNTIME.search(path))
-    torchs = [path for path in runtimes
-              if path.startswith(os.path.dirname(torch.__file__) + os.sep)]
-    for path in torchs or runtimes:
+    for path in sorted(paths):
+        if os.path.basename(path) != "libtorch_cpu.so":
+            continue
         try:
             _core.use_openmp(path)
             return path
         except ValueError as error:
             warnings.warn(f"the CPU attention keeps threads of its own: {error}", stacklevel=2)
-            return None
     return None

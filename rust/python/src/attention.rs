@@ -38,11 +38,16 @@ struct Tensors<'a, 'py> {
     new_kv: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>)>,
 }
 
-/// Runs `paged_attention`'s threads on the team of the OpenMP runtime at `library`, which
-/// this process must have loaded already (see `_core.pyi`).
+/// Runs `paged_attention`'s threads on the team of the OpenMP runtime that `library`, which
+/// this process must have loaded already, is or links (see `_core.pyi`).
 #[pyfunction]
 pub fn use_openmp(library: PathBuf) -> PyResult<()> {
     let shown = library.display().to_string();
+    // dlopen("") is the program itself, and a bare name is searched for: neither is a
+    // library the caller named.
+    if !library.is_absolute() {
+        return Err(value_error(format!("{shown:?} is not an absolute path")));
+    }
     let path = CString::new(library.into_os_string().into_encoded_bytes())
         .map_err(|_| value_error("the library's path has a NUL byte"))?;
     // RTLD_NOLOAD: a handle only to a library already loaded (torch's), never a new copy.
@@ -53,10 +58,12 @@ pub fn use_openmp(library: PathBuf) -> PyResult<()> {
             "{shown} is not a library this process has loaded"
         )));
     }
+    // A handle's lookup covers the library's own dependencies: torch's libtorch_cpu finds
+    // the runtime torch binds to.
     let parallel = unsafe { libc::dlsym(handle, c"GOMP_parallel".as_ptr()) };
     if parallel.is_null() {
         return Err(value_error(format!(
-            "{shown} has no GOMP_parallel: not an OpenMP runtime"
+            "{shown} has no GOMP_parallel: not an OpenMP runtime, nor linked to one"
         )));
     }
     // Safety: an OpenMP runtime's GOMP_parallel, of that signature, loaded for good.

@@ -118,7 +118,8 @@ pub(super) fn run<E: Element>(
                     tokens,
                 };
                 // Safety: the call was checked; pieces write disjoint (token, head) parts of
-                // `out`, which outlives the pool's work (`install` returns after it).
+                // `out`, which outlives the threads' work (`install` and `GOMP_parallel`
+                // return after it).
                 unsafe { piece(call, item, scratch, output) };
             }
         });

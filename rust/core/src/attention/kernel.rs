@@ -3,7 +3,8 @@
 //! through the block table whatever the block size) with an online softmax (no score matrix,
 //! no gathered copy of the context).
 //!
-//! Per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`), so that the
+//! An item of many query vectors (a prefill tile) takes `lane_tile`'s path. For one of few
+//! (a decode), per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`), so that the
 //! scores of half a quad's query vectors over two `KEYS`-wide columns of keys are a register
 //! tile that `head_dim` steps of two loads and four broadcast multiply-add pairs fill
 //! (`score_quad`), and V kept as rows, so that the weighted sum is such a tile too (vectors

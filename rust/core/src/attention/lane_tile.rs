@@ -60,7 +60,7 @@ pub(super) unsafe fn attend<E: Element>(
         };
         for pair in (0..padded).step_by(PAIR) {
             let seen = &scratch.seen[pair..pair + PAIR];
-            let Some(keys) = keys_seen(seen, (first_key, end_key)) else {
+            let Some(key_range) = keys_seen(seen, (first_key, end_key)) else {
                 continue;
             };
             let rows = Rows {
@@ -69,20 +69,20 @@ pub(super) unsafe fn attend<E: Element>(
                 dim,
             };
             let queries = &scratch.queries[pair * dim..(pair + PAIR) * dim];
-            score_pair(queries, rows, keys, &mut scratch.scores);
+            score_pair(queries, rows, key_range, &mut scratch.scores);
             let state = Softmax {
                 seen,
                 max: &mut scratch.max[pair..pair + PAIR],
                 sum: &mut scratch.sum[pair..pair + PAIR],
                 acc: &mut scratch.acc[pair * dim..(pair + PAIR) * dim],
             };
-            softmax_pair(state, &mut scratch.scores, first_key, keys, dim);
+            softmax_pair(state, &mut scratch.scores, first_key, key_range, dim);
             let acc = &mut scratch.acc[pair * dim..(pair + PAIR) * dim];
             let rows = Rows {
                 data: values_in,
                 ..rows
             };
-            accumulate_pair(acc, &scratch.scores, rows, keys);
+            accumulate_pair(acc, &scratch.scores, rows, key_range);
         }
     }
     // Back to a row per vector, as `write_out` reads the sums.
@@ -236,7 +236,7 @@ struct Softmax<'a> {
     acc: &'a mut [f32],
 }
 
-/// Turns the pair's scores over `keys` (span positions from `first_key`) into softmax
+/// Turns the pair's scores over `key_range` (span indices from `first_key`) into softmax
 /// weights, masking what each lane does not see, and rescales the lanes' sums whose
 /// maximum grows.
 #[inline(always)]
@@ -305,17 +305,17 @@ fn softmax_pair(
     }
 }
 
-/// `acc` (`[2, dim, LANES]`) += the pair's weights (`[SPAN, 2, LANES]`) over `keys` times
+/// `acc` (`[2, dim, LANES]`) += the pair's weights (`[SPAN, 2, LANES]`) over `key_range` times
 /// those keys' rows of V, `STEP` dims at a time (then one at a time for the rest).
 #[inline(always)]
-fn accumulate_pair(acc: &mut [f32], weights: &[f32], values: Rows<'_>, keys: (usize, usize)) {
+fn accumulate_pair(acc: &mut [f32], weights: &[f32], values: Rows<'_>, key_range: (usize, usize)) {
     let dim = values.dim;
     let whole = dim / STEP * STEP;
     for d in (0..whole).step_by(STEP) {
-        accumulate_dims::<STEP>(acc, weights, values, keys, d);
+        accumulate_dims::<STEP>(acc, weights, values, key_range, d);
     }
     for d in whole..dim {
-        accumulate_dims::<1>(acc, weights, values, keys, d);
+        accumulate_dims::<1>(acc, weights, values, key_range, d);
     }
 }
 

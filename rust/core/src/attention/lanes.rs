@@ -100,7 +100,8 @@ pub(super) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 × 2^23: adding it rounds to an integer held in the mantissa's low bits.
     const ROUNDER: f32 = 12_582_912.0;
-    // Below this e^x is under f32's smallest normal: 0 (also for -inf and NaN's sign).
+    // Below this e^x is about f32's smallest normal: 0 (-inf too). NaN is not below it and
+    // passes the clamp, so it comes out NaN: a poisoned score poisons the output.
     let underflow = x < -87.0;
     let x = x.clamp(-87.0, 0.0);
     let shifted = x.mul_add(LOG2_E, ROUNDER);
@@ -139,6 +140,7 @@ mod tests {
             x += 0.0137;
         }
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(-1e30), 0.0);
         assert_eq!(exp(0.0), 1.0);
     }
