@@ -6,7 +6,9 @@ the problem that leaves ``out`` and the caches as they were, and the next good c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,18 +285,16 @@ def test_a_call_refused_after_valid_new_kv_writes_no_slot(
 
 # ---- a long prefill on torch's OpenMP team ----------------------------------------------------
 
-@pytest.mark.parametrize("dtype", list(TOLERANCE))
-def test_a_long_prefill_on_torchs_threads_equals_causal_attention(dtype: str) -> None:
-    """40 new tokens (80 query vectors per KV head: the kernel's lane-tile path) in scrambled
-    blocks, every other slot NaN, on torch's own OpenMP threads, equal causal attention in
-    float64 over the same rounded values."""
+def long_prefill(dtype: str, seed: int) -> tuple[Step, Any]:
+    """One row's 40 new tokens (80 query vectors per KV head: the kernel's lane-tile path) in
+    scrambled blocks, every other slot NaN; and causal attention over them in float64."""
     torch = require_torch()
-    assert share_torchs_threads() is not None, "torch's OpenMP runtime was not found"
     tokens, kind = 40, getattr(torch, dtype)
-    generator = torch.Generator().manual_seed(len(dtype))
+    generator = torch.Generator().manual_seed(seed)
     caches = [torch.full((NUM_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM), float("nan"), dtype=kind)
               for _ in range(2)]
-    blocks = np.random.default_rng(1).permutation(np.arange(1, NUM_BLOCKS))[:tokens // BLOCK_SIZE]
+    blocks = np.random.default_rng(seed).permutation(np.arange(1, NUM_BLOCKS))
+    blocks = blocks[:tokens // BLOCK_SIZE]
     slots = (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)
     for cache in caches:
         cache[slots] = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(kind)
@@ -307,10 +307,36 @@ def test_a_long_prefill_on_torchs_threads_equals_causal_attention(dtype: str) ->
                     for cache in caches)
     expected = torch.nn.functional.scaled_dot_product_attention(
         query.double().transpose(0, 1), keys, values, is_causal=True, scale=SCALE)
+    return step, expected.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_a_long_prefill_on_torchs_threads_equals_causal_attention(dtype: str) -> None:
+    assert share_torchs_threads() is not None, "torch's OpenMP runtime was not found"
+    step, expected = long_prefill(dtype, seed=len(dtype))
     for threads in (1, 2, 3):
         step.out.fill_(float("nan"))
         _core.paged_attention(**step.args(threads=threads))
-        assert_attends(step, expected.transpose(0, 1))
+        assert_attends(step, expected)
+
+
+def test_python_threads_attend_at_once_on_torchs_runtime() -> None:
+    """Four Python threads, each its own step, call the kernel at once (the GIL released;
+    each caller leads an OpenMP team of its own): every call is right."""
+    assert share_torchs_threads() is not None, "torch's OpenMP runtime was not found"
+    steps = [long_prefill("float32", seed) for seed in range(4)]
+    start = threading.Barrier(len(steps))
+
+    def attend(step: Step, expected: Any) -> None:
+        start.wait(timeout=30)
+        for _ in range(25):
+            step.out.fill_(float("nan"))
+            _core.paged_attention(**step.args(threads=2))
+            assert_attends(step, expected)
+
+    with ThreadPoolExecutor(len(steps)) as pool:
+        for done in [pool.submit(attend, *step) for step in steps]:
+            done.result(timeout=120)
 
 
 def test_use_openmp_refuses_what_is_not_a_loaded_runtime(tmp_path: Any) -> None:
