@@ -4,13 +4,13 @@
 //! no gathered copy of the context).
 //!
 //! An item of many query vectors (a prefill tile) takes `lane_tile`'s path. For one of few
-//! (a decode), per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`), so that the
-//! scores of half a quad's query vectors over two `KEYS`-wide columns of keys are a register
-//! tile that `head_dim` steps of two loads and four broadcast multiply-add pairs fill
-//! (`score_quad`), and V kept as rows, so that the weighted sum is such a tile too (vectors
-//! × two `KEYS`-wide columns of dims): no horizontal sum anywhere in the loop. A quad scores
-//! and sums only the keys its last vector sees, so a causal tile skips what lies past each
-//! of its quads' diagonal.
+//! (a decode), per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`),
+//! so that the scores of half a quad's query vectors over two `KEYS`-wide columns of keys are
+//! a register tile that `head_dim` steps of two loads and four broadcast multiply-add pairs
+//! fill (`score_quad`), and V kept as rows, so that the weighted sum is such a tile too
+//! (vectors × two `KEYS`-wide columns of dims): no horizontal sum anywhere in the loop. A quad
+//! scores and sums only the keys its last vector sees, so a causal tile skips what lies past
+//! each of its quads' diagonal.
 
 use super::element::Element;
 use super::lane_tile::{self, LANES, PAIR};
@@ -119,6 +119,14 @@ impl Place {
         self.first_position + token - self.row_start
     }
 
+    /// The first and last positions any of the item's tokens sees.
+    pub(super) fn keys(&self, visibility: Visibility) -> (usize, usize) {
+        (
+            visibility.first_visible(self.position(self.tokens.0)),
+            self.position(self.tokens.1 - 1),
+        )
+    }
+
     /// The step token and query head of vector `i`.
     pub(super) fn vector(&self, i: usize) -> (usize, usize) {
         (
@@ -150,11 +158,7 @@ pub(super) unsafe fn attend<E: Element>(
         return lane_tile::attend(call, &place, table, scratch, out);
     }
     load_queries(call, &place, scratch);
-    let (lowest, highest) = (
-        call.visibility
-            .first_visible(place.position(place.tokens.0)),
-        place.position(place.tokens.1 - 1),
-    );
+    let (lowest, highest) = place.keys(call.visibility);
     // One or two vectors (a decode with few query heads per KV head) fill too little of a
     // tile to pay for transposing K: they take a dot product per key instead.
     let by_rows = vectors <= 2;

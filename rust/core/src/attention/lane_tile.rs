@@ -38,26 +38,19 @@ pub(super) unsafe fn attend<E: Element>(
     let dim = call.shape.head_dim;
     let padded = place.vectors.next_multiple_of(PAIR);
     load_queries(call, place, scratch);
-    let (lowest, highest) = (
-        call.visibility
-            .first_visible(place.position(place.tokens.0)),
-        place.position(place.tokens.1 - 1),
-    );
+    let (lowest, highest) = place.keys(call.visibility);
     for first_key in (lowest..=highest).step_by(SPAN) {
         let end_key = (first_key + SPAN).min(highest + 1);
         let (loaded, whole) = (
             end_key - first_key,
             (end_key - first_key).next_multiple_of(STEP),
         );
-        let (keys_in, values_in) = span_rows(call, scratch, table, (first_key, end_key), place);
+        let in_place = span_rows(call, scratch, table, (first_key, end_key), place);
         // Keys past the span's last are scored and summed with weight 0: they read the
         // last key's row, finite whatever lies beyond it.
         let last = scratch.offsets[loaded - 1];
         scratch.offsets[loaded..whole].fill(last);
-        let (keys_in, values_in) = match (keys_in, values_in) {
-            (Some(keys), Some(values)) => (keys, values),
-            _ => (&scratch.keys_t[..], &scratch.values[..]),
-        };
+        let (keys_in, values_in) = in_place.unwrap_or((&scratch.keys_t, &scratch.values));
         for pair in (0..padded).step_by(PAIR) {
             let seen = &scratch.seen[pair..pair + PAIR];
             let Some(key_range) = keys_seen(seen, (first_key, end_key)) else {
@@ -167,11 +160,11 @@ fn span_rows<'a, E: Element>(
     table: &[i32],
     (first_key, end_key): (usize, usize),
     place: &Place,
-) -> (Option<&'a [f32]>, Option<&'a [f32]>) {
+) -> Option<(&'a [f32], &'a [f32])> {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let direct = (E::as_f32(call.key_cache), E::as_f32(call.value_cache));
-    if direct.0.is_none() || direct.1.is_none() {
+    let in_place = E::as_f32(call.key_cache).zip(E::as_f32(call.value_cache));
+    if in_place.is_none() {
         load_span(
             call,
             scratch,
@@ -186,7 +179,7 @@ fn span_rows<'a, E: Element>(
         {
             *offset = key * dim;
         }
-        return (None, None);
+        return None;
     }
     let (mut block, mut offset) = (first_key / block_size, first_key % block_size);
     for row in &mut scratch.offsets[..end_key - first_key] {
@@ -197,7 +190,7 @@ fn span_rows<'a, E: Element>(
             (block, offset) = (block + 1, 0);
         }
     }
-    direct
+    in_place
 }
 
 /// The scores of a pair of lane blocks (`queries`, `[2, dim, LANES]`) over the span's keys
