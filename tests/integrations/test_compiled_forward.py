@@ -4,8 +4,9 @@ an opaque operator): greedy tokens equal HF's own ``generate`` for Llama, Qwen3,
 chunked prefill, prefix hits and preemption, unused blocks NaN-poisoned before every step; the
 graphs are compiled at start-up and no step recompiles; a wrong block table through the compiled
 graph fails the comparison; two models of one class keep their own weights; ``enforce_eager``,
-recurrent models and the torch reference stay eager; a model torch cannot compile runs eager
-after one warning."""
+recurrent models and the torch reference stay eager; a model torch cannot compile (any error
+where the eager forward succeeds) runs eager after one warning, while a step the model itself
+refuses raises the model's error."""
 
 from __future__ import annotations
 
@@ -138,3 +139,40 @@ def test_enforce_eager_must_be_a_bool() -> None:
     model, _ = model_pair("llama")
     with pytest.raises(TypeError, match="enforce_eager must be a bool, got str"):
         engine_for(model, enforce_eager="yes")
+
+
+def test_a_compiled_call_that_fails_where_eager_succeeds_runs_eager_after_a_warning() -> None:
+    """Any error, not only dynamo's own: a guard dynamo cannot build (another thread's compile
+    changed a library's state midway) raises an AssertionError."""
+    torch = require_torch()
+    model, _ = model_pair("llama")
+    forward = CompiledForward(model)
+
+    def broken(**inputs: Any) -> Any:
+        raise AssertionError("Unexpected type <class 'dict'>")
+
+    forward.compiled = broken
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "use_cache": False}
+    with pytest.warns(UserWarning, match="AssertionError: Unexpected type"):
+        output = forward(logits_to_keep=torch.tensor([2]), **inputs)
+    assert forward.failed is not None
+    with torch.inference_mode():
+        expected = model(**inputs).logits[:, -1:]
+    torch.testing.assert_close(output.logits, expected)
+
+
+def test_a_step_the_model_itself_refuses_raises_its_error_and_keeps_the_graphs() -> None:
+    torch = require_torch()
+    model, _ = model_pair("llama")
+    forward = CompiledForward(model)
+    calls: list[str] = []
+
+    def refusing(**inputs: Any) -> Any:
+        calls.append("compiled")
+        raise IndexError("index out of range in self")
+
+    forward.compiled = refusing
+    with pytest.raises(IndexError, match="index out of range"):
+        forward(logits_to_keep=torch.tensor([0]), input_ids=torch.tensor([[10_000]]),
+                use_cache=False)
+    assert calls == ["compiled"] and forward.failed is None

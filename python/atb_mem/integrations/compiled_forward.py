@@ -55,10 +55,7 @@ def paged_attention_op() -> Any:
     def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         layer_idx: int, scaling: float,
                         sinks: torch.Tensor | None) -> torch.Tensor:
-        layer = _Layer(layer_idx)
-        out, _ = paged.paged_attention_forward(layer, query, key, value, None, scaling,
-                                               s_aux=sinks)
-        return out
+        return paged.attend_step(layer_idx, query, key, value, scaling, sinks)
 
     @paged_attention.register_fake
     def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
@@ -69,19 +66,11 @@ def paged_attention_op() -> Any:
     return paged_attention
 
 
-class _Layer:
-    """What ``paged_attention_forward`` reads of a layer's attention module."""
-
-    __slots__ = ("layer_idx",)
-
-    def __init__(self, layer_idx: int) -> None:
-        self.layer_idx = layer_idx
-
-
 class CompiledForward:
     """``model``'s forward under ``torch.compile``, or eager where compiling fails: the first
-    failure (torch cannot compile this model here) warns once and the model runs eager from
-    then on. Compiles its graphs when the runner warms it up (``warm_up_plans``)."""
+    compiled call that fails where the eager forward succeeds (torch cannot compile this model
+    here) warns once and the model runs eager from then on. Compiles its graphs when the
+    runner warms it up (``warm_up_plans``)."""
 
     def __init__(self, model: Any) -> None:
         import torch
@@ -103,16 +92,22 @@ class CompiledForward:
         return output
 
     def _run(self, **inputs: Any) -> Any:
-        if self.failed is None:
-            from torch._dynamo.exc import TorchDynamoException
-
-            try:
-                return self.compiled(**inputs)
-            except TorchDynamoException as error:
-                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
-                warnings.warn(f"atb-mem: torch.compile cannot compile this model here "
-                              f"({self.failed}); it runs eager", stacklevel=3)
-        return self.model(**inputs)
+        if self.failed is not None:
+            return self.model(**inputs)
+        try:
+            return self.compiled(**inputs)
+        except Exception as error:
+            # Not only dynamo's own errors: a guard it cannot build, say, because another
+            # thread's compile changed some library's state midway. The eager forward tells a
+            # broken compile from a step the model itself refuses (its error is raised, the
+            # graphs stay). Running the step again is safe: it writes the same K/V to the
+            # same slots, and a compiled model keeps no recurrent state.
+            reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        output = self.model(**inputs)
+        self.failed = reason
+        warnings.warn(f"atb-mem: torch.compile cannot compile this model here ({reason}); "
+                      "it runs eager", stacklevel=3)
+        return output
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from atb_mem.scheduling.continuous import StepPlan
 
 __all__ = ["ATTN_IMPLEMENTATION", "LayerAttention", "ModelRunner", "PagedRows", "StepAttention",
-           "kv_cache_groups", "kv_cache_layout", "layer_attention", "paged_attention_forward",
-           "paged_step", "supported_layers", "use_paged_attention"]
+           "attend_step", "kv_cache_groups", "kv_cache_layout", "layer_attention",
+           "paged_attention_forward", "paged_step", "supported_layers", "use_paged_attention"]
 
 ATTN_IMPLEMENTATION = "atb_mem_paged"
 
@@ -162,20 +162,33 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     ``[1, kv_heads, T, D]`` (this step's new tokens); returns ``[1, T, heads, D]``."""
     import torch
 
-    if torch.compiler.is_compiling():  # the graph holds one opaque call (compiled_forward)
+    # Dynamo's own test, true only where this thread's dynamo traces this call: the graph
+    # holds one opaque call (compiled_forward). Not ``is_compiling()``: that is one flag for
+    # the process, held while any thread compiles anything.
+    if torch.compiler.is_dynamo_compiling():
         return attend_compiled(module, query, key, value, scaling, kwargs.get("s_aux")), None
+    return attend_step(module.layer_idx, query, key, value, scaling, kwargs.get("s_aux")), None
+
+
+def attend_step(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scaling: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Layer ``layer_idx``'s attention in the current step, eagerly: writes the new K/V into
+    the cache and returns ``[1, T, H, D]`` (the body of ``paged_attention_forward`` and of the
+    compiled graph's operator). ``sinks`` (gpt-oss's ``s_aux``): a learned logit per head
+    that takes a share of the softmax."""
+    import torch
+
     step = _current_step.get()
     if step is None:  # only a model switched for good (use_paged_attention) gets here
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention runs inside a step: call the "
                            "model through atb_mem's ModelRunner (or within paged_step)")
-    group = step.layer_groups[module.layer_idx]
+    group = step.layer_groups[layer_idx]
     slot_mapping = step.slot_mappings[group]
     if query.shape[0] != 1 or query.shape[2] != slot_mapping.shape[0]:
         raise ValueError(f"expected the step's {slot_mapping.shape[0]} tokens as one batch "
                          f"row, got queries of shape {tuple(query.shape)}")
-    key_cache, value_cache = step.layer_caches[module.layer_idx]
-    kind = step.layers[module.layer_idx]
-    sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per head that takes a softmax share
+    key_cache, value_cache = step.layer_caches[layer_idx]
+    kind = step.layers[layer_idx]
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
     new_keys, new_values = new_keys.to(key_cache.dtype), new_values.to(value_cache.dtype)
     kernel = step.kernel
@@ -188,7 +201,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
             key_cache.index_copy_(0, slot_mapping, new_keys)
             value_cache.index_copy_(0, slot_mapping, new_values)
             out = kernel.attend(group, kind, queries, key_cache, value_cache, scaling)
-        return out.unsqueeze(0), None
+        return out.unsqueeze(0)
     key_cache.index_copy_(0, slot_mapping, new_keys)
     value_cache.index_copy_(0, slot_mapping, new_values)
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
@@ -198,7 +211,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     for rows in step.paged_rows(group):
         out[rows.token_ids] = attend_paged(queries_by_token, key_cache, value_cache, rows,
                                             rows.masks[kind], scaling, sinks)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _attend_fresh(step: StepAttention, kind: LayerAttention,
