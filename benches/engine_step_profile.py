@@ -1,9 +1,9 @@
-"""Where an Engine step's time goes, by operator (torch's profiler), on the model and the first
+"""Where an Engine step's time goes, by operator (torch's profiler), on a model and the first
 ``--requests`` of the requests of ``benches/engine_vs_vllm.py``; atb-mem's CPU kernel appears
 as ``atb_mem kernel``, the compiled forward's fused loops as ``cpp_fused_*`` (inside
 ``CompiledFunction``).
 
-    python benches/engine_step_profile.py --requests 64 [--enforce-eager]
+    python benches/engine_step_profile.py --requests 64 [--enforce-eager] [--model qwen3-0.6b]
     python benches/engine_step_profile.py --attention-backend torch --enforce-eager
 """
 
@@ -13,8 +13,7 @@ import argparse
 from typing import Any
 
 import torch
-from engine_vs_vllm import workload  # beside this script
-from transformers import LlamaConfig, LlamaForCausalLM
+from engine_vs_vllm import MODELS, build_model, workload  # beside this script
 
 from atb_mem.integrations import cpu_attention
 from atb_mem.serving import Engine, SamplingParams
@@ -23,18 +22,16 @@ from atb_mem.serving import Engine, SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention-backend", default="cpu", choices=["cpu", "torch"])
+    parser.add_argument("--model", default="toy", choices=sorted(MODELS))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rows", type=int, default=14, help="operators shown")
     parser.add_argument("--enforce-eager", action="store_true", help="no compiled forward")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768,
-                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048)
-    engine = Engine(LlamaForCausalLM(config).eval(), block_size=16, max_num_seqs=64,
-                    num_blocks=4096, attention_backend=args.attention_backend,
+    engine = Engine(build_model(args.model), block_size=16, max_num_seqs=64,
+                    kv_cache_memory_bytes=2 << 30, attention_backend=args.attention_backend,
                     enforce_eager=args.enforce_eager)
-    for index, (prompt, max_tokens) in enumerate(workload(args.requests, 2048)):
+    work = workload(args.requests, MODELS[args.model]["vocab"])
+    for index, (prompt, max_tokens) in enumerate(work):
         engine.add_request(str(index), prompt, SamplingParams(max_tokens=max_tokens,
                                                               temperature=0, ignore_eos=True))
     kernel = cpu_attention._core.paged_attention

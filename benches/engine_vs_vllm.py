@@ -1,18 +1,29 @@
-"""atb-mem's ``Engine`` against vLLM's CPU build on the same model and requests, each system in
-a fresh process of its own, round after round alternating:
+"""atb-mem's ``Engine`` against vLLM's CPU build at its best, on the same model and requests,
+each system in a fresh process of its own, round after round alternating:
 
-    python benches/engine_vs_vllm.py [--rounds 2] [--vllm-python .venv-vllm/bin/python]
-    python benches/engine_vs_vllm.py --systems atb-mem,atb-mem-eager   # compiled or not
+    python benches/engine_vs_vllm.py [--model toy|qwen3-0.6b] [--rounds 2] \
+        [--vllm-python .venv-vllm/bin/python] [--systems vllm,vllm-mp,atb-mem]
 
-The model is a random-weight fp32 Llama (8 layers, hidden 256, 4 query and 2 KV heads of 64,
-saved once with ``save_pretrained`` and loaded by both). The requests are the first 256 of the
-Azure LLM code trace 2023 (tests/data), all queued at t=0, greedy, EOS ignored: each prompt its
-``ContextTokens`` ÷ 8 (4–512 tokens, random ids), each output its ``GeneratedTokens`` ÷ 2 —
-56,038 prompt and 2,892 output tokens. Both systems run ``max_num_seqs=64``; vLLM with its CPU
-defaults (128-token blocks, torch.compile, its own paged attention), atb-mem with its own
-(16-token blocks, the CPU kernel; ``atb-mem-eager`` without the compiled forward). Each run
-warms up on two short requests first. Reported per run: useful output tokens/s (each request's
-own output length), TTFT p50/p99 from t=0, peak RSS of the process tree, start-up seconds.
+Models (random weights, saved once with ``save_pretrained`` and loaded by both):
+``toy``, an fp32 Llama (8 layers, hidden 256, 4 query and 2 KV heads of 64, vocab 2,048);
+``qwen3-0.6b``, Qwen3-0.6B's published config in bfloat16 (28 layers, hidden 1,024, 16 query
+and 8 KV heads of 128, vocab 151,936, tied embeddings). The requests are the first 256 (toy)
+or 32 (qwen3-0.6b) of the Azure LLM code trace 2023 (tests/data), all queued at t=0, greedy,
+EOS ignored: each prompt its ``ContextTokens`` ÷ 8 (4–512 tokens, random ids), each output its
+``GeneratedTokens`` ÷ 2.
+
+vLLM runs as its CPU documentation advises for this machine (``vllm``): tcmalloc and the
+OpenMP runtime its torch links in ``LD_PRELOAD``, ``OMP_NUM_THREADS`` = the cores, and, on a
+machine of fewer than 4 cores, its engine core in the worker's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where a separate engine-core process would take a core
+from the forward; its defaults otherwise (128-token blocks, torch.compile, its CPU attention,
+``max_num_batched_tokens`` 4,096). ``vllm-mp`` is vLLM as it installs (multiprocess engine
+core; its worker preloads the same libraries itself). atb-mem runs its own defaults (16-token
+blocks, the CPU kernel, the compiled forward; ``atb-mem-eager`` without it). Both
+``max_num_seqs=64``. Each run warms up on two short requests first. Reported per run: useful
+output tokens/s (each request's own output length), TTFT p50/p99 from t=0, peak RSS of the
+process tree, start-up seconds (loading, compiling, warming up); the configuration of every
+system is printed first.
 """
 
 from __future__ import annotations
@@ -37,6 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "azure_llm_code_2023.csv"
 
 
+MODELS: dict[str, dict[str, Any]] = {
+    "toy": {"requests": 256, "dtype": "float32", "vocab": 2048},
+    "qwen3-0.6b": {"requests": 32, "dtype": "bfloat16", "vocab": 151_936},
+}
+
+
 def workload(count: int, vocab: int) -> list[tuple[list[int], int]]:
     import random
 
@@ -48,16 +65,29 @@ def workload(count: int, vocab: int) -> list[tuple[list[int], int]]:
              max(1, int(row["GeneratedTokens"]) // 2)) for row in rows]
 
 
-def save_model(folder: Path) -> None:
+def build_model(name: str) -> Any:
+    """The benchmark's model ``name`` with random weights (seeded), in its dtype, eval mode."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        torch_dtype="float32")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if name == "toy":
+        config = transformers.LlamaConfig(
+            vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            torch_dtype="float32")
+        return transformers.LlamaForCausalLM(config).eval()
+    # Qwen3-0.6B's config.json as published (its weights are not downloaded: random ones).
+    config = transformers.Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40_960, rms_norm_eps=1e-6, rope_theta=1_000_000,
+        tie_word_embeddings=True, torch_dtype="bfloat16")
+    return transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def save_model(folder: Path, name: str = "toy") -> None:
+    build_model(name).save_pretrained(folder)
 
 
 # ---- in the child ------------------------------------------------------------------------------
@@ -116,7 +146,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     began = time.perf_counter()
-    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype="float32", seed=0,
+    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], seed=0,
               max_num_seqs=job["max_num_seqs"], max_model_len=2048)
     engine = llm.llm_engine
     started = time.perf_counter() - began
@@ -139,8 +169,9 @@ def run_atb_mem(job: dict[str, Any]) -> dict[str, Any]:
     from atb_mem.serving import Engine, SamplingParams
 
     began = time.perf_counter()
-    model = transformers.LlamaForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
-    engine = Engine(model.eval(), max_num_seqs=job["max_num_seqs"], num_blocks=4096,
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        job["model"], dtype=getattr(torch, job["dtype"]))
+    engine = Engine(model.eval(), max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=2 << 30,
                     **job.get("options", {}))
     started = time.perf_counter() - began
 
@@ -168,21 +199,51 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 # ---- the driver --------------------------------------------------------------------------------
 
-# vLLM's CPU worker keeps a core for its scheduler process by default: on 2 cores its forward
-# has one thread. "vllm-all-cores" gives the worker every core (the scheduler shares them).
 SYSTEMS: dict[str, dict[str, Any]] = {
-    "vllm": {},
-    "vllm-all-cores": {"environment": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}},
+    "vllm": {"best": True},
+    "vllm-mp": {},
     "atb-mem": {"options": {}},
     "atb-mem-eager": {"options": {"enforce_eager": True}},
 }
 
 
-def spawn(system: str, job: dict[str, Any], folder: Path, python: str) -> dict[str, Any]:
+def vllm_at_its_best(python: str) -> dict[str, str]:
+    """The environment vLLM's CPU installation guide asks for: tcmalloc and the OpenMP runtime
+    its torch links preloaded, one OpenMP thread per core, and on fewer than 4 cores the engine
+    core in the worker's process."""
+    found = subprocess.run([python, "-c", (
+        "import importlib.util as u, os\n"
+        "for name in ('torch', 'vllm'):\n"
+        "    print(u.find_spec(name).submodule_search_locations[0])")],
+        capture_output=True, text=True, check=True).stdout.split()
+    torch_folder, vllm_folder = Path(found[0]), Path(found[1])
+    gomp = sorted([*(torch_folder / "lib").glob("libgomp*.so*"),
+                   *(torch_folder.parent / "torch.libs").glob("libgomp*.so*")])
+    tcmalloc = sorted((vllm_folder / "libs").glob("libtcmalloc*.so*")) or \
+        sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"))
+    if not gomp or not tcmalloc:
+        raise SystemExit(f"vLLM at its best needs torch's libgomp ({gomp}) and tcmalloc "
+                         f"({tcmalloc}: apt-get install libtcmalloc-minimal4)")
+    cores = len(os.sched_getaffinity(0))
+    environment = {"LD_PRELOAD": f"{tcmalloc[0]}:{gomp[0]}", "OMP_NUM_THREADS": str(cores)}
+    if cores < 4:
+        environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return environment
+
+
+def configuration(system: str, python: str) -> dict[str, str]:
+    """The environment ``system`` runs under, beyond this one's."""
+    if system.startswith("vllm"):
+        best = vllm_at_its_best(python) if SYSTEMS[system].get("best") else {}
+        return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING", **best}
+    return {"PYTHONPATH": str(ROOT / "python")}
+
+
+def spawn(system: str, job: dict[str, Any], folder: Path, python: str,
+          settings: dict[str, str]) -> dict[str, Any]:
     job_file = folder / f"{system}.json"
     job_file.write_text(json.dumps({**job, **SYSTEMS[system], "system": system}))
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING",
-                   "PYTHONPATH": str(ROOT / "python"), **SYSTEMS[system].get("environment", {})}
+    environment = {**os.environ, **settings}
     # A session of its own: vLLM's engine and worker processes outlive a killed child and
     # spin, slowing every later run; the whole group goes when the run ends, however.
     child = subprocess.Popen([python, __file__, "--child", str(job_file)], text=True,
@@ -212,9 +273,10 @@ def report(system: str, run: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--model", default="toy", choices=sorted(MODELS))
+    parser.add_argument("--requests", type=int, help="default: 256 (toy), 32 (qwen3-0.6b)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--systems", default="vllm,atb-mem")
+    parser.add_argument("--systems", default="vllm,vllm-mp,atb-mem")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,25 +284,36 @@ def main() -> None:
         result = child(json.loads(Path(args.child).read_text()))
         print("RESULT " + json.dumps(result), flush=True)
         return
-    work = workload(args.requests, 2048)
-    print(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
-          f"{sum(m for _, m in work)} output tokens; {os.cpu_count()} CPUs", flush=True)
+    model = MODELS[args.model]
+    work = workload(args.requests or model["requests"], model["vocab"])
+    print(f"{args.model} ({model['dtype']}): {len(work)} requests, "
+          f"{sum(len(p) for p, _ in work)} prompt and {sum(m for _, m in work)} output tokens; "
+          f"{len(os.sched_getaffinity(0))} cores", flush=True)
+    systems = args.systems.split(",")
+    pythons = {system: args.vllm_python if system.startswith("vllm") else sys.executable
+               for system in systems}
+    settings = {system: configuration(system, pythons[system]) for system in systems}
+    for system in systems:
+        shown = " ".join(f"{key}={value}" for key, value in settings[system].items())
+        print(f"  {system:14} {shown or '(this environment)'} {SYSTEMS[system]}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder) / "model")
-        job = {"model": str(Path(folder) / "model"), "work": work,
+        save_model(Path(folder) / "model", args.model)
+        job = {"model": str(Path(folder) / "model"), "work": work, "dtype": model["dtype"],
                "max_num_seqs": args.max_num_seqs}
         runs: dict[str, list[dict[str, Any]]] = {}
         for _ in range(args.rounds):
-            for system in args.systems.split(","):
-                python = args.vllm_python if system.startswith("vllm") else sys.executable
-                run = spawn(system, job, Path(folder), python)
+            for system in systems:
+                run = spawn(system, job, Path(folder), pythons[system], settings[system])
                 runs.setdefault(system, []).append(run)
                 print(report(system, run), flush=True)
     print("medians:")
     for system, done in runs.items():
         rate = statistics.median(r["tokens"] / r["seconds"] for r in done)
         ttft = statistics.median(statistics.median(r["ttft"]) for r in done)
-        print(f"  {system:14} {rate:7.1f} tok/s  TTFT p50 {ttft:5.2f} s")
+        rss = statistics.median(r["peak_rss"] for r in done) / 2**30
+        startup = statistics.median(r["startup"] for r in done)
+        print(f"  {system:14} {rate:7.1f} tok/s  TTFT p50 {ttft:5.2f} s  peak RSS {rss:4.2f} GiB"
+              f"  start-up {startup:5.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A bfloat16 model through the engine on the CPU kernel (K/V held as bf16, attended in f32):
 greedy tokens equal HF's own bf16 ``generate`` for Llama, Qwen3, Mistral (sliding) and Gemma 3
 (sliding and full layers), with unused blocks NaN-poisoned before every step, eager and
-compiled; a negative control (each row reading the previous row's first block) fails it."""
+compiled; a negative control (each row reading the previous row's first block) fails it. On a
+CPU with AMX tiles the all-new rows of 16 tokens or more take torch's SDPA, and still equal."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from atb_mem.integrations.compiled_forward import CompiledForward
+from atb_mem.integrations.cpu_attention import CpuPagedAttention, CpuPagedStep
 from atb_mem.serving import Engine
 from tests.support.models import (
     assert_each_matches_hf,
@@ -54,3 +56,29 @@ def test_a_wrong_block_table_in_bf16_is_caught(monkeypatch: pytest.MonkeyPatch) 
     results = run_poisoned(engine, ARRIVALS)
     with pytest.raises(AssertionError):
         assert_each_matches_hf(results, reference, ARRIVALS)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+def test_fresh_rows_take_sdpa_on_amx_and_the_others_the_kernel(
+        architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AMX tiles: rows whose K/V is all new (16 tokens or more; Gemma 3's
+    sliding layers only those within the window) go to torch's SDPA, the others to the kernel
+    in the same layer call, and the tokens still equal HF's. Without AMX the kernel takes
+    every row."""
+    engine, reference = bf16_engine(architecture)
+    kernel = engine.runner.kernel
+    assert isinstance(kernel, CpuPagedAttention)
+    splits: list[tuple[int, bool]] = []
+    attend_split = CpuPagedStep._attend_split
+
+    def spy(self: CpuPagedStep, split: Any, *args: Any) -> Any:
+        splits.append((len(split.sdpa_rows), split.rest is not None))
+        return attend_split(self, split, *args)
+
+    monkeypatch.setattr(CpuPagedStep, "_attend_split", spy)
+    assert_each_matches_hf(run_poisoned(engine, ARRIVALS), reference, ARRIVALS)
+    if kernel.sdpa_min_tokens is None:
+        assert not splits
+    else:
+        assert any(rest for _, rest in splits), "no step split its rows"
+        assert all(count > 0 for count, _ in splits)

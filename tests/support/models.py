@@ -35,8 +35,8 @@ def require_transformers() -> Any:
 
 
 def tiny_model(architecture: str, seed: int = 0) -> Any:
-    """A float32 model in eval mode: Llama; Qwen3 (q/k norms, explicit head_dim); Qwen3-MoE
-    (4 experts, 2 per token, in every layer)."""
+    """A float32 model in eval mode: Llama; Qwen3 (q/k norms, explicit head_dim); Qwen3 with
+    Qwen3-0.6B's attention shapes; Qwen3-MoE (4 experts, 2 per token, in every layer)."""
     transformers = require_transformers()
     torch = require_torch()
     if architecture == "llama":
@@ -44,6 +44,12 @@ def tiny_model(architecture: str, seed: int = 0) -> Any:
         cls = transformers.LlamaForCausalLM
     elif architecture == "qwen3":
         config = transformers.Qwen3Config(**_SHARED, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    elif architecture == "qwen3_shapes":
+        # Qwen3-0.6B's attention: 16 query and 8 KV heads of 128, tied embeddings.
+        config = transformers.Qwen3Config(**{**_SHARED, "num_attention_heads": 16,
+                                             "num_key_value_heads": 8}, head_dim=128,
+                                          tie_word_embeddings=True)
         cls = transformers.Qwen3ForCausalLM
     elif architecture == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**_SHARED, head_dim=16, moe_intermediate_size=32,
