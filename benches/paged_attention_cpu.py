@@ -8,6 +8,7 @@ benchmark's model (4 query heads, 2 KV heads of 64, 16-token blocks, fp32) unles
 kernel runs on torch's OpenMP threads, as in the Engine (``--own-threads``: a pool of its own).
 
     python benches/paged_attention_cpu.py --rounds 5
+    python benches/paged_attention_cpu.py --heads 16 --kv-heads 8 --head-dim 128 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from atb_mem import _core
-from atb_mem.integrations.cpu_attention import share_torchs_threads
+from atb_mem.integrations.cpu_attention import _bits, share_torchs_threads
+
+Calls = tuple[Callable[[], object], Callable[[], object], Callable[[], object] | None]
 
 
 def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
-         block_size: int) -> tuple[Callable[[], object], Callable[[], object],
-                                   Callable[[], object] | None]:
+         block_size: int, dtype: str = "float32") -> Calls:
     """The kernel's call, the gather + SDPA baseline and, for rows without context, SDPA
     causal over the new K/V alone (no gather, no mask: what attends a first prefill chunk
     fastest in torch) for one shape."""
@@ -35,9 +37,10 @@ def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
     per_row = -(-length // block_size)
     num_blocks = rows * per_row + 1
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
-    values = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator)
-    queries = torch.randn(rows * new, heads, dim, generator=generator)
+    element = getattr(torch, dtype)
+    keys = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator).to(element)
+    values = torch.randn(num_blocks * block_size, kv_heads, dim, generator=generator).to(element)
+    queries = torch.randn(rows * new, heads, dim, generator=generator).to(element)
     order = np.random.default_rng(0).permutation(np.arange(1, num_blocks))
     tables = order.reshape(rows, per_row).astype(np.int32)
     starts = np.arange(rows + 1, dtype=np.int32) * new
@@ -46,9 +49,9 @@ def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
     threads = torch.get_num_threads()
 
     def kernel() -> object:
-        _core.paged_attention(queries.numpy(), keys.numpy(), values.numpy(), out.numpy(), starts,
+        _core.paged_attention(_bits(queries), _bits(keys), _bits(values), _bits(out), starts,
                               seq_lens, tables, block_size=block_size, scale=dim ** -0.5,
-                              dtype="float32", threads=threads)
+                              dtype=dtype, threads=threads)
         return out
 
     positions = np.arange(length)
@@ -65,7 +68,7 @@ def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
 
     torch.testing.assert_close(
         kernel(), gathered().transpose(1, 2).reshape(rows * new, heads, dim),  # type: ignore[union-attr]
-        atol=1e-4, rtol=1e-4)
+        atol=1e-4 if dtype == "float32" else 3e-2, rtol=1e-4 if dtype == "float32" else 3e-2)
     new_keys = keys[slots].view(rows, length, kv_heads, dim).transpose(1, 2).contiguous()
     new_values = values[slots].view(rows, length, kv_heads, dim).transpose(1, 2).contiguous()
     by_head = queries.view(rows, new, heads, dim).transpose(1, 2).contiguous()
@@ -91,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--own-threads", action="store_true",
                         help="the kernel on a pool of its own, not torch's OpenMP threads")
     args = parser.parse_args()
@@ -103,11 +107,12 @@ def main() -> None:
                   "prefill 2048 after 2048": (1, 2048, 2048)})
     runtime = None if args.own_threads else share_torchs_threads()
     print(f"torch threads: {torch.get_num_threads()}, the kernel's on "
-          f"{runtime or 'a pool of its own'}; heads, kv heads, head_dim, block: {shape}")
+          f"{runtime or 'a pool of its own'}; heads, kv heads, head_dim, block: {shape}, "
+          f"{args.dtype}")
     print(f"{'case':28} {'kernel ms':>10} {'gather+SDPA ms':>15} {'speed-up':>9} "
           f"{'SDPA causal, new K/V ms':>24} {'speed-up':>9}")
     for name, (rows, cached, new) in cases.items():
-        kernel, gathered, causal_new = case(rows, cached, new, *shape)
+        kernel, gathered, causal_new = case(rows, cached, new, *shape, args.dtype)
         repeats = 3 if rows * (cached + new) > 200_000 else 10
         ours, theirs, fresh = [], [], []
         for _ in range(args.rounds):
