@@ -171,8 +171,8 @@ def run_atb_mem(job: dict[str, Any]) -> dict[str, Any]:
     began = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         job["model"], dtype=getattr(torch, job["dtype"]))
-    engine = Engine(model.eval(), max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=2 << 30,
-                    **job.get("options", {}))
+    options = {"kv_cache_memory_bytes": 2 << 30, **job.get("options", {})}
+    engine = Engine(model.eval(), max_num_seqs=job["max_num_seqs"], **options)
     started = time.perf_counter() - began
 
     def add(request_id: str, prompt: list[int], max_tokens: int) -> None:
