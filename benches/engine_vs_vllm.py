@@ -20,10 +20,10 @@ from the forward; its defaults otherwise (128-token blocks, torch.compile, its C
 ``max_num_batched_tokens`` 4,096). ``vllm-mp`` is vLLM as it installs (multiprocess engine
 core; its worker preloads the same libraries itself). atb-mem runs its own defaults (16-token
 blocks, the CPU kernel, the compiled forward; ``atb-mem-eager`` without it). Both
-``max_num_seqs=64``. Each run warms up on two short requests first. Reported per run: useful
-output tokens/s (each request's own output length), TTFT p50/p99 from t=0, peak RSS of the
-process tree, start-up seconds (loading, compiling, warming up); the configuration of every
-system is printed first.
+``max_num_seqs=64`` and 2 GiB of KV cache. Each run warms up on two short requests first.
+Reported per run: useful output tokens/s (each request's own output length), TTFT p50/p99 from
+t=0, peak RSS of the process tree, start-up seconds (loading, compiling, warming up); the
+configuration of every system is printed first.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def vllm_at_its_best(python: str) -> dict[str, str]:
     its torch links preloaded, one OpenMP thread per core, and on fewer than 4 cores the engine
     core in the worker's process."""
     found = subprocess.run([python, "-c", (
-        "import importlib.util as u, os\n"
+        "import importlib.util as u\n"
         "for name in ('torch', 'vllm'):\n"
         "    print(u.find_spec(name).submodule_search_locations[0])")],
         capture_output=True, text=True, check=True).stdout.split()

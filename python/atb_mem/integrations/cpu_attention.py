@@ -30,6 +30,7 @@ import numpy as np
 
 from atb_mem import _core
 from atb_mem.integrations.layer_attention import LayerAttention
+from atb_mem.integrations.reference_attention import sdpa_attention
 
 if TYPE_CHECKING:
     import torch
@@ -136,25 +137,21 @@ class CpuPagedStep:
                       ) -> torch.Tensor:
         """``attend`` with the split's fresh rows on SDPA, the rest on the kernel."""
         import torch
-        import torch.nn.functional as F
 
         (key_cache, value_cache), (new_keys, new_values) = caches, new_kv
         key_cache.index_copy_(0, split.slots, new_keys)
         value_cache.index_copy_(0, split.slots, new_values)
         out = torch.empty(queries.shape, dtype=queries.dtype)
         for start, end in split.sdpa_rows:
-            # [tokens, heads, D] viewed as SDPA's [1, heads, tokens, D]; GQA by broadcast.
-            attended = F.scaled_dot_product_attention(
-                queries[start:end].transpose(0, 1)[None],
-                new_keys[start:end].transpose(0, 1)[None],
-                new_values[start:end].transpose(0, 1)[None],
-                is_causal=True, scale=scaling, enable_gqa=True)
+            query, key, value = (part[start:end].transpose(0, 1)[None]  # [1, heads, t, D]
+                                 for part in (queries, new_keys, new_values))
+            attended = sdpa_attention(query, key, value, None, scaling, None)
             out[start:end] = attended[0].transpose(0, 1)
         if split.rest is not None:
-            tokens = split.rest.tokens
-            rest = split.rest.attend(group, kind, queries.index_select(0, tokens), key_cache,
-                                     value_cache, scaling)
-            out.index_copy_(0, tokens, rest)
+            # The kernel's rows as a step of their own (one group's plane; slots written).
+            rest = split.rest.attend(0, kind, queries.index_select(0, split.rest_tokens),
+                                     key_cache, value_cache, scaling)
+            out.index_copy_(0, split.rest_tokens, rest)
         return out
 
 
@@ -162,12 +159,13 @@ class CpuPagedStep:
 class _Split:
     """A step's rows for one group and kind of layer: the fresh ones SDPA attends
     (``sdpa_rows``, token ranges) and the others as a step of their own for the kernel
-    (``rest``: its tokens gathered, in order)."""
+    (``rest``, over the step's tokens ``rest_tokens``, gathered in order)."""
 
     slots: torch.Tensor
     """int64 ``[tokens]``: where every new K/V goes."""
     sdpa_rows: list[tuple[int, int]]
-    rest: _RestOfStep | None
+    rest: CpuPagedStep | None
+    rest_tokens: torch.Tensor
 
     @classmethod
     def of(cls, step: CpuPagedStep, group: int, kind: LayerAttention) -> _Split | None:
@@ -175,51 +173,27 @@ class _Split:
 
         minimum = step.kernel.sdpa_min_tokens
         slots = step.slot_planes[group]
-        if minimum is None or not len(slots) or slots.min() < 0:
+        # Full and sliding layers (chunked ones are not measured here).
+        if minimum is None or not len(slots) or slots.min() < 0 or \
+                kind.kind not in ("full_attention", "sliding_attention"):
             return None
         starts = step.query_start_loc
         query_lens = np.diff(starts)
-        # SDPA computes the layer as it is only without a mask: full, or within the window.
-        if kind.is_full:
-            fits = query_lens >= 0
-        elif kind.kind == "sliding_attention" and kind.window:
-            fits = query_lens <= kind.window
-        else:
-            return None
-        to_sdpa = (query_lens == step.seq_lens) & (query_lens >= minimum) & fits
+        # SDPA computes the layer as it is where no mask is needed.
+        to_sdpa = (query_lens == step.seq_lens) & (query_lens >= minimum) & \
+            (query_lens <= kind.unmasked_length)
         if not to_sdpa.any():
             return None
-        rest = np.flatnonzero(~to_sdpa)
+        rows = np.flatnonzero(~to_sdpa)
+        tokens = np.flatnonzero(np.repeat(~to_sdpa, query_lens))
+        rest = step.kernel.begin_step(query_lens[rows], step.seq_lens[rows],
+                                      step.table_planes[group:group + 1, rows],
+                                      step.slot_planes[group:group + 1, tokens]) \
+            if len(rows) else None
         return cls(slots=torch.from_numpy(slots.astype(np.int64)),
                    sdpa_rows=[(int(starts[row]), int(starts[row + 1]))
                               for row in np.flatnonzero(to_sdpa)],
-                   rest=_RestOfStep.of(step, group, rest) if len(rest) else None)
-
-
-@dataclass(frozen=True)
-class _RestOfStep:
-    """The kernel's share of a split step: its rows' tokens and a step of those rows."""
-
-    tokens: torch.Tensor
-    step: CpuPagedStep
-
-    @classmethod
-    def of(cls, step: CpuPagedStep, group: int, rows: np.ndarray) -> _RestOfStep:
-        import torch
-
-        starts = step.query_start_loc
-        tokens = np.concatenate([np.arange(starts[row], starts[row + 1]) for row in rows])
-        query_lens = np.diff(starts)[rows]
-        sub = step.kernel.begin_step(query_lens, step.seq_lens[rows],
-                                     step.table_planes[group:group + 1, rows],
-                                     step.slot_planes[group:group + 1, tokens])
-        return cls(torch.from_numpy(tokens.astype(np.int64)), sub)
-
-    def attend(self, group: int, kind: LayerAttention, queries: torch.Tensor,
-               key_cache: torch.Tensor, value_cache: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
-        # The sub-step holds one group's plane; the slots are written already.
-        return self.step.attend(0, kind, queries, key_cache, value_cache, scaling)
+                   rest=rest, rest_tokens=torch.from_numpy(tokens))
 
 
 def _has_amx() -> bool:

@@ -45,6 +45,12 @@ class LayerAttention:
         return self.kind == "full_attention"
 
     @property
+    def unmasked_length(self) -> float:
+        """The longest row starting at position 0 that sees as plain causal attention does
+        (no mask needed): any for a full layer, the window or chunk for the others."""
+        return float("inf") if self.is_full else float(self.window or 0)
+
+    @property
     def is_recurrent(self) -> bool:
         return self.kind == "linear_attention"
 

@@ -229,7 +229,7 @@ def _fresh_mask(kind: LayerAttention, length: int, device: Any) -> torch.Tensor 
     """Which of a fresh row's own ``length`` keys each of its queries sees under ``kind``."""
     import torch
 
-    if kind.is_full or length <= (kind.window or 0):
+    if length <= kind.unmasked_length:
         return None  # the window cuts nothing off: causal is all
     positions = np.arange(length)
     visible = kind.visible(positions[:, None], positions[None, :])
