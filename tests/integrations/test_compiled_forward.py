@@ -135,6 +135,25 @@ def test_the_operator_outside_a_step_is_a_clear_error() -> None:
         op(query, key, key, 0, 0.25, None)
 
 
+def test_attend_step_refuses_queries_that_are_not_the_steps_and_writes_nothing() -> None:
+    """``attend_step`` (the operator's body) checks the queries against the step's tokens
+    before it writes a byte of K/V."""
+    torch = require_torch()
+    from atb_mem.integrations import transformers as paged
+
+    model, _ = model_pair("llama")
+    runner = engine_for(model, enforce_eager=True).runner
+    plan = compiled_forward.WarmUpPlan.of(3, 1)
+    step = paged.StepAttention.from_plan(plan, runner.layer_caches,  # type: ignore[arg-type]
+                                         runner.kv_cache.block_size, runner.device,
+                                         kernel=runner.kernel)
+    before = runner.kv_cache.kv_cache.clone()
+    key = torch.ones(1, 2, 5, 16)
+    with paged.paged_step(step), pytest.raises(ValueError, match="expected the step's 3 tokens"):
+        paged.attend_step(0, torch.ones(1, 4, 5, 16), key, key, None, None)
+    assert torch.equal(runner.kv_cache.kv_cache, before)
+
+
 def test_enforce_eager_must_be_a_bool() -> None:
     model, _ = model_pair("llama")
     with pytest.raises(TypeError, match="enforce_eager must be a bool, got str"):
