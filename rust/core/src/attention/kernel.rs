@@ -168,7 +168,7 @@ pub(super) unsafe fn attend<E: Element>(
             call,
             scratch,
             table,
-            (first_key, end_key),
+            (first_key, end_key, highest + 1),
             place.kv_head,
             by_rows,
         );
@@ -395,22 +395,31 @@ fn accumulate<const GROUPS: usize, const ROWS: usize>(
 
 /// Converts the K/V of positions `first_key..end_key` of the row whose block table is
 /// `table`, for `kv_head`: keys transposed into `keys_t` (`[head_dim, SPAN]`), or as rows
-/// when they are scored `by_rows`; values as rows into `values`.
+/// when they are scored `by_rows`; values as rows into `values`. The rows of positions up to
+/// `PREFETCH_AHEAD` further, below `prefetch_end`, are prefetched meanwhile.
 #[inline(always)]
 pub(super) fn load_span<E: Element>(
     call: &PagedAttention<'_, E>,
     scratch: &mut Scratch,
     table: &[i32],
-    (first_key, end_key): (usize, usize),
+    (first_key, end_key, prefetch_end): (usize, usize, usize),
     kv_head: usize,
     by_rows: bool,
 ) {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let row_at = |position: usize| {
+        let slot = table[position / block_size] as usize * block_size + position % block_size;
+        (slot * shape.num_kv_heads + kv_head) * dim
+    };
     for position in first_key..end_key {
         let key = position - first_key;
-        let slot = table[position / block_size] as usize * block_size + position % block_size;
-        let at = (slot * shape.num_kv_heads + kv_head) * dim;
+        if position + PREFETCH_AHEAD < prefetch_end {
+            let ahead = row_at(position + PREFETCH_AHEAD);
+            prefetch(&call.key_cache[ahead..ahead + dim]);
+            prefetch(&call.value_cache[ahead..ahead + dim]);
+        }
+        let at = row_at(position);
         if by_rows {
             E::load(
                 &call.key_cache[at..at + dim],
@@ -439,4 +448,27 @@ impl Visibility {
             Visibility::Chunked { chunk } => position / chunk * chunk,
         }
     }
+}
+
+/// Keys ahead whose K and V rows `load_span` prefetches. One KV head's row of a token sits
+/// `num_kv_heads` rows from the next token's (the cache is `[slots, kv_heads, head_dim]`):
+/// with 8 KV heads of 128 in bf16, a 256-byte read every 2 KiB, two to a 4 KiB page, where
+/// the hardware's prefetcher stops; a decode read its K/V at a third of the bandwidth a
+/// 2-head cache got.
+const PREFETCH_AHEAD: usize = 8;
+
+/// Asks the CPU to bring `data`'s cache lines into L1 (a hint: nothing else changes).
+#[inline(always)]
+fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = data.as_ptr().cast::<i8>();
+        for line in (0..std::mem::size_of_val(data)).step_by(64) {
+            // Safety: the address lies inside `data`; a prefetch reads nothing back.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(line)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
 }

@@ -169,7 +169,7 @@ fn span_rows<'a, E: Element>(
             call,
             scratch,
             table,
-            (first_key, end_key),
+            (first_key, end_key, place.keys(call.visibility).1 + 1),
             place.kv_head,
             true,
         );
