@@ -32,8 +32,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     generator draws from it alone."""
     import torch
 
-    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
-    tokens = logits.argmax(dim=-1)
+    # One pass over the vocabulary: a row's maximum is NaN where it holds a NaN (max
+    # propagates it) and +inf where it holds +inf, and its index is the greedy token.
+    highest, tokens = logits.max(dim=-1)
+    broken = (torch.isnan(highest) | torch.isposinf(highest)).tolist()
     failures: dict[int, Exception] = {}
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if broken[row]:
