@@ -104,9 +104,20 @@ pub(super) fn run<E: Element>(
     let piece = set.piece::<E>();
     let rows = call.rows.seq_lens.len();
     let kv_heads = call.shape.num_kv_heads;
+    let decode_heads = decode_heads(rows, kv_heads, threads);
     let output = Output(out.as_mut_ptr());
     let attend_row = |index: usize| {
         let (row, kv_head) = (index / kv_heads, index % kv_heads);
+        // A decode's piece attends `decode_heads` KV heads; the pieces of the others it
+        // covers have nothing left to do.
+        let heads = if call.rows.query_len(row) == 1 {
+            decode_heads
+        } else {
+            1
+        };
+        if kv_head % heads != 0 {
+            return;
+        }
         let start = call.rows.query_start_loc[row] as u32;
         let end = call.rows.query_start_loc[row + 1] as u32;
         with_scratch(call, |scratch| {
@@ -115,6 +126,7 @@ pub(super) fn run<E: Element>(
                 let item = WorkItem {
                     row: row as u32,
                     kv_head: kv_head as u32,
+                    kv_heads: heads as u32,
                     tokens,
                 };
                 // Safety: the call was checked; pieces write disjoint (token, head) parts of
@@ -134,6 +146,15 @@ pub(super) fn run<E: Element>(
         pool(threads)?.install(|| (0..pieces).into_par_iter().for_each(attend_row));
     }
     Ok(())
+}
+
+/// How many KV heads one piece of a decode row attends (`decode`): as many as keep at least
+/// four pieces per thread over `rows` rows, a divisor of `kv_heads`.
+fn decode_heads(rows: usize, kv_heads: usize, threads: usize) -> usize {
+    (1..=kv_heads)
+        .rev()
+        .find(|&heads| kv_heads % heads == 0 && rows * (kv_heads / heads) >= 4 * threads)
+        .unwrap_or(1)
 }
 
 /// Pieces `0..pieces` handed out one at a time to whichever thread of the team asks next.
@@ -223,12 +244,16 @@ thread_local! {
 
 fn with_scratch<E: Element>(call: &PagedAttention<'_, E>, work: impl FnOnce(&mut Scratch)) {
     let shape = &call.shape;
-    let sizes = (shape.num_heads / shape.num_kv_heads, shape.head_dim);
+    let sizes = (
+        shape.num_heads / shape.num_kv_heads,
+        shape.head_dim,
+        shape.num_heads,
+    );
     SCRATCH.with(|cell| {
         let mut slot = cell.borrow_mut();
         let scratch = match slot.take() {
             Some(scratch) if scratch.sizes == sizes => slot.insert(scratch),
-            _ => slot.insert(Scratch::new(sizes.0, sizes.1)),
+            _ => slot.insert(Scratch::new(shape)),
         };
         work(scratch);
     });

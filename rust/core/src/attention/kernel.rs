@@ -12,10 +12,11 @@
 //! scores and sums only the keys its last vector sees, so a causal tile skips what lies past
 //! each of its quads' diagonal.
 
+use super::decode::{self, DECODE_SPAN};
 use super::element::Element;
 use super::lane_tile::{self, LANES, PAIR};
 use super::lanes::{add_scaled, dot, exp, exp_shifted_sum, max, scale};
-use super::{PagedAttention, Visibility};
+use super::{AttentionShape, PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
 pub(super) const TOKEN_TILE: usize = 64;
@@ -29,18 +30,20 @@ const KEYS: usize = 16;
 pub(super) const SPAN: usize = 64;
 
 /// The item: `row`'s new tokens `tokens` (indices into the step's tokens), with the query
-/// heads of KV head `kv_head`.
+/// heads of KV heads `kv_head..kv_head + kv_heads` (several only for a decode, `decode`;
+/// `kv_head` then a multiple of `kv_heads`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct WorkItem {
     pub row: u32,
     pub kv_head: u32,
+    pub kv_heads: u32,
     pub tokens: (u32, u32),
 }
 
 /// Per-thread buffers, sized once for the largest item.
 pub(super) struct Scratch {
-    /// The (query heads per KV head, head_dim) it was sized for.
-    pub sizes: (usize, usize),
+    /// The (query heads per KV head, head_dim, query heads) it was sized for.
+    pub sizes: (usize, usize, usize),
     pub(super) queries: Vec<f32>,
     pub(super) acc: Vec<f32>,
     pub(super) max: Vec<f32>,
@@ -56,11 +59,16 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub(super) fn new(group: usize, head_dim: usize) -> Self {
-        // Both paths pad to whole register tiles: a quad, or a pair of lane blocks.
-        let vectors = (group * TOKEN_TILE).next_multiple_of(PAIR.max(QUAD));
+    pub(super) fn new(shape: &AttentionShape) -> Self {
+        let (heads, head_dim) = (shape.num_heads, shape.head_dim);
+        let group = heads / shape.num_kv_heads;
+        // A tile of tokens, or a decode's every head (`decode`); both paths pad to whole
+        // register tiles: a quad, or a pair of lane blocks.
+        let vectors = (group * TOKEN_TILE)
+            .max(heads)
+            .next_multiple_of(PAIR.max(QUAD));
         Scratch {
-            sizes: (group, head_dim),
+            sizes: (group, head_dim, heads),
             queries: vec![0.0; vectors * head_dim],
             acc: vec![0.0; vectors * head_dim],
             max: vec![0.0; vectors],
@@ -68,7 +76,7 @@ impl Scratch {
             keys_t: vec![0.0; head_dim * SPAN],
             values: vec![0.0; SPAN * head_dim],
             row: vec![0.0; head_dim],
-            scores: vec![0.0; SPAN * PAIR.max(QUAD)],
+            scores: vec![0.0; (SPAN * PAIR.max(QUAD)).max(heads * DECODE_SPAN)],
             seen: vec![(0, 0); vectors],
             offsets: vec![0; SPAN],
         }
@@ -127,6 +135,26 @@ impl Place {
         )
     }
 
+    /// Decode row `row`'s token with the query heads of KV heads `first_kv_head..` (`kv_heads`
+    /// of them, `first_kv_head` a multiple of `kv_heads`), as one group of vectors.
+    pub(super) fn heads<E>(
+        call: &PagedAttention<'_, E>,
+        row: usize,
+        first_kv_head: usize,
+        kv_heads: usize,
+    ) -> Self {
+        let row_start = call.rows.query_start_loc[row] as usize;
+        let group = call.shape.num_heads / call.shape.num_kv_heads * kv_heads;
+        Place {
+            tokens: (row_start, row_start + 1),
+            row_start,
+            first_position: call.rows.seq_lens[row] as usize - 1,
+            group,
+            kv_head: first_kv_head / kv_heads,
+            vectors: group,
+        }
+    }
+
     /// The step token and query head of vector `i`.
     pub(super) fn vector(&self, i: usize) -> (usize, usize) {
         (
@@ -149,10 +177,14 @@ pub(super) unsafe fn attend<E: Element>(
     out: Output<E>,
 ) {
     let dim = call.shape.head_dim;
+    let row = item.row as usize;
+    if call.rows.query_len(row) == 1 {
+        let heads = (item.kv_head as usize, item.kv_heads as usize);
+        return decode::attend(call, row, heads, scratch, out);
+    }
     let place = Place::of(call, item);
     let vectors = place.vectors;
     let rows = &call.rows;
-    let row = item.row as usize;
     let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
     if vectors >= LANES {
         return lane_tile::attend(call, &place, table, scratch, out);
@@ -202,7 +234,11 @@ pub(super) unsafe fn attend<E: Element>(
 
 /// Loads the item's queries, pre-scaled, and starts its softmax state.
 #[inline(always)]
-fn load_queries<E: Element>(call: &PagedAttention<'_, E>, place: &Place, scratch: &mut Scratch) {
+pub(super) fn load_queries<E: Element>(
+    call: &PagedAttention<'_, E>,
+    place: &Place,
+    scratch: &mut Scratch,
+) {
     let (dim, vectors) = (call.shape.head_dim, place.vectors);
     for i in 0..vectors {
         let (token, head) = place.vector(i);
@@ -246,17 +282,30 @@ fn softmax_quad<E>(
         if skip >= end {
             continue;
         }
-        let scores = &mut weights[skip..end];
-        let span_max = max(scores);
-        let old_max = scratch.max[i];
-        if span_max > old_max {
-            let factor = exp(old_max - span_max);
-            scratch.sum[i] *= factor;
-            scale(&mut scratch.acc[i * dim..(i + 1) * dim], factor);
-            scratch.max[i] = span_max;
-        }
-        scratch.sum[i] += exp_shifted_sum(scores, scratch.max[i]);
+        online_softmax(
+            &mut weights[skip..end],
+            (&mut scratch.max[i], &mut scratch.sum[i]),
+            &mut scratch.acc[i * dim..(i + 1) * dim],
+        );
     }
+}
+
+/// Turns one vector's `scores` over a span into its softmax weights against its running
+/// `max` and `sum`, rescaling its weighted sums `acc` when the maximum grows.
+#[inline(always)]
+pub(super) fn online_softmax(
+    scores: &mut [f32],
+    (max_so_far, sum): (&mut f32, &mut f32),
+    acc: &mut [f32],
+) {
+    let span_max = max(scores);
+    if span_max > *max_so_far {
+        let factor = exp(*max_so_far - span_max);
+        *sum *= factor;
+        scale(acc, factor);
+        *max_so_far = span_max;
+    }
+    *sum += exp_shifted_sum(scores, *max_so_far);
 }
 
 /// Ends each vector's softmax (gpt-oss's sink included) and writes it to `out`.
@@ -459,7 +508,7 @@ const PREFETCH_AHEAD: usize = 8;
 
 /// Asks the CPU to bring `data`'s cache lines into L1 (a hint: nothing else changes).
 #[inline(always)]
-fn prefetch<T>(data: &[T]) {
+pub(super) fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

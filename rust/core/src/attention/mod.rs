@@ -17,6 +17,7 @@
 //! code. Every input is checked once per call (`check`) before anything is read.
 
 mod check;
+mod decode;
 mod dispatch;
 mod element;
 mod kernel;
@@ -82,6 +83,13 @@ pub struct PagedAttention<'a, E> {
     /// gpt-oss's learned logit per query head, which takes a share of the softmax and
     /// carries no value.
     pub sinks: Option<&'a [f32]>,
+}
+
+impl StepRows<'_> {
+    /// How many new tokens row `row` has.
+    pub(crate) fn query_len(&self, row: usize) -> usize {
+        (self.query_start_loc[row + 1] - self.query_start_loc[row]) as usize
+    }
 }
 
 impl<E: Element> PagedAttention<'_, E> {
