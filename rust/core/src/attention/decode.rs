@@ -54,7 +54,7 @@ pub(super) unsafe fn attend<E: Element>(
         let keys = end_key - first_key;
         for position in first_key..end_key {
             let at = heads_at(position);
-            prefetch_ahead(&call.key_cache, position, highest + 1, width, &heads_at);
+            prefetch_ahead(call.key_cache, position, highest + 1, width, &heads_at);
             for head in 0..kv_heads {
                 let key = as_f32(&call.key_cache[at + head * dim..][..dim], &mut scratch.row);
                 for vector in head * group..(head + 1) * group {
@@ -73,7 +73,7 @@ pub(super) unsafe fn attend<E: Element>(
         }
         for position in first_key..end_key {
             let at = heads_at(position);
-            prefetch_ahead(&call.value_cache, position, highest + 1, width, &heads_at);
+            prefetch_ahead(call.value_cache, position, highest + 1, width, &heads_at);
             for head in 0..kv_heads {
                 let value = as_f32(
                     &call.value_cache[at + head * dim..][..dim],
