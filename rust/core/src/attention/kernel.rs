@@ -3,10 +3,10 @@
 //! through the block table whatever the block size) with an online softmax (no score matrix,
 //! no gathered copy of the context).
 //!
-//! An item of many query vectors (a prefill tile) takes `lane_tile`'s path. For one of few
-//! (a decode), per span, the item's K is converted to `f32` transposed (`[head_dim, SPAN]`),
-//! so that the scores of half a quad's query vectors over two `KEYS`-wide columns of keys are
-//! a register tile that `head_dim` steps of two loads and four broadcast multiply-add pairs
+//! A decode row takes `decode`'s path, an item of many query vectors (a prefill tile)
+//! `lane_tile`'s. For one of few (a prefill's last tile), per span, the item's K is
+//! converted to `f32` transposed (`[head_dim, SPAN]`), so that the scores of half a quad's
+//! query vectors over two `KEYS`-wide columns of keys are a register tile that `head_dim` steps of two loads and four broadcast multiply-add pairs
 //! fill (`score_quad`), and V kept as rows, so that the weighted sum is such a tile too
 //! (vectors × two `KEYS`-wide columns of dims): no horizontal sum anywhere in the loop. A quad
 //! scores and sums only the keys its last vector sees, so a causal tile skips what lies past
