@@ -138,3 +138,34 @@ def test_more_host_memory_than_the_machine_has_is_refused() -> None:
     assert ConnectorSettings.parse({"host": physical}).num_host_blocks(physical) == 1
     with pytest.raises(ValueError, match=r"\['host'\].*more than this machine's memory"):
         ConnectorSettings.parse({"host": physical + 1}).num_host_blocks(1)
+
+
+@pytest.mark.parametrize("url", [
+    "mooncake://h", "mooncake://h:99999", "mooncake://h:abc", "mooncake://h:0",
+    "mooncake://:50051", "mooncake://h:50051?segmnet=1GiB", "mooncake://h:50051?buffer=lots"])
+def test_a_bad_store_url_names_the_store_key(url: str) -> None:
+    """Checked at parse, before anything connects: the port, the options and their sizes."""
+    with pytest.raises(ValueError) as raised:
+        ConnectorSettings.parse({"store": url})
+    message = str(raised.value)
+    assert message.startswith("kv_connector_extra_config['store']: "), message
+    assert "kv_store" not in message
+
+
+def test_a_disk_path_that_is_a_file_names_the_disk_key(tmp_path: Path) -> None:
+    file = tmp_path / "not-a-folder"
+    file.write_text("x")
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\['disk'\]: .*not a "
+                                         r"directory"):
+        ConnectorSettings.parse({"disk": [str(file), "1GiB"]})
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\['disk'\]: .*not a "
+                                         r"directory"):
+        ConnectorSettings.parse({"disk": [str(file / "under"), "1GiB"]})
+
+
+def test_a_disk_capacity_below_one_block_per_rank_names_the_disk_key() -> None:
+    settings = ConnectorSettings.parse({"disk": ["/tmp/kv", 3 << 20]})
+    assert settings.disk_bytes_per_rank(1 << 20, ranks=2) == 3 << 19
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\['disk'\]: .*no block "
+                                         r"of 2097152 bytes"):
+        settings.disk_bytes_per_rank(2 << 20, ranks=2)

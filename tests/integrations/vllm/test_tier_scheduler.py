@@ -370,3 +370,41 @@ def test_no_host_tier_and_no_store_plans_nothing() -> None:
     sched.allocated("a", [1, 2, 3], 0)
     assert not sched.build([Scheduled("a", 0, 300, [1, 2, 3], True)])
     assert sched.lookup("b", [], 0) == (0, False)
+
+
+def test_a_store_the_workers_say_stopped_gets_no_more_puts() -> None:
+    """A disk gone full or read-only: once a worker says so, the scheduler plans no writes
+    to it (the others still get theirs), and its loads go on."""
+    disk, mooncake = FakeStore("DISK"), FakeStore("MOONCAKE")
+    sched = make(stores=[disk, mooncake])
+    moves = prefill(sched, "a", list(range(400)), [1, 2, 3, 4])
+    assert {names for *_, names in moves.puts} == {("DISK", "MOONCAKE")}
+    sched.stop_saving({"DISK"})
+    b = list(range(1000, 1400))
+    moves = prefill(sched, "b", b, [5, 6, 7, 8])
+    assert [names for *_, names in moves.puts] == [("MOONCAKE",)] * 3
+    disk.data.update(dict.fromkeys(keys(sched, b)[:2], b"x"))
+    assert make(stores=[disk, mooncake]).lookup("c", b, 0) == (256, True), "loads go on"
+
+
+def test_hit_tokens_count_what_loads_served_not_what_they_planned() -> None:
+    """A disk load of three blocks whose second fails: vLLM recomputes from it on, so the
+    connector counts the first block's 128 tokens served, not 384; the request's hits by
+    tier say the same. Host hits count when planned (their copies do not fail)."""
+    disk = FakeStore("DISK")
+    a = list(range(520))
+    sched = make(stores=[disk])
+    disk.data.update(dict.fromkeys(keys(sched, a)[:3], b"x"))
+    assert sched.lookup("a", a, 0) == (384, True)
+    sched.allocated("a", [1, 2, 3, 4, 5], 384)
+    assert sched.take_counters().get("hit_tokens", 0) == 0, "not served yet"
+    sched.loads_ended({"a"}, {2})
+    assert sched.take_counters()["hit_tokens"] == 128
+    assert sched.hit_tokens("a") == {"DISK": 128}
+    # A load that lands whole counts whole.
+    other = make(stores=[disk])
+    assert other.lookup("b", a, 0) == (384, True)
+    other.allocated("b", [6, 7, 8, 9, 10], 384)
+    other.loads_ended({"b"}, ())
+    assert other.take_counters()["hit_tokens"] == 384
+    assert other.hit_tokens("b") == {"DISK": 384}

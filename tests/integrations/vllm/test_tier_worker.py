@@ -211,3 +211,20 @@ def test_caches_the_worker_cannot_take_are_refused() -> None:
     with pytest.raises(ValueError, match="every layer's block alike"):
         tier.register(mixed, NUM_BLOCKS)
     tier.close()
+
+
+def test_a_store_that_stopped_taking_blocks_costs_no_copy(tmp_path: Path) -> None:
+    """After the disk went full, a put planned for it (the scheduler hears a step later) is
+    neither copied nor checksummed, and the worker says which stores stopped."""
+    disk = DiskStore(tmp_path, 1 << 20, min_seen=1)
+    tier = worker([disk])
+    tier.register(caches(), NUM_BLOCKS)
+    assert tier.stopped_stores() == frozenset()
+    disk.writable = False  # what a failed write leaves
+    copied: list[int] = []
+    bytes_of = tier._bytes_of
+    tier._bytes_of = lambda from_host, block: copied.append(block) or bytes_of(from_host, block)
+    tier.save(TierMoves(puts=[(False, 2, *HASHES[0], ("DISK",))]))
+    tier.close()
+    assert copied == [] and disk.exists(KEYS[:1]) == [False]
+    assert tier.stopped_stores() == frozenset({"DISK"})

@@ -136,6 +136,27 @@ def test_a_fresh_vllm_loads_from_the_disk_tier_and_recomputes_damaged_files(
         assert counters["vllm:atb_mem_loaded_blocks{DISK}"] == 3  # V's first block landed
 
 
+def test_files_removed_from_the_disk_folder_are_written_again(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    """Another engine sharing the folder evicted a prompt's files, or a clean-up removed
+    them: the next time this engine computes the prompt it writes them again, and a later
+    request loads them (it used to miss for good, its files counted as held)."""
+    disk = tmp_path / "kv"
+    tiers = {"host": 0, "hash_block_size": 16, "disk": [str(disk), "64MiB"]}
+    phases: list[dict[str, Any]] = [{"prompts": [P, P]}] * 2 + [{"prompts": [P]}]
+    with VllmProcess(model, tmp_path / "vllm.log", phases, tiers) as vllm:
+        vllm.run()  # computed twice: written on the second sighting
+        for file in _disk_files(disk, P):
+            file.unlink()
+        result = vllm.run()
+        assert result["cached"] == [0, 0]
+        assert_as_alone(expected, [P, P], result)
+        assert len(_disk_files(disk, P)) == 2, "written again"
+        result = vllm.run()
+        assert result["cached"] == [256]
+        assert_as_alone(expected, [P], result)
+
+
 def test_two_vllm_processes_share_blocks_through_mooncake(
         model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
     with mooncake_master() as master:

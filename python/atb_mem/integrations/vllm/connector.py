@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -46,6 +47,7 @@ from atb_mem.integrations.vllm.scheduler import (
 from atb_mem.integrations.vllm.settings import ConnectorSettings
 from atb_mem.integrations.vllm.worker import TierWorker
 from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore, layout_identity
+from atb_mem.kv.tiers.store import framed_size
 
 __all__ = ["AtbMemConnector", "AtbMemConnectorMetadata", "AtbMemConnectorStats"]
 
@@ -62,6 +64,18 @@ class AtbMemConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's moves, from the scheduler side to every worker."""
 
     moves: TierMoves = field(default_factory=TierMoves)
+
+
+@dataclass(frozen=True)
+class AtbMemWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """From the workers to the scheduler side: the stores that stopped taking blocks (a disk
+    that went full or read-only), so that no more writes to them are planned."""
+
+    stopped: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        stopped = other.stopped if isinstance(other, AtbMemWorkerMetadata) else frozenset()
+        return AtbMemWorkerMetadata(self.stopped | stopped)
 
 
 def weights_identity(model: str, revision: str | None) -> str:
@@ -196,10 +210,13 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         layout, block_size, block_bytes = _layout(vllm_config, kv_cache_config, weights)
         hash_block_size = self.settings.hash_block_size_for(block_size)
         num_host_blocks = self.settings.num_host_blocks(block_bytes)
+        if self.settings.disk_path is not None:  # refused here, naming the key, not later
+            self.settings.disk_bytes_per_rank(framed_size(block_bytes), ranks)
         identities = [f"{layout}-tp{rank}" for rank in range(ranks)]
         self._scheduler: TierScheduler | None = None
         self._worker: TierWorker | None = None
         self._tier_events: AtbMemKVEvents | None = None
+        self._stopped_reported: frozenset[str] = frozenset()
         self._block_size = block_size
         events = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
@@ -273,6 +290,16 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> AtbMemWorkerMetadata | None:
+        """The stores that stopped taking blocks, once, the step a new one did."""
+        if self._worker is None:
+            return None
+        stopped = self._worker.stopped_stores()
+        if stopped == self._stopped_reported:
+            return None
+        self._stopped_reported = stopped
+        return AtbMemWorkerMetadata(stopped)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
@@ -350,6 +377,9 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._scheduler is not None:
             self._scheduler.loads_ended(connector_output.finished_recving or (),
                                         connector_output.invalid_block_ids or ())
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, AtbMemWorkerMetadata):
+                self._scheduler.stop_saving(meta.stopped)
         batch = connector_output.kv_cache_events
         if isinstance(batch, AtbMemKVEvents):
             if self._tier_events is None:

@@ -107,6 +107,9 @@ class _Request:
     """Per block before the last token's: the stores holding it."""
     store_run: int
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    loading: list[tuple[int, str, int]] = field(default_factory=list)
+    """(block index, store, tokens) of its disk and store loads in flight: counted served
+    once they land."""
     vllm_blocks: list[int] = field(default_factory=list)
     committed: bool = False
     saved: int = 0
@@ -129,6 +132,8 @@ class TierScheduler:
         # forgotten beyond _MAX_NAMES: the disk takes a block on its disk_min_seen-th.
         self._sightings: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.stores = list(stores)
+        # Stores a worker said stopped taking blocks (full, read-only): no puts planned.
+        self._stopped: frozenset[str] = frozenset()
         self.host = num_host_blocks > 0
         # Block 0 is the index's null block; without a host tier it only hashes.
         self.index = KVCachePool(num_host_blocks + 1 if self.host else 2, block_size,
@@ -233,13 +238,14 @@ class TierScheduler:
             if index < request.host_whole + request.partial:
                 tier = HOST
                 self._pending.host_loads.append((request.host_table[index], target))
+                self.counters["hit_tokens"] += tokens  # a copy in memory: it lands
             else:
                 tier = request.holders[index][0]
                 words = (int(request.hashes[index][0]), int(request.hashes[index][1]))
                 self._pending.store_loads.setdefault(req_id, []).append((*words, target))
                 self.lookups.loading(req_id, words, target)
+                request.loading.append((index, tier, tokens))
             request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens
-        self.counters["hit_tokens"] += num_external_tokens
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         """The tokens each tier served the request (its last admission)."""
@@ -281,6 +287,7 @@ class TierScheduler:
                 moves.saves.append((request.vllm_blocks[index], request.host_table[index]))
             held = request.holders[index] if index < len(request.holders) else ()
             lacking = tuple(store.name for store in self.stores if store.name not in held
+                            and store.name not in self._stopped
                             and (store.name != "DISK" or self._sighted(request.hashes[index])))
             if lacking:
                 words = request.hashes[index]
@@ -340,8 +347,30 @@ class TierScheduler:
             self.index.free_sequence(request.seq_id)
 
     def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
-        """What the workers reported: see ``StoreLookups.loads_ended``."""
-        self.lookups.loads_ended(finished, failed_blocks)
+        """What the workers reported (see ``StoreLookups.loads_ended``). The tokens a
+        request's loads served count now: vLLM recomputes from its first failed block on,
+        so those and the ones after it were not served."""
+        finished, failed = set(finished), set(failed_blocks)
+        self.lookups.loads_ended(finished, failed)
+        for req_id in finished:
+            request = self._requests.get(req_id)
+            if request is None or not request.loading:
+                continue
+            served = True
+            for index, tier, tokens in request.loading:
+                served = served and request.vllm_blocks[index] not in failed
+                if served:
+                    self.counters["hit_tokens"] += tokens
+                elif request.hit_tokens.get(tier, 0) > tokens:
+                    request.hit_tokens[tier] -= tokens
+                else:
+                    request.hit_tokens.pop(tier, None)
+            request.loading = []
+
+    def stop_saving(self, stores: Iterable[str]) -> None:
+        """No more puts to ``stores`` (their names): a worker said they stopped taking
+        blocks. Their loads go on."""
+        self._stopped |= frozenset(stores)
 
     def take_counters(self) -> dict[str, float]:
         """The counts since the last call (a store's failed lookups in ``store_errors``)."""

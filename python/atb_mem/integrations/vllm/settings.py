@@ -23,9 +23,11 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from atb_mem._sizes import parse_size
+from atb_mem.kv.tiers.mooncake import parse_mooncake_url
 
 __all__ = ["DEFAULT_HOST_BYTES", "EXTRA_CONFIG_KEYS", "ConnectorSettings"]
 
@@ -44,6 +46,14 @@ def _size(key: str, value: Any) -> int:
         return parse_size(value)
     except (TypeError, ValueError) as error:
         raise _fail(key, str(error)) from None
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """``path`` or the nearest of its parents that exists, where that is no directory."""
+    for at in (path, *path.parents):
+        if at.exists():
+            return None if at.is_dir() else at
+    return None
 
 
 def _int(key: str, value: Any, low: int) -> int:
@@ -89,6 +99,9 @@ class ConnectorSettings:
             if not isinstance(path, str) or not path.strip():
                 raise _fail("disk", f"the path must be a non-empty str, got {path!r}")
             values["disk_path"] = os.path.expanduser(path)
+            blocked = _file_in_the_way(Path(values["disk_path"]))
+            if blocked is not None:
+                raise _fail("disk", f"{str(blocked)!r} is a file, not a directory")
             values["disk_bytes"] = _size("disk", size)
             if values["disk_bytes"] < 1:
                 raise _fail("disk", "the capacity must be at least one byte")
@@ -96,6 +109,10 @@ class ConnectorSettings:
             store = extra["store"]
             if not isinstance(store, str) or not store.startswith("mooncake://"):
                 raise _fail("store", f"must be a mooncake://HOST:PORT URL, got {store!r}")
+            try:
+                parse_mooncake_url(store)
+            except ValueError as error:
+                raise _fail("store", str(error)) from None
             values["store_url"] = store
         if "hash_block_size" in extra:
             values["hash_block_size"] = _int("hash_block_size", extra["hash_block_size"], 1)
@@ -129,6 +146,15 @@ class ConnectorSettings:
             raise _fail("hash_block_size", f"must divide vLLM's block size {block_size}, got "
                                            f"{self.hash_block_size}")
         return self.hash_block_size
+
+    def disk_bytes_per_rank(self, block_bytes: int, ranks: int) -> int:
+        """Each worker rank's share of the disk tier's capacity, which must hold a block of
+        ``block_bytes`` (its shard of a vLLM block)."""
+        share = self.disk_bytes // ranks
+        if share < block_bytes:
+            raise _fail("disk", f"{self.disk_bytes} bytes ({share} per rank of {ranks}) hold "
+                                f"no block of {block_bytes} bytes")
+        return share
 
     def num_host_blocks(self, block_bytes: int) -> int:
         """Host blocks of ``block_bytes`` the host tier holds (0: no host tier); refuses more

@@ -190,13 +190,18 @@ class TierWorker:
             self._count(**{f"saved_blocks_{HOST}": len(rows)},
                         saved_bytes=len(rows) * self._block_bytes)
         for from_host, block, high, low, names in moves.puts:
+            # A store that stopped taking blocks costs no copy and no checksum (the
+            # scheduler side stops planning them once it hears, a step later).
+            stores = [store for store in self.stores
+                      if store.name in names and getattr(store, "writable", True)]
+            if not stores:
+                continue
             with self._lock:
                 if self._pending_puts >= MAX_PENDING_PUTS:
                     self.counters["dropped_puts"] = self.counters.get("dropped_puts", 0) + 1
                     continue
                 self._pending_puts += 1
             key = block_key(self.identity, (high, low))
-            stores = [store for store in self.stores if store.name in names]
             self._writer.submit(self._put, key, self._bytes_of(from_host, block), stores)
 
     def _put(self, key: str, payload: bytes, stores: list[KVStore]) -> None:
@@ -289,6 +294,12 @@ class TierWorker:
         with self._lock:
             for name, amount in amounts.items():
                 self.counters[name] = self.counters.get(name, 0) + amount
+
+    def stopped_stores(self) -> frozenset[str]:
+        """The names of the stores that stopped taking blocks (a disk gone full or
+        read-only)."""
+        return frozenset(store.name for store in self.stores
+                         if not getattr(store, "writable", True))
 
     def take_counters(self) -> dict[str, float]:
         """The counts since the last call (a store's failed calls in ``store_errors``)."""

@@ -9,21 +9,31 @@ and engines of other models or layouts, each with its own folder and its own cap
 
 A path that is empty, a directory that cannot be created or written, a capacity below one
 block, or, in the tier's folder, a ``*.kv`` link to nothing or a ``*.part`` directory is an
-error at start-up. A write that fails at run time (the disk is full, or went read-only) stops
-writing with one warning; reads go on. A file that cannot be read (deleted or replaced under
-the engine) is forgotten: that load fails, and the next save of the block writes it anew.
+error at start-up. A full disk is not: the tier warns and starts reading what the folder
+holds, writing nothing; and a capacity beyond what the filesystem has free (plus what the
+folder already holds) is cut to that, with a warning. A write that fails at run time (the disk
+is full, or went read-only) removes its partial file and stops writing with one warning; reads
+go on. A file that cannot be read (deleted or replaced under the engine) is forgotten: that
+load fails, and the next save of the block writes it anew.
+
 Engines of one model on one machine may share the folder: a write goes to a ``*.part`` file
-named by its process, and one starting up removes only those of processes no longer running.
+named by its process, and one starting up removes only those of processes no longer running
+(before it probes whether it can write: a full disk's leftovers must not keep it from
+starting). Each engine counts and evicts the files it wrote; one whose file another evicted
+(or a clean-up removed) finds it gone at its next save of the block, and writes it again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
 import re
 import stat
 import threading
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +51,19 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 def _name(key: str) -> str:
     return key.replace("/", "-")
+
+
+# What a write fails with when the filesystem, or the user's quota on it, is full.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes the filesystem holding ``path`` has free for this user (unknown: unlimited)."""
+    try:
+        status = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return status.f_bavail * status.f_frsize
 
 
 def _writer_alive(part_name: str) -> bool:
@@ -113,13 +136,29 @@ class DiskStore:
                               else hashlib.sha256(identity.encode()).hexdigest()[:32])
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            found = self._scan(folder)  # first: it removes what dead writers left
             probe = folder / ".atb-mem-probe"
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as error:
-            raise ValueError(f"the disk tier's directory {str(self.path)!r} is not writable: "
-                             f"{error.strerror or error}") from None
-        found = self._scan(folder)
+            if error.errno not in _NO_SPACE:
+                raise ValueError(f"the disk tier's directory {str(self.path)!r} is not "
+                                 f"writable: {error.strerror or error}") from None
+            (folder / ".atb-mem-probe").unlink(missing_ok=True)
+            self.writable = False
+            found = self._scan(folder) if folder.is_dir() else []
+            warnings.warn(f"atb-mem: the disk tier's filesystem at {str(self.path)!r} has no "
+                          f"space left: it reads the blocks it holds and writes none",
+                          stacklevel=2)
+        held = sum(size for _, _, size in found)
+        room = _free_bytes(folder if folder.is_dir() else self.path) + held
+        if self.writable and room < self.capacity_bytes:
+            warnings.warn(f"atb-mem: the disk tier's capacity of {self.capacity_bytes} bytes "
+                          f"is more than its filesystem at {str(self.path)!r} has free "
+                          f"({room - held} bytes, and {held} the folder holds): it keeps at "
+                          f"most {room}", stacklevel=2)
+            self.capacity_bytes = room
+            self.writable = room >= value_bytes
         with self._lock:
             self.layout_path = folder
             for _, name, size in sorted(found):
@@ -189,8 +228,15 @@ class DiskStore:
                 self._seen.clear()  # forget counts rather than grow without bound
             seen = self._seen.get(name, 0) + 1
             self._seen[name] = seen
-            if not self.writable or name in self._files or name in self._writing \
-                    or seen < self.min_seen or len(value) > self.capacity_bytes:
+            if name in self._files:
+                if self._file(key).is_file():
+                    return False
+                # Another engine sharing the folder evicted it, or a clean-up removed it:
+                # gone, though counted as held. It was seen often enough to be written.
+                self._drop(name)
+                seen = self.min_seen
+            if not self.writable or name in self._writing or seen < self.min_seen \
+                    or len(value) > self.capacity_bytes:
                 return False
             while self._files and self._bytes + len(value) > self.capacity_bytes:
                 old, size = self._files.popitem(last=False)
@@ -201,14 +247,18 @@ class DiskStore:
             # bytes counted once.
             self._writing.add(name)
             self._bytes += len(value)
+        # Named by its writer, so that an engine starting on this folder knows whether the
+        # write is still under way.
+        writer = f"{os.getpid()}-{threading.get_ident()}"
+        partial = self._file(key).with_name(f"{name}.{writer}.part")
         try:
-            # Named by its writer, so that an engine starting on this folder knows whether
-            # the write is still under way.
-            writer = f"{os.getpid()}-{threading.get_ident()}"
-            partial = self._file(key).with_name(f"{name}.{writer}.part")
             partial.write_bytes(value)
             partial.replace(self._file(key))  # readers never see half a file
         except OSError as error:
+            # What a full disk left of the file would stay until a restart, and take the
+            # room a restart needs.
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
             # A partial write removed under it (by an engine that could not tell it was
             # live) costs this block, not the tier.
             folder = self.layout_path
@@ -240,13 +290,16 @@ class DiskStore:
         """Stops holding ``name`` (whether it was held). Its next save writes it at once: it
         was seen often enough to be written before, and a load just missed it."""
         with self._lock:
-            size = self._files.pop(name, None)
-            if size is None:
+            if name not in self._files:
                 return False
-            self._bytes -= size
-            self._evicted.append(name)
+            self._drop(name)
             self._seen[name] = self.min_seen - 1
         return True
+
+    def _drop(self, name: str) -> None:
+        """Stops holding ``name``, which is held (the lock held): its file is gone."""
+        self._bytes -= self._files.pop(name)
+        self._evicted.append(name)
 
     def take_evicted(self) -> list[str]:
         """The keys (as file names) evicted since the last call."""

@@ -52,21 +52,36 @@ def buffer_bytes_for(value_bytes: int) -> int:
     return -(-value_bytes // step) * step
 
 
+_OPTIONS = ("metadata", "segment", "buffer")
+
+
 def parse_mooncake_url(url: str) -> dict[str, Any]:
-    """``mooncake://HOST:PORT?...`` as the client's settings; ValueError when malformed."""
+    """``mooncake://HOST:PORT?...`` as the client's settings; ValueError when malformed (its
+    message names the URL, not the setting that holds it: callers say which)."""
     parsed = urlparse(url)
-    if parsed.scheme != "mooncake" or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"kv_store {url!r} is not mooncake://HOST:PORT[?options]")
+    try:
+        port = parsed.port  # raises for a port that is no number or beyond 65535
+    except ValueError:
+        port = None
+    if parsed.scheme != "mooncake" or not parsed.hostname or not port:
+        raise ValueError(f"{url!r} is not mooncake://HOST:PORT[?options] (a port of 1 to "
+                         f"65535)")
     options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
-    unknown = sorted(set(options) - {"metadata", "segment", "buffer"})
+    unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
-        raise ValueError(f"kv_store {url!r}: unknown options {unknown}")
+        raise ValueError(f"{url!r}: unknown option {unknown[0]!r}; the options are "
+                         f"{', '.join(_OPTIONS)}")
+    sizes = {}
+    for option, default in (("segment", "256MiB"), ("buffer", "64MiB")):
+        try:
+            sizes[option] = parse_size(options.get(option, default))
+        except ValueError as error:
+            raise ValueError(f"{url!r}: option {option}: {error}") from None
     return {
-        "master": f"{parsed.hostname}:{parsed.port}",
+        "master": f"{parsed.hostname}:{port}",
         "metadata": options.get("metadata", f"http://{parsed.hostname}:8080/metadata"),
-        "segment": parse_size(options.get("segment", "256MiB")),
-        "buffer": parse_size(options.get("buffer", "64MiB")),
         "host": parsed.hostname,
+        **sizes,
     }
 
 
@@ -77,7 +92,10 @@ class MooncakeStore:
     medium = "store"
 
     def __init__(self, url: str) -> None:
-        settings = parse_mooncake_url(url)
+        try:
+            settings = parse_mooncake_url(url)
+        except ValueError as error:
+            raise ValueError(f"kv_store {error}") from None
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as error:
