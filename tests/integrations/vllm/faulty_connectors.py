@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from atb_mem.integrations.vllm import AtbMemConnector
-from atb_mem.integrations.vllm.scheduler import TierMoves
+from atb_mem.integrations.vllm.moves import TierMoves
 
 
 class ZeroLoadsConnector(AtbMemConnector):  # type: ignore[misc, valid-type]

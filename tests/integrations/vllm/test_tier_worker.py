@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atb_mem.integrations.vllm.scheduler import TierMoves
+from atb_mem.integrations.vllm.moves import TierMoves
 from atb_mem.kv.tiers import DiskStore
 from atb_mem.kv.tiers.store import block_key, frame
 from tests.integrations.vllm.fakes import FakeStore

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from atb_mem.integrations.vllm.scheduler import TierMoves
+from atb_mem.integrations.vllm.moves import TierMoves
 from atb_mem.kv.tiers.store import frame
 from tests.integrations.vllm.fakes import FakeStore
 from tests.integrations.vllm.test_tier_worker import HASHES, KEYS, NUM_BLOCKS, block, caches, worker

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
+from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves
 from atb_mem.integrations.vllm.store_lookups import StoreLookup, StoreLookups
 from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
 
@@ -48,47 +49,6 @@ __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
 
 # Blocks put to the stores whose names are kept for their KV events.
 _MAX_NAMES = 1 << 14
-
-HOST = "HOST"
-"""The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
-
-
-@dataclass
-class TierMoves:
-    """One step's moves, executed by every worker in this order. Plain lists: it travels
-    pickled to worker processes."""
-
-    host_copies: list[tuple[int, int]] = field(default_factory=list)
-    """(host block, host block): a hit ending inside a block, copied whole into the
-    request's own block first (the index counts its pieces as computed there)."""
-    host_loads: list[tuple[int, int]] = field(default_factory=list)
-    """(host block, vLLM block): copied before the forward, after ``host_copies``."""
-    store_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
-    """Per request: (hash word 0, hash word 1, vLLM block), fetched asynchronously."""
-    saves: list[tuple[int, int]] = field(default_factory=list)
-    """(vLLM block, host block): copied after the forward."""
-    puts: list[tuple[bool, int, int, int, tuple[str, ...]]] = field(default_factory=list)
-    """(from host, block, hash word 0, hash word 1, stores): written to those stores after
-    the saves, from the host block (or, without a host tier, the vLLM block)."""
-    idle: bool = False
-    """No forward this step: a worker may wait a little for its loads."""
-
-    def __bool__(self) -> bool:
-        return bool(self.host_copies or self.host_loads or self.store_loads or self.saves
-                    or self.puts)
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """A request vLLM scheduled this step, as ``build`` needs it."""
-
-    req_id: str
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    new_block_ids: Sequence[int] | None = None
-    resumed: bool = False
-    """``new_block_ids`` replace the request's blocks (it came back from preemption)."""
-
 
 @dataclass
 class _Request:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.integrations.vllm.scheduler import HOST, TierMoves
+from atb_mem.integrations.vllm.moves import HOST, TierMoves
 from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, key_hash, unframe
 
 __all__ = ["TierWorker"]
