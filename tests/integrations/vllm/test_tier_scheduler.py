@@ -408,3 +408,27 @@ def test_hit_tokens_count_what_loads_served_not_what_they_planned() -> None:
     other.loads_ended({"b"}, ())
     assert other.take_counters()["hit_tokens"] == 384
     assert other.hit_tokens("b") == {"DISK": 384}
+
+
+def test_a_producer_saves_and_never_loads_a_consumer_loads_and_never_saves() -> None:
+    """vLLM's kv_role: a prefill server (kv_producer) puts what it computes and is served
+    nothing; a decode server (kv_consumer) is served and puts nothing."""
+    store = FakeStore("MOONCAKE")
+    a = list(range(400))
+    producer = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=0,
+                             eviction_policy="lru", stores=[store], identities=[ID],
+                             loads=False)
+    moves = prefill(producer, "a", a, [1, 2, 3, 4])
+    assert [names for *_, names in moves.puts] == [("MOONCAKE",)] * 3
+    store.data.update(dict.fromkeys(keys(producer, a), b"x"))
+    assert producer.lookup("again", a, 0) == (0, False), "a producer loads nothing"
+    consumer = TierScheduler(block_size=128, hash_block_size=128, num_host_blocks=8,
+                             eviction_policy="lru", stores=[store], identities=[ID],
+                             saves=False)
+    assert consumer.lookup("b", a, 0) == (384, True)
+    consumer.allocated("b", [5, 6, 7, 8], 384)
+    moves = consumer.build([Scheduled("b", 384, 16, [5, 6, 7, 8], True)])
+    assert not moves.saves and not moves.puts, "a consumer saves nothing"
+    fresh = list(range(2000, 2400))
+    moves = prefill(consumer, "c", fresh, [9, 10, 11, 12])
+    assert not moves.saves and not moves.puts

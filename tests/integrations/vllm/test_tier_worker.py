@@ -228,3 +228,25 @@ def test_a_store_that_stopped_taking_blocks_costs_no_copy(tmp_path: Path) -> Non
     tier.close()
     assert copied == [] and disk.exists(KEYS[:1]) == [False]
     assert tier.stopped_stores() == frozenset({"DISK"})
+
+
+@pytest.mark.parametrize("in_step", [False, True])
+def test_a_producers_puts_land_before_its_step_ends(in_step: bool) -> None:
+    """A prefill server answers once its step ends: with ``puts_land_in_step`` its blocks
+    are in the store by then (a slow store shows the difference)."""
+    from atb_mem.integrations.vllm.worker import TierWorker
+
+    class SlowStore(FakeStore):
+        def put(self, key: str, value: Any) -> bool:
+            time.sleep(0.3)
+            return super().put(key, value)
+
+    store = SlowStore("MOONCAKE")
+    tier = TierWorker(num_host_blocks=0, stores=[store], layout="lay", identity=ID,
+                      puts_land_in_step=in_step)
+    tier.register(caches(), NUM_BLOCKS)
+    tier.save(TierMoves(puts=[(False, 2, *HASHES[0], ("MOONCAKE",)),
+                              (False, 3, *HASHES[1], ("MOONCAKE",))]))
+    assert (store.exists(KEYS[:2]) == [True, True]) is in_step
+    tier.close()
+    assert store.exists(KEYS[:2]) == [True, True]

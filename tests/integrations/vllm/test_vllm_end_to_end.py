@@ -7,14 +7,20 @@ passes with zero hits. vLLM starts in 20-45 s here: each test starts as few as i
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integrations.vllm.vllm_process import VllmProcess, tiny_llama, token_prompt
+from tests.integrations.vllm.vllm_process import (
+    VllmProcess,
+    serve_vllm,
+    tiny_llama,
+    token_prompt,
+)
 from tests.support.mooncake import mooncake_master
-from tests.support.processes import free_port
+from tests.support.processes import free_port, wait_until_healthy
 
 P = token_prompt(1, 300)
 Q = P[:176] + token_prompt(2, 100)  # shares 128 + 3·16 tokens with P
@@ -176,6 +182,64 @@ def test_two_vllm_processes_share_blocks_through_mooncake(
             assert result["cached"] == [0]
             assert_as_alone(expected, [W], result)
             assert result["counters"].get("vllm:atb_mem_store_errors", 0) >= 1
+
+
+def _complete(port: int, model: Path, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    """A completion through the OpenAI API: its tokens, their logprobs, the cached tokens."""
+    import httpx
+
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={
+        "model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "logprobs": 0, "return_token_ids": True,
+        "return_tokens_as_token_ids": True}).raise_for_status().json()
+    choice = answer["choices"][0]
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return (choice["token_ids"], choice["logprobs"]["token_logprobs"],
+            details.get("cached_tokens") or 0)
+
+
+def test_prefill_and_decode_servers_share_prompts_through_mooncake(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    """Two ``vllm serve`` (kv_producer, kv_consumer) and the package's proxy: the decode
+    server loads every whole prompt block the prefill server computed and answers as one
+    vLLM alone; with the master, then the prefill server killed, it recomputes, never
+    fails."""
+    from atb_mem.integrations.vllm.disagg_proxy import DisaggProxy
+
+    with mooncake_master() as master:
+        ports = [free_port() for _ in range(3)]
+        servers = [serve_vllm(model, tmp_path / f"{role}.log", port, role,
+                              {"host": 0, "hash_block_size": 16, "store": master.url})
+                   for role, port in zip(("kv_producer", "kv_consumer"), ports, strict=False)]
+        proxy = DisaggProxy(("127.0.0.1", ports[2]), f"http://127.0.0.1:{ports[0]}",
+                            f"http://127.0.0.1:{ports[1]}", timeout_s=300)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            for server, port in zip(servers, ports, strict=False):
+                wait_until_healthy(server, port, 300)
+
+            def check(prompt: list[int], cached: int) -> None:
+                tokens, logprobs, served = _complete(ports[2], model, prompt)
+                assert tokens == expected[tuple(prompt)][0], "tokens differ from vLLM alone"
+                assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in
+                           zip(logprobs, expected[tuple(prompt)][1], strict=True))
+                assert served == cached
+
+            check(P, 256)  # two whole blocks loaded, the last partial one computed
+            check(U, 256)
+            assert proxy.prefill_failures == 0
+            master.kill()
+            check(V, 0)  # the prefill server's puts fail, the decode's lookups too
+            servers[0].kill()
+            servers[0].wait(30)
+            check(W, 0)
+            assert proxy.prefill_failures == 1
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+            for server in servers:
+                server.terminate()
+                server.wait(60)
 
 
 def test_a_bad_extra_config_fails_start_up_naming_the_key(model: Path, tmp_path: Path) -> None:

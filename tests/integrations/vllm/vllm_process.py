@@ -53,6 +53,30 @@ def token_prompt(seed: int, length: int) -> list[int]:
     return [generator.randrange(1, 500) for _ in range(length)]
 
 
+def serve_vllm(model: Path, log: Path, port: int, role: str, extra: dict[str, Any]
+               ) -> subprocess.Popen[str]:
+    """``vllm serve`` of ``model`` on 127.0.0.1:``port`` as ``VllmProcess`` runs the model
+    (fp32, eager, no prefix caching, token ids in and out), ``AtbMemConnector`` in
+    ``role`` with ``extra``; its output in ``log``. The caller waits for ``/health``."""
+    transfer = {"kv_connector": "AtbMemConnector",
+                "kv_connector_module_path": "atb_mem.integrations.vllm", "kv_role": role,
+                "kv_connector_extra_config": extra}
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_LOGGING_LEVEL": "WARNING"}
+    environment.pop("ATB_MEM_VLLM_PYTHON", None)
+    with log.open("w") as output:
+        return subprocess.Popen(
+            # The API server's module, as ``vllm serve`` runs it (the CPU build's ``vllm``
+            # script looks its version up under a package name the build does not have).
+            [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
+             "--seed", "0", "--no-enable-prefix-caching", "--skip-tokenizer-init",
+             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
+            stdout=output, stderr=subprocess.STDOUT, text=True, env=environment,
+            cwd=str(log.parent))
+
+
 class VllmProcess:
     """One ``LLM`` in its own process: ``start`` → ``run`` per phase → ``stop``."""
 

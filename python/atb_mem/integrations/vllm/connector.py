@@ -172,7 +172,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_host_blocks=num_host_blocks,
                 eviction_policy=self.settings.eviction_policy, stores=lookups,
                 identities=identities, enable_kv_events=events,
-                disk_min_seen=self.settings.disk_min_seen)
+                disk_min_seen=self.settings.disk_min_seen,
+                loads=transfer.kv_role != "kv_producer", saves=transfer.kv_role != "kv_consumer")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -180,7 +181,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker = TierWorker(
                 num_host_blocks=num_host_blocks,
                 stores=_open_stores(self.settings, [identity], ranks), layout=identity,
-                identity=identity, load_timeout_s=self.settings.load_timeout_s)
+                identity=identity, load_timeout_s=self.settings.load_timeout_s,
+                puts_land_in_step=transfer.kv_role == "kv_producer")
             self._worker.record_events = events
 
     @property

@@ -85,8 +85,12 @@ class TierScheduler:
 
     def __init__(self, *, block_size: int, hash_block_size: int, num_host_blocks: int,
                  eviction_policy: str, stores: Sequence[StoreLookup], identities: Sequence[str],
-                 enable_kv_events: bool = False, disk_min_seen: int = 1) -> None:
+                 enable_kv_events: bool = False, disk_min_seen: int = 1, loads: bool = True,
+                 saves: bool = True) -> None:
         self.block_size = block_size
+        # vLLM's kv_role: a prefill server (kv_producer) saves and never loads, a decode
+        # server (kv_consumer) loads and never saves.
+        self.loads, self.saves = loads, saves
         self.disk_min_seen = disk_min_seen
         # Sightings of blocks the disk lacks (computed, or hit elsewhere), the oldest
         # forgotten beyond _MAX_NAMES: the disk takes a block on its disk_min_seen-th.
@@ -172,7 +176,7 @@ class TierScheduler:
         self._requests[req_id] = _Request(
             tokens, salt, seq_id, hashes, num_computed_tokens, table, host_whole, partial,
             holders, run)
-        external = max(0, total - num_computed_tokens)
+        external = max(0, total - num_computed_tokens) if self.loads else 0
         loads_stores = external > 0 and host_whole + run > num_computed_tokens // block_size \
             and run > 0
         self._requests[req_id].asked = (*asked, (external, loads_stores))
@@ -235,6 +239,9 @@ class TierScheduler:
         return moves
 
     def _plan_saves(self, request: _Request, full: int, moves: TierMoves) -> None:
+        if not self.saves:
+            request.saved = full
+            return
         block_size = self.block_size
         if len(request.hashes) < full:
             request.hashes = self.index.block_hashes(list(request.tokens[:full * block_size]),

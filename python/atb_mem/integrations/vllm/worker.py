@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +57,12 @@ class TierWorker:
     """Executes ``TierMoves`` over the layer caches registered with ``register``."""
 
     def __init__(self, *, num_host_blocks: int, stores: Sequence[KVStore], layout: str,
-                 identity: str, load_timeout_s: float = 30.0) -> None:
+                 identity: str, load_timeout_s: float = 30.0, puts_land_in_step: bool = False
+                 ) -> None:
         self.num_host_blocks = num_host_blocks
+        # A prefill server's puts land before its step ends, so that the request's answer
+        # (what sends it on to a decode server) comes after its blocks are in the store.
+        self.puts_land_in_step = puts_land_in_step
         self.stores = list(stores)
         self.layout, self.identity = layout, identity
         self.load_timeout_s = load_timeout_s
@@ -189,6 +194,7 @@ class TierWorker:
             self._from_vllm(self._host, list(rows), blocks)
             self._count(**{f"saved_blocks_{HOST}": len(rows)},
                         saved_bytes=len(rows) * self._block_bytes)
+        landing = []
         for from_host, block, high, low, names in moves.puts:
             # A store that stopped taking blocks costs no copy and no checksum (the
             # scheduler side stops planning them once it hears, a step later).
@@ -202,7 +208,10 @@ class TierWorker:
                     continue
                 self._pending_puts += 1
             key = block_key(self.identity, (high, low))
-            self._writer.submit(self._put, key, self._bytes_of(from_host, block), stores)
+            landing.append(self._writer.submit(self._put, key, self._bytes_of(from_host, block),
+                                               stores))
+        if self.puts_land_in_step and landing:
+            futures_wait(landing, timeout=self.load_timeout_s)
 
     def _put(self, key: str, payload: bytes, stores: list[KVStore]) -> None:
         try:
