@@ -202,9 +202,16 @@ class KVCachePool:
                            token_ids: TokenIdsLike) -> None:
         """A tier below the host stored (or removed) the chain ``hashes`` (uint64 pairs)."""
     def block_hashes(
-        self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
+        self,
+        token_ids: TokenIdsLike,
+        *,
+        cache_salt: str | bytes | None = None,
+        parent: Sequence[int] | None = None,
     ) -> npt.NDArray[np.uint64]:
-        """The chain hashes of the full blocks, ``[n, 2]``: a block's name in every tier."""
+        """The chain hashes of the full blocks, ``[n, 2]``: a block's name in every tier.
+        With ``parent``, a block's two hash words, the chain goes on from it over
+        ``token_ids``, the tokens after that block (its salt is in its chain already: no
+        ``cache_salt``)."""
     def seq_len(self, seq_id: int) -> int: ...
     def __contains__(self, seq_id: int) -> bool: ...
     def __len__(self) -> int: ...

@@ -289,10 +289,14 @@ class BlockBookkeeping:
     # ---- the prefix cache ------------------------------------------------------------------
 
     def block_hashes(
-        self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None
+        self, token_ids: TokenIdsLike, *, cache_salt: str | bytes | None = None,
+        parent: Sequence[int] | None = None
     ) -> npt.NDArray[np.uint64]:
-        """The chain hashes of the full blocks, ``[n, 2]``: a block's name in every tier."""
-        return self._core.block_hashes(token_ids, cache_salt=cache_salt)
+        """The chain hashes of the full blocks, ``[n, 2]``: a block's name in every tier.
+        With ``parent``, a block's two hash words, the chain goes on from it over
+        ``token_ids``, the tokens after that block (its salt is in its chain already: no
+        ``cache_salt``)."""
+        return self._core.block_hashes(token_ids, cache_salt=cache_salt, parent=parent)
 
     def reset_prefix_cache(self) -> int:
         """Drops every cached block no sequence uses; returns how many."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from atb_mem.integrations.vllm.scheduler import HOST, Scheduled, TierMoves, TierScheduler
@@ -432,3 +433,52 @@ def test_a_producer_saves_and_never_loads_a_consumer_loads_and_never_saves() -> 
     fresh = list(range(2000, 2400))
     moves = prefill(consumer, "c", fresh, [9, 10, 11, 12])
     assert not moves.saves and not moves.puts
+
+
+def test_a_decodes_new_blocks_are_hashed_on_from_the_last_not_from_the_start() -> None:
+    """Each block a decode fills is hashed from the one before it (a chained-hash call in
+    the core), not by hashing the whole context again; the keys are the same."""
+    store = FakeStore("MOONCAKE")
+    sched = make(stores=[store], block_size=16, hash_block_size=16)
+    tokens = list(range(40))
+    prefill(sched, "a", tokens, [1, 2, 3])
+    reference = make(block_size=16, hash_block_size=16)  # its index hashes the whole chain
+    hashed: list[int] = []
+
+    class Counting:
+        """The index, counting the tokens each block_hashes call hashes."""
+
+        def __init__(self, index: object) -> None:
+            self.index = index
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.index, name)
+
+        def block_hashes(self, token_ids: Sequence[int], **kwargs: object) -> object:
+            hashed.append(len(token_ids))
+            return self.index.block_hashes(token_ids, **kwargs)  # type: ignore[attr-defined]
+
+    sched.index = Counting(sched.index)  # type: ignore[assignment]
+    puts = 0
+    for step in range(30):  # a decode of 30 tokens fills blocks 2 and 3
+        tokens.append(1000 + step)
+        moves = sched.build([Scheduled("a", len(tokens) - 1, 1, [4] if step == 7 else [])])
+        if moves.puts:
+            puts += 1
+            assert [(h, lo) for *_, h, lo, _ in moves.puts] == \
+                words(reference, tokens)[len(tokens) // 16 - 1:len(tokens) // 16]
+    assert puts == 2 and hashed == [16, 16], "one new block at a time"
+
+
+def test_hashes_chained_from_a_parent_equal_the_whole_chain() -> None:
+    index = make(block_size=16, hash_block_size=16).index
+    tokens = list(range(100))
+    for salt in (None, "s"):
+        whole = index.block_hashes(tokens, cache_salt=salt)
+        head = index.block_hashes(tokens[:32], cache_salt=salt)
+        tail = index.block_hashes(tokens[32:], parent=[int(w) for w in head[-1]])
+        assert (np.concatenate([head, tail]) == whole).all()
+    with pytest.raises(ValueError, match="cache_salt or parent"):
+        index.block_hashes(tokens, cache_salt="s", parent=[1, 2])
+    with pytest.raises((TypeError, ValueError)):
+        index.block_hashes(tokens, parent=[1])

@@ -243,9 +243,13 @@ class TierScheduler:
             request.saved = full
             return
         block_size = self.block_size
-        if len(request.hashes) < full:
-            request.hashes = self.index.block_hashes(list(request.tokens[:full * block_size]),
-                                                     cache_salt=request.salt)
+        known = len(request.hashes)
+        if known < full:  # a decode filled blocks: hashed on from the last known one
+            after = request.tokens[known * block_size:full * block_size]
+            more = self.index.block_hashes(
+                list(after), cache_salt=None if known else request.salt,
+                parent=[int(word) for word in request.hashes[-1]] if known else None)
+            request.hashes = np.concatenate([request.hashes, more])
         if request.seq_id is not None:
             self._extend(request, full * block_size)
         host = request.seq_id is not None

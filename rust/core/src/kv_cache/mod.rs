@@ -384,15 +384,18 @@ impl KvCache {
     }
 
     /// The prefix cache's chain hashes of `token_ids`' full blocks (what names them in every
-    /// tier, and in KV events), into `out`, which is cleared first.
+    /// tier, and in KV events), into `out`, which is cleared first. With `after`, the chain
+    /// goes on from that block's hash (`token_ids` are the tokens after it, the salt already
+    /// in its chain): a sequence's new blocks hash without its whole context again.
     pub fn block_hashes(
         &self,
         token_ids: &[u32],
         cache_salt: Option<&[u8]>,
+        after: Option<BlockHash>,
         out: &mut Vec<BlockHash>,
     ) {
         out.clear();
-        let mut parent = BlockHash::root(cache_salt);
+        let mut parent = after.unwrap_or_else(|| BlockHash::root(cache_salt));
         for chunk in token_ids.chunks_exact(self.block_size()) {
             parent = parent.chain(chunk);
             out.push(parent);

@@ -103,7 +103,7 @@ impl KvCache {
             }
             None => {
                 let mut hashes = std::mem::take(&mut self.scratch.hashes);
-                self.block_hashes(ids, cache_salt, &mut hashes);
+                self.block_hashes(ids, cache_salt, None, &mut hashes);
                 self.scratch.hashes = hashes;
             }
         }

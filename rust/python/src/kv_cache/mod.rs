@@ -11,8 +11,9 @@ mod rows;
 mod state;
 pub mod transfer;
 
-use atb_mem_core::{pairs_of, BatchTable, KvCache, MoveKind};
+use atb_mem_core::{pairs_of, BatchTable, BlockHash, KvCache, MoveKind};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -218,18 +219,29 @@ impl PyKvCachePool {
     }
 
     /// The chain hashes of `token_ids`' full blocks, uint64 `[n, 2]`: what names a block in
-    /// every tier (a lower tier's key), as `StepPlan.load_keys` does.
-    #[pyo3(signature = (token_ids, *, cache_salt=None))]
+    /// every tier (a lower tier's key), as `StepPlan.load_keys` does. With `parent` (a
+    /// block's two hash words), the chain goes on from it over the tokens after it.
+    #[pyo3(signature = (token_ids, *, cache_salt=None, parent=None))]
     fn block_hashes<'py>(
         &self,
         py: Python<'py>,
         token_ids: TokenIds<'_>,
         cache_salt: Option<CacheSalt>,
+        parent: Option<[u64; 2]>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        if parent.is_some() && cache_salt.is_some() {
+            return Err(PyValueError::new_err(
+                "give cache_salt or parent, not both: the parent's chain holds its salt",
+            ));
+        }
         let salt = cache_salt.as_ref().map(|salt| salt.0.as_slice());
         let mut hashes = Vec::new();
-        self.lock()?
-            .block_hashes(token_ids.as_slice(), salt, &mut hashes);
+        self.lock()?.block_hashes(
+            token_ids.as_slice(),
+            salt,
+            parent.map(BlockHash),
+            &mut hashes,
+        );
         let words: Vec<u64> = hashes.iter().flat_map(|hash| hash.0).collect();
         Ok(words
             .into_pyarray(py)
