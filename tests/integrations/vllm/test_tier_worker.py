@@ -250,3 +250,36 @@ def test_a_producers_puts_land_before_its_step_ends(in_step: bool) -> None:
     assert (store.exists(KEYS[:2]) == [True, True]) is in_step
     tier.close()
     assert store.exists(KEYS[:2]) == [True, True]
+
+
+@pytest.mark.parametrize("per_copy, expected", [(None, [[9, 8, 7, 6]]),
+                                                (2, [[9, 8], [7, 6]]), (3, [[9, 8, 7], [6]])])
+def test_a_load_lands_its_blocks_in_one_copy_per_layer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_copy: int | None,
+        expected: list[list[int]]) -> None:
+    """Four blocks from the disk land as one indexed copy per layer, not one per block and
+    layer (or as few copies as a landing buffer of ``per_copy`` blocks allows); bytes-exact,
+    in their own vLLM blocks."""
+    from atb_mem.integrations.vllm import worker as worker_module
+
+    if per_copy is not None:
+        monkeypatch.setattr(worker_module, "LANDING_BYTES",
+                            per_copy * 3 * HEADS * BLOCK * 2 * HEAD_DIM * 2)
+    source = caches(seed=1)
+    save_to_disk(tmp_path, source, [1, 2, 3, 4])
+    kv = caches(seed=2)
+    tier = worker([DiskStore(tmp_path, 1 << 20)])
+    tier.register(kv, NUM_BLOCKS)
+    copies: list[list[int]] = []
+    to_vllm = tier._to_vllm
+
+    def counted(source: Any, rows: Any, blocks: Any) -> None:
+        copies.append(list(blocks))
+        to_vllm(source, rows, blocks)
+
+    tier._to_vllm = counted
+    tier.start_loads(TierMoves(store_loads={"r": [(*HASHES[at], 9 - at) for at in range(4)]}))
+    assert wait_finished(tier, {"r"}) == {"r"}
+    assert copies == expected
+    assert [block(kv, 9 - at) for at in range(4)] == [block(source, at + 1) for at in range(4)]
+    tier.close()

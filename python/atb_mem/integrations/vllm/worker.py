@@ -13,6 +13,7 @@ blocks on the worker's thread, after the step's forward, and the request reporte
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -37,6 +38,8 @@ log = logging.getLogger("atb_mem.vllm")
 MAX_PENDING_PUTS = 256
 # A load still waiting for a fetch thread after this many load timeouts fails.
 QUEUED_TIMEOUTS = 4
+# The most bytes of blocks a load lands in one copy (the landing buffer's size at most).
+LANDING_BYTES = 64 << 20
 
 
 @dataclass
@@ -69,6 +72,7 @@ class TierWorker:
         self._views: list[Any] = []
         self._host: Any = None
         self._staging: Any = None
+        self._landing: Any = None
         self._block_bytes = 0
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
@@ -281,18 +285,36 @@ class TierWorker:
         return done
 
     def _land(self, blocks: list[int], fetched: list[tuple[bytes, str] | None]) -> int:
-        """Copies a fetch's leading intact blocks in; returns how many."""
+        """Copies a fetch's leading intact blocks in, as many at a time as the landing
+        buffer holds (one indexed copy per layer each time, not one per block and layer);
+        returns how many landed."""
+        intact: list[tuple[bytes, str]] = [
+            found for found in itertools.takewhile(lambda found: found is not None, fetched)
+            if found is not None][:len(blocks)]
+        per_copy = max(1, LANDING_BYTES // self._block_bytes)
         landed = 0
-        view = self._staging[0].view(-1).view(dtype=_uint8()).numpy()
-        for block, found in zip(blocks, fetched, strict=False):
-            if found is None:
-                break
-            payload, tier = found
-            view[:] = np.frombuffer(payload, dtype=np.uint8)
-            self._to_vllm(self._staging, [0], [block])
-            landed += 1
-            self._count(**{f"loaded_blocks_{tier}": 1}, loaded_bytes=len(payload))
+        for start in range(0, len(intact), per_copy):
+            chunk = intact[start:start + per_copy]
+            buffer = self._landing_rows(len(chunk))
+            rows = buffer.view(len(buffer), -1).view(dtype=_uint8()).numpy()
+            for row, (payload, _) in enumerate(chunk):
+                rows[row] = np.frombuffer(payload, dtype=np.uint8)
+            self._to_vllm(buffer, list(range(len(chunk))), blocks[start:start + len(chunk)])
+            landed += len(chunk)
+            for payload, tier in chunk:
+                self._count(**{f"loaded_blocks_{tier}": 1}, loaded_bytes=len(payload))
         return landed
+
+    def _landing_rows(self, count: int) -> Any:
+        """The first ``count`` rows of the landing buffer, grown to that many if need be (it
+        stays: loads reuse it)."""
+        import torch
+
+        if self._landing is None or len(self._landing) < count:
+            self._landing = torch.empty((count, *self._staging.shape[1:]),
+                                        dtype=self._staging.dtype,
+                                        pin_memory=self._staging.is_pinned())
+        return self._landing[:count]
 
     def load_errors(self) -> set[int]:
         """vLLM blocks whose loads failed since the last call."""
