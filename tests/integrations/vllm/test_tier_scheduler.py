@@ -482,3 +482,22 @@ def test_hashes_chained_from_a_parent_equal_the_whole_chain() -> None:
         index.block_hashes(tokens, cache_salt="s", parent=[1, 2])
     with pytest.raises((TypeError, ValueError)):
         index.block_hashes(tokens, parent=[1])
+
+
+def test_a_host_tier_too_full_for_the_whole_prompt_still_serves_its_hit() -> None:
+    """Seven host blocks, four pinned by a running request: a prompt of six blocks whose
+    first two the host holds cannot take the whole prompt, but is served those two (it used
+    to get no host hit at all); what it computes beyond is not saved to the host."""
+    sched = make(num_host_blocks=7)
+    x = list(range(400))
+    prefill(sched, "x", x, [1, 2, 3, 4])
+    sched.finished("x")  # three blocks cached, unpinned
+    prefill(sched, "y", list(range(5000, 5400)), [5, 6, 7, 8])  # running: pins four
+    z = x[:256] + list(range(9000, 9500))
+    assert sched.lookup("z", z, 0) == (256, False)
+    assert sched.counters["host_full"] == 1
+    sched.allocated("z", [10, 11, 12, 13, 14, 15], 256)
+    moves = sched.build([Scheduled("z", 256, len(z) - 256, [10, 11, 12, 13, 14, 15], True)])
+    assert [block for _, block in moves.host_loads] == [10, 11]
+    assert not moves.saves
+    assert sched.hit_tokens("z") == {HOST: 256}

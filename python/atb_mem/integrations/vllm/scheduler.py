@@ -151,11 +151,8 @@ class TierScheduler:
         if self.host and count:
             seq_id = next(self._seq_ids)
             try:
-                if count > self._max_tokens:
-                    raise OutOfMemoryError("longer than the host tier")
-                host_hit = self.index.alloc_sequence(seq_id, snapshot, cache_salt=salt)
-            except OutOfMemoryError:  # every host block pinned: served by the stores only
-                self.counters["host_full"] += 1
+                host_hit = self._alloc_host(seq_id, snapshot, salt)
+            except OutOfMemoryError:  # no room even for its hit: served by the stores only
                 seq_id = None
             else:
                 table = self.index.block_table(seq_id).tolist()
@@ -181,6 +178,24 @@ class TierScheduler:
             and run > 0
         self._requests[req_id].asked = (*asked, (external, loads_stores))
         return external, loads_stores
+
+    def _alloc_host(self, seq_id: int, tokens: list[int], salt: str | None) -> int:
+        """Allocates the request's sequence in the host index; returns the host's hit. The
+        whole prompt where it fits (its blocks are saved to the host as they are computed);
+        else (longer than the tier, or its blocks pinned) the hit and one token past it, so
+        that the hit is still served and only the rest goes unsaved to the host. Raises
+        OutOfMemoryError where not even that fits."""
+        if len(tokens) <= self._max_tokens:
+            try:
+                return self.index.alloc_sequence(seq_id, tokens, cache_salt=salt)
+            except OutOfMemoryError:
+                pass
+        self.counters["host_full"] += 1
+        hit = self.index._explain_prefix(tokens, cache_salt=salt)[0]
+        pinned = min(hit + 1, self._max_tokens)  # the sequence the tier can hold at most
+        if not hit or pinned < 2:
+            raise OutOfMemoryError("no host hit to pin")
+        return self.index.alloc_sequence(seq_id, tokens[:pinned], cache_salt=salt)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request ``block_ids`` and takes ``num_external_tokens`` from the tiers
