@@ -69,7 +69,7 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
     eviction policy (and hash_block_size=16 where it divides the block) and names the one
     that saves the most prefill."""
     from atb_mem.tools import simulate
-    from atb_mem.tools.ctl import AdminClient, apply_steps, seconds
+    from atb_mem.tools.ctl import AdminClient, seconds
 
     watch_s = seconds(watch)
     server = AdminClient(apply_to, token) if apply_to else None
@@ -121,20 +121,27 @@ def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,
                               "trials": rows, "eviction_policies": policy_rows}
     try:
         if server is not None:
-            # The batch budget first: a larger max_num_seqs is only worth its memory once the
-            # step can hold its tokens. Each step is watched; a rollback stops the sequence.
-            steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
-                     {"max_num_seqs": best["max_num_seqs"]}]
-            result["applied"] = []
-            apply_steps(server, steps, live=True, watch_s=watch_s,
-                        persist=False, results=result["applied"])
-            console.print(f"not applied live (they size the cache at start): block_size="
-                          f"{best['block_size']}, gpu_memory_utilization="
-                          f"{best['gpu_memory_utilization']:.3f}")
+            result["applied"] = []  # filled step by step: a rollback keeps what ran
+            _apply(server, best, watch_s, result["applied"])
     finally:
         write_json(json_path, result)
     if plot_path:
         _plot(rows, plot_path)
+
+
+def _apply(server: Any, best: dict[str, Any], watch_s: float, applied: list[Any]) -> None:
+    """Applies the best configuration's live settings to the server, step by step, each
+    step's outcome appended to ``applied``. The batch budget first: a larger max_num_seqs is
+    only worth its memory once the step can hold its tokens. Each step is watched; a
+    rollback stops the sequence."""
+    from atb_mem.tools.ctl import apply_steps
+
+    steps = [{"max_num_batched_tokens": best["max_num_batched_tokens"]},
+             {"max_num_seqs": best["max_num_seqs"]}]
+    apply_steps(server, steps, live=True, watch_s=watch_s, persist=False, results=applied)
+    console.print(f"not applied live (they size the cache at start): block_size="
+                  f"{best['block_size']}, gpu_memory_utilization="
+                  f"{best['gpu_memory_utilization']:.3f}")
 
 
 def _objective(requests: list[Any], token_bytes: int, total_memory: int, model_memory: int,
