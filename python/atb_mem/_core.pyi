@@ -201,6 +201,11 @@ class KVCachePool:
                            hashes: Sequence[Sequence[int]], parent: Sequence[int] | None,
                            token_ids: TokenIdsLike) -> None:
         """A tier below the host stored (or removed) the chain ``hashes`` (uint64 pairs)."""
+    def _record_tier_hits(self, medium: Literal["disk", "store"], blocks: int,
+                          filled: str | None = None) -> None:
+        """``blocks`` whole blocks of an admission's prefix a tier below the host served (its
+        load landed): hits, with their tier, in ``stats``. ``filled``: the admission's miss
+        reason, where the load served every block the prompt can hit (then no miss)."""
     def block_hashes(
         self,
         token_ids: TokenIdsLike,

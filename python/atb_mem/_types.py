@@ -81,6 +81,9 @@ class KVCacheStats(TypedDict):
     # Of prefix_cache_hit_tokens, those copied from a block a prompt shares only the first
     # pieces of (hash_block_size).
     prefix_cache_partial_hit_tokens: int
+    # Of prefix_cache_hit_tokens, those loaded from the disk and from a shared store.
+    prefix_cache_disk_hit_tokens: int
+    prefix_cache_store_hit_tokens: int
     # Admissions whose prefix hit fell short, by reason (see KVCachePool.explain_prefix).
     prefix_cache_misses_block_alignment: int
     prefix_cache_misses_not_cached: int

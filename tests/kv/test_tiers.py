@@ -387,3 +387,25 @@ def test_a_capacity_beyond_the_filesystem_is_cut_to_what_it_can_hold(
     for index in range(15):
         store.put(f"atb/m/{index:032x}", b"f" * 100)
     assert store.used_bytes <= 1000
+
+
+def test_tier_hits_count_in_the_cache_stats_and_bad_ones_change_nothing() -> None:
+    """What the engine's tier connector reports when a disk or store load landed: hits in
+    ``stats()``, with their tier; a medium or reason it cannot be is refused, changing
+    nothing."""
+    from atb_mem import KVCachePool
+
+    pool = KVCachePool(16, 4)
+    pool.alloc_sequence(1, list(range(13)))
+    before = pool.stats()
+    for bad in ({"medium": "host", "blocks": 1}, {"medium": "tape", "blocks": 1},
+                {"medium": "disk", "blocks": 1, "filled": "bogus"},
+                {"medium": "disk", "blocks": -1}):
+        with pytest.raises((ValueError, OverflowError, TypeError)):
+            pool._record_tier_hits(**bad)  # type: ignore[arg-type]
+        assert pool.stats() == before
+    pool._record_tier_hits("store", 3, "not_cached")
+    after = pool.stats()
+    assert after["prefix_cache_hits"] == before["prefix_cache_hits"] + 3
+    assert after["prefix_cache_store_hit_tokens"] == after["prefix_cache_hit_tokens"] == 12
+    assert after["prefix_cache_misses_not_cached"] == before["prefix_cache_misses_not_cached"] - 1

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from atb_mem.kv import MISS_REASONS
 from atb_mem.kv.tiers import block_key
 from atb_mem.serving import Engine, SamplingParams
 from atb_mem.serving.kv_sizing import block_bytes, kv_cache_shape
@@ -171,7 +172,8 @@ def test_loads_that_fail_in_any_way_are_counted(
 def test_a_prompt_served_from_disk_is_a_hit(tmp_path: Path) -> None:
     """An engine whose disk holds all 64 tokens a 65-token prompt can hit (an earlier engine
     wrote them) serves them from disk: the metrics count 16 block hits of 16 lookups and no
-    miss, and the hit tokens come from the disk."""
+    miss, and the hit tokens come from the disk; ``kv_cache.stats()`` says the same (it
+    counted the prompt a miss, not_cached, with no hit)."""
     from atb_mem.observability.metrics import AtbMemCollector
     from tests.observability.test_metrics import scrape
 
@@ -200,3 +202,9 @@ def test_a_prompt_served_from_disk_is_a_hit(tmp_path: Path) -> None:
     assert sum(misses.values()) == 0, misses
     assert samples["atb_mem_kv_cache_prefix_cache_hit_tokens_total"][
         (("tier", "DISK"),)] == 64
+    stats = engine.kv_cache.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (16, 16)
+    assert stats["prefix_cache_hit_rate"] == 1.0
+    assert stats["prefix_cache_hit_tokens"] == stats["prefix_cache_disk_hit_tokens"] == 64
+    assert stats["prefix_cache_store_hit_tokens"] == 0
+    assert sum(stats[f"prefix_cache_misses_{reason}"] for reason in MISS_REASONS) == 0

@@ -327,6 +327,13 @@ class BlockBookkeeping:
         """A tier below the host stored (or removed) the chain ``hashes`` (uint64 pairs)."""
         self._core._record_tier_event(medium, stored, hashes, parent, token_ids)
 
+    def _record_tier_hits(self, medium: Literal["disk", "store"], blocks: int,
+                          filled: str | None = None) -> None:
+        """``blocks`` whole blocks of an admission's prefix a tier below the host served (its
+        load landed): hits, with their tier, in ``stats``. ``filled``: the admission's miss
+        reason, where the load served every block the prompt can hit (then no miss)."""
+        self._core._record_tier_hits(medium, blocks, filled)
+
     # ---- checks ----------------------------------------------------------------------------
 
     def _check_invariants(self) -> None:

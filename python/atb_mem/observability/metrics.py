@@ -28,7 +28,6 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from atb_mem._types import MISS_REASONS
-from atb_mem.kv.tiers.counters import TierCounters
 
 if TYPE_CHECKING:
     from atb_mem import ContinuousBatchScheduler, DynamicBatchScheduler, KVCachePool, MemPool
@@ -103,11 +102,9 @@ class AtbMemCollector(Collector):
                      stats["fragmentation"], labels)
         yield _gauge(f"{prefix}_kv_cache_sequences", "Live sequences.",
                      stats["num_sequences"], labels)
-        # A block loaded from a tier below the host is a hit too: the cache counted its
-        # lookup as a miss (the load came after), the connector counts the load.
-        counters = self.tiers.counters if self.tiers is not None else TierCounters()
-        hits, queries = stats["prefix_cache_hits"] + counters.loaded_blocks, \
-            stats["prefix_cache_queries"]
+        # A block loaded from a tier below the host is a hit too (the cache's stats count it
+        # once the load landed).
+        hits, queries = stats["prefix_cache_hits"], stats["prefix_cache_queries"]
         yield _gauge(f"{prefix}_kv_cache_prefix_cache_hit_ratio",
                      "Prefix-cache block hits (from any tier) over lookups since start.",
                      hits / queries if queries else 0.0, labels)
@@ -123,10 +120,8 @@ class AtbMemCollector(Collector):
                                      "short, by reason (explain_prefix says which).",
                                      labels=[*labels, "reason"])
         for reason in MISS_REASONS:
-            # Less the admissions whose load then served every block the prompt can hit.
             missed = stats[f"prefix_cache_misses_{reason}"]  # type: ignore[literal-required]
-            misses.add_metric([*labels.values(), reason],
-                              max(0, missed - counters.filled_misses.get(reason, 0)))
+            misses.add_metric([*labels.values(), reason], missed)
         yield misses
         yield from self._tiers(stats)
 
@@ -138,7 +133,9 @@ class AtbMemCollector(Collector):
         hits = CounterMetricFamily(f"{prefix}_kv_cache_prefix_cache_hit_tokens",
                                    "Prompt tokens served from the prefix cache, by tier.",
                                    labels=[*labels, "tier"])
-        hits.add_metric([*labels.values(), "device"], stats["prefix_cache_hit_tokens"] - host_hits)
+        lower = stats["prefix_cache_disk_hit_tokens"] + stats["prefix_cache_store_hit_tokens"]
+        hits.add_metric([*labels.values(), "device"],
+                        stats["prefix_cache_hit_tokens"] - host_hits - lower)
         hits.add_metric([*labels.values(), "host"], host_hits)
         if self.tiers is not None:
             for tier, blocks in self.tiers.counters.loaded_by_tier.items():

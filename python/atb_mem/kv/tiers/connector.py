@@ -285,13 +285,19 @@ class TierConnector(WriteThrough):
             view[:] = np.frombuffer(payload, dtype=np.uint8)
             backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
         seconds = time.perf_counter() - load.started
+        media = {store.name: store.medium for store in self.stores}
+        by_medium: dict[str, int] = {}
+        for _, tier in payloads:  # type: ignore[misc]
+            by_medium[media[tier]] = by_medium.get(media[tier], 0) + 1
+        filled = load.fills
+        for medium, blocks in by_medium.items():  # the cache's stats count them hits
+            self.kv_cache._record_tier_hits(medium, blocks, filled)
+            filled = None
         with self._counting:
             for _, tier in payloads:  # type: ignore[misc]
                 counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + 1
             counters.loaded_blocks += len(load.blocks)
             counters.loaded_bytes += len(load.blocks) * self._block_bytes
-            if load.fills is not None:
-                counters.filled_misses[load.fills] = counters.filled_misses.get(load.fills, 0) + 1
             counters.load_seconds_sum += seconds
             for bucket, bound in enumerate(LOAD_SECONDS_BUCKETS):
                 counters.load_seconds_buckets[bucket] += int(seconds <= bound)

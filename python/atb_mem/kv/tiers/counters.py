@@ -34,9 +34,6 @@ class TierCounters:
     """Of ``store_errors``, writes that raised rather than returned False."""
     loaded_by_tier: dict[str, int] = field(default_factory=dict)
     saved_by_tier: dict[str, int] = field(default_factory=dict)
-    filled_misses: dict[str, int] = field(default_factory=dict)
-    """Admissions the cache counted as a miss (by its reason, ``MISS_REASONS``) whose load
-    then served every block the prompt can hit: hits, not misses, in the metrics."""
     load_seconds_buckets: list[int] = field(
         default_factory=lambda: [0] * len(LOAD_SECONDS_BUCKETS))
     """Loads (request admitted to blocks in place) by latency: cumulative, per bucket of
@@ -48,5 +45,4 @@ class TierCounters:
         return TierCounters(**{**self.__dict__,
                                "loaded_by_tier": dict(self.loaded_by_tier),
                                "saved_by_tier": dict(self.saved_by_tier),
-                               "filled_misses": dict(self.filled_misses),
                                "load_seconds_buckets": list(self.load_seconds_buckets)})

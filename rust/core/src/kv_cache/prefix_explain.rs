@@ -50,6 +50,14 @@ impl MissReason {
             MissReason::StateCheckpoint => "state_checkpoint",
         }
     }
+
+    /// The reason named `name` (as [`MissReason::name`] says it).
+    pub fn from_name(name: &str) -> Option<MissReason> {
+        [MissReason::PrefixCachingOff]
+            .into_iter()
+            .chain(MissReason::COUNTED)
+            .find(|reason| reason.name() == name)
+    }
 }
 
 /// What one group alone could serve of a prompt, and why it stops there.

@@ -1,7 +1,8 @@
 //! Counters, sizes and fragmentation of the cache, and the bookkeeping's own memory.
 
-use super::{HostPrefixCounters, KvCache, MissReason};
+use super::{HostPrefixCounters, KvCache, Medium, MissReason};
 use crate::alloc::{PrefixCacheCounters, NULL_BLOCK};
+use crate::error::CoreResult;
 use crate::figures::{Figure, Figures};
 
 /// Counters and sizes reported by [`KvCache::stats`].
@@ -35,6 +36,10 @@ pub struct KvCacheStats {
     /// Of `prefix_cache_hit_tokens`, those copied from a block a prompt shares only the
     /// first pieces of (`hash_block_size`).
     pub prefix_cache_partial_hit_tokens: u64,
+    /// Of `prefix_cache_hit_tokens`, those loaded from the disk, and from a store, as the
+    /// engine's tier connector reports its loads (`record_tier_hits`).
+    pub prefix_cache_disk_hit_tokens: u64,
+    pub prefix_cache_store_hit_tokens: u64,
     /// What the host prefix tier did, in blocks.
     pub host_prefix: HostPrefixCounters,
     /// Admissions whose prefix hit fell short, indexed by [`MissReason`] (the
@@ -94,6 +99,8 @@ impl Figures for KvCacheStats {
             "host_blocks_cached" => self.host_blocks_cached,
             "prefix_cache_host_hit_tokens" => self.prefix_cache_host_hit_tokens,
             "prefix_cache_partial_hit_tokens" => self.prefix_cache_partial_hit_tokens,
+            "prefix_cache_disk_hit_tokens" => self.prefix_cache_disk_hit_tokens,
+            "prefix_cache_store_hit_tokens" => self.prefix_cache_store_hit_tokens,
             "host_prefix_demoted" => self.host_prefix.demoted,
             "host_prefix_demotions_skipped" => self.host_prefix.demotions_skipped,
             "host_prefix_demotions_dropped" => self.host_prefix.demotions_dropped,
@@ -120,6 +127,10 @@ pub(super) struct PrefixStats {
     host_hit_tokens: u64,
     /// Of `hit_tokens`, those copied from a partly shared block.
     partial_hit_tokens: u64,
+    /// Of `hit_tokens`, those loaded from the disk and from a store; and the blocks, which
+    /// the block pool's lookups counted as misses.
+    lower_hit_tokens: [u64; 2],
+    lower_hit_blocks: u64,
     /// Admissions whose prefix hit fell short, by [`MissReason`].
     misses: [u64; 6],
     checkpoints_saved: u64,
@@ -148,6 +159,25 @@ impl PrefixStats {
         self.misses[reason as usize] += 1;
     }
 
+    /// `blocks` whole blocks a tier below the host served after the lookup: hits, and, where
+    /// they `filled` the admission's every hittable block, its miss is none.
+    fn count_lower_hit(
+        &mut self,
+        disk: bool,
+        blocks: usize,
+        block_size: usize,
+        filled: Option<MissReason>,
+    ) {
+        let tokens = (blocks * block_size) as u64;
+        self.hit_tokens += tokens;
+        self.lower_hit_tokens[usize::from(!disk)] += tokens;
+        self.lower_hit_blocks += blocks as u64;
+        if let Some(reason) = filled {
+            let missed = &mut self.misses[reason as usize];
+            *missed = missed.saturating_sub(1);
+        }
+    }
+
     pub(super) fn count_checkpoint(&mut self) {
         self.checkpoints_saved += 1;
     }
@@ -162,6 +192,32 @@ impl PrefixStats {
 }
 
 impl KvCache {
+    /// A tier below the host (`Medium::Disk` or `Medium::Store`) served `blocks` whole blocks
+    /// of an admission's prefix: its load landed. They count as hits, with their tier, in
+    /// `stats` (the admission's lookup counted them missed); `filled`: the admission's miss
+    /// reason, where the load served every block the prompt can hit, which is then no miss.
+    pub fn record_tier_hits(
+        &mut self,
+        medium: Medium,
+        blocks: usize,
+        filled: Option<MissReason>,
+    ) -> CoreResult<()> {
+        ensure!(
+            matches!(medium, Medium::Disk | Medium::Store),
+            "tier hits come from the disk or a store, not the {}",
+            medium.name()
+        );
+        ensure!(
+            filled.is_none_or(|reason| MissReason::COUNTED.contains(&reason)),
+            "an admission is never counted missed for {:?}",
+            filled.map(MissReason::name)
+        );
+        let block_size = self.block_size();
+        self.prefix_stats
+            .count_lower_hit(medium == Medium::Disk, blocks, block_size, filled);
+        Ok(())
+    }
+
     pub fn stats(&self) -> KvCacheStats {
         let block_size = self.block_size();
         let pool = &self.tiers.block_pool;
@@ -206,7 +262,7 @@ impl KvCache {
                 unused_slots as f64 / allocated_slots as f64
             },
             prefix_cache_queries: queries,
-            prefix_cache_hits: hits,
+            prefix_cache_hits: hits + self.prefix_stats.lower_hit_blocks,
             prefix_cache_query_tokens: self.prefix_stats.query_tokens,
             prefix_cache_hit_tokens: self.prefix_stats.hit_tokens,
             evictions,
@@ -222,6 +278,8 @@ impl KvCache {
             host_blocks_cached: self.num_host_cached_blocks(),
             prefix_cache_host_hit_tokens: self.prefix_stats.host_hit_tokens,
             prefix_cache_partial_hit_tokens: self.prefix_stats.partial_hit_tokens,
+            prefix_cache_disk_hit_tokens: self.prefix_stats.lower_hit_tokens[0],
+            prefix_cache_store_hit_tokens: self.prefix_stats.lower_hit_tokens[1],
             host_prefix: self.host_prefix_counters(),
             prefix_cache_misses: self.prefix_stats.misses,
             state_checkpoints_saved: self.prefix_stats.checkpoints_saved,

@@ -6,6 +6,7 @@ mod batch_table;
 mod construct;
 mod events;
 pub mod host_copy;
+mod lower_tiers;
 mod retention;
 mod rows;
 mod state;
@@ -566,22 +567,6 @@ impl PyKvCachePool {
     }
 
     /// Records what a tier below the host did (its connector calls this): the blocks
-    /// `hashes` (uint64 pairs, a chain after `parent`, over `token_ids`) stored on `medium`
-    /// (`"disk"` or `"store"`), or removed from it (`token_ids` empty).
-    #[pyo3(signature = (medium, stored, hashes, parent, token_ids))]
-    fn _record_tier_event(
-        &self,
-        medium: &str,
-        stored: bool,
-        hashes: Vec<[u64; 2]>,
-        parent: Option<[u64; 2]>,
-        token_ids: TokenIds<'_>,
-    ) -> PyResult<()> {
-        let event = events::TierEvent::new(medium, stored, &hashes, parent)?;
-        let mut cache = self.lock()?;
-        event.record(&mut cache, token_ids.as_slice())
-    }
-
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = self.lock()?.stats();
         convert::figures_to_dict(py, &stats)
