@@ -195,3 +195,28 @@ def test_a_step_the_model_itself_refuses_raises_its_error_and_keeps_the_graphs()
         forward(logits_to_keep=torch.tensor([0]), input_ids=torch.tensor([[10_000]]),
                 use_cache=False)
     assert calls == ["compiled"] and forward.failed is None
+
+
+def test_a_one_token_step_projects_one_row_and_others_two_at_least() -> None:
+    """The vocabulary's projection of a single decode runs on its one row (a matrix-vector
+    product); a step of more tokens with one sampled row pads it to two (the graph of
+    symbolic sizes); no step compiles a graph the warm-up had not."""
+    model, _ = model_pair("llama")
+    engine = engine_for(model)
+    forward = engine.runner.forward
+    assert isinstance(forward, CompiledForward)
+    seen: list[tuple[int, int]] = []
+    compiled = forward.compiled
+
+    def recording(**inputs: Any) -> Any:
+        seen.append((inputs["input_ids"].shape[-1], len(inputs["logits_to_keep"])))
+        return compiled(**inputs)
+
+    forward.compiled = recording
+    graphs = compiled_graphs()
+    engine.add_request("one", random_prompt(7, 6), greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen[0] == (6, 2), "a prefill with one sampled row: padded to two"
+    assert seen[1:] == [(1, 1)] * 3, "single decodes: one row"
+    assert compiled_graphs() == graphs
