@@ -198,7 +198,7 @@ class TierWorker:
             self._from_vllm(self._host, list(rows), blocks)
             self._count(**{f"saved_blocks_{HOST}": len(rows)},
                         saved_bytes=len(rows) * self._block_bytes)
-        landing = []
+        writes = []
         for from_host, block, high, low, names in moves.puts:
             # A store that stopped taking blocks costs no copy and no checksum (the
             # scheduler side stops planning them once it hears, a step later).
@@ -212,10 +212,10 @@ class TierWorker:
                     continue
                 self._pending_puts += 1
             key = block_key(self.identity, (high, low))
-            landing.append(self._writer.submit(self._put, key, self._bytes_of(from_host, block),
-                                               stores))
-        if self.puts_land_in_step and landing:
-            futures_wait(landing, timeout=self.load_timeout_s)
+            writes.append(self._writer.submit(self._put, key, self._bytes_of(from_host, block),
+                                              stores))
+        if self.puts_land_in_step and writes:
+            futures_wait(writes, timeout=self.load_timeout_s)
 
     def _put(self, key: str, payload: bytes, stores: list[KVStore]) -> None:
         try:
