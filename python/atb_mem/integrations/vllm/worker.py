@@ -13,10 +13,10 @@ blocks on the worker's thread, after the step's forward, and the request reporte
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -288,9 +288,11 @@ class TierWorker:
         """Copies a fetch's leading intact blocks in, as many at a time as the landing
         buffer holds (one indexed copy per layer each time, not one per block and layer);
         returns how many landed."""
-        intact: list[tuple[bytes, str]] = [
-            found for found in itertools.takewhile(lambda found: found is not None, fetched)
-            if found is not None][:len(blocks)]
+        intact: list[tuple[bytes, str]] = []
+        for found in fetched[:len(blocks)]:
+            if found is None:
+                break
+            intact.append(found)
         per_copy = max(1, LANDING_BYTES // self._block_bytes)
         landed = 0
         for start in range(0, len(intact), per_copy):
@@ -301,8 +303,8 @@ class TierWorker:
                 rows[row] = np.frombuffer(payload, dtype=np.uint8)
             self._to_vllm(buffer, list(range(len(chunk))), blocks[start:start + len(chunk)])
             landed += len(chunk)
-            for payload, tier in chunk:
-                self._count(**{f"loaded_blocks_{tier}": 1}, loaded_bytes=len(payload))
+            tiers = Counter(f"loaded_blocks_{tier}" for _, tier in chunk)
+            self._count(**tiers, loaded_bytes=len(chunk) * self._block_bytes)
         return landed
 
     def _landing_rows(self, count: int) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -285,17 +286,18 @@ class TierConnector(WriteThrough):
             view[:] = np.frombuffer(payload, dtype=np.uint8)
             backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
         seconds = time.perf_counter() - load.started
-        media = {store.name: store.medium for store in self.stores}
-        by_medium: dict[str, int] = {}
-        for _, tier in payloads:  # type: ignore[misc]
-            by_medium[media[tier]] = by_medium.get(media[tier], 0) + 1
+        by_tier = Counter(tier for _, tier in payloads)  # type: ignore[misc]
+        by_medium: Counter[str] = Counter()
+        for store in self.stores:
+            by_medium[store.medium] += by_tier[store.name]
         filled = load.fills
         for medium, blocks in by_medium.items():  # the cache's stats count them hits
-            self.kv_cache._record_tier_hits(medium, blocks, filled)
-            filled = None
+            if blocks:
+                self.kv_cache._record_tier_hits(medium, blocks, filled)
+                filled = None
         with self._counting:
-            for _, tier in payloads:  # type: ignore[misc]
-                counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + 1
+            for tier, blocks in by_tier.items():
+                counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + blocks
             counters.loaded_blocks += len(load.blocks)
             counters.loaded_bytes += len(load.blocks) * self._block_bytes
             counters.load_seconds_sum += seconds

@@ -136,20 +136,17 @@ class DiskStore:
                               else hashlib.sha256(identity.encode()).hexdigest()[:32])
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            found = self._scan(folder)  # first: it removes what dead writers left
-            probe = folder / ".atb-mem-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
         except OSError as error:
-            if error.errno not in _NO_SPACE:
-                raise ValueError(f"the disk tier's directory {str(self.path)!r} is not "
-                                 f"writable: {error.strerror or error}") from None
-            (folder / ".atb-mem-probe").unlink(missing_ok=True)
-            self.writable = False
-            found = self._scan(folder) if folder.is_dir() else []
-            warnings.warn(f"atb-mem: the disk tier's filesystem at {str(self.path)!r} has no "
-                          f"space left: it reads the blocks it holds and writes none",
-                          stacklevel=2)
+            self._stop_unless_full(error)
+        found = self._scan(folder) if folder.is_dir() else []  # first: dead writers' partials
+        probe = folder / ".atb-mem-probe"
+        try:
+            if self.writable:
+                probe.write_bytes(b"ok")
+                probe.unlink()
+        except OSError as error:
+            probe.unlink(missing_ok=True)
+            self._stop_unless_full(error)
         held = sum(size for _, _, size in found)
         room = _free_bytes(folder if folder.is_dir() else self.path) + held
         if self.writable and room < self.capacity_bytes:
@@ -164,6 +161,16 @@ class DiskStore:
             for _, name, size in sorted(found):
                 self._files[name] = size
                 self._bytes += size
+
+    def _stop_unless_full(self, error: OSError) -> None:
+        """Start-up could not write the folder: a full filesystem stops the tier's writes,
+        with a warning (its reads go on); anything else refuses the tier."""
+        if error.errno not in _NO_SPACE:
+            raise ValueError(f"the disk tier's directory {str(self.path)!r} is not writable: "
+                             f"{error.strerror or error}") from None
+        self.writable = False
+        warnings.warn(f"atb-mem: the disk tier's filesystem at {str(self.path)!r} has no space "
+                      f"left: it reads the blocks it holds and writes none", stacklevel=4)
 
     @staticmethod
     def _scan(folder: Path) -> list[tuple[float, str, int]]:

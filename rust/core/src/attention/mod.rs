@@ -12,10 +12,9 @@
 //! (`kernel`), in `f32` whatever the element type (`element`: f32, bf16, f16).
 //!
 //! Work is split by (row, KV head), a decode row's KV heads a few to a piece (`decode`), over
-//! the caller's number of threads (torch's OpenMP team
-//! once `use_openmp` names it, else a pool of the kernel's own), and each piece
-//! runs code compiled for AVX-512 or AVX2 when the CPU has them (`dispatch`), else portable
-//! code. Every input is checked once per call (`check`) before anything is read.
+//! the caller's number of threads (torch's OpenMP team once `use_openmp` names it, else a
+//! pool of the kernel's own), and each piece runs code compiled for AVX-512 or AVX2 when the
+//! CPU has them (`dispatch`), else portable code. Every input is checked once per call (`check`) before anything is read.
 
 mod check;
 mod decode;
