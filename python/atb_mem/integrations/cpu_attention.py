@@ -11,11 +11,14 @@ Tensors cross as numpy views of the same memory (16-bit ones as their int16 bits
 kernel needs CPU tensors; every input is checked by the core before anything is read.
 
 One exception, measured: in bfloat16 on a CPU with AMX tiles, torch's SDPA (its flash
-attention, on AMX) attends a row whose K/V is all new 3–4× faster than the kernel, which
-computes in f32 (Qwen3-0.6B's heads, 256 tokens: 0.66 against 2.2 ms). Such rows of
-``SDPA_MIN_TOKENS`` tokens or more go there, where SDPA computes exactly what the layer
-asks (no sinks, no mask: a full layer, or a window the row fits in); the other rows still
-take the kernel, in one call, and every new K/V is written to its slot first.
+attention, on AMX) attends a row of many new tokens 3–4× faster than the kernel, which
+computes in f32 (Qwen3-0.6B's heads, 256 new tokens: 0.66 against 2.2 ms; 256 after 256
+cached: 2.0 against 7.8 ms, K/V gathered and a mask included). Such rows of
+``SDPA_MIN_TOKENS`` new tokens or more go there, where SDPA computes exactly what the layer
+asks (no sinks; a full layer, or a window the whole row fits in): a row whose K/V is all new
+over the new K/V alone, causal; one with context over its K/V gathered from the cache, its
+new tokens seeing the context and themselves causally. Decodes and shorter rows still take
+the kernel, in one call, and every new K/V is written to its slot first.
 """
 
 from __future__ import annotations
@@ -142,10 +145,15 @@ class CpuPagedStep:
         key_cache.index_copy_(0, split.slots, new_keys)
         value_cache.index_copy_(0, split.slots, new_values)
         out = torch.empty(queries.shape, dtype=queries.dtype)
-        for start, end in split.sdpa_rows:
-            query, key, value = (part[start:end].transpose(0, 1)[None]  # [1, heads, t, D]
-                                 for part in (queries, new_keys, new_values))
-            attended = sdpa_attention(query, key, value, None, scaling, None)
+        for (start, end), context in zip(split.sdpa_rows, split.contexts, strict=True):
+            if context is None:
+                key, value = new_keys[start:end], new_values[start:end]
+            else:
+                key, value = key_cache[context.slots], value_cache[context.slots]
+            query, key, value = (part.transpose(0, 1)[None]  # [1, heads, t, D]
+                                 for part in (queries[start:end], key, value))
+            mask = None if context is None else context.mask
+            attended = sdpa_attention(query, key, value, mask, scaling, None)
             out[start:end] = attended[0].transpose(0, 1)
         if split.rest is not None:
             # The kernel's rows as a step of their own (one group's plane; slots written).
@@ -164,6 +172,8 @@ class _Split:
     slots: torch.Tensor
     """int64 ``[tokens]``: where every new K/V goes."""
     sdpa_rows: list[tuple[int, int]]
+    contexts: list[_Context | None]
+    """Per SDPA row, its K/V's slots and mask where it has context (None: all new)."""
     rest: CpuPagedStep | None
     rest_tokens: torch.Tensor
 
@@ -179,9 +189,8 @@ class _Split:
             return None
         starts = step.query_start_loc
         query_lens = np.diff(starts)
-        # SDPA computes the layer as it is where no mask is needed.
-        to_sdpa = (query_lens == step.seq_lens) & (query_lens >= minimum) & \
-            (query_lens <= kind.unmasked_length)
+        # SDPA computes the layer as it is where its window masks nothing of the row.
+        to_sdpa = (query_lens >= minimum) & (step.seq_lens <= kind.unmasked_length)
         if not to_sdpa.any():
             return None
         rows = np.flatnonzero(~to_sdpa)
@@ -190,10 +199,37 @@ class _Split:
                                       step.table_planes[group:group + 1, rows],
                                       step.slot_planes[group:group + 1, tokens]) \
             if len(rows) else None
+        sdpa = np.flatnonzero(to_sdpa)
         return cls(slots=torch.from_numpy(slots.astype(np.int64)),
-                   sdpa_rows=[(int(starts[row]), int(starts[row + 1]))
-                              for row in np.flatnonzero(to_sdpa)],
+                   sdpa_rows=[(int(starts[row]), int(starts[row + 1])) for row in sdpa],
+                   contexts=[_Context.of(step, group, int(row)) for row in sdpa],
                    rest=rest, rest_tokens=torch.from_numpy(tokens))
+
+
+@dataclass(frozen=True)
+class _Context:
+    """A row with context, for SDPA: the slots of its positions ``0..seq_len`` and its
+    mask (``[new, seq_len]``: each new token sees the context and the new tokens up to
+    itself)."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, step: CpuPagedStep, group: int, row: int) -> _Context | None:
+        import torch
+
+        length = int(step.seq_lens[row])
+        new = int(step.query_start_loc[row + 1] - step.query_start_loc[row])
+        if new == length:
+            return None
+        block_size = step.kernel.block_size
+        positions = np.arange(length)
+        table = step.table_planes[group, row]
+        slots = table[positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        mask = torch.ones((new, length), dtype=torch.bool).tril(length - new)
+        return cls(slots=torch.from_numpy(slots), mask=mask)
 
 
 def _has_amx() -> bool:
