@@ -156,7 +156,8 @@ def test_pools_hold_their_core(make, core_type) -> None:
     pool = make()
     assert not isinstance(pool, core_type)
     assert type(pool.core) is core_type
-    assert not set(vars(pool)) & set(core_members(core_type))  # nothing bound per instance
+    # Per instance, only the hot calls are bound (to the core's own methods).
+    assert set(vars(pool)) & set(core_members(core_type)) == set(type(pool).BOUND_FORWARDS)
     assert repr(pool) == repr(pool.core)
     assert len(pool) == len(pool.core) == 0
 
@@ -189,3 +190,71 @@ def test_the_scheduler_takes_a_pool_or_its_core_and_nothing_else() -> None:
         _core.ContinuousScheduler(kv, config)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="KVCachePool"):
         ContinuousBatchScheduler(object())  # type: ignore[arg-type]
+
+
+BOUND = [(atb_mem.KVCachePool, _core.KVCachePool), (atb_mem.MemPool, _core.MemPool)]
+
+
+def is_pure_forward(function: object, name: str) -> bool:
+    """Whether ``function``'s body (past its docstring) is one call of ``self._core.<name>``
+    with its own parameters, in order, keyword-only ones by keyword, returned or not."""
+    tree = ast.parse(inspect.getsource(function).strip()).body[0]  # type: ignore[arg-type]
+    assert isinstance(tree, ast.FunctionDef)
+    body = tree.body[1:] if ast.get_docstring(tree) else tree.body
+    if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+        return False
+    call = body[0].value
+    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == f"self._core.{name}"):
+        return False
+    args = tree.args
+    positional = [a.arg for a in args.posonlyargs + args.args][1:]
+    return [ast.unparse(a) for a in call.args] == positional and \
+        [(k.arg, ast.unparse(k.value)) for k in call.keywords] == \
+        [(a.arg, a.arg) for a in args.kwonlyargs]
+
+
+@pytest.mark.parametrize("cls, core_type", BOUND)
+def test_bound_forwards_are_pure_and_the_instance_calls_the_core_directly(
+        cls, core_type) -> None:
+    """The hot calls go straight to Rust from an instance (no Python frame: W1 through the
+    pool costs what it costs through ``core``), and only where the class's forward does
+    nothing but that call, so both ways behave alike."""
+    instance = cls(64, 4, device=None) if cls is atb_mem.KVCachePool else cls(1 << 16)
+    assert cls.BOUND_FORWARDS
+    for name in cls.BOUND_FORWARDS:
+        assert is_pure_forward(class_member(cls, name), name), name
+        bound = getattr(instance, name)
+        assert inspect.isbuiltin(bound) and bound.__self__ is instance.core, name
+        assert bound.__name__ == name
+
+
+def test_a_pure_forward_check_can_fail() -> None:
+    class Impure:
+        _core: object
+
+        def alloc_sequence(self, seq_id, tokens, *, cache_salt=None):  # noqa: ANN
+            return self._core.alloc_sequence(tokens, seq_id, cache_salt=cache_salt)
+
+        def free_sequence(self, seq_id):  # noqa: ANN
+            seq_id += 1
+            self._core.free_sequence(seq_id)
+
+    assert not is_pure_forward(Impure.alloc_sequence, "alloc_sequence")
+    assert not is_pure_forward(Impure.free_sequence, "free_sequence")
+    assert is_pure_forward(atb_mem.KVCachePool.alloc_sequence, "alloc_sequence")
+
+
+def test_a_bound_forward_keeps_a_subclass_override_and_errors_alike() -> None:
+    class Counting(atb_mem.KVCachePool):
+        def free_sequence(self, seq_id):  # type: ignore[override]  # noqa: ANN
+            return super().free_sequence(seq_id)
+
+    kv = Counting(16, 4, device=None)
+    assert inspect.ismethod(kv.free_sequence) and inspect.isbuiltin(kv.alloc_sequence)
+    with pytest.raises(Exception) as through_pool:
+        kv.alloc_sequence(1, 10_000)
+    with pytest.raises(Exception) as through_core:
+        kv.core.alloc_sequence(1, 10_000)
+    assert type(through_pool.value) is type(through_core.value)
+    assert str(through_pool.value) == str(through_core.value)
+    assert len(kv) == 0

@@ -40,6 +40,12 @@ class BlockBookkeeping:
 
     _core: _core.KVCachePool
 
+    BOUND_FORWARDS = ("alloc_sequence", "can_allocate", "seq_len", "append_tokens", "fork",
+                      "free_sequence", "mark_computed", "num_computed", "block_table",
+                      "block_tables", "context_lens", "slot_mapping")
+    """The per-request and per-step calls, bound on each instance to the core's methods
+    (``atb_mem._forwarding.bind_forwards``): no Python frame between a caller and Rust."""
+
     # ---- what the pool was built with ------------------------------------------------------
 
     @property

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._forwarding import bind_forwards
 from atb_mem._types import (
     GroupPrefix,
     KVCacheGroup,
@@ -75,8 +76,8 @@ class KVCachePool(BlockBookkeeping):
     Block 0 is the reserved null block (block tables are padded with it), so
     ``num_blocks - 1`` blocks hold tokens. The block bookkeeping is the core's (``core``, a
     ``_core.KVCachePool``): the methods and properties of ``BlockBookkeeping`` forward to
-    it, and a loop that calls them millions of times calls ``core`` instead (no Python frame
-    per call).
+    it, and its per-request and per-step calls (``BOUND_FORWARDS``) are the core's own
+    methods, bound on the instance (no Python frame per call).
     """
 
     _mem_pool: MemPool | None
@@ -95,6 +96,7 @@ class KVCachePool(BlockBookkeeping):
             raise TypeError(f"pool must be a MemPool, got {type(pool).__name__}")
         self._core = _core.KVCachePool(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                        **kwargs)
+        bind_forwards(self, BlockBookkeeping, BlockBookkeeping.BOUND_FORWARDS)
         if pool is None and device is None:
             return
         if pool is not None:

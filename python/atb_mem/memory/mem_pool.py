@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from atb_mem import _core
+from atb_mem._forwarding import bind_forwards
 from atb_mem._types import AlignmentPolicy, MemoryBacking
 from atb_mem.memory.region_allocator import RegionAllocator
 
@@ -28,8 +29,8 @@ class MemPool(RegionAllocator):
     buffer (views are numpy arrays); ``backing=None`` hands out offsets only; any object with
     ``ptr``, ``nbytes`` and ``view(offset, nbytes, dtype, shape)`` can own the bytes instead.
     The pool itself is the core's (``core``, a ``_core.MemPool``): the methods and
-    properties of ``RegionAllocator`` forward to it, and a loop that calls them millions of
-    times calls ``core`` instead (no Python frame per call).
+    properties of ``RegionAllocator`` forward to it; ``malloc`` and ``free`` are the core's
+    own methods, bound on the instance (no Python frame per call).
     """
 
     def __init__(self, capacity: int, *, alignment: int | None = None,
@@ -39,6 +40,7 @@ class MemPool(RegionAllocator):
         self._release_threshold = 0
         self._core = _core.MemPool(capacity, alignment=alignment, policy=policy,
                                    backing=backing, max_allocations=max_allocations)
+        bind_forwards(self, RegionAllocator, RegionAllocator.BOUND_FORWARDS)
 
     @property
     def core(self) -> _core.MemPool:

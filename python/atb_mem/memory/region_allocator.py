@@ -28,6 +28,9 @@ class RegionAllocator:
 
     _core: _core.MemPool
 
+    BOUND_FORWARDS = ("malloc", "free")
+    """Bound on each instance to the core's methods (``atb_mem._forwarding.bind_forwards``)."""
+
     # ---- the region ------------------------------------------------------------------------
 
     @property
