@@ -232,10 +232,10 @@ def test_a_pure_forward_check_can_fail() -> None:
     class Impure:
         _core: object
 
-        def alloc_sequence(self, seq_id, tokens, *, cache_salt=None):  # noqa: ANN
+        def alloc_sequence(self, seq_id, tokens, *, cache_salt=None):
             return self._core.alloc_sequence(tokens, seq_id, cache_salt=cache_salt)
 
-        def free_sequence(self, seq_id):  # noqa: ANN
+        def free_sequence(self, seq_id):
             seq_id += 1
             self._core.free_sequence(seq_id)
 
@@ -246,7 +246,7 @@ def test_a_pure_forward_check_can_fail() -> None:
 
 def test_a_bound_forward_keeps_a_subclass_override_and_errors_alike() -> None:
     class Counting(atb_mem.KVCachePool):
-        def free_sequence(self, seq_id):  # type: ignore[override]  # noqa: ANN
+        def free_sequence(self, seq_id):  # type: ignore[override]
             return super().free_sequence(seq_id)
 
     kv = Counting(16, 4, device=None)
