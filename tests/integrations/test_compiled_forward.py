@@ -16,6 +16,7 @@ import pytest
 
 from atb_mem.integrations import compiled_forward
 from atb_mem.integrations.compiled_forward import CompiledForward
+from atb_mem.integrations.forward_plan import ForwardPlan
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     assert_each_matches_hf,
@@ -143,7 +144,7 @@ def test_attend_step_refuses_queries_that_are_not_the_steps_and_writes_nothing()
 
     model, _ = model_pair("llama")
     runner = engine_for(model, enforce_eager=True).runner
-    plan = compiled_forward.WarmUpPlan.of(3, 1)
+    plan = ForwardPlan.warm_up(3, 1)
     step = paged.StepAttention.from_plan(plan, runner.layer_caches,  # type: ignore[arg-type]
                                          runner.kv_cache.block_size, runner.device,
                                          kernel=runner.kernel)

@@ -14,6 +14,7 @@ import pytest
 from atb_mem.integrations import reference_attention
 from atb_mem.integrations import transformers as paged
 from atb_mem.integrations.cpu_attention import CpuPagedStep
+from atb_mem.integrations.layer_attention import FULL_ATTENTION
 from atb_mem.serving import Engine, SamplingParams
 from tests.support.models import (
     HYBRID_ARCHITECTURES,
@@ -94,7 +95,7 @@ def test_attending_past_the_window_is_caught(architecture: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the runner told every layer attends fully gets other tokens."""
     monkeypatch.setattr(paged, "layer_attention",
-                        lambda config: [paged.FULL_ATTENTION] * config.num_hidden_layers)
+                        lambda config: [FULL_ATTENTION] * config.num_hidden_layers)
     model, reference = model_pair(architecture)
     engine = Engine(model, num_blocks=24, block_size=BLOCK_SIZE)
     tokens = prompt(7, 2 * WINDOW + 1)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from atb_mem.integrations.forward_plan import ForwardPlan
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -166,24 +168,13 @@ _FIELDS = ("query_lens", "seq_lens", "query_start_loc", "input_ids", "positions"
            "slot_mapping", "logits_indices")
 
 
-@dataclass
-class WirePlan:
-    """What a worker's forward reads of a ``StepPlan``."""
+@dataclass(frozen=True)
+class WirePlan(ForwardPlan):
+    """A ``ForwardPlan`` as a worker receives it, with the step's block moves and the blocks
+    rank 0 poisoned (tests)."""
 
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    logits_indices: np.ndarray
-    block_tables: np.ndarray
     moves: np.ndarray
     poison: np.ndarray
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.input_ids)
 
 
 class PlanBroadcast:

@@ -15,8 +15,9 @@ up. torch specializes sizes 0 and 1: there the sampled rows are padded to two at
 padding row's logits are dropped). A step of one token (a single decode) has the second
 graph, all of its sizes 1: its one row is not padded (the vocabulary's projection of one row
 runs as a matrix-vector product, 12 against 19 ms on Qwen3-0.6B's in bfloat16).
-The runner compiles both at start-up on steps that change no cache (``warm_up_plans``); no
-step recompiles after that. ``benches/engine_vs_vllm.py`` reports what that start-up costs.
+The runner compiles both at start-up on steps that change no cache
+(``forward_plan.warm_up_plans``); no step recompiles after that.
+``benches/engine_vs_vllm.py`` reports what that start-up costs.
 Not compiled: a model whose layers keep recurrent state (its mixers read and write the state
 through Python hooks), a tensor-parallel rank, and CUDA (FlashInfer's path stays eager).
 """
@@ -24,16 +25,14 @@ through Python hooks), a tensor-parallel rank, and CUDA (FlashInfer's path stays
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from atb_mem.integrations.step_attention import attend_step
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompiledForward", "WarmUpPlan", "attend_compiled", "paged_attention_op",
-           "warm_up_plans"]
+__all__ = ["CompiledForward", "attend_compiled", "paged_attention_op"]
 
 _OPERATOR = "atb_mem::paged_attention"
 _SCHEMA = ("(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, "
@@ -49,15 +48,13 @@ def paged_attention_op() -> Any:
         return _registered["op"]
     import torch
 
-    from atb_mem.integrations import transformers as paged
-
     # It writes the layer's K/V into the cache, which is no input of the graph: nothing to
     # declare. Its output feeds the next layer, so the graph keeps the layers in order.
     @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
     def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         layer_idx: int, scaling: float,
                         sinks: torch.Tensor | None) -> torch.Tensor:
-        return paged.attend_step(layer_idx, query, key, value, scaling, sinks)
+        return attend_step(layer_idx, query, key, value, scaling, sinks)
 
     @paged_attention.register_fake
     def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
@@ -72,7 +69,7 @@ class CompiledForward:
     """``model``'s forward under ``torch.compile``, or eager where compiling fails: the first
     compiled call that fails where the eager forward succeeds (torch cannot compile this model
     here) warns once and the model runs eager from then on. Compiles its graphs when the
-    runner warms it up (``warm_up_plans``)."""
+    runner warms it up (``forward_plan.warm_up_plans``)."""
 
     def __init__(self, model: Any) -> None:
         import torch
@@ -113,42 +110,6 @@ class CompiledForward:
         warnings.warn(f"atb-mem: torch.compile cannot compile this model here ({reason}); "
                       "it runs eager", stacklevel=3)
         return output
-
-
-@dataclass(frozen=True)
-class WarmUpPlan:
-    """What a model runner reads of a ``StepPlan``, for a step that changes no cache: one row
-    of ``tokens`` new tokens whose slots are all -1 (the kernel writes nothing there) and whose
-    table names block 1 (the kernel reads whatever it holds; the logits are dropped)."""
-
-    query_lens: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    input_ids: np.ndarray
-    positions: np.ndarray
-    logits_indices: np.ndarray
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @classmethod
-    def of(cls, tokens: int, num_groups: int) -> WarmUpPlan:
-        lengths = np.array([tokens], dtype=np.int32)
-        return cls(query_lens=lengths, seq_lens=lengths,
-                   query_start_loc=np.array([0, tokens], dtype=np.int32),
-                   slot_mapping=np.full(num_groups * tokens, -1, dtype=np.int32),
-                   block_tables=np.ones((num_groups, 1, tokens), dtype=np.int32),
-                   input_ids=np.zeros(tokens, dtype=np.int32),
-                   positions=np.arange(tokens, dtype=np.int32),
-                   logits_indices=np.array([tokens - 1], dtype=np.int32))
-
-
-def warm_up_plans(num_groups: int) -> list[WarmUpPlan]:
-    """A step of one token and one of two: the graphs every later step reuses."""
-    return [WarmUpPlan.of(tokens, num_groups) for tokens in (1, 2)]
 
 
 def attend_compiled(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
