@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from atb_mem.tools.options import console
+from atb_mem.tools.options import console, engine_options
 
 
 @click.command()
@@ -18,14 +18,7 @@ from atb_mem.tools.options import console
               show_default=True)
 @click.option("--top-k", type=click.IntRange(min=-1), default=-1, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=None)
-@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if any).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-              default="auto", show_default=True)
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--num-blocks", type=click.IntRange(min=2), default=None,
-              help="KV-cache blocks (default: sized from memory).")
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer", "cpu"]),
-              default="auto", show_default=True)
+@engine_options
 def generate(model_dir: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, device: str | None, dtype: str, block_size: int,
              num_blocks: int | None, attention_backend: str) -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from atb_mem._core import KV_DTYPES
 from atb_mem._sizes import parse_size
+from atb_mem.integrations.attention_backends import ATTENTION_BACKENDS
 
 
 class _Size(click.ParamType):
@@ -107,6 +108,29 @@ def model_options(defaults: dict[str, int]) -> Callable[[Callable[..., Any]], Ca
         return command
 
     return decorate
+
+
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options every command that builds an ``Engine`` from a checkpoint takes: where it
+    runs (``--device``), in which dtype, its KV cache's blocks and its attention backend."""
+    options = [
+        click.option("--device", default=None,
+                     help="cpu, cuda, cuda:1, ... (default: cuda if any)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+                     default="auto", show_default=True),
+        click.option("--block-size", type=click.IntRange(min=1), default=16,
+                     show_default=True),
+        click.option("--num-blocks", type=click.IntRange(min=2), default=None,
+                     help="KV-cache blocks (default: sized from memory)."),
+        click.option("--attention-backend",
+                     type=click.Choice(ATTENTION_BACKENDS), default="auto",
+                     show_default=True,
+                     help="Paged attention: atb-mem's CPU kernel, FlashInfer's (CUDA), or the "
+                          "torch reference; auto picks the kernel the device has."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def model_dimensions(model_config: str | None, layers: int | None, kv_heads: int | None,

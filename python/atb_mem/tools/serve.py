@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from atb_mem.tools.options import OFFLOAD, offload_tiers
+from atb_mem.tools.options import OFFLOAD, engine_options, offload_tiers
 
 
 @click.command()
@@ -19,12 +19,7 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--served-model-name", default=None,
               help="The name clients send as `model` (default: MODEL_DIR's name).")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if any).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-              default="auto", show_default=True)
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--num-blocks", type=click.IntRange(min=2), default=None,
-              help="KV-cache blocks (default: sized from memory).")
+@engine_options
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
               show_default=True)
@@ -56,10 +51,6 @@ from atb_mem.tools.options import OFFLOAD, offload_tiers
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               default=0.9, show_default=True)
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "flashinfer", "cpu"]),
-              default="auto", show_default=True,
-              help="Paged attention: FlashInfer's kernel (CUDA), the torch reference, or "
-                   "FlashInfer where it runs.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
               help="Batch requests on admission: up to N reach the engine together "
                    "(default: each as it comes).")
