@@ -146,6 +146,33 @@ def test_a_damaged_chunk_is_detected_and_recomputed(tmp_path: Path, how: str) ->
     assert engine.tiers.counters.load_failures == 1
 
 
+@pytest.mark.parametrize("per_copy", [None, 3])
+def test_a_load_lands_in_one_copy_per_landing_buffer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_copy: int | None) -> None:
+    """A prompt's four blocks from the disk land in the device's blocks as one copy (or as
+    few as a landing buffer of ``per_copy`` blocks allows), not one per block; the tokens
+    still equal HF's, unused blocks poisoned."""
+    from atb_mem.kv.tiers import block_io
+
+    engine, expected = written(tmp_path)
+    assert engine.tiers is not None
+    if per_copy is not None:
+        monkeypatch.setattr(block_io, "LANDING_BYTES", per_copy * engine.kv_cache.bytes_per_block)
+    backend = engine.tiers._tensors.backend
+    copy_blocks, landed = backend.copy_blocks, []
+
+    def counted(dst: object, dst_blocks: object, src: object, src_blocks: object) -> None:
+        if dst is engine.tiers._tensors.kv:  # type: ignore[union-attr]
+            landed.append(len(np.asarray(dst_blocks)))
+        copy_blocks(dst, dst_blocks, src, src_blocks)
+
+    monkeypatch.setattr(backend, "copy_blocks", counted)
+    produced = run_poisoned(engine, {0: [("third", PROMPTS[0], GREEDY)]})
+    assert produced["third"][0][0] == expected[0]
+    assert engine.tiers.counters.loaded_blocks == 4
+    assert landed == ([4] if per_copy is None else [3, 1])
+
+
 def test_a_lost_file_is_recomputed_once_and_written_anew(tmp_path: Path) -> None:
     """A block file deleted under a running engine: the next request's load fails and it
     recomputes (HF's tokens), that recompute writes the block again, and the request after

@@ -260,10 +260,10 @@ def test_a_load_lands_its_blocks_in_one_copy_per_layer(
     """Four blocks from the disk land as one indexed copy per layer, not one per block and
     layer (or as few copies as a landing buffer of ``per_copy`` blocks allows); bytes-exact,
     in their own vLLM blocks."""
-    from atb_mem.integrations.vllm import worker as worker_module
+    from atb_mem.kv.tiers import block_io
 
     if per_copy is not None:
-        monkeypatch.setattr(worker_module, "LANDING_BYTES",
+        monkeypatch.setattr(block_io, "LANDING_BYTES",
                             per_copy * 3 * HEADS * BLOCK * 2 * HEAD_DIM * 2)
     source = caches(seed=1)
     save_to_disk(tmp_path, source, [1, 2, 3, 4])

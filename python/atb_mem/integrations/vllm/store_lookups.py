@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from atb_mem.kv.tiers.store import block_key
+from atb_mem.kv.tiers.block_io import held_by
 
 __all__ = ["UNAVAILABLE_S", "StoreLookup", "StoreLookups"]
 
@@ -46,20 +46,11 @@ class StoreLookups:
 
     def holders(self, hashes: np.ndarray) -> list[tuple[str, ...]]:
         """The stores holding every rank's shard of each block: one batched call each."""
-        if not self.stores or not len(hashes):
-            return [() for _ in range(len(hashes))]
-        keys = [block_key(identity, words) for words in hashes for identity in self.identities]
-        ranks = len(self.identities)
-        held_by: list[list[str]] = [[] for _ in range(len(hashes))]
         now = time.monotonic()
-        failed = [self._unavailable.get((int(words[0]), int(words[1])), 0.0) > now
-                  for words in hashes]
-        for store in self.stores:
-            held = store.exists(keys)
-            for at in range(len(hashes)):
-                if all(held[at * ranks:(at + 1) * ranks]) and not failed[at]:
-                    held_by[at].append(store.name)
-        return [tuple(names) for names in held_by]
+        return [() if self._unavailable.get((int(words[0]), int(words[1])), 0.0) > now
+                else tuple(store.name for store in stores)
+                for words, stores in zip(hashes, held_by(self.stores, self.identities, hashes),
+                                         strict=True)]
 
     def loading(self, req_id: str, words: tuple[int, int], block: int) -> None:
         """A load of ``words`` into vLLM's ``block`` for ``req_id`` was planned."""

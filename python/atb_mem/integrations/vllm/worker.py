@@ -13,47 +13,34 @@ blocks on the worker's thread, after the step's forward, and the request reporte
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from atb_mem.integrations.vllm.moves import HOST, TierMoves
-from atb_mem.kv.tiers.store import KVStore, block_key, frame, framed_size, key_hash, unframe
+from atb_mem.kv.tiers.block_io import BlockFetch, BlockWriter, landing_chunks
+from atb_mem.kv.tiers.store import KVStore, block_key, framed_size, key_hash
 
 __all__ = ["TierWorker"]
 
 log = logging.getLogger("atb_mem.vllm")
-
-# Writes queued beyond this are dropped (counted): a tier slower than prefill must not grow
-# host memory without bound.
-MAX_PENDING_PUTS = 256
-# A load still waiting for a fetch thread after this many load timeouts fails.
-QUEUED_TIMEOUTS = 4
-# The most bytes of blocks a load lands in one copy (the landing buffer's size at most).
-LANDING_BYTES = 64 << 20
 
 
 @dataclass
 class _Load:
     req_id: str
     blocks: list[int]
-    keys: list[str]
-    fetched: list[tuple[bytes, str] | None] = field(default_factory=list)
-    """What the fetch thread read so far, in order (a late load lands the leading part)."""
-    started: list[float] = field(default_factory=list)
-    """When the fetch thread began (not while it queued behind other loads)."""
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    future: Future[None] | None = None
+    fetch: BlockFetch
+    """A late load lands the leading part of what it fetched."""
 
 
 class TierWorker:
@@ -77,9 +64,9 @@ class TierWorker:
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
         self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="atb-mem-vllm-save")
+        self._writer = BlockWriter(lambda store, error: self._count(store_errors=1),
+                                   "atb-mem-vllm-save")
         self._lock = threading.Lock()  # the counters, which the writer updates too
-        self._pending_puts = 0
         self._errors_seen = 0
         self.counters: dict[str, float] = {}
         self.record_events = False
@@ -158,38 +145,10 @@ class TierWorker:
             self._count(**{f"loaded_blocks_{HOST}": len(rows)},
                         loaded_bytes=len(rows) * self._block_bytes)
         for req_id, loads in moves.store_loads.items():
-            load = _Load(req_id, [block for _, _, block in loads],
-                         [block_key(self.identity, (high, low)) for high, low, _ in loads])
-            load.future = self._fetchers.submit(self._fetch, load)
-            self._loads.append(load)
-
-    def _fetch(self, load: _Load) -> None:
-        """Each key's checked payload and the store it came from, into ``load.fetched``;
-        stops at the first block no store has intact (the load failed from there), or once
-        the load is cancelled (late)."""
-        load.started.append(time.perf_counter())
-        found = load.fetched
-        for key in load.keys:
-            if load.cancelled.is_set():
-                return
-            payload = None
-            for store in self.stores:
-                try:
-                    value = store.get(key)
-                except Exception as error:
-                    log.warning("atb-mem: reading from the %s tier failed: %s", store.name,
-                                error)
-                    value = None
-                payload = unframe(value, self._block_bytes, True, key)
-                if payload is not None:
-                    found.append((payload, store.name))
-                    break
-                if value is not None and hasattr(store, "discard"):
-                    store.discard(key)  # damaged: a later save writes it anew
-                    self._count(corrupt_blocks=1)
-            if payload is None:
-                found.append(None)
-                break
+            fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
+            fetch.start(self._fetchers, self.stores, self._block_bytes, True,
+                        lambda: self._count(corrupt_blocks=1))
+            self._loads.append(_Load(req_id, [block for _, _, block in loads], fetch))
 
     def save(self, moves: TierMoves) -> None:
         """After the forward: vLLM blocks → host blocks, then the puts to the stores."""
@@ -206,33 +165,22 @@ class TierWorker:
                       if store.name in names and getattr(store, "writable", True)]
             if not stores:
                 continue
-            with self._lock:
-                if self._pending_puts >= MAX_PENDING_PUTS:
-                    self.counters["dropped_puts"] = self.counters.get("dropped_puts", 0) + 1
-                    continue
-                self._pending_puts += 1
             key = block_key(self.identity, (high, low))
-            writes.append(self._writer.submit(self._put, key, self._bytes_of(from_host, block),
-                                              stores))
+            write = self._writer.submit(key, self._bytes_of(from_host, block), stores, True,
+                                        functools.partial(self._put, key))
+            if write is None:
+                self._count(dropped_puts=1)
+            else:
+                writes.append(write)
         if self.puts_land_in_step and writes:
             futures_wait(writes, timeout=self.load_timeout_s)
 
-    def _put(self, key: str, payload: bytes, stores: list[KVStore]) -> None:
-        try:
-            value = frame(payload, True, key)
-            for store in stores:
-                try:
-                    if store.put(key, value):
-                        self._count(**{f"saved_blocks_{store.name}": 1})
-                        if self.record_events:
-                            self._record(store, key)
-                except Exception as error:
-                    self._count(store_errors=1)
-                    log.warning("atb-mem: writing to the %s tier failed: %s", store.name,
-                                error)
-        finally:
-            with self._lock:
-                self._pending_puts -= 1
+    def _put(self, key: str, taken: list[KVStore], framed: int) -> None:
+        """Counts a block the stores ``taken`` took (on the writer), with its events."""
+        for store in taken:
+            self._count(**{f"saved_blocks_{store.name}": 1})
+            if self.record_events:
+                self._record(store, key)
 
     def _record(self, store: KVStore, key: str) -> None:
         """A block ``store`` took, after the blocks it evicted for it."""
@@ -254,49 +202,36 @@ class TierWorker:
         whose loads ended (a failed one too: its blocks are in ``load_errors``)."""
         if not self._loads:
             return set()
-        if wait_s > 0 and not any(_done(load) for load in self._loads):
-            try:
-                self._loads[0].future.exception(timeout=wait_s)  # type: ignore[union-attr]
-            except FutureTimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
+        if wait_s > 0 and not any(load.fetch.done for load in self._loads):
+            self._loads[0].fetch.wait(wait_s)
         now, done = time.perf_counter(), set()
         for load in list(self._loads):
-            begun = load.started[0] if load.started else now
-            # Queued behind other loads is not late, but a queue that never moves is.
-            late = now - begun > self.load_timeout_s or \
-                now - load.submitted > QUEUED_TIMEOUTS * self.load_timeout_s
-            if not _done(load) and not late:
+            if not load.fetch.done and not load.fetch.late(now, self.load_timeout_s):
                 continue
             self._loads.remove(load)
             done.add(load.req_id)
-            if not _done(load):  # what arrived in time lands; the rest is recomputed
-                load.cancelled.set()
+            if not load.fetch.done:  # what arrived in time lands; the rest is recomputed
+                load.fetch.cancelled.set()
                 log.warning("atb-mem: a load took over %s s: its blocks from the first "
                             "one missing then are recomputed", self.load_timeout_s)
             landed = 0
             try:
-                landed = self._land(load.blocks, list(load.fetched))
+                landed = self._land(load.blocks, load.fetch.intact())
             except Exception as error:  # a copy that failed: recomputed
                 log.warning("atb-mem: landing a load failed: %s", error)
             if landed < len(load.blocks):
                 self._errors.update(load.blocks[landed:])
                 self._count(load_failures=1)
+            begun = load.fetch.started[0] if load.fetch.started else now
             self._count(load_seconds_sum=time.perf_counter() - begun, loads=1)
         return done
 
-    def _land(self, blocks: list[int], fetched: list[tuple[bytes, str] | None]) -> int:
-        """Copies a fetch's leading intact blocks in, as many at a time as the landing
-        buffer holds (one indexed copy per layer each time, not one per block and layer);
-        returns how many landed."""
-        intact: list[tuple[bytes, str]] = []
-        for found in fetched[:len(blocks)]:
-            if found is None:
-                break
-            intact.append(found)
-        per_copy = max(1, LANDING_BYTES // self._block_bytes)
+    def _land(self, blocks: list[int], intact: list[tuple[bytes, str]]) -> int:
+        """Copies a fetch's leading intact blocks in, a landing buffer's worth at a time
+        (one indexed copy per layer each time, not one per block and layer); returns how
+        many landed."""
         landed = 0
-        for start in range(0, len(intact), per_copy):
-            chunk = intact[start:start + per_copy]
+        for start, chunk in landing_chunks(intact[:len(blocks)], self._block_bytes):
             buffer = self._landing_rows(len(chunk))
             rows = buffer.view(len(buffer), -1).view(dtype=_uint8()).numpy()
             for row, (payload, _) in enumerate(chunk):
@@ -349,13 +284,9 @@ class TierWorker:
 
     def close(self) -> None:
         self._fetchers.shutdown(wait=True, cancel_futures=True)
-        self._writer.shutdown(wait=True)
+        self._writer.close()
         for store in self.stores:
             store.close()
-
-
-def _done(load: _Load) -> bool:
-    return load.future is not None and load.future.done()
 
 
 def _uint8() -> Any:

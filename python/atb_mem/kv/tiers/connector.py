@@ -27,16 +27,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from atb_mem.kv.tiers.block_io import BlockFetch, BlockWriter, held_by, landing_chunks
 from atb_mem.kv.tiers.counters import LOAD_SECONDS_BUCKETS, TierCounters
 from atb_mem.kv.tiers.saves import MAX_PENDING_SAVES, Prompt, WriteThrough
-from atb_mem.kv.tiers.store import KVStore, block_key, framed_size, unframe
+from atb_mem.kv.tiers.store import KVStore, block_key, framed_size
 
 __all__ = ["LOAD_SECONDS_BUCKETS", "MAX_PENDING_SAVES", "TierConnector", "TierCounters"]
 
@@ -47,8 +47,7 @@ log = logging.getLogger("atb_mem.tiers")
 class _Load:
     seq_id: int
     blocks: list[int]
-    future: Future[list[tuple[bytes, str] | None]]
-    started: float
+    fetch: BlockFetch
     fills: str | None
     """The miss reason this load turns into a full hit, if it loads up to the last block the
     prompt can hit."""
@@ -78,15 +77,14 @@ class TierConnector(WriteThrough):
         self._block_bytes = kv_cache.bytes_per_block
         self._block_shape = (tensors.kv.shape[0], tensors.kv.shape[1], 1, *tensors.kv.shape[3:])
         self._staging = tensors.backend.host_tensor(self._block_shape, tensors.kv.dtype)
+        self._landing: Any = None
         # Loads never wait behind saves: one pool fetches, one thread writes.
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="atb-mem-tier-load")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="atb-mem-tier-save")
-        self._pending_saves = 0
+        self._writer = BlockWriter(self._raised)
         self._prompts: dict[int, Prompt] = {}
         self._events = bool(kv_cache.enable_kv_events)
         self._loads: list[_Load] = []
-        self._counting = threading.Lock()  # saves are counted on the workers
-        self._saves_done = threading.Condition(self._counting)
+        self._counting = threading.Lock()  # saves are counted on the writer
 
     @property
     def counters(self) -> TierCounters:
@@ -101,14 +99,7 @@ class TierConnector(WriteThrough):
 
     def _holders(self, hashes: np.ndarray) -> list[list[KVStore]]:
         """The stores holding each of ``hashes``: one batched lookup per store."""
-        keys = [block_key(self.identity, words) for words in hashes]
-        holders: list[list[KVStore]] = [[] for _ in keys]
-        for store in self.stores:
-            for held_by, held in zip(holders, store.exists(keys) if keys else [],
-                                     strict=True):
-                if held:
-                    held_by.append(store)
-        return holders
+        return held_by(self.stores, [self.identity], hashes)
 
     def _hit_blocks(self, why: Any) -> int:
         """The whole blocks the device and the host serve, as ``explain_prefix`` gives them."""
@@ -190,39 +181,19 @@ class TierConnector(WriteThrough):
 
     def _start_load(self, seq_id: int, blocks: list[int], keys: list[str]) -> _Load:
         """A load of ``blocks`` (the offered run's tail past what the admission hit)."""
+        fetch = BlockFetch(keys)
         prompt = self._prompts.get(seq_id)
         if prompt is None or not prompt.offered:  # not offered here: nothing to check
-            return _Load(seq_id, blocks, self._workers.submit(self._fetch, keys),
-                         time.perf_counter(), None)
+            return _Load(seq_id, blocks, self._fetch(fetch), None)
         fills = prompt.reason if prompt.offered == len(prompt.holders) else None
-        future: Future[list[tuple[bytes, str] | None]]
         if all(prompt.holders[prompt.offered - len(keys):prompt.offered]):
-            future = self._workers.submit(self._fetch, keys)
-        else:
-            # The device evicted part of the head the offer counted on, which no store
-            # holds: the load fails now, without I/O, and those blocks are recomputed.
-            future = Future()
-            future.set_result([])
-        return _Load(seq_id, blocks, future, time.perf_counter(), fills)
+            return _Load(seq_id, blocks, self._fetch(fetch), fills)
+        # The device evicted part of the head the offer counted on, which no store holds:
+        # the load fails now, without I/O, and those blocks are recomputed.
+        return _Load(seq_id, blocks, fetch.fail_now(), fills)
 
-    def _fetch(self, keys: list[str]) -> list[tuple[bytes, str] | None]:
-        """Each key's checked payload and the tier it came from (None where no store has an
-        intact one; the fetch stops there, as the load has failed)."""
-        payloads: list[tuple[bytes, str] | None] = []
-        for key in keys:
-            found = None
-            for store in self.stores:
-                value = store.get(key)
-                payload = unframe(value, self._block_bytes, self.checksum, key)
-                if payload is not None:
-                    found = (payload, store.name)
-                    break
-                if value is not None and hasattr(store, "discard"):
-                    store.discard(key)  # damaged: a later save writes it anew
-            payloads.append(found)
-            if found is None:
-                break
-        return payloads
+    def _fetch(self, fetch: BlockFetch) -> BlockFetch:
+        return fetch.start(self._workers, self.stores, self._block_bytes, self.checksum)
 
     @property
     def num_loading(self) -> int:
@@ -233,21 +204,17 @@ class TierConnector(WriteThrough):
         that failed or timed out; with ``wait_s``, first waits that long for the oldest."""
         if not self._loads:
             return
-        if wait_s > 0 and not any(load.future.done() for load in self._loads):
-            try:
-                self._loads[0].future.exception(timeout=wait_s)
-            except FutureTimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
+        if wait_s > 0 and not any(load.fetch.done for load in self._loads):
+            self._loads[0].fetch.wait(wait_s)
         now = time.perf_counter()
         ended = [load for load in self._loads
-                 if load.future.done() or now - load.started > self.load_timeout_s]
+                 if load.fetch.done or load.fetch.late(now, self.load_timeout_s)]
         if not ended:
             return
         done = []
         for load in ended:
-            landed = False
-            if not load.future.done():  # late: recomputed, what arrives later is dropped
-                load.future.cancel()
+            if not load.fetch.done:  # late: recomputed, what arrives later is dropped
+                load.fetch.cancelled.set()
                 log.warning("atb-mem: a load took over %s s: its blocks are recomputed",
                             self.load_timeout_s)
             else:
@@ -267,26 +234,44 @@ class TierConnector(WriteThrough):
         self._loads = [load for load in self._loads if load not in ended]
 
     def _land(self, load: _Load) -> bool:
+        """Copies a whole load in (a load lands whole or not at all), as many blocks at a
+        time as ``LANDING_BYTES`` allows."""
         try:
-            payloads = load.future.result()
-        except Exception as error:  # a store that raised: the load failed
+            assert load.fetch.future is not None
+            load.fetch.future.result()
+            fetched = list(load.fetch.fetched)
+        except Exception as error:  # a fetch that raised: the load failed
             log.warning("atb-mem: a load failed: %s", error)
-            payloads = [None]
-        if len(payloads) != len(load.blocks) or any(p is None for p in payloads):
+            fetched = [None]
+        intact = [found for found in fetched if found is not None]
+        if len(intact) != len(fetched) or len(intact) != len(load.blocks):
             with self._counting:
                 self._counters.load_failures += 1
-                self._counters.corrupt_blocks += sum(p is None for p in payloads)
+                self._counters.corrupt_blocks += sum(found is None for found in fetched)
             return False
-        backend, staging = self._tensors.backend, self._staging
-        view = backend.bytes_of(staging)
-        counters = self._counters
-        for block, found in zip(load.blocks, payloads, strict=True):
-            assert found is not None  # checked above
-            payload, tier = found
-            view[:] = np.frombuffer(payload, dtype=np.uint8)
-            backend.copy_blocks(self._tensors.kv, np.array([block]), staging, np.array([0]))
-        seconds = time.perf_counter() - load.started
-        by_tier = Counter(tier for _, tier in payloads)  # type: ignore[misc]
+        backend = self._tensors.backend
+        for start, chunk in landing_chunks(intact, self._block_bytes):
+            # Rows of the whole buffer (a slice of it is no view of its bytes).
+            landing = self._landing_blocks(len(chunk))
+            rows = backend.bytes_of(landing).reshape(
+                self._block_shape[0] * self._block_shape[1], landing.shape[2], -1)
+            for row, (payload, _) in enumerate(chunk):
+                rows[:, row] = np.frombuffer(payload, dtype=np.uint8).reshape(len(rows), -1)
+            backend.copy_blocks(self._tensors.kv, np.asarray(load.blocks[start:][:len(chunk)]),
+                                landing, np.arange(len(chunk)))
+        self._count_landed(load, Counter(tier for _, tier in intact))
+        return True
+
+    def _landing_blocks(self, count: int) -> Any:
+        """A host buffer of at least ``count`` blocks (the blocks' axis third, as the
+        cache's), kept and grown as loads need."""
+        if self._landing is None or self._landing.shape[2] < count:
+            shape = (*self._block_shape[:2], count, *self._block_shape[3:])
+            self._landing = self._tensors.backend.host_tensor(shape, self._tensors.kv.dtype)
+        return self._landing
+
+    def _count_landed(self, load: _Load, by_tier: Counter[str]) -> None:
+        seconds = time.perf_counter() - load.fetch.submitted
         by_medium: Counter[str] = Counter()
         for store in self.stores:
             by_medium[store.medium] += by_tier[store.name]
@@ -295,6 +280,7 @@ class TierConnector(WriteThrough):
             if blocks:
                 self.kv_cache._record_tier_hits(medium, blocks, filled)
                 filled = None
+        counters = self._counters
         with self._counting:
             for tier, blocks in by_tier.items():
                 counters.loaded_by_tier[tier] = counters.loaded_by_tier.get(tier, 0) + blocks
@@ -303,10 +289,14 @@ class TierConnector(WriteThrough):
             counters.load_seconds_sum += seconds
             for bucket, bound in enumerate(LOAD_SECONDS_BUCKETS):
                 counters.load_seconds_buckets[bucket] += int(seconds <= bound)
-        return True
+
+    def _raised(self, store: KVStore, error: Exception) -> None:
+        """A store's put raised (on the writer): a failed call, counted."""
+        with self._counting:
+            self._counters.raised_puts += 1
 
     def close(self) -> None:
         self._workers.shutdown(wait=True, cancel_futures=False)
-        self._writer.shutdown(wait=True, cancel_futures=False)
+        self._writer.close()
         for store in self.stores:
             store.close()

@@ -6,22 +6,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from atb_mem.kv.tiers.block_io import MAX_PENDING_PUTS, BlockWriter
 from atb_mem.kv.tiers.counters import TierCounters
-from atb_mem.kv.tiers.store import KVStore, block_key, frame, key_hash
+from atb_mem.kv.tiers.store import KVStore, block_key, key_hash
 
 __all__ = ["MAX_PENDING_SAVES", "Prompt", "WriteThrough"]
 
 log = logging.getLogger("atb_mem.tiers")
 
-# Saves queued for the writer beyond which new ones are dropped (counted): a tier slower than
-# prefill must not grow host memory without bound.
-MAX_PENDING_SAVES = 256
+MAX_PENDING_SAVES = MAX_PENDING_PUTS
+"""Saves queued for the writer beyond which new ones are dropped (counted)."""
 
 
 @dataclass
@@ -49,9 +48,7 @@ class WriteThrough:
     checksum: bool
     _counters: TierCounters
     _counting: threading.Lock
-    _saves_done: threading.Condition
-    _pending_saves: int
-    _writer: ThreadPoolExecutor
+    _writer: BlockWriter
     _tensors: Any
     _staging: Any
     _events: bool
@@ -110,32 +107,24 @@ class WriteThrough:
         every store)."""
         backend, staging = self._tensors.backend, self._staging
         backend.copy_blocks(staging, np.array([0]), self._tensors.kv, np.array([block]))
-        with self._counting:
-            if self._pending_saves >= MAX_PENDING_SAVES:
-                self._counters.dropped_saves += 1
-                return
-            self._pending_saves += 1
-        value = frame(bytes(backend.bytes_of(staging)), self.checksum, key)
-        self._writer.submit(self._put, key, value, name,
-                            self.stores if stores is None else stores)
+        stores = self.stores if stores is None else stores
 
-    def _put(self, key: str, value: bytes, name: tuple[Any, ...],
-             stores: list[KVStore]) -> None:
-        """Writes one block through to ``stores``; with KV events, says where it went (and
-        what the disk evicted for it), so routers can score the tiers."""
-        try:
-            taken = [store for store in stores if self._put_into(store, key, value)]
-        finally:
+        def then(taken: list[KVStore], framed: int) -> None:
+            self._saved(key, name, taken, framed)
+
+        if self._writer.submit(key, bytes(backend.bytes_of(staging)), stores, self.checksum,
+                               then) is None:
             with self._counting:
-                self._pending_saves -= 1
-                if self._pending_saves == 0:
-                    self._saves_done.notify_all()
-        if not taken:
-            return
+                self._counters.dropped_saves += 1
+
+    def _saved(self, key: str, name: tuple[Any, ...], taken: list[KVStore],
+               framed: int) -> None:
+        """Counts a block ``taken`` stores took (on the writer); with KV events, says where
+        it went (and what the disk evicted for it), so routers can score the tiers."""
         with self._counting:
             counters = self._counters
             counters.saved_blocks += 1
-            counters.saved_bytes += len(value)
+            counters.saved_bytes += framed
             for store in taken:
                 counters.saved_by_tier[store.name] = counters.saved_by_tier.get(store.name, 0) + 1
         if not self._events:
@@ -149,17 +138,6 @@ class WriteThrough:
             self.kv_cache._record_tier_event(store.medium, True, [hash_words], parent,
                                              token_ids)
 
-    def _put_into(self, store: KVStore, key: str, value: bytes) -> bool:
-        """``store.put``, a raise counted as a failed call: the other stores still get the
-        block."""
-        try:
-            return store.put(key, value)
-        except Exception as error:
-            with self._counting:
-                self._counters.raised_puts += 1
-            log.warning("atb-mem: writing a block to the %s tier failed: %s", store.name, error)
-            return False
-
     def wait_for_saves(self, timeout_s: float) -> bool:
         """Waits, at most ``timeout_s`` seconds, until every save handed to the writer has
         landed in the stores (or failed); returns whether it did. Serving never needs this:
@@ -168,5 +146,4 @@ class WriteThrough:
                 or not 0 <= timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got "
                              f"{timeout_s!r}")
-        with self._saves_done:
-            return self._saves_done.wait_for(lambda: self._pending_saves == 0, timeout_s)
+        return self._writer.wait(timeout_s)
