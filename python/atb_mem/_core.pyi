@@ -29,6 +29,8 @@ PAD_SLOT: int
 """-1: slot-mapping entry of a batch-table row with no new token (kernels skip it)."""
 KV_DTYPES: list[KVDtype]
 """The dtypes a KV cache takes, by canonical name."""
+EVICTION_POLICIES: tuple[str, ...]
+"""The names ``KVCachePool``'s ``eviction_policy`` takes, the core's one list of them."""
 def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
                     dtype: KVDtype | KVDtypeAlias | Any, block_size: int) -> tuple[int, int, int]:
     """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core."""

@@ -2,7 +2,7 @@
 
 use std::hint::black_box;
 
-use atb_mem_core::{BlockHash, BlockPool, KvCache, KvLayout, Tokens};
+use atb_mem_core::{BlockHash, BlockPool, KvCacheConfig, KvLayout, Tokens};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 fn block_allocate_free(c: &mut Criterion) {
@@ -36,7 +36,9 @@ fn block_allocate_free(c: &mut Criterion) {
 }
 
 fn sequence_churn(c: &mut Criterion) {
-    let mut cache = KvCache::new(65_536, 16, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(65_536, 16, KvLayout::default())
+        .build()
+        .unwrap();
     c.bench_function("kv_cache/alloc_sequence+free_sequence (16 tokens)", |b| {
         b.iter(|| {
             cache
@@ -56,10 +58,10 @@ fn sequence_churn(c: &mut Criterion) {
 /// request, as an engine drains every step).
 fn prefix_request_events(c: &mut Criterion) {
     for events in [false, true] {
-        let mut cache = KvCache::new(65_536, 16, KvLayout::default(), true).unwrap();
-        if events {
-            cache.enable_kv_events().unwrap();
-        }
+        let mut cache = KvCacheConfig::new(65_536, 16, KvLayout::default())
+            .kv_events(events)
+            .build()
+            .unwrap();
         let mut prompt: Vec<u32> = (0..1_280).collect();
         let mut request = 0u32;
         let name = format!(

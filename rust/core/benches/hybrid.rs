@@ -9,8 +9,8 @@
 //! included).
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvDtype, KvLayout, Preemption, SchedulerConfig,
-    StepPlan, Tokens,
+    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvDtype, KvLayout, Preemption,
+    SchedulerConfig, StepPlan, Tokens,
 };
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,10 @@ fn cache(grouped: bool) -> KvCache {
             _ => AttentionKind::Full,
         })
         .collect();
-    KvCache::with_layer_kinds(40_000, BLOCK_SIZE, layout(), true, &kinds).unwrap()
+    KvCacheConfig::new(40_000, BLOCK_SIZE, layout())
+        .layer_kinds(&kinds)
+        .build()
+        .unwrap()
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {

@@ -8,8 +8,8 @@
 //! `benches/recurrent_checkpoints.py` measures the same through Python.
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvDtype, KvLayout, LayerKind, Preemption,
-    SchedulerConfig, StepPlan, Tokens,
+    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvDtype, KvLayout, LayerKind,
+    Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 use std::time::{Duration, Instant};
 
@@ -36,16 +36,20 @@ fn cache(states: bool, batch: usize, interval: Option<usize>) -> KvCache {
         head_dim: 128,
         dtype: KvDtype::BFloat16,
     };
-    let probe = KvCache::with_layer_kinds(1 << 20, BLOCK_SIZE, layout, true, &kinds).unwrap();
+    let probe = KvCacheConfig::new(1 << 20, BLOCK_SIZE, layout)
+        .layer_kinds(&kinds)
+        .build()
+        .unwrap();
     // Room for every sequence's states and the K/V of 640 tokens: the same batch runs.
     let num_blocks = batch * (probe.num_state_blocks() + 40) + 64;
     let caching = interval != Some(0);
-    let mut cache =
-        KvCache::with_layer_kinds(num_blocks, BLOCK_SIZE, layout, caching, &kinds).unwrap();
-    if let Some(interval) = interval.filter(|&blocks| blocks > 0) {
-        cache.set_state_checkpoint_interval(interval).unwrap();
-    }
-    cache
+    let config = KvCacheConfig {
+        state_checkpoint_interval: interval.filter(|&blocks| blocks > 0),
+        ..KvCacheConfig::new(num_blocks, BLOCK_SIZE, layout)
+            .prefix_caching(caching)
+            .layer_kinds(&kinds)
+    };
+    config.build().unwrap()
 }
 
 /// A step and its sampled tokens; `scratch` holds the sampled ids, tokens and finished ids

@@ -5,7 +5,7 @@
 //! length is what the cache itself says; a failed append changes no buffer. In debug builds
 //! the cache also checks that its window bounds never skip a release (`windows_stay`).
 
-use atb_mem_core::{AttentionKind, BatchTable, KvCache, KvLayout, Tokens, PAD_SLOT};
+use atb_mem_core::{AttentionKind, BatchTable, KvCache, KvCacheConfig, KvLayout, Tokens, PAD_SLOT};
 use proptest::prelude::*;
 
 const MAX_SEQS: usize = 4;
@@ -111,8 +111,11 @@ fn run(kinds: Vec<AttentionKind>, block_size: usize, ops: Vec<Op>) {
         num_layers: kinds.len(),
         ..KvLayout::default()
     };
-    let mut cache = KvCache::with_layer_kinds(160, block_size, layout, true, &kinds).unwrap();
-    cache.enable_host_tier(160).unwrap();
+    let mut cache = KvCacheConfig::new(160, block_size, layout)
+        .layer_kinds(&kinds)
+        .host_blocks(160)
+        .build()
+        .unwrap();
     let groups = cache.num_groups();
     let mut table = BatchTable::new(MAX_SEQS, WIDTH, groups).unwrap();
     // The slots the last append wrote per row and group (PAD_SLOT before any).
@@ -255,8 +258,10 @@ fn a_table_for_another_number_of_groups_is_refused() {
         num_layers: 2,
         ..KvLayout::default()
     };
-    let mut cache =
-        KvCache::with_layer_kinds(16, 2, layout, true, &[sliding, AttentionKind::Full]).unwrap();
+    let mut cache = KvCacheConfig::new(16, 2, layout)
+        .layer_kinds(&[sliding, AttentionKind::Full])
+        .build()
+        .unwrap();
     cache.alloc_sequence(1, Tokens::Count(3), None).unwrap();
     let mut table = BatchTable::new(2, 4, 1).unwrap();
     let message = table.add(&cache, 1).unwrap_err().to_string();

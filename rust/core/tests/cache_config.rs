@@ -1,5 +1,5 @@
-//! A cache built from one `KvCacheConfig` is the cache the setters build in their order, and
-//! a setting it refuses is named.
+//! A cache built from a `KvCacheConfig`'s chained settings is the cache its fields
+//! describe, with every setting applied, and a setting it refuses is named.
 
 use atb_mem_core::{
     AttentionKind, EvictionPolicy, KvCache, KvCacheConfig, KvDtype, KvLayout, LayerKind,
@@ -26,7 +26,7 @@ fn kinds() -> Vec<LayerKind> {
 }
 
 #[test]
-fn a_config_builds_what_the_setters_build() {
+fn a_config_builds_what_its_settings_say() {
     let config = KvCacheConfig {
         layer_kinds: Some(kinds()),
         eviction_policy: EvictionPolicy::Lfu,
@@ -37,13 +37,20 @@ fn a_config_builds_what_the_setters_build() {
         ..KvCacheConfig::new(256, 8, layout())
     };
     let built = KvCache::from_config(&config).unwrap();
-    let mut by_hand =
-        KvCache::with_policy(256, 8, layout(), true, &kinds(), EvictionPolicy::Lfu).unwrap();
-    by_hand.set_state_checkpoint_interval(2).unwrap();
-    by_hand.enable_host_tier(32).unwrap();
-    by_hand.enable_host_prefix_cache().unwrap();
-    by_hand.enable_kv_events().unwrap();
-    assert_eq!(cache_state(&built), cache_state(&by_hand));
+    let chained = KvCacheConfig::new(256, 8, layout())
+        .layer_kinds(&kinds())
+        .eviction_policy(EvictionPolicy::Lfu)
+        .state_checkpoint_interval(2)
+        .host_blocks(32)
+        .host_prefix_cache(true)
+        .kv_events(true)
+        .build()
+        .unwrap();
+    assert_eq!(cache_state(&built), cache_state(&chained));
+    assert_eq!(built.eviction_policy(), EvictionPolicy::Lfu);
+    assert_eq!(built.state_checkpoint_interval(), 2);
+    assert_eq!(built.num_host_blocks(), 32);
+    assert!(built.host_prefix_cache() && built.kv_events_enabled());
     // Keys finer than a block serve full-attention layers only.
     let pieces = KvCacheConfig {
         hash_block_size: Some(4),
@@ -51,14 +58,27 @@ fn a_config_builds_what_the_setters_build() {
         host_prefix_cache: true,
         ..KvCacheConfig::new(64, 16, KvLayout::default())
     };
-    let mut by_hand = KvCache::new(64, 16, KvLayout::default(), true).unwrap();
-    by_hand.set_hash_block_size(4).unwrap();
-    by_hand.enable_host_tier(8).unwrap();
-    by_hand.enable_host_prefix_cache().unwrap();
-    assert_eq!(
-        cache_state(&KvCache::from_config(&pieces).unwrap()),
-        cache_state(&by_hand)
-    );
+    let chained = KvCacheConfig::new(64, 16, KvLayout::default())
+        .hash_block_size(4)
+        .host_blocks(8)
+        .host_prefix_cache(true)
+        .build()
+        .unwrap();
+    let built = KvCache::from_config(&pieces).unwrap();
+    assert_eq!(cache_state(&built), cache_state(&chained));
+    assert_eq!(built.hash_block_size(), 4);
+    assert_eq!(built.num_host_blocks(), 8);
+    assert!(built.host_prefix_cache() && !built.kv_events_enabled());
+    // Every setting left out is at its default.
+    let plain = KvCacheConfig::new(64, 16, KvLayout::default())
+        .build()
+        .unwrap();
+    assert!(plain.enable_prefix_caching());
+    assert_eq!(plain.eviction_policy(), EvictionPolicy::default());
+    assert_eq!((plain.hash_block_size(), plain.num_host_blocks()), (16, 0));
+    assert!(!plain.host_prefix_cache() && !plain.kv_events_enabled());
+    let off = KvCacheConfig::new(64, 16, KvLayout::default()).prefix_caching(false);
+    assert!(!off.build().unwrap().enable_prefix_caching());
 }
 
 #[test]
@@ -85,6 +105,18 @@ fn a_refused_setting_is_named() {
                 ..base.clone()
             },
             "layer",
+        ),
+        (
+            base.clone().state_checkpoint_interval(0),
+            "state_checkpoint_interval",
+        ),
+        (base.clone().host_blocks(0), "num_host_blocks"),
+        (
+            base.clone()
+                .prefix_caching(false)
+                .host_blocks(4)
+                .host_prefix_cache(true),
+            "prefix caching",
         ),
     ];
     for (config, named) in refused {

@@ -3,7 +3,7 @@
 //! cache as it was, less the sequences whose bytes it destroyed; one that fails before any
 //! move, or an operation refused up front, leaves it byte for byte as it was.
 
-use atb_mem_core::{BlockMove, CoreError, KvCache, KvLayout, MoveFailure, Tokens};
+use atb_mem_core::{BlockMove, CoreError, KvCache, KvCacheConfig, KvLayout, MoveFailure, Tokens};
 
 #[path = "support/state.rs"]
 mod state;
@@ -12,8 +12,10 @@ use state::cache_state as state;
 /// Two sequences sharing a prefix, a third of their own, and a fork whose copy-on-write
 /// copy is pending: every swap also carries an earlier copy.
 fn cache_with_pending_copy() -> KvCache {
-    let mut cache = KvCache::new(24, 2, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(16).unwrap();
+    let mut cache = KvCacheConfig::new(24, 2, KvLayout::default())
+        .host_blocks(16)
+        .build()
+        .unwrap();
     let shared: Vec<u32> = vec![5, 6, 7, 8, 9];
     cache.alloc_sequence(1, Tokens::Ids(&shared), None).unwrap();
     cache.mark_computed(1, None).unwrap();

@@ -4,8 +4,8 @@
 //! leave no room for any) is refused and changes nothing.
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig, StepPlan,
-    Tokens, MAX_NUM_SEQS,
+    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvLayout, Preemption,
+    SchedulerConfig, StepPlan, Tokens, MAX_NUM_SEQS,
 };
 use proptest::prelude::*;
 
@@ -20,7 +20,10 @@ fn cache(kinds: &[AttentionKind], num_blocks: usize, block_size: usize) -> KvCac
         num_layers: kinds.len(),
         ..KvLayout::default()
     };
-    KvCache::with_layer_kinds(num_blocks, block_size, layout, true, kinds).unwrap()
+    KvCacheConfig::new(num_blocks, block_size, layout)
+        .layer_kinds(kinds)
+        .build()
+        .unwrap()
 }
 
 fn config(max_num_seqs: usize, watermark: f64) -> SchedulerConfig {

@@ -2,7 +2,7 @@
 //! later lookup promotes them back, with the moves in an order that is always correct.
 
 use atb_mem_core::{
-    BlockHash, BlockMove, KvCache, KvEventKind, KvLayout, Medium, MoveKind, Tokens,
+    BlockHash, BlockMove, KvCache, KvCacheConfig, KvEventKind, KvLayout, Medium, MoveKind, Tokens,
 };
 
 #[path = "support/chain.rs"]
@@ -14,10 +14,11 @@ use run_once::run_once;
 const BLOCK_SIZE: usize = 4;
 
 fn cache(num_blocks: usize, host_blocks: usize) -> KvCache {
-    let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(host_blocks).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
-    cache
+    KvCacheConfig::new(num_blocks, BLOCK_SIZE, KvLayout::default())
+        .host_blocks(host_blocks)
+        .host_prefix_cache(true)
+        .build()
+        .unwrap()
 }
 
 fn prompt(first: u32, blocks: usize) -> Vec<u32> {
@@ -77,10 +78,12 @@ fn chain(tokens: &[u32]) -> Vec<BlockHash> {
 
 #[test]
 fn a_demotion_is_stored_on_the_host_and_its_eviction_removed() {
-    let mut cache = KvCache::new(5, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(1).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
-    cache.enable_kv_events().unwrap();
+    let mut cache = KvCacheConfig::new(5, BLOCK_SIZE, KvLayout::default())
+        .host_blocks(1)
+        .host_prefix_cache(true)
+        .kv_events(true)
+        .build()
+        .unwrap();
     let (a, b, c) = (prompt(0, 2), prompt(1000, 2), prompt(2000, 2));
     run_once(&mut cache, 1, &a);
     events(&mut cache);
@@ -109,10 +112,12 @@ fn a_demotion_is_stored_on_the_host_and_its_eviction_removed() {
 
 #[test]
 fn a_swap_out_that_evicts_a_host_copy_stores_its_own() {
-    let mut cache = KvCache::new(5, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(1).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
-    cache.enable_kv_events().unwrap();
+    let mut cache = KvCacheConfig::new(5, BLOCK_SIZE, KvLayout::default())
+        .host_blocks(1)
+        .host_prefix_cache(true)
+        .kv_events(true)
+        .build()
+        .unwrap();
     let (a, b) = (prompt(0, 2), prompt(1000, 2));
     run_once(&mut cache, 1, &a);
     run_once(&mut cache, 2, &b); // a's tail is the host's one copy

@@ -1,7 +1,9 @@
 //! KV-cache groups: windows release blocks, prefix hits that every group can serve, and an
 //! eviction order that keeps shorter hits whole.
 
-use atb_mem_core::{AttentionKind, KvCache, KvLayout, MissReason, Tokens, NULL_BLOCK};
+use atb_mem_core::{
+    AttentionKind, KvCache, KvCacheConfig, KvLayout, MissReason, Tokens, NULL_BLOCK,
+};
 
 const FULL: AttentionKind = AttentionKind::Full;
 
@@ -10,7 +12,10 @@ fn cache(kinds: &[AttentionKind], num_blocks: usize, block_size: usize) -> KvCac
         num_layers: kinds.len(),
         ..KvLayout::default()
     };
-    KvCache::with_layer_kinds(num_blocks, block_size, layout, true, kinds).unwrap()
+    KvCacheConfig::new(num_blocks, block_size, layout)
+        .layer_kinds(kinds)
+        .build()
+        .unwrap()
 }
 
 fn tables(cache: &KvCache, seq_id: u64) -> Vec<Vec<u32>> {
@@ -139,7 +144,10 @@ fn explain_prefix_names_each_reason() {
     let stats = cache.stats();
     assert!(stats.prefix_cache_misses.iter().sum::<u64>() > 0);
     let layout = KvLayout::default();
-    let mut off = KvCache::new(8, 2, layout, false).unwrap();
+    let mut off = KvCacheConfig::new(8, 2, layout)
+        .prefix_caching(false)
+        .build()
+        .unwrap();
     assert_eq!(
         off.explain_prefix(&long, None).unwrap().reason,
         PrefixCachingOff

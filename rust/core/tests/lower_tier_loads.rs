@@ -3,8 +3,8 @@
 //! done, recomputed when it failed; bad reports change nothing.
 
 use atb_mem_core::{
-    AttentionKind, BlockHash, ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig,
-    StepPlan, Tokens,
+    AttentionKind, BlockHash, ContinuousScheduler, KvCache, KvCacheConfig, KvLayout, Preemption,
+    SchedulerConfig, StepPlan, Tokens,
 };
 
 #[path = "support/chain.rs"]
@@ -27,7 +27,9 @@ fn config(max_num_seqs: usize) -> SchedulerConfig {
 }
 
 fn setup(max_num_seqs: usize) -> (ContinuousScheduler, KvCache) {
-    let cache = KvCache::new(64, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let cache = KvCacheConfig::new(64, BLOCK_SIZE, KvLayout::default())
+        .build()
+        .unwrap();
     (
         ContinuousScheduler::new(config(max_num_seqs), &cache).unwrap(),
         cache,
@@ -199,7 +201,10 @@ fn windowed_caches_do_not_load() {
         num_layers: 2,
         ..KvLayout::default()
     };
-    let mut cache = KvCache::with_layer_kinds(64, BLOCK_SIZE, layout, true, &kinds).unwrap();
+    let mut cache = KvCacheConfig::new(64, BLOCK_SIZE, layout)
+        .layer_kinds(&kinds)
+        .build()
+        .unwrap();
     let mut scheduler = ContinuousScheduler::new(config(4), &cache).unwrap();
     scheduler
         .add_request(&mut cache, 1, Tokens::Ids(&prompt(0)), 4, 1, 0, 0)

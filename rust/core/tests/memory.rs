@@ -7,7 +7,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use atb_mem_core::{AlignmentPolicy, KvCache, KvLayout, MemPool, Tokens};
+use atb_mem_core::{AlignmentPolicy, KvCacheConfig, KvLayout, MemPool, Tokens};
 
 struct Counting;
 
@@ -83,13 +83,10 @@ fn kv_cache_bytes_per_block_and_per_sequence() {
     let block_size = 16;
     for enable_prefix_caching in [true, false] {
         let before = live();
-        let mut cache = KvCache::new(
-            NUM_BLOCKS,
-            block_size,
-            KvLayout::default(),
-            enable_prefix_caching,
-        )
-        .unwrap();
+        let mut cache = KvCacheConfig::new(NUM_BLOCKS, block_size, KvLayout::default())
+            .prefix_caching(enable_prefix_caching)
+            .build()
+            .unwrap();
         let per_block = (live() - before) as f64 / NUM_BLOCKS as f64;
 
         // Sequences of 5 blocks plus a partial one, allocated with token ids so that the

@@ -16,8 +16,8 @@
 use std::collections::{HashMap, HashSet};
 
 use atb_mem_core::{
-    BatchTable, BlockHash, BlockMove, CoreError, EvictionPolicy, KvCache, KvLayout, MoveKind,
-    Tokens,
+    BatchTable, BlockHash, BlockMove, CoreError, EvictionPolicy, KvCache, KvCacheConfig, KvLayout,
+    MoveKind, Tokens,
 };
 use proptest::prelude::*;
 
@@ -190,25 +190,19 @@ fn run_policy(
     (policy, hash_block_size): (EvictionPolicy, usize),
 ) {
     let num_blocks = if host_prefix { 9 } else { NUM_BLOCKS };
-    let mut cache = KvCache::new(
-        num_blocks,
-        BLOCK_SIZE,
-        KvLayout::default(),
-        enable_prefix_caching,
-    )
-    .unwrap();
-    cache.set_eviction_policy(policy).unwrap();
-    if enable_prefix_caching {
-        cache.set_hash_block_size(hash_block_size).unwrap();
-    }
     // A small host tier with a host prefix cache: its copies are evicted too.
     let host_blocks = if host_prefix { 4 } else { HOST_BLOCKS };
-    cache.enable_host_tier(host_blocks).unwrap();
-    if host_prefix {
-        cache.enable_host_prefix_cache().unwrap();
+    let mut config = KvCacheConfig::new(num_blocks, BLOCK_SIZE, KvLayout::default())
+        .prefix_caching(enable_prefix_caching)
+        .eviction_policy(policy)
+        .host_blocks(host_blocks)
+        .host_prefix_cache(host_prefix)
+        .kv_events(kv_events);
+    if enable_prefix_caching {
+        config = config.hash_block_size(hash_block_size);
     }
+    let mut cache = config.build().unwrap();
     let mut mirror = kv_events.then(|| {
-        cache.enable_kv_events().unwrap();
         EventMirror::with_roots(vec![
             BlockHash::root(None),
             BlockHash::root(Some(b"tenant")),
@@ -514,7 +508,9 @@ proptest! {
 #[test]
 fn shared_block_is_copied_once_per_extra_holder() {
     for through_batch_table in [false, true] {
-        let mut cache = KvCache::new(4, 4, KvLayout::default(), true).unwrap();
+        let mut cache = KvCacheConfig::new(4, 4, KvLayout::default())
+            .build()
+            .unwrap();
         cache.alloc_sequence(1, Tokens::Count(2), None).unwrap();
         cache.fork(1, 2).unwrap();
         cache.fork(1, 3).unwrap();
@@ -537,7 +533,9 @@ fn shared_block_is_copied_once_per_extra_holder() {
         assert_eq!(cache.num_free_blocks(), 0);
         cache.check_invariants().unwrap();
         // With one holder not appending, every appender needs its own copy: 2 blocks for 2.
-        let mut cache = KvCache::new(4, 4, KvLayout::default(), true).unwrap();
+        let mut cache = KvCacheConfig::new(4, 4, KvLayout::default())
+            .build()
+            .unwrap();
         cache.alloc_sequence(1, Tokens::Count(2), None).unwrap();
         cache.fork(1, 2).unwrap();
         cache.fork(1, 3).unwrap();

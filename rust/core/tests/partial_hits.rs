@@ -3,7 +3,7 @@
 //! never written, and without `hash_block_size` nothing changes.
 
 use atb_mem_core::{
-    AttentionKind, BlockMove, CoreError, KvCache, KvLayout, Medium, MoveKind, Tokens,
+    AttentionKind, BlockMove, CoreError, KvCache, KvCacheConfig, KvLayout, Medium, MoveKind, Tokens,
 };
 
 #[path = "support/run_once.rs"]
@@ -175,15 +175,12 @@ fn a_held_source_counts_in_the_budget_and_a_partial_hit_that_does_not_fit_is_giv
 
 #[test]
 fn bad_hash_block_sizes_are_refused() {
-    let fresh = || KvCache::new(16, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let fresh = || KvCacheConfig::new(16, BLOCK_SIZE, KvLayout::default());
     for bad in [0, 3, 5, 16] {
-        assert!(fresh().set_hash_block_size(bad).is_err(), "{bad}");
+        assert!(fresh().hash_block_size(bad).build().is_err(), "{bad}");
     }
-    let mut off = KvCache::new(16, BLOCK_SIZE, KvLayout::default(), false).unwrap();
-    assert!(off.set_hash_block_size(PIECE).is_err());
-    let mut busy = fresh();
-    busy.alloc_sequence(1, Tokens::Count(3), None).unwrap();
-    assert!(busy.set_hash_block_size(PIECE).is_err());
+    let off = fresh().prefix_caching(false).hash_block_size(PIECE);
+    assert!(off.build().is_err());
     let layout = KvLayout {
         num_layers: 2,
         ..KvLayout::default()
@@ -192,10 +189,13 @@ fn bad_hash_block_sizes_are_refused() {
         AttentionKind::Full,
         AttentionKind::SlidingWindow { window: 4 },
     ];
-    let mut hybrid = KvCache::with_layer_kinds(16, BLOCK_SIZE, layout, true, &kinds).unwrap();
-    let error = hybrid.set_hash_block_size(PIECE).unwrap_err().to_string();
+    let hybrid = KvCacheConfig::new(16, BLOCK_SIZE, layout).layer_kinds(&kinds);
+    let error = hybrid
+        .hash_block_size(PIECE)
+        .build()
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("full-attention"), "{error}");
-    assert_eq!(hybrid.hash_block_size(), BLOCK_SIZE);
 }
 
 /// A prompt that needs every block is admitted by the scheduler (without its partial hit):
@@ -223,8 +223,10 @@ fn the_scheduler_admits_a_prompt_that_fills_the_cache() {
 #[test]
 fn the_watermark_does_not_count_a_held_source() {
     use atb_mem_core::StepPlan;
-    let mut cache = KvCache::new(10, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.set_hash_block_size(PIECE).unwrap();
+    let mut cache = KvCacheConfig::new(10, BLOCK_SIZE, KvLayout::default())
+        .hash_block_size(PIECE)
+        .build()
+        .unwrap();
     run_once(&mut cache, 1, &cached_prompt()[..16]);
     let mut scheduler = scheduler(&cache, 4, 256, 0.1); // a watermark of one block of nine
                                                         // 63 tokens and the one it generates: all 8 blocks the watermark leaves. It shares the

@@ -17,7 +17,7 @@ mod scheduler;
 
 #[path = "support/pieces.rs"]
 mod pieces;
-use pieces::{cache, BLOCK_SIZE, PIECE};
+use pieces::{cache, cache_config, BLOCK_SIZE, PIECE};
 
 fn first_prompt() -> Vec<u32> {
     (0..15).collect() // one full block, 7 tokens (3 whole pieces) in the second
@@ -94,10 +94,12 @@ fn an_ended_request_leaves_the_pieces_its_decode_computed() {
 /// tier, which serves whole blocks, never takes it for one.
 #[test]
 fn a_block_of_pieces_makes_no_event_and_is_never_demoted() {
-    let mut cache = cache(6, PIECE); // 5 usable
-    cache.enable_host_tier(8).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
-    cache.enable_kv_events().unwrap();
+    let mut cache = cache_config(6, PIECE) // 5 usable
+        .host_blocks(8)
+        .host_prefix_cache(true)
+        .kv_events(true)
+        .build()
+        .unwrap();
     run_once(&mut cache, 1, &first_prompt());
     let stored: Vec<(KvEventKind, usize)> = cache.take_kv_events(|log| {
         log.events()
@@ -136,8 +138,10 @@ fn a_block_of_pieces_makes_no_event_and_is_never_demoted() {
 #[test]
 fn the_pieces_are_evicted_first_and_then_found_no_more() {
     for policy in EvictionPolicy::ALL {
-        let mut cache = cache(5, PIECE); // 4 usable: 2 cached, 2 free
-        cache.set_eviction_policy(policy).unwrap();
+        let mut cache = cache_config(5, PIECE) // 4 usable: 2 cached, 2 free
+            .eviction_policy(policy)
+            .build()
+            .unwrap();
         run_once(&mut cache, 1, &first_prompt());
         cache
             .alloc_sequence(2, Tokens::Count(3 * BLOCK_SIZE), None)

@@ -2,7 +2,8 @@
 //! fork, moved by swaps, counted in every budget, and never a prefix hit without a checkpoint.
 
 use atb_mem_core::{
-    AttentionKind, CoreError, KvCache, KvLayout, LayerKind, MissReason, MoveKind, StepPlan, Tokens,
+    AttentionKind, CoreError, KvCache, KvCacheConfig, KvLayout, LayerKind, MissReason, MoveKind,
+    StepPlan, Tokens,
 };
 
 #[path = "support/scheduler.rs"]
@@ -11,7 +12,7 @@ use scheduler::scheduler;
 
 #[path = "support/recurrent.rs"]
 mod recurrent;
-use recurrent::{hybrid, BLOCK_SIZE, SLOT_BYTES};
+use recurrent::{hybrid, hybrid_config, BLOCK_SIZE, SLOT_BYTES};
 
 #[test]
 fn states_are_grouped_sized_and_placed() {
@@ -46,7 +47,10 @@ fn states_are_grouped_sized_and_placed() {
         },
         LayerKind::Attention(AttentionKind::Full),
     ];
-    let error = KvCache::with_layer_kinds(64, 4, layout, true, &big).unwrap_err();
+    let error = KvCacheConfig::new(64, 4, layout)
+        .layer_kinds(&big)
+        .build()
+        .unwrap_err();
     assert!(
         error.to_string().contains("recurrent states take"),
         "{error}"
@@ -267,9 +271,14 @@ fn a_hit_resumes_from_the_last_checkpoint_the_kv_reaches() {
 
 #[test]
 fn checkpoints_are_kept_on_the_stride_of_known_tokens_only() {
-    let mut cache = hybrid(60);
-    assert!(cache.set_state_checkpoint_interval(0).is_err());
-    cache.set_state_checkpoint_interval(2).unwrap();
+    assert!(hybrid_config(60)
+        .state_checkpoint_interval(0)
+        .build()
+        .is_err());
+    let mut cache = hybrid_config(60)
+        .state_checkpoint_interval(2)
+        .build()
+        .unwrap();
     assert_eq!(cache.checkpoint_stride(), 8);
     let prompt: Vec<u32> = (0..13).collect();
     cache.alloc_sequence(1, Tokens::Ids(&prompt), None).unwrap();
@@ -399,14 +408,16 @@ fn without_checkpoints_no_prefix_is_a_hit() {
         cache.alloc_sequence(2, Tokens::Ids(&prompt), None).unwrap(),
         0
     );
-    assert!(cache.set_hash_block_size(2).is_err());
+    assert!(hybrid_config(40).hash_block_size(2).build().is_err());
     cache.check_invariants().unwrap();
 }
 
 #[test]
 fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
-    let mut cache = hybrid(60);
-    cache.set_state_checkpoint_interval(4).unwrap();
+    let mut cache = hybrid_config(60)
+        .state_checkpoint_interval(4)
+        .build()
+        .unwrap();
     let system: Vec<u32> = (0..13).collect();
     cache.alloc_sequence(1, Tokens::Ids(&system), None).unwrap();
     cache.mark_computed(1, Some(13)).unwrap();
@@ -437,10 +448,10 @@ fn a_checkpoint_is_due_where_the_cached_kv_a_prompt_shares_ends() {
 #[test]
 fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
     for (fail, host_prefix) in [(false, false), (true, false), (true, true)] {
-        let mut cache = hybrid(80);
-        if host_prefix {
-            cache.enable_host_prefix_cache().unwrap();
-        }
+        let mut cache = hybrid_config(80)
+            .host_prefix_cache(host_prefix)
+            .build()
+            .unwrap();
         let mut scheduler = scheduler(&cache, 4, 64, 0.0);
         let prompt: Vec<u32> = (0..10).collect();
         scheduler
@@ -499,8 +510,7 @@ fn the_scheduler_keeps_checkpoints_and_drops_failed_saves() {
 
 #[test]
 fn checkpoints_are_not_demoted_to_the_host_prefix_cache() {
-    let mut cache = hybrid(40);
-    cache.enable_host_prefix_cache().unwrap();
+    let mut cache = hybrid_config(40).host_prefix_cache(true).build().unwrap();
     let prompt: Vec<u32> = (0..13).collect();
     leave_checkpoint(&mut cache, &prompt, 8);
     assert_eq!(cache.block_pool().num_cached(), 3 + 6);

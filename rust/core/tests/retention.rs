@@ -3,8 +3,8 @@
 //! pin; a scheduler counts a request's priority at eviction; bad configs change nothing.
 
 use atb_mem_core::{
-    EvictionPolicy, KvCache, KvLayout, RetentionConfig, StepPlan, TokenRetention, Tokens,
-    MAX_PRIORITY,
+    EvictionPolicy, KvCache, KvCacheConfig, KvLayout, RetentionConfig, StepPlan, TokenRetention,
+    Tokens, MAX_PRIORITY,
 };
 
 #[path = "support/scheduler.rs"]
@@ -16,9 +16,10 @@ const SYSTEM: usize = 4 * BLOCK_SIZE;
 const SECOND: u64 = 1_000_000_000;
 
 fn cache(policy: EvictionPolicy) -> KvCache {
-    let mut cache = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    cache.set_eviction_policy(policy).unwrap();
-    cache
+    KvCacheConfig::new(24, BLOCK_SIZE, KvLayout::default())
+        .eviction_policy(policy)
+        .build()
+        .unwrap()
 }
 
 fn system_prompt() -> Vec<u32> {
@@ -94,7 +95,9 @@ fn a_pinned_system_prompt_survives_a_flood_that_lru_loses_it_to() {
 
 #[test]
 fn the_default_policy_keeps_a_pin_and_the_others_refuse_one() {
-    let mut default = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut default = KvCacheConfig::new(24, BLOCK_SIZE, KvLayout::default())
+        .build()
+        .unwrap();
     assert_eq!(default.eviction_policy(), EvictionPolicy::Priority);
     run_once(
         &mut default,
@@ -284,7 +287,9 @@ fn a_scheduling_priority_readies_the_priorities_when_the_request_is_added() {
     // The default policy keeps no priorities until a request asks: a request whose scheduling
     // priority lowers its retention asks when it is added, so its admission, inside a step,
     // allocates nothing (a failed allocation there would leave the step half done).
-    let mut cache = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(24, BLOCK_SIZE, KvLayout::default())
+        .build()
+        .unwrap();
     let mut scheduler = scheduler(&cache, 1, 64, 0.0);
     let ids: Vec<u32> = (500..520).collect();
     scheduler
@@ -300,8 +305,10 @@ fn a_scheduling_priority_readies_the_priorities_when_the_request_is_added() {
     scheduler.step(&mut cache, 0, &mut plan).unwrap();
     assert_eq!(cache.heap_bytes().0, readied, "the step allocated");
     // Under a policy that keeps none, a scheduling priority is only a scheduling one.
-    let mut lru = KvCache::new(24, BLOCK_SIZE, KvLayout::default(), true).unwrap();
-    lru.set_eviction_policy(EvictionPolicy::Lru).unwrap();
+    let mut lru = KvCacheConfig::new(24, BLOCK_SIZE, KvLayout::default())
+        .eviction_policy(EvictionPolicy::Lru)
+        .build()
+        .unwrap();
     let mut lru_scheduler = scheduler::scheduler(&lru, 1, 64, 0.0);
     lru_scheduler
         .add_request(&mut lru, 1, Tokens::Ids(&ids), 4, 1, 30, 0)

@@ -106,6 +106,7 @@ impl Harness {
         layer_kinds: &LayerKinds,
         host_prefix: bool,
         states: Option<states::StateLayers>,
+        eviction: Option<(EvictionPolicy, usize)>,
     ) -> Self {
         let (kinds, block_size) = layer_kinds;
         let groups = atb_mem_core::group_layers(kinds).unwrap().0.len();
@@ -117,18 +118,22 @@ impl Harness {
             NUM_BLOCKS
         };
         let num_blocks = 1 + ((device_blocks - 1) * groups * BLOCK_SIZE).div_ceil(*block_size);
-        let mut cache = states::cache(num_blocks, layer_kinds, states);
         // With tiers below, a small host tier: the store below it serves what it lets go.
         let host_blocks = if host_prefix && all_full(kinds) {
             3
         } else {
             HOST_BLOCKS
         };
-        cache.enable_host_tier(host_blocks).unwrap();
-        if host_prefix {
-            cache.enable_host_prefix_cache().unwrap();
+        let mut cache_config = states::config(num_blocks, layer_kinds, states)
+            .host_blocks(host_blocks)
+            .host_prefix_cache(host_prefix)
+            .kv_events(true);
+        if let Some((policy, hash_block_size)) = eviction {
+            cache_config = cache_config
+                .eviction_policy(policy)
+                .hash_block_size(hash_block_size);
         }
-        cache.enable_kv_events().unwrap();
+        let cache = cache_config.build().unwrap();
         let scheduler = ContinuousScheduler::new(config, &cache).unwrap();
         Harness {
             cache,
@@ -501,9 +506,8 @@ fn run_policy(
     host_prefix: bool,
     (policy, hash_block_size): (EvictionPolicy, usize),
 ) -> Counts {
-    let mut harness = Harness::new(config, kinds, host_prefix, None);
-    harness.cache.set_eviction_policy(policy).unwrap();
-    harness.cache.set_hash_block_size(hash_block_size).unwrap();
+    let eviction = Some((policy, hash_block_size));
+    let mut harness = Harness::new(config, kinds, host_prefix, None, eviction);
     let trace = std::env::var("ATB_MEM_TRACE").is_ok();
     for op in &ops {
         if trace {

@@ -2,7 +2,8 @@
 //! `Debug` prints them) what they were, whatever the cache lost behind the scheduler's back.
 
 use atb_mem_core::{
-    ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig, StepPlan, Tokens,
+    ContinuousScheduler, KvCache, KvCacheConfig, KvLayout, Preemption, SchedulerConfig, StepPlan,
+    Tokens,
 };
 
 #[path = "support/state.rs"]
@@ -22,7 +23,9 @@ fn scheduler_over(cache: &KvCache) -> ContinuousScheduler {
 
 /// Three requests prefilled and sampled once: the next step decodes all three.
 fn decoding() -> (ContinuousScheduler, KvCache) {
-    let mut cache = KvCache::new(40, 3, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(40, 3, KvLayout::default())
+        .build()
+        .unwrap();
     let mut scheduler = scheduler_over(&cache);
     for (seq_id, length) in [(86u64, 7usize), (87, 8), (88, 5)] {
         let tokens: Vec<u32> = (0..length as u32).map(|t| t + seq_id as u32).collect();

@@ -11,8 +11,8 @@
 //! state exactly before the damaged requests were ended.
 
 use atb_mem_core::{
-    BlockMove, ContinuousScheduler, CoreError, KvCache, KvLayout, MoveFailure, MoveKind,
-    Preemption, SchedulerConfig, StepPlan, Tokens,
+    BlockMove, ContinuousScheduler, CoreError, KvCache, KvCacheConfig, KvLayout, MoveFailure,
+    MoveKind, Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 
 #[path = "support/recurrent.rs"]
@@ -172,7 +172,9 @@ fn ids(first: u32, len: usize) -> Vec<u32> {
 
 #[test]
 fn a_copy_on_write_after_a_fork() {
-    let cache = KvCache::new(32, 4, KvLayout::default(), true).unwrap();
+    let cache = KvCacheConfig::new(32, 4, KvLayout::default())
+        .build()
+        .unwrap();
     let mut pair = (scheduler(&cache, 4, Preemption::Recompute), cache);
     add(&mut pair, FORKED_PARENT, &ids(1, 6), 6, 2);
     add(&mut pair, 2, &ids(50, 5), 6, 1);
@@ -182,8 +184,10 @@ fn a_copy_on_write_after_a_fork() {
 
 #[test]
 fn the_copy_of_a_hit_that_ends_inside_a_block() {
-    let mut cache = KvCache::new(32, 8, KvLayout::default(), true).unwrap();
-    cache.set_hash_block_size(2).unwrap();
+    let cache = KvCacheConfig::new(32, 8, KvLayout::default())
+        .hash_block_size(2)
+        .build()
+        .unwrap();
     let mut pair = (scheduler(&cache, 4, Preemption::Recompute), cache);
     add(&mut pair, 1, &ids(0, 12), 1, 1);
     for _ in 0..20 {
@@ -205,8 +209,10 @@ fn the_copy_of_a_hit_that_ends_inside_a_block() {
 
 #[test]
 fn a_swap_preemption_and_the_swap_back() {
-    let mut cache = KvCache::new(9, 4, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(16).unwrap();
+    let cache = KvCacheConfig::new(9, 4, KvLayout::default())
+        .host_blocks(16)
+        .build()
+        .unwrap();
     let mut pair = (scheduler(&cache, 4, Preemption::Swap), cache);
     add(&mut pair, 1, &ids(0, 10), 12, 1);
     add(&mut pair, 2, &ids(100, 10), 12, 1);
@@ -216,9 +222,11 @@ fn a_swap_preemption_and_the_swap_back() {
 
 #[test]
 fn a_demotion_to_the_host_tier_and_the_promotion_back() {
-    let mut cache = KvCache::new(8, 4, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(16).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
+    let cache = KvCacheConfig::new(8, 4, KvLayout::default())
+        .host_blocks(16)
+        .host_prefix_cache(true)
+        .build()
+        .unwrap();
     let mut pair = (scheduler(&cache, 2, Preemption::Recompute), cache);
     let first = ids(0, 13);
     add(&mut pair, 1, &first, 1, 1);
@@ -245,9 +253,11 @@ fn recurrent_states_resume_from_checkpoints_and_save_them() {
 /// tier handed it out again once the read was planned).
 #[test]
 fn a_demotion_into_a_host_block_a_swap_in_read() {
-    let mut cache = KvCache::new(8, 4, KvLayout::default(), true).unwrap();
-    cache.enable_host_tier(6).unwrap();
-    cache.enable_host_prefix_cache().unwrap();
+    let cache = KvCacheConfig::new(8, 4, KvLayout::default())
+        .host_blocks(6)
+        .host_prefix_cache(true)
+        .build()
+        .unwrap();
     let mut pair = (scheduler(&cache, 3, Preemption::Swap), cache);
     add(&mut pair, 1, &ids(0, 9), 10, 1);
     add(&mut pair, 2, &ids(100, 9), 10, 1);

@@ -1,13 +1,15 @@
 //! Prefix hits a tier below the host served (its load landed after the admission's lookup):
 //! `stats` counts them as hits, with their tier, and an admission they filled as no miss.
 
-use atb_mem_core::{KvCache, KvLayout, Medium, MissReason, Tokens};
+use atb_mem_core::{KvCacheConfig, KvLayout, Medium, MissReason, Tokens};
 
 const BLOCK_SIZE: usize = 4;
 
 #[test]
 fn a_load_that_landed_counts_as_hits_with_its_tier() {
-    let mut cache = KvCache::new(16, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(16, BLOCK_SIZE, KvLayout::default())
+        .build()
+        .unwrap();
     let prompt: Vec<u32> = (0..13).collect();
     cache.alloc_sequence(1, Tokens::Ids(&prompt), None).unwrap();
     let before = cache.stats();
@@ -39,7 +41,9 @@ fn a_load_that_landed_counts_as_hits_with_its_tier() {
 
 #[test]
 fn hits_from_a_tier_that_loads_nothing_are_errors_that_change_nothing() {
-    let mut cache = KvCache::new(16, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(16, BLOCK_SIZE, KvLayout::default())
+        .build()
+        .unwrap();
     cache
         .alloc_sequence(1, Tokens::Ids(&(0..9).collect::<Vec<_>>()), None)
         .unwrap();

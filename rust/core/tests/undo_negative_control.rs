@@ -8,8 +8,8 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use atb_mem_core::{
-    skip_one_undo, ContinuousScheduler, CoreError, KvCache, KvLayout, MoveFailure, Preemption,
-    SchedulerConfig, StepPlan, Tokens,
+    skip_one_undo, ContinuousScheduler, CoreError, KvCache, KvCacheConfig, KvLayout, MoveFailure,
+    Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 
 #[path = "support/state.rs"]
@@ -19,7 +19,9 @@ use state::state;
 /// A request of two samples, forked after its first token: the next step's decode of the
 /// fork copies its shared, partly filled last block (a copy-on-write move).
 fn forked() -> (ContinuousScheduler, KvCache) {
-    let mut cache = KvCache::new(32, 4, KvLayout::default(), true).unwrap();
+    let mut cache = KvCacheConfig::new(32, 4, KvLayout::default())
+        .build()
+        .unwrap();
     let config = SchedulerConfig {
         max_num_seqs: 4,
         max_num_batched_tokens: 64,

@@ -15,6 +15,7 @@ mod lock;
 mod sched;
 
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -36,6 +37,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(attention::use_openmp, module)?)?;
     module.add_function(wrap_pyfunction!(layout::kv_cache_groups, module)?)?;
     module.add("KV_DTYPES", layout::dtype_names())?;
+    let policies = PyTuple::new(module.py(), atb_mem_core::EvictionPolicy::NAMES)?;
+    module.add("EVICTION_POLICIES", policies)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;
     module.add("PAD_SLOT", atb_mem_core::PAD_SLOT)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -3,7 +3,8 @@
 //! with `hash_block_size = 4` and one request waiting.
 
 use atb_mem_core::{
-    ContinuousScheduler, KvCache, KvLayout, Preemption, SchedulerConfig, StepPlan, Tokens,
+    ContinuousScheduler, KvCache, KvCacheConfig, KvLayout, Preemption, SchedulerConfig, StepPlan,
+    Tokens,
 };
 
 const BLOCK_SIZE: usize = 16;
@@ -77,10 +78,11 @@ fn run_forked_request(scheduler: &mut ContinuousScheduler, cache: &mut KvCache, 
 
 pub fn decoding(running: usize, variant: Variant) -> (ContinuousScheduler, KvCache) {
     let num_blocks = running * (PROMPT / BLOCK_SIZE + 40) + 256;
-    let mut cache = KvCache::new(num_blocks, BLOCK_SIZE, KvLayout::default(), true).unwrap();
+    let mut config = KvCacheConfig::new(num_blocks, BLOCK_SIZE, KvLayout::default());
     if variant == Variant::SubBlocks {
-        cache.set_hash_block_size(4).unwrap();
+        config = config.hash_block_size(4);
     }
+    let mut cache = config.build().unwrap();
     let config = SchedulerConfig {
         max_num_seqs: running,
         max_num_batched_tokens: 8192,

@@ -95,6 +95,16 @@ fn policies_have_names() {
         assert_eq!(EvictionPolicy::from_name(policy.name()), Some(policy));
     }
     assert_eq!(EvictionPolicy::from_name("mru"), None);
+    assert_eq!(
+        EvictionPolicy::ALL.map(EvictionPolicy::name),
+        EvictionPolicy::NAMES
+    );
+    assert_eq!("slru".parse(), Ok(EvictionPolicy::Slru));
+    let error = "mru".parse::<EvictionPolicy>().unwrap_err().to_string();
+    assert_eq!(
+        error,
+        "unknown eviction_policy 'mru': one of lru, lfu, slru, priority"
+    );
 }
 
 #[test]

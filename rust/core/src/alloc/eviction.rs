@@ -24,7 +24,10 @@
 //! The victim is the head of the first non-empty evictable queue, found from the free queue
 //! set's bitmap of non-empty queues: O(1) for every policy.
 
+use std::str::FromStr;
+
 use crate::alloc::free_queue::FreeQueue;
+use crate::error::CoreError;
 
 /// LFU's queues: hit counts `0..LFU_LEVELS - 1`, and every count from `LFU_LEVELS - 1` on.
 pub const LFU_LEVELS: usize = 8;
@@ -39,6 +42,7 @@ pub const MAX_PRIORITY: u8 = 100;
 /// (TensorRT-LLM's default).
 pub const DEFAULT_PRIORITY: u8 = 35;
 
+/// The variants are in the order of [`EvictionPolicy::NAMES`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
     Lru,
@@ -58,13 +62,12 @@ impl EvictionPolicy {
         EvictionPolicy::Priority,
     ];
 
+    /// Every policy's name, in the order of [`EvictionPolicy::ALL`]: the one list of them,
+    /// which the bindings export and an unknown name's error shows.
+    pub const NAMES: [&'static str; 4] = ["lru", "lfu", "slru", "priority"];
+
     pub fn name(self) -> &'static str {
-        match self {
-            EvictionPolicy::Lru => "lru",
-            EvictionPolicy::Lfu => "lfu",
-            EvictionPolicy::Slru => "slru",
-            EvictionPolicy::Priority => "priority",
-        }
+        Self::NAMES[self as usize]
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
@@ -112,5 +115,19 @@ impl EvictionPolicy {
     #[inline]
     pub(crate) fn victim(self, queue: &FreeQueue) -> Option<u32> {
         queue.front(queue.first_nonempty_from(1)?)
+    }
+}
+
+/// A policy by its name; an unknown name's error lists [`EvictionPolicy::NAMES`].
+impl FromStr for EvictionPolicy {
+    type Err = CoreError;
+
+    fn from_str(name: &str) -> Result<Self, CoreError> {
+        Self::from_name(name).ok_or_else(|| {
+            invalid!(
+                "unknown eviction_policy '{name}': one of {}",
+                Self::NAMES.join(", ")
+            )
+        })
     }
 }

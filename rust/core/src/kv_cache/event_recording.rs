@@ -6,9 +6,9 @@ use crate::alloc::BlockHash;
 use crate::error::CoreResult;
 
 impl KvCache {
-    /// Records prefix-cache membership changes from now on (see [`KvCache::take_kv_events`]);
-    /// turned on once, before any sequence exists.
-    pub fn enable_kv_events(&mut self) -> CoreResult<()> {
+    /// Records prefix-cache membership changes from now on (see [`KvCache::take_kv_events`]):
+    /// `KvCacheConfig::kv_events`, applied by `from_config` before any sequence exists.
+    pub(super) fn enable_kv_events(&mut self) -> CoreResult<()> {
         ensure!(
             self.sequences.is_empty(),
             "KV events are turned on once, before any sequence exists"

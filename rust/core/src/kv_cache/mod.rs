@@ -137,109 +137,6 @@ struct SlabView<'a> {
 const NO_BLOCK: u32 = u32::MAX;
 
 impl KvCache {
-    /// A cache whose every layer attends to every earlier position: one group.
-    pub fn new(
-        num_blocks: usize,
-        block_size: usize,
-        layout: KvLayout,
-        enable_prefix_caching: bool,
-    ) -> CoreResult<Self> {
-        let kinds = vec![AttentionKind::Full; layout.num_layers.max(1)];
-        Self::with_layer_kinds(
-            num_blocks,
-            block_size,
-            layout,
-            enable_prefix_caching,
-            &kinds,
-        )
-    }
-
-    /// A cache for a model whose layer `l` attends (or keeps a state) as `kinds[l]` says:
-    /// layers are grouped by kind (see [`group_hybrid_layers`]), and a block holds the K/V
-    /// (or states) of one group's layers.
-    pub fn with_layer_kinds<K: Copy + Into<LayerKind>>(
-        num_blocks: usize,
-        block_size: usize,
-        layout: KvLayout,
-        enable_prefix_caching: bool,
-        kinds: &[K],
-    ) -> CoreResult<Self> {
-        let policy = EvictionPolicy::default();
-        Self::with_policy(
-            num_blocks,
-            block_size,
-            layout,
-            enable_prefix_caching,
-            kinds,
-            policy,
-        )
-    }
-
-    /// `with_layer_kinds`, its prefix cache evicting by `policy` (see [`EvictionPolicy`]).
-    pub fn with_policy<K: Copy + Into<LayerKind>>(
-        num_blocks: usize,
-        block_size: usize,
-        layout: KvLayout,
-        enable_prefix_caching: bool,
-        kinds: &[K],
-        policy: EvictionPolicy,
-    ) -> CoreResult<Self> {
-        layout.validate()?;
-        ensure!(
-            kinds.len() == layout.num_layers,
-            "layer_types names {} layers; the model has num_layers = {}",
-            kinds.len(),
-            layout.num_layers
-        );
-        let kinds: Vec<LayerKind> = kinds.iter().map(|&kind| kind.into()).collect();
-        let LayerGroups {
-            attention: groups,
-            recurrent,
-            layers_per_block,
-        } = group_hybrid_layers(&kinds)?;
-        let block_pool =
-            BlockPool::with_policy(num_blocks, block_size, enable_prefix_caching, policy)?;
-        let block_layout = KvLayout {
-            num_layers: layers_per_block,
-            ..layout
-        };
-        let bytes_per_block = block_layout.bytes_per_block(block_size).ok_or_else(|| {
-            CoreError::invalid(
-                "bytes per block (2 × layers × block_size × heads × head_dim × itemsize) overflows",
-            )
-        })?;
-        let state_groups = state::state_groups(recurrent, bytes_per_block / layers_per_block);
-        let state_blocks: usize = state_groups.iter().map(|group| group.num_blocks).sum();
-        ensure!(
-            state_blocks < num_blocks - 1,
-            "one sequence's recurrent states take {state_blocks} blocks of this pool, which has \
-             {} usable: give it more blocks, or larger ones",
-            num_blocks - 1
-        );
-        // A checkpoint per as many blocks of K/V as it takes (see `state_checkpoints`).
-        let checkpoint_interval = state_blocks.div_ceil(groups.len().max(1)).max(1);
-        let mut cache = KvCache {
-            tiers: Tiers::new(block_pool),
-            layout,
-            groups,
-            layers_per_block,
-            bytes_per_block,
-            max_seq_tokens: 0,
-            states: RecurrentStates {
-                groups: state_groups,
-                blocks_per_seq: state_blocks,
-                checkpoint_interval,
-            },
-            sequences: SequenceTable::default(),
-            prefix_stats: PrefixStats::default(),
-            deferred_sub_blocks: Default::default(),
-            scratch: Scratch::default(),
-            undo: Default::default(),
-        };
-        cache.max_seq_tokens = cache.tokens_in_blocks(num_blocks - 1);
-        Ok(cache)
-    }
-
     /// The layer groups, in order of their first layer.
     pub fn groups(&self) -> &[KvCacheGroup] {
         &self.groups
@@ -292,29 +189,6 @@ impl KvCache {
 
     pub fn enable_prefix_caching(&self) -> bool {
         self.tiers.block_pool.enable_prefix_caching()
-    }
-
-    /// Evicts the device's cached blocks by `policy` (see [`EvictionPolicy`]); set before
-    /// any sequence exists. (It rebuilds the block pool: constructing with
-    /// [`KvCache::with_policy`] keeps the pool where the cache first put it.)
-    pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) -> CoreResult<()> {
-        ensure!(
-            self.sequences.is_empty() && self.tiers.block_pool.num_cached() == 0,
-            "the eviction policy is set once, before any sequence exists"
-        );
-        let pool = &self.tiers.block_pool;
-        let mut rebuilt = BlockPool::with_policy(
-            pool.num_blocks(),
-            pool.block_size(),
-            pool.enable_prefix_caching(),
-            policy,
-        )?;
-        rebuilt.set_record_removed(self.tiers.events.enabled());
-        if pool.sub_blocks_per_block() > 0 {
-            rebuilt.enable_sub_blocks(pool.sub_blocks_per_block())?;
-        }
-        self.tiers.block_pool = rebuilt;
-        Ok(())
     }
 
     pub fn eviction_policy(&self) -> EvictionPolicy {

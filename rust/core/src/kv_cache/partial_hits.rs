@@ -47,9 +47,10 @@ use crate::error::CoreResult;
 
 impl KvCache {
     /// Finds prefix hits at every `hash_block_size` tokens, not only at block boundaries (see
-    /// the module docs). Set once, before any sequence exists; `hash_block_size` must divide
-    /// the block size, and every group must attend fully.
-    pub fn set_hash_block_size(&mut self, hash_block_size: usize) -> CoreResult<()> {
+    /// the module docs): `KvCacheConfig::hash_block_size`, applied by `from_config` before
+    /// any sequence exists. `hash_block_size` must divide the block size, and every group
+    /// must attend fully.
+    pub(super) fn set_hash_block_size(&mut self, hash_block_size: usize) -> CoreResult<()> {
         let block_size = self.block_size();
         ensure!(
             hash_block_size != 0 && block_size % hash_block_size == 0,
@@ -81,7 +82,7 @@ impl KvCache {
             .enable_sub_blocks(block_size / hash_block_size - 1)
     }
 
-    /// Tokens per prefix key: `block_size` unless `set_hash_block_size` made it finer.
+    /// Tokens per prefix key: `block_size` unless `KvCacheConfig::hash_block_size` made it finer.
     pub fn hash_block_size(&self) -> usize {
         self.block_size() / (self.tiers.block_pool.sub_blocks_per_block() + 1)
     }

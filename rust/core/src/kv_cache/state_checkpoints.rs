@@ -43,7 +43,8 @@ impl KvCache {
     /// keeps one at every block boundary a sequence's computation stops at. The default
     /// keeps one per as many blocks of K/V as a checkpoint takes, so that those kept while a
     /// sequence decodes take at most the memory of the K/V they cover.
-    pub fn set_state_checkpoint_interval(&mut self, blocks: usize) -> CoreResult<()> {
+    /// (`KvCacheConfig::state_checkpoint_interval`, applied by `from_config`.)
+    pub(super) fn set_state_checkpoint_interval(&mut self, blocks: usize) -> CoreResult<()> {
         ensure!(
             blocks != 0,
             "state_checkpoint_interval must be at least 1 block, got 0"

@@ -7,8 +7,9 @@ use crate::alloc::NULL_BLOCK;
 use crate::error::{CoreError, CoreResult};
 
 impl KvCache {
-    /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to.
-    pub fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
+    /// Adds a host tier of `num_host_blocks` blocks that `swap_out` moves sequences to
+    /// (`KvCacheConfig::host_blocks`, applied by `from_config`).
+    pub(super) fn enable_host_tier(&mut self, num_host_blocks: usize) -> CoreResult<()> {
         ensure!(
             self.tiers.host_tier.is_none() && self.sequences.is_empty(),
             "the host tier is set once, before any sequence exists",
@@ -24,9 +25,10 @@ impl KvCache {
     }
 
     /// Keeps the cached blocks the device evicts in the host tier, where a later prefix
-    /// lookup finds them (see `host_prefix`). Set once, after `enable_host_tier` and before
-    /// any sequence exists; needs prefix caching.
-    pub fn enable_host_prefix_cache(&mut self) -> CoreResult<()> {
+    /// lookup finds them (see `host_prefix`): `KvCacheConfig::host_prefix_cache`, applied by
+    /// `from_config` after `enable_host_tier` and before any sequence exists; needs prefix
+    /// caching.
+    pub(super) fn enable_host_prefix_cache(&mut self) -> CoreResult<()> {
         ensure!(
             self.enable_prefix_caching(),
             "a host prefix cache needs prefix caching on the device"

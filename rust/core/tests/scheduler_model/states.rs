@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use atb_mem_core::{AttentionKind, KvCache, KvLayout, LayerKind, SchedulerConfig};
+use atb_mem_core::{AttentionKind, KvCacheConfig, KvLayout, LayerKind, SchedulerConfig};
 
 use super::workload::{value, LayerKinds, Op, GARBAGE};
 use super::{Counts, Harness};
@@ -27,11 +27,11 @@ fn fold(state: u64, value: u64) -> u64 {
 }
 
 /// A cache of `kinds`' attention layers and `states`' recurrent ones.
-pub fn cache(
+pub fn config(
     num_blocks: usize,
     (kinds, block_size): &LayerKinds,
     states: Option<StateLayers>,
-) -> KvCache {
+) -> KvCacheConfig {
     let mut layers: Vec<LayerKind> = kinds.iter().map(|&kind| kind.into()).collect();
     let (recurrent, slots, interval) = states.unwrap_or((0, 0, 1));
     let layout = KvLayout::default();
@@ -46,10 +46,9 @@ pub fn cache(
     };
     // Room for a few sequences' states beside the K/V.
     let num_blocks = num_blocks + 3 * recurrent * slots;
-    let mut cache =
-        KvCache::with_layer_kinds(num_blocks, *block_size, layout, true, &layers).unwrap();
-    cache.set_state_checkpoint_interval(interval).unwrap();
-    cache
+    KvCacheConfig::new(num_blocks, *block_size, layout)
+        .layer_kinds(&layers)
+        .state_checkpoint_interval(interval)
 }
 
 impl Harness {
@@ -123,7 +122,7 @@ pub fn run_states(
     host_prefix: bool,
     states: StateLayers,
 ) -> Counts {
-    let mut harness = Harness::new(config, kinds, host_prefix, Some(states));
+    let mut harness = Harness::new(config, kinds, host_prefix, Some(states), None);
     for op in &ops {
         harness.apply(op);
         harness.check();

@@ -129,7 +129,7 @@ fn host_prefix_tier_never_deadlocks_admission() {
     let (mut drained, mut promotions, mut loads, mut failed_loads) = (0, 0, 0, 0);
     for case in 0..100 {
         let (config, kinds, ops) = tier_case(&mut runner, case);
-        let mut harness = Harness::new(config, &kinds, true, None);
+        let mut harness = Harness::new(config, &kinds, true, None, None);
         for op in &ops {
             harness.apply(op);
             // As an engine does: every planned sample is reported before the next step.

@@ -26,8 +26,8 @@ pub(crate) use rows::GroupRow;
 use rows::PrefixRow;
 
 use crate::convert::{
-    self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Dtype, LayerTypes, Positions,
-    Prompt, SeqId, SeqIds, TokenIds,
+    self, narrow_slots, pairs_to_array, to_2d, CacheSalt, Count, Positions, Prompt, SeqId, SeqIds,
+    TokenIds,
 };
 use crate::errors::IntoPyResult;
 use crate::lock::PyLock;
@@ -41,54 +41,6 @@ pub struct PyKvCachePool {
 
 #[pymethods]
 impl PyKvCachePool {
-    #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, num_layers=None, num_kv_heads=None, head_dim=None,
-                        dtype=None, enable_prefix_caching=true, num_host_blocks=None,
-                        host_prefix_cache=false, enable_kv_events=false, layer_types=None,
-                        sliding_window=None, attention_chunk_size=None, eviction_policy=None,
-                        hash_block_size=None, state_bytes=None,
-                        state_checkpoint_interval=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        #[pyo3(from_py_with = construct::num_blocks)] num_blocks: usize,
-        #[pyo3(from_py_with = construct::block_size)] block_size: usize,
-        #[pyo3(from_py_with = construct::num_layers)] num_layers: Option<usize>,
-        #[pyo3(from_py_with = construct::num_kv_heads)] num_kv_heads: Option<usize>,
-        #[pyo3(from_py_with = construct::head_dim)] head_dim: Option<usize>,
-        dtype: Option<Dtype>,
-        enable_prefix_caching: bool,
-        #[pyo3(from_py_with = construct::num_host_blocks)] num_host_blocks: Option<usize>,
-        host_prefix_cache: bool,
-        enable_kv_events: bool,
-        layer_types: Option<LayerTypes>,
-        #[pyo3(from_py_with = construct::sliding_window)] sliding_window: Option<usize>,
-        #[pyo3(from_py_with = construct::attention_chunk_size)] attention_chunk_size: Option<usize>,
-        eviction_policy: Option<String>,
-        #[pyo3(from_py_with = construct::hash_block_size)] hash_block_size: Option<usize>,
-        #[pyo3(from_py_with = construct::state_bytes)] state_bytes: Option<usize>,
-        #[pyo3(from_py_with = construct::interval)] state_checkpoint_interval: Option<usize>,
-    ) -> PyResult<Self> {
-        let cache = construct::build(construct::CacheArgs {
-            num_blocks,
-            block_size,
-            layout: construct::layout(num_layers, num_kv_heads, head_dim, dtype),
-            enable_prefix_caching,
-            num_host_blocks,
-            host_prefix_cache,
-            enable_kv_events,
-            layer_types: layer_types.map(|names| names.0),
-            sliding_window,
-            attention_chunk_size,
-            eviction_policy,
-            hash_block_size,
-            state_bytes,
-            state_checkpoint_interval,
-        })?;
-        Ok(PyKvCachePool {
-            cache: PyLock::new(cache),
-        })
-    }
-
     /// Whether cached blocks the device evicts are kept in the host tier.
     #[getter]
     fn host_prefix_cache(&self) -> PyResult<bool> {

@@ -95,7 +95,7 @@ impl ContinuousScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_cache::Tokens;
+    use crate::kv_cache::{KvCacheConfig, Tokens};
     use crate::layout::KvLayout;
 
     fn dense(cache: &KvCache, seq_ids: &[u64], stride: usize) -> Vec<i32> {
@@ -113,7 +113,10 @@ mod tests {
 
     #[test]
     fn incremental_rows_match_a_full_rebuild() {
-        let mut cache = KvCache::new(64, 2, KvLayout::default(), false).unwrap();
+        let mut cache = KvCacheConfig::new(64, 2, KvLayout::default())
+            .prefix_caching(false)
+            .build()
+            .unwrap();
         let mut writer = BlockTableWriter::new();
         let stride = 16;
         let mut cells = vec![0; 4 * stride];
