@@ -13,7 +13,6 @@ Its scheduler role (in vLLM's engine-core process) is ``TierScheduler``; its wor
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,16 +38,11 @@ from atb_mem.integrations.vllm.identity import (
     weights_identity,
 )
 from atb_mem.integrations.vllm.metrics import AtbMemConnectorStats, AtbMemPromMetrics
-from atb_mem.integrations.vllm.scheduler import (
-    HOST,
-    Scheduled,
-    StoreLookup,
-    TierMoves,
-    TierScheduler,
-)
+from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves
+from atb_mem.integrations.vllm.scheduler import TierScheduler
 from atb_mem.integrations.vllm.settings import ConnectorSettings
+from atb_mem.integrations.vllm.store_lookups import open_stores, scheduler_lookups
 from atb_mem.integrations.vllm.worker import TierWorker
-from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore
 from atb_mem.kv.tiers.store import framed_size
 
 __all__ = ["AtbMemConnector", "AtbMemConnectorMetadata", "AtbMemConnectorStats"]
@@ -79,52 +73,6 @@ class AtbMemWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return AtbMemWorkerMetadata(self.stopped | stopped)
 
 
-def _open_stores(settings: ConnectorSettings, disk_identities: list[str],
-                 ranks: int, min_seen: int = 1) -> list[KVStore]:
-    """The disk tier (a folder per rank identity in ``disk_identities``, each with its share
-    of the capacity) and the store. The scheduler side asks for every rank's folder; a
-    worker for its own, and writes what it is given (the scheduler side counts the
-    sightings: ``min_seen`` 1)."""
-    stores: list[KVStore] = []
-    try:
-        if settings.disk_path is not None:
-            stores.extend(DiskStore(settings.disk_path, settings.disk_bytes // ranks,
-                                    min_seen=min_seen) for _ in disk_identities)
-        if settings.store_url is not None:
-            stores.append(MooncakeStore(settings.store_url))
-    except Exception:
-        for store in stores:
-            store.close()
-        raise
-    return stores
-
-
-class _DiskLookup:
-    """The scheduler's view of the disk tier, which the workers (other processes) write:
-    whether a block's file is in its rank's folder now."""
-
-    name, medium = "DISK", "disk"
-
-    def __init__(self, folders: dict[str, DiskStore]) -> None:
-        self.folders = folders
-
-        self.errors = 0
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        # A key is atb/IDENTITY/HASH (store.block_key). A folder that cannot be read (a
-        # stale mount, permissions) holds nothing: the scheduler must not raise.
-        try:
-            return [self.folders[key.split("/")[1]].files_exist([key])[0] for key in keys]
-        except OSError as error:
-            self.errors += 1
-            log.warning("atb-mem: looking blocks up on the disk tier failed: %s", error)
-            return [False] * len(keys)
-
-    def close(self) -> None:
-        for store in self.folders.values():
-            store.close()
-
-
 class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """atb-mem's tiers under vLLM's KV cache (see ``atb_mem.integrations.vllm``)."""
 
@@ -152,25 +100,11 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_size = block_size
         events = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
-            stores = _open_stores(self.settings, identities, ranks)
-            disks = [store for store in stores if isinstance(store, DiskStore)]
-            try:
-                for store in stores:  # the workers check the capacity against a block
-                    register = getattr(store, "register_layout", None)
-                    if register is not None:
-                        register(identities[disks.index(store)] if store in disks
-                                 else layout, 1)
-            except Exception:
-                for store in stores:
-                    store.close()
-                raise
-            lookups: list[StoreLookup] = [store for store in stores if store not in disks]
-            if disks:
-                lookups.insert(0, _DiskLookup(dict(zip(identities, disks, strict=True))))
             self._scheduler = TierScheduler(
                 block_size=block_size, hash_block_size=hash_block_size,
-                num_host_blocks=num_host_blocks,
-                eviction_policy=self.settings.eviction_policy, stores=lookups,
+                num_host_blocks=num_host_blocks, eviction_policy=self.settings.eviction_policy,
+                stores=scheduler_lookups(open_stores(self.settings, identities, ranks),
+                                         identities, layout),
                 identities=identities, enable_kv_events=events,
                 disk_min_seen=self.settings.disk_min_seen,
                 loads=transfer.kv_role != "kv_producer", saves=transfer.kv_role != "kv_consumer")
@@ -180,7 +114,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
             identity = identities[get_tensor_model_parallel_rank()]
             self._worker = TierWorker(
                 num_host_blocks=num_host_blocks,
-                stores=_open_stores(self.settings, [identity], ranks), layout=identity,
+                stores=open_stores(self.settings, [identity], ranks), layout=identity,
                 identity=identity, load_timeout_s=self.settings.load_timeout_s,
                 puts_land_in_step=transfer.kv_role == "kv_producer")
             self._worker.record_events = events
