@@ -78,3 +78,21 @@ def test_constructor_signature_matches(name: str) -> None:
     stub_params = [a.arg for a in new.args.args[1:] + new.args.kwonlyargs]
     runtime_params = list(inspect.signature(getattr(_core, name)).parameters)
     assert runtime_params == stub_params
+
+
+def test_the_stubs_eviction_policy_names_are_the_cores() -> None:
+    """The core owns the names (``_core.EVICTION_POLICIES``); the typed places that must
+    spell them out as a Literal (the stub, and ``KVCachePool``'s forward of it) say the same."""
+    import typing
+
+    from atb_mem.kv.block_bookkeeping import BlockBookkeeping
+
+    assert _core.EVICTION_POLICIES == ("lru", "lfu", "slru", "priority")
+    literals = [node for node in ast.walk(ast.parse(STUB.read_text()))
+                if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal"
+                and "'lru'" in ast.unparse(node.slice)]
+    assert len(literals) >= 2
+    for node in literals:
+        assert tuple(ast.literal_eval(node.slice)) == _core.EVICTION_POLICIES
+    hints = typing.get_type_hints(BlockBookkeeping.eviction_policy.fget)  # type: ignore[attr-defined]
+    assert typing.get_args(hints["return"]) == _core.EVICTION_POLICIES

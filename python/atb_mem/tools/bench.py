@@ -11,6 +11,7 @@ import click
 from rich.progress import Progress
 from rich.table import Table
 
+from atb_mem._core import EVICTION_POLICIES
 from atb_mem.tools.options import (
     SIZE,
     CommaList,
@@ -195,7 +196,7 @@ def plot_fragmentation(results: list[Any], path: str) -> None:
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Replay only the first N requests.")
 @click.option("--policies", type=CommaList(str, "eviction policies"),
-              default="lru,lfu,slru,priority", show_default=True,
+              default=",".join(EVICTION_POLICIES), show_default=True,
               help="priority: each request pins its system prompt at 100.")
 @click.option("--block-sizes", type=CommaList(int, "ints"), default="16,128", show_default=True)
 @click.option("--hash-block-sizes", type=CommaList(int, "ints"), default="16", show_default=True,

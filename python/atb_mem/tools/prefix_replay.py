@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import atb_mem
+from atb_mem._core import EVICTION_POLICIES
 from atb_mem.tools.simulate import Request, load_trace
 
 __all__ = ["EVICTION_POLICIES", "PrefixRequest", "best_policy", "prefix_requests",
            "replay_prefixes"]
 
-EVICTION_POLICIES = ("lru", "lfu", "slru", "priority")
 
 SEED = 0
 SYSTEM_PROMPTS = (300, 700, 1200, 2000)

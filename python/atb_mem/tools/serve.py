@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from atb_mem._core import EVICTION_POLICIES
 from atb_mem.tools.options import OFFLOAD, engine_options, offload_tiers
 
 
@@ -36,7 +37,7 @@ from atb_mem.tools.options import OFFLOAD, engine_options, offload_tiers
 @click.option("--kv-identity", default=None, metavar="NAME",
               help="Names the weights in the disk tier's and the store's keys (e.g. "
                    "org/model@revision) instead of a digest of every weight byte.")
-@click.option("--eviction-policy", type=click.Choice(["lru", "lfu", "slru", "priority"]),
+@click.option("--eviction-policy", type=click.Choice(EVICTION_POLICIES),
               default="priority", show_default=True,
               help="Which cached block the prefix cache gives up first. 'priority' (LRU "
                    "unless a request asks for retention) honours requests' retention; the "

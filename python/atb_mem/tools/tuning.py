@@ -10,6 +10,7 @@ import click
 from rich.progress import Progress
 from rich.table import Table
 
+from atb_mem._core import EVICTION_POLICIES
 from atb_mem.tools.options import (
     DTYPES,
     SIZE,
@@ -53,7 +54,7 @@ from atb_mem.tools.options import (
 @click.option("--token", envvar="ATB_MEM_ADMIN_TOKEN", default=None,
               help="With --apply-to: the server's --admin-token.")
 @click.option("--policies", type=CommaList(str, "eviction policies"),
-              default="lru,lfu,slru,priority", show_default=True,
+              default=",".join(EVICTION_POLICIES), show_default=True,
               help="Eviction policies to replay the best configuration's cache with "
                    "(prompts with shared prefixes shaped by the trace; see bench prefix).")
 def tune(trace: str | None, limit: int, total_memory: int, model_memory: int,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from atb_mem._core import EVICTION_POLICIES
 from atb_mem._sizes import parse_size
 from atb_mem.kv.tiers.mooncake import parse_mooncake_url
 
@@ -34,7 +35,6 @@ __all__ = ["DEFAULT_HOST_BYTES", "EXTRA_CONFIG_KEYS", "ConnectorSettings"]
 DEFAULT_HOST_BYTES = 4 << 30
 EXTRA_CONFIG_KEYS = ("host", "disk", "store", "hash_block_size", "eviction_policy",
                      "kv_identity", "load_timeout_s", "disk_min_seen")
-_POLICIES = ("lru", "lfu", "slru", "priority")
 
 
 def _fail(key: str, message: str) -> ValueError:
@@ -118,9 +118,9 @@ class ConnectorSettings:
             values["hash_block_size"] = _int("hash_block_size", extra["hash_block_size"], 1)
         if "eviction_policy" in extra:
             policy = extra["eviction_policy"]
-            if policy not in _POLICIES:
-                raise _fail("eviction_policy", f"must be one of {', '.join(_POLICIES)}, got "
-                                               f"{policy!r}")
+            if policy not in EVICTION_POLICIES:
+                names = ", ".join(EVICTION_POLICIES)
+                raise _fail("eviction_policy", f"must be one of {names}, got {policy!r}")
             values["eviction_policy"] = policy
         if "kv_identity" in extra:
             identity = extra["kv_identity"]
