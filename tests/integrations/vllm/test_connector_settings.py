@@ -32,15 +32,16 @@ def test_every_key_is_read(tmp_path: Path) -> None:
     settings = ConnectorSettings.parse({
         "host": "8GiB", "disk": [str(tmp_path), "100MB"], "store": "mooncake://h:50051",
         "hash_block_size": 32, "eviction_policy": "lfu", "kv_identity": "org/model@rev",
-        "load_timeout_s": 5, "disk_min_seen": 1})
+        "load_timeout_s": 5, "disk_min_seen": 1, "disk_sync_load": "1MiB"})
     assert settings == ConnectorSettings(
         host_bytes=8 << 30, disk_path=str(tmp_path), disk_bytes=100 * 1000**2,
         store_url="mooncake://h:50051", hash_block_size=32, eviction_policy="lfu",
-        kv_identity="org/model@rev", load_timeout_s=5.0, disk_min_seen=1)
+        kv_identity="org/model@rev", load_timeout_s=5.0, disk_min_seen=1,
+        disk_sync_load_bytes=1 << 20)
     assert isinstance(settings.load_timeout_s, float)
     assert set(EXTRA_CONFIG_KEYS) == {"host", "disk", "store", "hash_block_size",
                                       "eviction_policy", "kv_identity", "load_timeout_s",
-                                      "disk_min_seen"}
+                                      "disk_min_seen", "disk_sync_load"}
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -77,6 +78,8 @@ def test_the_disk_path_reads_a_tilde_and_a_tuple() -> None:
     ("load_timeout_s", None),
     ("disk_min_seen", 0), ("disk_min_seen", True), ("disk_min_seen", 2.0),
     ("disk_min_seen", "2"),
+    ("disk_sync_load", -1), ("disk_sync_load", "lots"), ("disk_sync_load", None),
+    ("disk_sync_load", True),
 ])
 def test_a_bad_value_names_its_key(key: str, value: Any) -> None:
     with pytest.raises(ValueError) as raised:

@@ -17,10 +17,12 @@ ID = "m-tp0"
 
 
 def make(num_host_blocks: int = 8, block_size: int = 128, hash_block_size: int = 128,
-         stores: Sequence[FakeStore] = (), identities: Sequence[str] = (ID,)) -> TierScheduler:
+         stores: Sequence[FakeStore] = (), identities: Sequence[str] = (ID,),
+         sync_disk_blocks: int = 0) -> TierScheduler:
     return TierScheduler(block_size=block_size, hash_block_size=hash_block_size,
                          num_host_blocks=num_host_blocks, eviction_policy="lru",
-                         stores=list(stores), identities=list(identities))
+                         stores=list(stores), identities=list(identities),
+                         sync_disk_blocks=sync_disk_blocks)
 
 
 def words(sched: TierScheduler, tokens: Sequence[int]) -> list[tuple[int, int]]:
@@ -501,3 +503,27 @@ def test_a_host_tier_too_full_for_the_whole_prompt_still_serves_its_hit() -> Non
     assert [block for _, block in moves.host_loads] == [10, 11]
     assert not moves.saves
     assert sched.hit_tokens("z") == {HOST: 256}
+
+
+@pytest.mark.parametrize("held_by, bound, now", [
+    ("DISK", 2, True), ("DISK", 1, False), ("MOONCAKE", 2, False)])
+def test_a_small_load_from_the_disk_runs_before_the_forward(held_by: str, bound: int,
+                                                             now: bool) -> None:
+    """A request whose load is all from the disk and at most ``sync_disk_blocks`` blocks is
+    not asynchronous: vLLM schedules it at once, and its blocks are read before that step's
+    forward (``disk_loads``); a longer load, or one from the store, stays asynchronous. Its
+    tokens count served once the workers say the load ran, less a block that failed."""
+    disk, mooncake = FakeStore("DISK"), FakeStore("MOONCAKE")
+    sched = make(num_host_blocks=0, stores=[disk, mooncake], sync_disk_blocks=bound)
+    a = list(range(400))
+    store = disk if held_by == "DISK" else mooncake
+    store.data.update(dict.fromkeys(keys(sched, a)[:2], b""))
+    assert sched.lookup("a", a, 0) == (256, not now)
+    sched.allocated("a", [20, 21, 22, 23], 256)
+    moves = sched.build([Scheduled("a", 256, 144, [20, 21, 22, 23], True)])
+    loads = {"a": [(*words(sched, a)[0], 20), (*words(sched, a)[1], 21)]}
+    assert (moves.disk_loads, moves.store_loads) == ((loads, {}) if now else ({}, loads))
+    assert sched.hit_tokens("a") == {held_by: 256}
+    sched.loads_ended({"a"}, {21})  # the second block failed: vLLM recomputes it
+    assert sched.take_counters().get("hit_tokens") == 128
+    assert sched.hit_tokens("a") == {held_by: 128}

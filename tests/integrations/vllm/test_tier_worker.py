@@ -283,3 +283,30 @@ def test_a_load_lands_its_blocks_in_one_copy_per_layer(
     assert copies == expected
     assert [block(kv, 9 - at) for at in range(4)] == [block(source, at + 1) for at in range(4)]
     tier.close()
+
+
+def test_disk_loads_before_the_forward_land_at_once_and_report_what_failed(
+        tmp_path: Path) -> None:
+    """``disk_loads`` are read and landed within ``start_loads`` (before the forward that
+    reads them), bytes-exact; the requests are reported by ``loaded_now``, never by
+    ``finished``; a damaged block and the ones after it go to ``load_errors`` (vLLM
+    recomputes from there), counted corrupt."""
+    source = caches(seed=1)
+    save_to_disk(tmp_path, source, [1, 2, 3])
+    damaged = next(tmp_path.rglob(f"*{KEYS[2].rsplit('/', 1)[-1]}*"))
+    value = bytearray(damaged.read_bytes())
+    value[len(value) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(value))
+    kv = caches(seed=2)
+    tier = worker([DiskStore(tmp_path, 1 << 20)])
+    tier.register(kv, NUM_BLOCKS)
+    tier.start_loads(TierMoves(disk_loads={
+        "r": [(*HASHES[0], 7), (*HASHES[1], 8)], "s": [(*HASHES[2], 9)]}))
+    assert [block(kv, 7), block(kv, 8)] == [block(source, 1), block(source, 2)]
+    assert tier.loaded_now() == {"r", "s"} and tier.loaded_now() == set()
+    assert tier.num_loading == 0 and tier.finished() == set()
+    assert tier.load_errors() == {9}
+    counters = tier.take_counters()
+    assert counters["loaded_blocks_DISK"] == 2 and counters["corrupt_blocks"] == 1
+    assert counters["load_failures"] == 1
+    tier.close()

@@ -255,7 +255,9 @@ def test_an_abort_and_preemptions_while_disk_loads_are_in_flight_free_everything
     with VllmProcess(model, tmp_path / "first.log", [{"prompts": [P, P, U, U]}], tiers) as vllm:
         vllm.run()
     # Every disk read takes a second; nine blocks of 128 tokens for three requests that
-    # grow to six blocks each: vLLM preempts while U's load is in flight.
+    # grow to six blocks each: vLLM preempts while U's load is in flight. Every disk load
+    # asynchronous (none read before the forward), as a slow disk's would be.
+    tiers = {**tiers, "disk_sync_load": 0}
     phases: list[dict[str, Any]] = [
         {"abort": P, "prompts": [Q]},
         {"prompts": [U, V, W], "together": True, "max_tokens": 400}]

@@ -64,13 +64,17 @@ class AtbMemConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 @dataclass(frozen=True)
 class AtbMemWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """From the workers to the scheduler side: the stores that stopped taking blocks (a disk
-    that went full or read-only), so that no more writes to them are planned."""
+    that went full or read-only), so that no more writes to them are planned, and the
+    requests whose disk loads ran before this step's forward (their failed blocks are in
+    vLLM's ``invalid_block_ids`` of the same step)."""
 
     stopped: frozenset[str] = frozenset()
+    loaded: frozenset[str] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        stopped = other.stopped if isinstance(other, AtbMemWorkerMetadata) else frozenset()
-        return AtbMemWorkerMetadata(self.stopped | stopped)
+        if not isinstance(other, AtbMemWorkerMetadata):
+            return self
+        return AtbMemWorkerMetadata(self.stopped | other.stopped, self.loaded | other.loaded)
 
 
 class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -107,7 +111,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                          identities, layout),
                 identities=identities, enable_kv_events=events,
                 disk_min_seen=self.settings.disk_min_seen,
-                loads=transfer.kv_role != "kv_producer", saves=transfer.kv_role != "kv_consumer")
+                loads=transfer.kv_role != "kv_producer", saves=transfer.kv_role != "kv_consumer",
+                sync_disk_blocks=self.settings.disk_sync_load_bytes // block_bytes)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -160,14 +165,15 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> AtbMemWorkerMetadata | None:
-        """The stores that stopped taking blocks, once, the step a new one did."""
+        """The stores that stopped taking blocks (the step a new one did), and the requests
+        whose disk loads ran before this step's forward."""
         if self._worker is None:
             return None
-        stopped = self._worker.stopped_stores()
-        if stopped == self._stopped_reported:
+        stopped, loaded = self._worker.stopped_stores(), self._worker.loaded_now()
+        if stopped == self._stopped_reported and not loaded:
             return None
         self._stopped_reported = stopped
-        return AtbMemWorkerMetadata(stopped)
+        return AtbMemWorkerMetadata(stopped, loaded)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
@@ -243,9 +249,10 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.loads_ended(connector_output.finished_recving or (),
-                                        connector_output.invalid_block_ids or ())
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            loaded = meta.loaded if isinstance(meta, AtbMemWorkerMetadata) else frozenset()
+            self._scheduler.loads_ended({*(connector_output.finished_recving or ()), *loaded},
+                                        connector_output.invalid_block_ids or ())
             if isinstance(meta, AtbMemWorkerMetadata):
                 self._scheduler.stop_saving(meta.stopped)
         batch = connector_output.kv_cache_events

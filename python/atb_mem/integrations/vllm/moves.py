@@ -25,6 +25,9 @@ class TierMoves:
     """(host block, vLLM block): copied before the forward, after ``host_copies``."""
     store_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     """Per request: (hash word 0, hash word 1, vLLM block), fetched asynchronously."""
+    disk_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Per request: (hash word 0, hash word 1, vLLM block), read from the disk before the
+    forward (a small local load: no step spent waiting for it)."""
     saves: list[tuple[int, int]] = field(default_factory=list)
     """(vLLM block, host block): copied after the forward."""
     puts: list[tuple[bool, int, int, int, tuple[str, ...]]] = field(default_factory=list)
@@ -34,8 +37,8 @@ class TierMoves:
     """No forward this step: a worker may wait a little for its loads."""
 
     def __bool__(self) -> bool:
-        return bool(self.host_copies or self.host_loads or self.store_loads or self.saves
-                    or self.puts)
+        return bool(self.host_copies or self.host_loads or self.store_loads or self.disk_loads
+                    or self.saves or self.puts)
 
 
 @dataclass(frozen=True)

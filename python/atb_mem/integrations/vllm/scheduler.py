@@ -21,7 +21,9 @@ A request's life here:
   copying the cached block whole), then the disk and the store are asked for the blocks
   after the host's hit. A repeated lookup (not scheduled, or preempted) starts over.
 - ``allocated`` (``update_state_after_alloc``): the loads into the request's vLLM blocks:
-  host blocks synchronously before the forward, disk and store blocks asynchronously.
+  host blocks synchronously before the forward, and disk blocks too where the request's
+  load is all from the disk and small (``sync_disk_blocks``: no step spent waiting for
+  them); larger disk loads and store loads asynchronously.
 - ``build`` (``build_connector_meta``): the full blocks each scheduled request completes this
   step are saved once: vLLM block → its host block after the forward (then cached in the
   index), and put to the stores that lacked them (a host hit is a sighting too, so a hot
@@ -75,6 +77,8 @@ class _Request:
     saved: int = 0
     asked: tuple[Any, ...] = ()
     """The lookup's arguments and answer, which an unchanged lookup gets again."""
+    loads_now: bool = False
+    """Its disk blocks are read before the forward of the step that admits it."""
 
 
 class TierScheduler:
@@ -86,8 +90,11 @@ class TierScheduler:
     def __init__(self, *, block_size: int, hash_block_size: int, num_host_blocks: int,
                  eviction_policy: str, stores: Sequence[StoreLookup], identities: Sequence[str],
                  enable_kv_events: bool = False, disk_min_seen: int = 1, loads: bool = True,
-                 saves: bool = True) -> None:
+                 saves: bool = True, sync_disk_blocks: int = 0) -> None:
         self.block_size = block_size
+        # A request's load of at most this many disk blocks, and nothing from the store, runs
+        # before the forward that reads it: vLLM schedules the request at once.
+        self.sync_disk_blocks = sync_disk_blocks
         # vLLM's kv_role: a prefill server (kv_producer) saves and never loads, a decode
         # server (kv_consumer) loads and never saves.
         self.loads, self.saves = loads, saves
@@ -174,10 +181,14 @@ class TierScheduler:
             tokens, salt, seq_id, hashes, num_computed_tokens, table, host_whole, partial,
             holders, run)
         external = max(0, total - num_computed_tokens) if self.loads else 0
-        loads_stores = external > 0 and host_whole + run > num_computed_tokens // block_size \
-            and run > 0
-        self._requests[req_id].asked = (*asked, (external, loads_stores))
-        return external, loads_stores
+        first = max(host_whole, num_computed_tokens // block_size)
+        loads_stores = external > 0 and host_whole + run > first and run > 0
+        request = self._requests[req_id]
+        request.loads_now = loads_stores and host_whole + run - first <= self.sync_disk_blocks \
+            and all(held[0] == "DISK" for held in holders[first:host_whole + run])
+        answer = (external, loads_stores and not request.loads_now)
+        request.asked = (*asked, answer)
+        return answer
 
     def _alloc_host(self, seq_id: int, tokens: list[int], salt: str | None) -> int:
         """Allocates the request's sequence in the host index; returns the host's hit. The
@@ -221,7 +232,9 @@ class TierScheduler:
             else:
                 tier = request.holders[index][0]
                 words = (int(request.hashes[index][0]), int(request.hashes[index][1]))
-                self._pending.store_loads.setdefault(req_id, []).append((*words, target))
+                loads = self._pending.disk_loads if request.loads_now else \
+                    self._pending.store_loads
+                loads.setdefault(req_id, []).append((*words, target))
                 self.lookups.loading(req_id, words, target)
                 request.loading.append((index, tier, tokens))
             request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens

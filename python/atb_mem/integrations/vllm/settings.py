@@ -14,6 +14,9 @@ key                 what it is                                                  
                     checkpoint's files are digested
 ``load_timeout_s``  seconds a disk or store load may take before it is recomputed   30
 ``disk_min_seen``   sightings of a block before the disk tier writes it             2
+``disk_sync_load``  bytes of disk blocks a request loads before the forward that    32MiB
+                    reads them (no step spent waiting); larger loads, and every
+                    store load, run asynchronously (0: every disk load too)
 =================== =============================================================== ========
 """
 
@@ -34,7 +37,8 @@ __all__ = ["DEFAULT_HOST_BYTES", "EXTRA_CONFIG_KEYS", "ConnectorSettings"]
 
 DEFAULT_HOST_BYTES = 4 << 30
 EXTRA_CONFIG_KEYS = ("host", "disk", "store", "hash_block_size", "eviction_policy",
-                     "kv_identity", "load_timeout_s", "disk_min_seen")
+                     "kv_identity", "load_timeout_s", "disk_min_seen", "disk_sync_load")
+DEFAULT_DISK_SYNC_LOAD = 32 << 20
 
 
 def _fail(key: str, message: str) -> ValueError:
@@ -76,6 +80,7 @@ class ConnectorSettings:
     kv_identity: str | None = None
     load_timeout_s: float = 30.0
     disk_min_seen: int = 2
+    disk_sync_load_bytes: int = DEFAULT_DISK_SYNC_LOAD
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -136,6 +141,8 @@ class ConnectorSettings:
             values["load_timeout_s"] = float(timeout)
         if "disk_min_seen" in extra:
             values["disk_min_seen"] = _int("disk_min_seen", extra["disk_min_seen"], 1)
+        if "disk_sync_load" in extra:
+            values["disk_sync_load_bytes"] = _size("disk_sync_load", extra["disk_sync_load"])
         return cls(**values)
 
     def hash_block_size_for(self, block_size: int) -> int:

@@ -64,6 +64,9 @@ class TierWorker:
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
         self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load")
+        # Loads before the forward never queue behind the asynchronous ones.
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load-now")
+        self._loaded_now: set[str] = set()
         self._writer = BlockWriter(lambda store, error: self._count(store_errors=1),
                                    "atb-mem-vllm-save")
         self._lock = threading.Lock()  # the counters, which the writer updates too
@@ -144,11 +147,34 @@ class TierWorker:
             self._to_vllm(self._host, list(rows), blocks)
             self._count(**{f"loaded_blocks_{HOST}": len(rows)},
                         loaded_bytes=len(rows) * self._block_bytes)
+        if moves.disk_loads:
+            self._load_now(moves.disk_loads)
         for req_id, loads in moves.store_loads.items():
             fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
             fetch.start(self._fetchers, self.stores, self._block_bytes, True,
                         lambda: self._count(corrupt_blocks=1))
             self._loads.append(_Load(req_id, [block for _, _, block in loads], fetch))
+
+    def _load_now(self, disk_loads: Mapping[str, list[tuple[int, int, int]]]) -> None:
+        """Reads the requests' disk blocks (in parallel, at most the load timeout in all)
+        and lands what arrived intact; vLLM recomputes from a block that did not
+        (``load_errors``, reported this step)."""
+        fetches = []
+        for req_id, loads in disk_loads.items():
+            fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
+            fetch.start(self._readers, self.stores, self._block_bytes, True,
+                        lambda: self._count(corrupt_blocks=1))
+            fetches.append((req_id, [block for _, _, block in loads], fetch))
+        deadline = time.perf_counter() + self.load_timeout_s
+        for req_id, blocks, fetch in fetches:
+            fetch.wait(max(0.0, deadline - time.perf_counter()))
+            self._end(req_id, blocks, fetch)
+            self._loaded_now.add(req_id)
+
+    def loaded_now(self) -> frozenset[str]:
+        """The requests whose disk loads ran before the forward since the last call."""
+        loaded, self._loaded_now = frozenset(self._loaded_now), set()
+        return loaded
 
     def save(self, moves: TierMoves) -> None:
         """After the forward: vLLM blocks → host blocks, then the puts to the stores."""
@@ -210,21 +236,27 @@ class TierWorker:
                 continue
             self._loads.remove(load)
             done.add(load.req_id)
-            if not load.fetch.done:  # what arrived in time lands; the rest is recomputed
-                load.fetch.cancelled.set()
-                log.warning("atb-mem: a load took over %s s: its blocks from the first "
-                            "one missing then are recomputed", self.load_timeout_s)
-            landed = 0
-            try:
-                landed = self._land(load.blocks, load.fetch.intact())
-            except Exception as error:  # a copy that failed: recomputed
-                log.warning("atb-mem: landing a load failed: %s", error)
-            if landed < len(load.blocks):
-                self._errors.update(load.blocks[landed:])
-                self._count(load_failures=1)
-            begun = load.fetch.started[0] if load.fetch.started else now
-            self._count(load_seconds_sum=time.perf_counter() - begun, loads=1)
+            self._end(load.req_id, load.blocks, load.fetch)
         return done
+
+    def _end(self, req_id: str, blocks: list[int], fetch: BlockFetch) -> None:
+        """Lands what ``fetch`` read in time into ``blocks``; the rest goes to
+        ``load_errors`` (recomputed)."""
+        now = time.perf_counter()
+        if not fetch.done:  # what arrived in time lands; the rest is recomputed
+            fetch.cancelled.set()
+            log.warning("atb-mem: a load took over %s s: its blocks from the first one "
+                        "missing then are recomputed", self.load_timeout_s)
+        landed = 0
+        try:
+            landed = self._land(blocks, fetch.intact())
+        except Exception as error:  # a copy that failed: recomputed
+            log.warning("atb-mem: landing a load of %s failed: %s", req_id, error)
+        if landed < len(blocks):
+            self._errors.update(blocks[landed:])
+            self._count(load_failures=1)
+        begun = fetch.started[0] if fetch.started else now
+        self._count(load_seconds_sum=time.perf_counter() - begun, loads=1)
 
     def _land(self, blocks: list[int], intact: list[tuple[bytes, str]]) -> int:
         """Copies a fetch's leading intact blocks in, a landing buffer's worth at a time
@@ -284,6 +316,7 @@ class TierWorker:
 
     def close(self) -> None:
         self._fetchers.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self._writer.close()
         for store in self.stores:
             store.close()
