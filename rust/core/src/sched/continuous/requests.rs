@@ -118,7 +118,7 @@ pub(super) struct Request {
     /// What it asks the prefix cache to keep (`set_retention`), given to its sequence at
     /// every admission; boxed, as few requests have one and the step walks them all.
     pub retention: Option<Box<RetentionConfig>>,
-    /// The transaction that last changed it (see `undo_record`).
+    /// The transaction that last changed it (see `request_table`).
     pub changed_in: Stamp,
 }
 
