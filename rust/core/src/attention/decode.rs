@@ -12,7 +12,7 @@
 //! same way, each weighted row added into its vectors' sums.
 
 use super::element::Element;
-use super::kernel::{load_queries, online_softmax, write_out, Output, Place, Scratch};
+use super::item::{load_queries, online_softmax, prefetch, write_out, Output, Place, Scratch};
 use super::lanes::{add_scaled, dot};
 use super::PagedAttention;
 
@@ -120,6 +120,6 @@ fn prefetch_ahead<E>(
 ) {
     if position + AHEAD < end {
         let at = heads_at(position + AHEAD);
-        super::kernel::prefetch(&cache[at..at + width]);
+        prefetch(&cache[at..at + width]);
     }
 }

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use rayon::prelude::*;
 
 use super::element::Element;
-use super::kernel::{self, Output, Scratch, WorkItem, TOKEN_TILE};
+use super::item::{Output, Scratch, WorkItem, TOKEN_TILE};
+use super::kernel;
 use super::PagedAttention;
 use crate::error::CoreResult;
 

@@ -11,7 +11,7 @@
 //! transposes it once per span and tile).
 
 use super::element::Element;
-use super::kernel::{load_span, write_out, Output, Place, Scratch, SPAN};
+use super::item::{load_span, write_out, Output, Place, Scratch, SPAN};
 use super::lanes::exp;
 use super::PagedAttention;
 

@@ -20,6 +20,7 @@ mod check;
 mod decode;
 mod dispatch;
 mod element;
+mod item;
 mod kernel;
 mod lane_tile;
 mod lanes;
