@@ -36,6 +36,68 @@ pub(crate) trait Undo {
     fn rollback(&mut self);
 }
 
+/// A part of a structure: a borrowed field that records its own changes.
+impl<T: Undo + ?Sized> Undo for &mut T {
+    fn begin(&mut self) {
+        (**self).begin();
+    }
+
+    fn commit(&mut self) {
+        (**self).commit();
+    }
+
+    fn rollback(&mut self) {
+        (**self).rollback();
+    }
+}
+
+/// Several parts as one, in their order: a structure lists its parts once (its
+/// `undo_parts`), and its `begin`, `commit` and `rollback` each call that one list.
+macro_rules! undo_for_tuple {
+    ($($index:tt: $part:ident),+) => {
+        impl<$($part: Undo),+> Undo for ($($part,)+) {
+            fn begin(&mut self) {
+                $(self.$index.begin();)+
+            }
+
+            fn commit(&mut self) {
+                $(self.$index.commit();)+
+            }
+
+            fn rollback(&mut self) {
+                $(self.$index.rollback();)+
+            }
+        }
+    };
+}
+
+undo_for_tuple!(0: A, 1: B);
+undo_for_tuple!(0: A, 1: B, 2: C);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E, 5: F);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E, 5: F, 6: G);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E, 5: F, 6: G, 7: H);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E, 5: F, 6: G, 7: H, 8: I);
+undo_for_tuple!(0: A, 1: B, 2: C, 3: D, 4: E, 5: F, 6: G, 7: H, 8: I, 9: J);
+
+/// A part of a structure that keeps no record of its own: the field (`.0`) is copied into
+/// its place in the structure's record (`.1`) at `begin`, and swapped back at `rollback`,
+/// so the record's buffer keeps its capacity for the next transaction.
+pub(crate) struct Kept<'a, T>(pub(crate) &'a mut T, pub(crate) &'a mut T);
+
+impl<T: Clone> Undo for Kept<'_, T> {
+    fn begin(&mut self) {
+        self.1.clone_from(self.0);
+    }
+
+    fn commit(&mut self) {}
+
+    fn rollback(&mut self) {
+        std::mem::swap(self.0, self.1);
+    }
+}
+
 impl<T: Undo> Undo for Option<T> {
     fn begin(&mut self) {
         if let Some(inner) = self {
@@ -263,19 +325,34 @@ impl<T: Clone> CopyOnChange<T> {
         }
     }
 
-    pub(crate) fn begin(&mut self) {
-        self.recording = true;
-        self.copied = false;
+    /// This record with the value it copies, as a part of their structure.
+    pub(crate) fn of<'a>(&'a mut self, value: &'a mut T) -> impl Undo + 'a {
+        Copying {
+            record: self,
+            value,
+        }
+    }
+}
+
+struct Copying<'a, T> {
+    record: &'a mut CopyOnChange<T>,
+    value: &'a mut T,
+}
+
+impl<T: Clone> Undo for Copying<'_, T> {
+    fn begin(&mut self) {
+        self.record.recording = true;
+        self.record.copied = false;
     }
 
-    pub(crate) fn commit(&mut self) {
-        self.recording = false;
-        self.copied = false;
+    fn commit(&mut self) {
+        self.record.recording = false;
+        self.record.copied = false;
     }
 
-    pub(crate) fn rollback(&mut self, value: &mut T) {
-        if self.copied {
-            value.clone_from(&self.backup);
+    fn rollback(&mut self) {
+        if self.record.copied {
+            self.value.clone_from(&self.record.backup);
         }
         self.commit();
     }

@@ -4,50 +4,40 @@
 use super::BlockPool;
 use crate::undo::Undo;
 
+impl BlockPool {
+    /// The parts that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (
+            &mut self.ref_counts,
+            &mut self.free_queue,
+            &mut self.block_hashes,
+            &mut self.cached,
+            &mut self.prefix_table,
+            &mut self.hits,
+            &mut self.removed,
+            &mut self.evicted,
+            &mut self.sub_blocks,
+            &mut self.retention,
+        )
+    }
+}
+
 impl Undo for BlockPool {
     fn begin(&mut self) {
         self.saved
             .save((self.num_evictable, self.counters, self.num_pieces));
-        self.ref_counts.begin();
-        self.free_queue.begin();
-        self.block_hashes.begin();
-        self.cached.begin();
-        self.prefix_table.begin();
-        self.hits.begin();
-        self.removed.begin();
-        self.evicted.begin();
-        self.sub_blocks.begin();
-        self.retention.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
         self.saved.forget();
-        self.ref_counts.commit();
-        self.free_queue.commit();
-        self.block_hashes.commit();
-        self.cached.commit();
-        self.prefix_table.commit();
-        self.hits.commit();
-        self.removed.commit();
-        self.evicted.commit();
-        self.sub_blocks.commit();
-        self.retention.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
-        if let Some((num_evictable, counters, num_pieces)) = self.saved.take() {
-            (self.num_evictable, self.counters, self.num_pieces) =
-                (num_evictable, counters, num_pieces);
+        if let Some(saved) = self.saved.take() {
+            (self.num_evictable, self.counters, self.num_pieces) = saved;
         }
-        self.ref_counts.rollback();
-        self.free_queue.rollback();
-        self.block_hashes.rollback();
-        self.cached.rollback();
-        self.prefix_table.rollback();
-        self.hits.rollback();
-        self.removed.rollback();
-        self.evicted.rollback();
-        self.sub_blocks.rollback();
-        self.retention.rollback();
+        self.undo_parts().rollback();
     }
 }

@@ -174,28 +174,33 @@ impl BlockPriorities {
     }
 }
 
+impl BlockPriorities {
+    /// The parts that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (
+            &mut self.priority,
+            &mut self.expires_at,
+            self.expiries_before.of(&mut self.expiries),
+        )
+    }
+}
+
 impl Undo for BlockPriorities {
     fn begin(&mut self) {
         self.saved_clock.save(self.clock);
-        self.priority.begin();
-        self.expires_at.begin();
-        self.expiries_before.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
         self.saved_clock.forget();
-        self.priority.commit();
-        self.expires_at.commit();
-        self.expiries_before.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
         if let Some(clock) = self.saved_clock.take() {
             self.clock = clock;
         }
-        self.priority.rollback();
-        self.expires_at.rollback();
-        self.expiries_before.rollback(&mut self.expiries);
+        self.undo_parts().rollback();
     }
 }
 

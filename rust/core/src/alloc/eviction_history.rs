@@ -66,25 +66,29 @@ impl EvictionHistory {
     }
 }
 
+impl EvictionHistory {
+    /// The parts that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (&mut self.hashes, &mut self.index)
+    }
+}
+
 impl Undo for EvictionHistory {
     fn begin(&mut self) {
         self.saved.save((self.next, self.len));
-        self.hashes.begin();
-        self.index.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
         self.saved.forget();
-        self.hashes.commit();
-        self.index.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
-        if let Some((next, len)) = self.saved.take() {
-            (self.next, self.len) = (next, len);
+        if let Some(saved) = self.saved.take() {
+            (self.next, self.len) = saved;
         }
-        self.hashes.rollback();
-        self.index.rollback();
+        self.undo_parts().rollback();
     }
 }
 

@@ -170,24 +170,25 @@ impl SubBlockIndex {
     }
 }
 
-/// `keyless` is no state: `insert` fills it for its caller, who empties it at once.
+impl SubBlockIndex {
+    /// The parts that record their own changes: all of it but `keyless`, which is no state
+    /// (`insert` fills it for its caller, who empties it at once).
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (&mut self.keys, &mut self.indexed, &mut self.table)
+    }
+}
+
 impl Undo for SubBlockIndex {
     fn begin(&mut self) {
-        self.keys.begin();
-        self.indexed.begin();
-        self.table.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
-        self.keys.commit();
-        self.indexed.commit();
-        self.table.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
-        self.keys.rollback();
-        self.indexed.rollback();
-        self.table.rollback();
+        self.undo_parts().rollback();
         self.keyless.clear();
     }
 }

@@ -406,24 +406,30 @@ impl KvEventLog {
     }
 }
 
+impl KvEventLog {
+    /// The parts that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (
+            &mut self.device_groups,
+            &mut self.host_block_hashes,
+            &mut self.device_names,
+            &mut self.device_tokens,
+        )
+    }
+}
+
 impl Undo for KvEventLog {
     fn begin(&mut self) {
         let lens = [self.events.len(), self.hashes.len(), self.tokens.len()];
         self.saved
             .save((self.next_event_id, lens, self.events.last().cloned()));
-        self.device_groups.begin();
-        self.host_block_hashes.begin();
-        self.device_names.begin();
-        self.device_tokens.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
         self.saved.forget();
         self.host_copies_before.clear();
-        self.device_groups.commit();
-        self.host_block_hashes.commit();
-        self.device_names.commit();
-        self.device_tokens.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
@@ -443,10 +449,7 @@ impl Undo for KvEventLog {
                 None => self.host_copies.remove(&name),
             };
         }
-        self.device_groups.rollback();
-        self.host_block_hashes.rollback();
-        self.device_names.rollback();
-        self.device_tokens.rollback();
+        self.undo_parts().rollback();
     }
 }
 

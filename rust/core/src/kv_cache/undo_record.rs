@@ -11,7 +11,7 @@ use std::fmt;
 use super::partial_hits::DeferredSubBlocks;
 use super::stats::PrefixStats;
 use super::KvCache;
-use crate::undo::{Saved, Undo};
+use crate::undo::{Kept, Saved, Undo};
 
 #[derive(Clone, Default)]
 pub(super) struct UndoRecord {
@@ -52,6 +52,19 @@ impl KvCache {
             self.max_seq_tokens,
         )
     }
+
+    /// What a transaction may change but the prefix statistics: the sub-block keys waiting
+    /// to be published, kept in the record, and the owners that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (
+            Kept(
+                &mut self.deferred_sub_blocks,
+                &mut self.undo.deferred_sub_blocks,
+            ),
+            &mut self.tiers,
+            &mut self.sequences,
+        )
+    }
 }
 
 impl Undo for KvCache {
@@ -62,11 +75,7 @@ impl Undo for KvCache {
             self.undo.copy = Some(Box::new(self.clone()));
         }
         self.undo.prefix_stats.save(self.prefix_stats);
-        self.undo
-            .deferred_sub_blocks
-            .clone_from(&self.deferred_sub_blocks);
-        self.tiers.begin();
-        self.sequences.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
@@ -75,8 +84,7 @@ impl Undo for KvCache {
         {
             self.undo.copy = None;
         }
-        self.tiers.commit();
-        self.sequences.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
@@ -84,12 +92,7 @@ impl Undo for KvCache {
             return;
         };
         self.prefix_stats = prefix_stats;
-        std::mem::swap(
-            &mut self.deferred_sub_blocks,
-            &mut self.undo.deferred_sub_blocks,
-        );
-        self.tiers.rollback();
-        self.sequences.rollback();
+        self.undo_parts().rollback();
         #[cfg(debug_assertions)]
         if let Some(copy) = self.undo.copy.take() {
             assert_eq!(

@@ -13,7 +13,7 @@ use super::keys::may_demote;
 use super::{BlockMove, KvEventLog, MoveKind, NO_BLOCK};
 use crate::alloc::{BlockHash, BlockPool};
 use crate::error::{CoreError, CoreResult};
-use crate::undo::{Saved, Undo};
+use crate::undo::{Kept, Saved, Undo};
 
 /// Marks a prefix-lookup result that is a host block: `HOST_HIT | host_block`. Block ids stay
 /// below `MAX_BLOCKS` (under 2**25), so the bit is free.
@@ -227,39 +227,38 @@ fn demote(
     counters.demoted += 1;
 }
 
+impl Tiers {
+    /// What a transaction may change but the host tier's counters: the pending moves, kept in
+    /// the record, and the parts that record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        (
+            Kept(&mut self.pending_moves, &mut self.undo.pending_moves),
+            &mut self.block_pool,
+            self.host_tier.as_mut().map(|tier| &mut tier.pool),
+            &mut self.events,
+        )
+    }
+}
+
 impl Undo for Tiers {
     fn begin(&mut self) {
         let counters = self.host_tier.as_ref().map(|tier| tier.prefix_counters);
         self.undo.counters.save(counters);
-        self.undo.pending_moves.clone_from(&self.pending_moves);
-        self.block_pool.begin();
-        if let Some(tier) = self.host_tier.as_mut() {
-            tier.pool.begin();
-        }
-        self.events.begin();
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
         self.undo.counters.forget();
-        self.block_pool.commit();
-        if let Some(tier) = self.host_tier.as_mut() {
-            tier.pool.commit();
-        }
-        self.events.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
         let Some(counters) = self.undo.counters.take() else {
             return;
         };
-        std::mem::swap(&mut self.pending_moves, &mut self.undo.pending_moves);
-        self.block_pool.rollback();
-        if let Some(tier) = self.host_tier.as_mut() {
-            tier.pool.rollback();
-            if let Some(counters) = counters {
-                tier.prefix_counters = counters;
-            }
+        self.undo_parts().rollback();
+        if let (Some(tier), Some(counters)) = (self.host_tier.as_mut(), counters) {
+            tier.prefix_counters = counters;
         }
-        self.events.rollback();
     }
 }

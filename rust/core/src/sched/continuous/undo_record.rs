@@ -1,6 +1,6 @@
 //! The scheduler as one step's unit of undo (see `crate::undo`): its requests
-//! (`request_table`) and queues (`queue`) record their own changes; its lists of ids (as long as what runs) and its counters are
-//! kept here when the step begins.
+//! (`request_table`) and queues (`queue`) record their own changes; its lists of ids (as
+//! long as what runs) and its counters are kept here when the step begins.
 //!
 //! Debug builds also keep a whole copy at `begin` and check, at every rollback, that the
 //! record put back exactly that.
@@ -8,12 +8,22 @@
 use std::fmt;
 
 use super::{ContinuousScheduler, LoadCounters};
-use crate::undo::{Saved, Undo};
+use crate::undo::{Kept, Undo};
 
 /// The scheduler's lists of ids and counters as the step found them.
 #[derive(Clone, Default)]
 pub(super) struct UndoRecord {
-    saved: Saved<Counters>,
+    /// Whether a step is open: a rollback outside one puts nothing back.
+    open: bool,
+    load_counters: LoadCounters,
+    next_arrival: i64,
+    next_front: i64,
+    next_admission: u64,
+    num_preemptions: u64,
+    forked_since_step: usize,
+    unforked_samples: usize,
+    fork_reserve: usize,
+    saved_moves: usize,
     running: Vec<u64>,
     loading: Vec<u64>,
     abandoned_loads: Vec<u64>,
@@ -24,19 +34,6 @@ pub(super) struct UndoRecord {
     copy: Option<Box<ContinuousScheduler>>,
 }
 
-#[derive(Clone, Copy)]
-struct Counters {
-    load_counters: LoadCounters,
-    next_arrival: i64,
-    next_front: i64,
-    next_admission: u64,
-    num_preemptions: u64,
-    forked_since_step: usize,
-    unforked_samples: usize,
-    fork_reserve: usize,
-    saved_moves: usize,
-}
-
 impl fmt::Debug for UndoRecord {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str("_")
@@ -44,18 +41,34 @@ impl fmt::Debug for UndoRecord {
 }
 
 impl ContinuousScheduler {
-    fn counters(&self) -> Counters {
-        Counters {
-            load_counters: self.load_counters,
-            next_arrival: self.next_arrival,
-            next_front: self.next_front,
-            next_admission: self.next_admission,
-            num_preemptions: self.num_preemptions,
-            forked_since_step: self.forked_since_step,
-            unforked_samples: self.unforked_samples,
-            fork_reserve: self.fork_reserve,
-            saved_moves: self.saved_moves,
-        }
+    /// What a step may change: the counters and lists, each kept in its place in the
+    /// record, and the requests and queues, which record their own changes.
+    fn undo_parts(&mut self) -> impl Undo + '_ {
+        let record = &mut self.undo;
+        let counters = (
+            Kept(&mut self.load_counters, &mut record.load_counters),
+            Kept(&mut self.next_arrival, &mut record.next_arrival),
+            Kept(&mut self.next_front, &mut record.next_front),
+            Kept(&mut self.next_admission, &mut record.next_admission),
+            Kept(&mut self.num_preemptions, &mut record.num_preemptions),
+            Kept(&mut self.forked_since_step, &mut record.forked_since_step),
+            Kept(&mut self.unforked_samples, &mut record.unforked_samples),
+            Kept(&mut self.fork_reserve, &mut record.fork_reserve),
+            Kept(&mut self.saved_moves, &mut record.saved_moves),
+        );
+        let lists = (
+            Kept(&mut self.running, &mut record.running),
+            Kept(&mut self.loading, &mut record.loading),
+            Kept(&mut self.abandoned_loads, &mut record.abandoned_loads),
+            Kept(
+                &mut self.finished_since_plan,
+                &mut record.finished_since_plan,
+            ),
+            Kept(&mut self.in_flight, &mut record.in_flight),
+            Kept(&mut self.deferred_frees, &mut record.deferred_frees),
+        );
+        let owners = (&mut self.requests, &mut self.waiting, &mut self.swapped);
+        (counters, lists, owners)
     }
 
     /// The state a rollback must restore, as text (scratch buffers and the plan's block
@@ -92,66 +105,24 @@ impl Undo for ContinuousScheduler {
         {
             self.undo.copy = Some(Box::new(self.clone()));
         }
-        let counters = self.counters();
-        let record = &mut self.undo;
-        record.saved.save(counters);
-        record.running.clone_from(&self.running);
-        record.loading.clone_from(&self.loading);
-        record.abandoned_loads.clone_from(&self.abandoned_loads);
-        record
-            .finished_since_plan
-            .clone_from(&self.finished_since_plan);
-        record.in_flight.clone_from(&self.in_flight);
-        record.deferred_frees.clone_from(&self.deferred_frees);
-        self.requests.begin();
-        self.waiting.begin();
-        self.swapped.begin();
+        self.undo.open = true;
+        self.undo_parts().begin();
     }
 
     fn commit(&mut self) {
-        self.undo.saved.forget();
+        self.undo.open = false;
         #[cfg(debug_assertions)]
         {
             self.undo.copy = None;
         }
-        self.requests.commit();
-        self.waiting.commit();
-        self.swapped.commit();
+        self.undo_parts().commit();
     }
 
     fn rollback(&mut self) {
-        let Some(counters) = self.undo.saved.take() else {
+        if !std::mem::take(&mut self.undo.open) {
             return;
-        };
-        let Counters {
-            load_counters,
-            next_arrival,
-            next_front,
-            next_admission,
-            num_preemptions,
-            forked_since_step,
-            unforked_samples,
-            fork_reserve,
-            saved_moves,
-        } = counters;
-        self.load_counters = load_counters;
-        (self.next_arrival, self.next_front) = (next_arrival, next_front);
-        (self.next_admission, self.num_preemptions) = (next_admission, num_preemptions);
-        (self.forked_since_step, self.unforked_samples) = (forked_since_step, unforked_samples);
-        (self.fork_reserve, self.saved_moves) = (fork_reserve, saved_moves);
-        let record = &mut self.undo;
-        std::mem::swap(&mut self.running, &mut record.running);
-        std::mem::swap(&mut self.loading, &mut record.loading);
-        std::mem::swap(&mut self.abandoned_loads, &mut record.abandoned_loads);
-        std::mem::swap(
-            &mut self.finished_since_plan,
-            &mut record.finished_since_plan,
-        );
-        std::mem::swap(&mut self.in_flight, &mut record.in_flight);
-        std::mem::swap(&mut self.deferred_frees, &mut record.deferred_frees);
-        self.requests.rollback();
-        self.waiting.rollback();
-        self.swapped.rollback();
+        }
+        self.undo_parts().rollback();
         #[cfg(debug_assertions)]
         if let Some(copy) = self.undo.copy.take() {
             assert_eq!(
