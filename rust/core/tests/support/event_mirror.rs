@@ -1,5 +1,5 @@
 //! What a router knows from the KV-cache events alone, replayed after every step of the model
-//! tests (tests/model.rs, tests/scheduler_model.rs) and checked against the cache.
+//! tests (tests/kv_cache_model.rs, tests/scheduler_model.rs) and checked against the cache.
 
 use std::collections::HashSet;
 

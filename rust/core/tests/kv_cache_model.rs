@@ -30,7 +30,7 @@ const NUM_BLOCKS: usize = 24;
 const VOCAB: u32 = 3;
 const HOST_BLOCKS: usize = 10;
 
-#[path = "model/ops.rs"]
+#[path = "kv_cache_model/ops.rs"]
 mod ops;
 use ops::{op, tier_op, Op};
 

@@ -1,4 +1,4 @@
-//! The operations the model test draws: every call of the cache, and a mix that keeps a
+//! The operations the KV-cache model test draws: every call of the cache, and a mix that keeps a
 //! small device evicting prefixes that later prompts ask for again.
 
 use proptest::prelude::*;
