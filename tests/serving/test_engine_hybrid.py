@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atb_mem.integrations import reference_attention
+from atb_mem.integrations import reference_attention, step_attention
 from atb_mem.integrations import transformers as paged
 from atb_mem.integrations.cpu_attention import CpuPagedStep
 from atb_mem.integrations.layer_attention import FULL_ATTENTION
@@ -114,7 +114,7 @@ def test_dropping_attention_sinks_is_caught(monkeypatch: pytest.MonkeyPatch,
             self, *args[:6], None, *args[7:], **kwargs))
     else:
         attention = reference_attention.sdpa_attention
-        for module in (paged, reference_attention):  # new rows' attention, and gathered rows'
+        for module in (step_attention, reference_attention):  # new rows', gathered rows'
             monkeypatch.setattr(module, "sdpa_attention",
                                 lambda queries, keys, values, mask, scaling, sinks:
                                 attention(queries, keys, values, mask, scaling, None))
