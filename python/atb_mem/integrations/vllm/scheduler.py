@@ -35,7 +35,6 @@ A request's life here:
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,13 +43,12 @@ import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
 from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves
+from atb_mem.integrations.vllm.recent_blocks import BlockNames, Sightings
 from atb_mem.integrations.vllm.store_lookups import StoreLookup, StoreLookups
 from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
 
-# Blocks put to the stores whose names are kept for their KV events.
-_MAX_NAMES = 1 << 14
 
 @dataclass
 class _Request:
@@ -98,10 +96,7 @@ class TierScheduler:
         # vLLM's kv_role: a prefill server (kv_producer) saves and never loads, a decode
         # server (kv_consumer) loads and never saves.
         self.loads, self.saves = loads, saves
-        self.disk_min_seen = disk_min_seen
-        # Sightings of blocks the disk lacks (computed, or hit elsewhere), the oldest
-        # forgotten beyond _MAX_NAMES: the disk takes a block on its disk_min_seen-th.
-        self._sightings: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._sightings = Sightings(disk_min_seen)
         self.stores = list(stores)
         # Stores a worker said stopped taking blocks (full, read-only): no puts planned.
         self._stopped: frozenset[str] = frozenset()
@@ -120,9 +115,7 @@ class TierScheduler:
         self._epoch = 0
         self.lookups = StoreLookups(stores, identities)
         self.enable_kv_events = enable_kv_events
-        # What a block put to the stores holds (parent hash, tokens), for the KV events the
-        # workers report when a store took it; the oldest forgotten beyond _MAX_NAMES.
-        self._names: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
+        self._names = BlockNames()
         self.counters: dict[str, float] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
                                          "store_errors": 0}
         self._errors_seen = 0
@@ -287,7 +280,8 @@ class TierScheduler:
             held = request.holders[index] if index < len(request.holders) else ()
             lacking = tuple(store.name for store in self.stores if store.name not in held
                             and store.name not in self._stopped
-                            and (store.name != "DISK" or self._sighted(request.hashes[index])))
+                            and (store.name != "DISK"
+                                 or self._sightings.sighted(request.hashes[index])))
             if lacking:
                 words = request.hashes[index]
                 block = request.host_table[index] if host else request.vllm_blocks[index]
@@ -297,18 +291,6 @@ class TierScheduler:
         if host:
             self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
         request.saved = full
-
-    def _sighted(self, words: np.ndarray) -> bool:
-        """Counts a sighting of the block; whether the disk takes it now (KVBM's rule, kept
-        here so that no worker copies a block the disk would refuse)."""
-        key = (int(words[0]), int(words[1]))
-        seen = self._sightings.pop(key, 0) + 1
-        if seen < self.disk_min_seen:
-            self._sightings[key] = seen
-            while len(self._sightings) > _MAX_NAMES:
-                self._sightings.popitem(last=False)
-            return False
-        return True
 
     def _extend(self, request: _Request, tokens: int) -> None:
         """Grows the request's index sequence to ``tokens`` (its decoded blocks); where the
@@ -398,13 +380,12 @@ class TierScheduler:
         return self.index.take_events()
 
     def _name(self, request: _Request, index: int) -> None:
-        parent = int(request.hashes[index - 1][0]) if index else None
-        self._names[int(request.hashes[index][0])] = (
-            parent, list(request.tokens[index * self.block_size:(index + 1) * self.block_size]))
-        while len(self._names) > _MAX_NAMES:
-            self._names.popitem(last=False)
+        size = self.block_size
+        self._names.add(int(request.hashes[index][0]),
+                        int(request.hashes[index - 1][0]) if index else None,
+                        list(request.tokens[index * size:(index + 1) * size]))
 
     def name_of(self, block_hash: int) -> tuple[int | None, list[int]]:
         """(parent hash, token ids) of a block put to the stores, by the first 64 bits of its
         hash (what KV events name it by); ``(None, [])`` once forgotten."""
-        return self._names.get(block_hash, (None, []))
+        return self._names.name_of(block_hash)
