@@ -120,11 +120,12 @@ def save_llama(folder: Path, *, vocab: int, hidden: int, layers: int, heads: int
     return folder
 
 
-def spawn(job: dict[str, Any], work: Path, label: str, reserved_cpus: int) -> dict[str, Any]:
+def spawn(job: dict[str, Any], work: Path, label: str, reserved_cpus: int,
+          core: int | None = None) -> dict[str, Any]:
     """Runs ``job`` in a fresh process (``vllm_connector_child.py``); its result. vLLM's
     CPU worker keeps ``reserved_cpus`` cores off its OMP threads: by default one, and one
     more with any KV connector, which on 2 cores would give the connector's runs twice vLLM
-    alone's cores."""
+    alone's cores. With ``core``, the process and its one OpenMP thread stay on that core."""
     job_file = work / f"{label}.json"
     job_file.write_text(json.dumps(job))
     log = work / f"{label}.log"
@@ -132,12 +133,17 @@ def spawn(job: dict[str, Any], work: Path, label: str, reserved_cpus: int) -> di
                    "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
                    "VLLM_LOGGING_LEVEL": "WARNING",
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "benches")])}
+    if core is not None:
+        environment.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                           VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     started = time.perf_counter()
     with log.open("w") as stderr:
         done = subprocess.run([sys.executable, str(Path(__file__).with_name(
                                   "vllm_connector_child.py")), str(job_file)],
                               stdout=subprocess.PIPE, stderr=stderr, text=True,
-                              env=environment, cwd=work, timeout=job.get("timeout_s", 900))
+                              env=environment, cwd=work, timeout=job.get("timeout_s", 900),
+                              preexec_fn=None if core is None else
+                              lambda: os.sched_setaffinity(0, {core}))
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])

@@ -217,6 +217,11 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     manager.record = recorded
     result: dict[str, Any] = {"load_average_before": os.getloadavg()[0]}
     run_batch(llm, distinct_prompts(2, 300, job["vocab"], 10_000 + job["seed"]), 4)  # warm-up
+    if "ready" in job:  # a paired run: both vLLMs start measuring together
+        Path(job["ready"]).touch()
+        deadline = time.monotonic() + 900
+        while not Path(job["go"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if "talks" in job:
         result["replay"] = run_replay(llm, job["talks"], job["max_num_seqs"])
     if "distinct" in job:
