@@ -26,8 +26,10 @@ from typing import Any
 from vllm_connector import BLOCK_SIZE, batch_figures, save_llama, spawn  # beside this script
 from vllm_connector_child import distinct_prompts
 
+# "lookups only": no tier holds anything (what the connector's presence alone costs).
 CONFIGS = {"host": {"host": "1GiB", "hash_block_size": 16},
-           "host+disk": {"host": "96MiB", "hash_block_size": 16}}
+           "host+disk": {"host": "96MiB", "hash_block_size": 16},
+           "lookups only": {"host": 0, "hash_block_size": 16}}
 
 
 def pair(base: dict[str, Any], extra: dict[str, Any], work: Path, index: int
@@ -84,11 +86,12 @@ def main() -> None:
                 + BLOCK_SIZE, "max_num_seqs": args.distinct, "distinct_tokens": args.tokens,
                 "distinct": [distinct_prompts(args.distinct, args.length, args.vocab, batch + 1)
                              for batch in range(args.batches)]}
+        disk = " and a disk" * (args.config == "host+disk")
         print(f"paired, nothing hits: {args.pairs} pairs of vLLM alone and with the connector "
-              f"({args.config}: {CONFIGS[args.config]}{' and a disk' * (args.config != 'host')})"
+              f"({args.config}: {CONFIGS[args.config]}{disk})"
               f", one core each; {args.batches} batches of {args.distinct} prompts of "
               f"{args.length} tokens, {args.tokens} output tokens each", flush=True)
-        extra = {**CONFIGS[args.config], **({"disk": []} if args.config != "host" else {})}
+        extra = {**CONFIGS[args.config], **({"disk": []} if args.config == "host+disk" else {})}
         costs = []
         for index in range(args.pairs):
             alone, connector = pair(base, extra, work, index)
