@@ -149,27 +149,29 @@ class TierWorker:
                         loaded_bytes=len(rows) * self._block_bytes)
         if moves.disk_loads:
             self._load_now(moves.disk_loads)
-        for req_id, loads in moves.store_loads.items():
-            fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
-            fetch.start(self._fetchers, self.stores, self._block_bytes, True,
-                        lambda: self._count(corrupt_blocks=1))
-            self._loads.append(_Load(req_id, [block for _, _, block in loads], fetch))
+        self._loads += [self._fetch(req_id, loads, self._fetchers)
+                        for req_id, loads in moves.store_loads.items()]
+
+    def _fetch(self, req_id: str, loads: list[tuple[int, int, int]],
+               pool: ThreadPoolExecutor) -> _Load:
+        """A load of ``loads`` ((hash word 0, hash word 1, vLLM block) each), fetched on
+        ``pool``."""
+        fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
+        fetch.start(pool, self.stores, self._block_bytes, True,
+                    lambda: self._count(corrupt_blocks=1))
+        return _Load(req_id, [block for _, _, block in loads], fetch)
 
     def _load_now(self, disk_loads: Mapping[str, list[tuple[int, int, int]]]) -> None:
         """Reads the requests' disk blocks (in parallel, at most the load timeout in all)
         and lands what arrived intact; vLLM recomputes from a block that did not
         (``load_errors``, reported this step)."""
-        fetches = []
-        for req_id, loads in disk_loads.items():
-            fetch = BlockFetch([block_key(self.identity, (high, low)) for high, low, _ in loads])
-            fetch.start(self._readers, self.stores, self._block_bytes, True,
-                        lambda: self._count(corrupt_blocks=1))
-            fetches.append((req_id, [block for _, _, block in loads], fetch))
+        loads = [self._fetch(req_id, blocks, self._readers)
+                 for req_id, blocks in disk_loads.items()]
         deadline = time.perf_counter() + self.load_timeout_s
-        for req_id, blocks, fetch in fetches:
-            fetch.wait(max(0.0, deadline - time.perf_counter()))
-            self._end(req_id, blocks, fetch)
-            self._loaded_now.add(req_id)
+        for load in loads:
+            load.fetch.wait(max(0.0, deadline - time.perf_counter()))
+            self._end(load)
+            self._loaded_now.add(load.req_id)
 
     def loaded_now(self) -> frozenset[str]:
         """The requests whose disk loads ran before the forward since the last call."""
@@ -236,12 +238,13 @@ class TierWorker:
                 continue
             self._loads.remove(load)
             done.add(load.req_id)
-            self._end(load.req_id, load.blocks, load.fetch)
+            self._end(load)
         return done
 
-    def _end(self, req_id: str, blocks: list[int], fetch: BlockFetch) -> None:
-        """Lands what ``fetch`` read in time into ``blocks``; the rest goes to
+    def _end(self, load: _Load) -> None:
+        """Lands what the load's fetch read in time into its blocks; the rest goes to
         ``load_errors`` (recomputed)."""
+        req_id, blocks, fetch = load.req_id, load.blocks, load.fetch
         now = time.perf_counter()
         if not fetch.done:  # what arrived in time lands; the rest is recomputed
             fetch.cancelled.set()

@@ -239,15 +239,15 @@ class TierConnector(WriteThrough):
         try:
             assert load.fetch.future is not None
             load.fetch.future.result()
-            fetched = list(load.fetch.fetched)
         except Exception as error:  # a fetch that raised: the load failed
             log.warning("atb-mem: a load failed: %s", error)
-            fetched = [None]
-        intact = [found for found in fetched if found is not None]
-        if len(intact) != len(fetched) or len(intact) != len(load.blocks):
+            intact, missing = [], 1
+        else:  # the fetch stops at the first block no store had intact
+            intact, missing = load.fetch.intact(), int(None in load.fetch.fetched)
+        if len(intact) != len(load.blocks):
             with self._counting:
                 self._counters.load_failures += 1
-                self._counters.corrupt_blocks += sum(found is None for found in fetched)
+                self._counters.corrupt_blocks += missing
             return False
         backend = self._tensors.backend
         for start, chunk in landing_chunks(intact, self._block_bytes):
