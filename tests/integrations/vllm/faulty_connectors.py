@@ -17,8 +17,9 @@ class ZeroLoadsConnector(AtbMemConnector):  # type: ignore[misc, valid-type]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         super().start_load_kv(forward_context, **kwargs)
         moves: TierMoves = self._moves()
-        if moves.host_loads:
-            blocks = [block for _, block in moves.host_loads]
+        if moves.host_loads:  # each group's block (vLLM's null block, 0, left alone)
+            blocks = [block for _, loaded in moves.host_loads for block in
+                      (loaded if isinstance(loaded, tuple) else (loaded,)) if block]
             for view in self._worker._views:
                 view[blocks] = 0
 

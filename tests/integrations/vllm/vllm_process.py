@@ -48,6 +48,22 @@ def tiny_llama(folder: Path) -> Path:
     return folder
 
 
+def tiny_gemma3(folder: Path, window: int = 64) -> Path:
+    """A random-weight fp32 Gemma 3 (text): sliding-window layers around a full-attention
+    one, which vLLM's hybrid manager keeps as KV-cache groups of their own."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=4096, torch_dtype="float32")
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def token_prompt(seed: int, length: int) -> list[int]:
     generator = random.Random(seed)
     return [generator.randrange(1, 500) for _ in range(length)]

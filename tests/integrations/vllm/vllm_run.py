@@ -167,6 +167,8 @@ def main() -> None:
             result["held"] = _drained(llm)
         if events is not None:
             result["events"] = events.settled()
+        scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+        result["hybrid_manager"] = not scheduler_config.disable_hybrid_kv_cache_manager
         print("RESULT " + json.dumps({**result, "counters": _counters(llm)}), flush=True)
 
 

@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -77,8 +79,10 @@ class AtbMemWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return AtbMemWorkerMetadata(self.stopped | other.stopped, self.loaded | other.loaded)
 
 
-class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """atb-mem's tiers under vLLM's KV cache (see ``atb_mem.integrations.vllm``)."""
+class AtbMemConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """atb-mem's tiers under vLLM's KV cache (see ``atb_mem.integrations.vllm``). With
+    vLLM's hybrid manager (sliding-window and full-attention groups) a block of a request is
+    one vLLM block per group, moved together."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -91,7 +95,8 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ranks = tensor_parallel_ranks(vllm_config)
         model = vllm_config.model_config
         weights = self.settings.kv_identity or weights_identity(model.model, model.revision)
-        layout, block_size, block_bytes = kv_layout(vllm_config, kv_cache_config, weights)
+        layout, block_size, block_bytes, groups = kv_layout(vllm_config, kv_cache_config,
+                                                            weights)
         hash_block_size = self.settings.hash_block_size_for(block_size)
         num_host_blocks = self.settings.num_host_blocks(block_bytes)
         if self.settings.disk_path is not None:  # refused here, naming the key, not later
@@ -102,6 +107,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._tier_events: AtbMemKVEvents | None = None
         self._stopped_reported: frozenset[str] = frozenset()
         self._block_size = block_size
+        self._groups = groups
         events = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = TierScheduler(
@@ -112,7 +118,10 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 identities=identities, enable_kv_events=events,
                 disk_min_seen=self.settings.disk_min_seen,
                 loads=transfer.kv_role != "kv_producer", saves=transfer.kv_role != "kv_consumer",
-                sync_disk_blocks=self.settings.disk_sync_load_bytes // block_bytes)
+                # A load before the forward that fails must name vLLM blocks, which with
+                # several groups vLLM cannot map back to requests: hybrid loads wait.
+                sync_disk_blocks=self.settings.disk_sync_load_bytes // block_bytes
+                if groups == 1 else 0)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -121,7 +130,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_host_blocks=num_host_blocks,
                 stores=open_stores(self.settings, [identity], ranks), layout=identity,
                 identity=identity, load_timeout_s=self.settings.load_timeout_s,
-                puts_land_in_step=transfer.kv_role == "kv_producer")
+                puts_land_in_step=transfer.kv_role == "kv_producer", groups=groups)
             self._worker.record_events = events
 
     @property
@@ -160,6 +169,15 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         idle = self.has_connector_metadata() and self._moves().idle
         done = self._worker.finished(_IDLE_WAIT_S if idle else 0.0)
         return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]
+                             ) -> KVConnectorTransferResults:
+        """The loads that ended; with several KV-cache groups a failed one is named by its
+        request (vLLM recomputes it whole), as block ids do not say their group."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            results.failed_recving = self._worker.failed_requests()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -215,8 +233,15 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0],
+        self._scheduler.allocated(request.request_id, self._blocks(blocks.get_block_ids()),
                                   num_external_tokens)
+
+    def _blocks(self, per_group: Any) -> list[Any]:
+        """A request's vLLM blocks, each one id, or with several groups a tuple of one id per
+        group (0 where a window let its block go)."""
+        if self._groups == 1:
+            return list(per_group[0])
+        return list(zip(*per_group, strict=True))
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -231,13 +256,14 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         counts = scheduler_output.num_scheduled_tokens
         scheduled = [Scheduled(new.req_id, new.num_computed_tokens, counts[new.req_id],
-                               new.block_ids[0], True)
+                               self._blocks(new.block_ids), True)
                      for new in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         for at, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[at]
             scheduled.append(Scheduled(req_id, cached.num_computed_tokens[at], counts[req_id],
-                                       None if new_blocks is None else new_blocks[0],
+                                       None if new_blocks is None else
+                                       self._blocks(new_blocks),
                                        req_id in cached.resumed_req_ids))
         idle = scheduler_output.total_num_scheduled_tokens == 0
         return AtbMemConnectorMetadata(self._scheduler.build(scheduled, idle))
@@ -247,12 +273,17 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         return self._scheduler.finished(request.request_id), None
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             loaded = meta.loaded if isinstance(meta, AtbMemWorkerMetadata) else frozenset()
             self._scheduler.loads_ended({*(connector_output.finished_recving or ()), *loaded},
-                                        connector_output.invalid_block_ids or ())
+                                        connector_output.invalid_block_ids or (),
+                                        getattr(connector_output, "failed_recving", ()))
             if isinstance(meta, AtbMemWorkerMetadata):
                 self._scheduler.stop_saving(meta.stopped)
         batch = connector_output.kv_cache_events
@@ -268,7 +299,7 @@ class AtbMemConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return []
         events = host_events(self._scheduler.take_events(), self._scheduler.block_size)
         if self._tier_events is not None:
-            events += tier_events(self._tier_events, self._scheduler.name_of)
+            events += tier_events(self._tier_events, self._scheduler.names.name_of)
             self._tier_events = None
         return events
 

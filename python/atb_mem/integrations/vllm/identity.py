@@ -53,27 +53,45 @@ def model_config_hash(model_config: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
-def kv_layout(vllm_config: Any, kv_cache_config: Any, weights: str) -> tuple[str, int, int]:
-    """(layout identity, vLLM block size, bytes of a block across one rank's layers)."""
+# The attention caches whose blocks hold whole tokens' K/V, full or windowed: a block moves
+# whole whatever its group keeps of it (vLLM frees a window's old blocks itself).
+_ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
+
+
+def kv_layout(vllm_config: Any, kv_cache_config: Any, weights: str
+              ) -> tuple[str, int, int, int]:
+    """(layout identity, vLLM block size, bytes of a block across one rank's layers, KV-cache
+    groups). With vLLM's hybrid manager a model's layers form groups (full attention, sliding
+    windows), each with its own block ids; the layer caches are shared across groups, layer
+    ``i`` of every group in cache ``i``, so a block of a group is that block of every cache,
+    and the tiers keep one row per group for each block of a request."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"AtbMemConnector serves models of one KV-cache group (full "
-                         f"attention); this one has {len(groups)}")
-    spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
-    if type(spec).__name__ != "FullAttentionSpec":
-        raise ValueError(f"AtbMemConnector serves full-attention models; this one's KV cache "
-                         f"is {type(spec).__name__}")
+    specs = [group.kv_cache_spec for group in groups]
+    kinds = [type(spec).__name__ for spec in specs]
+    if not groups or any(kind not in _ATTENTION_SPECS for kind in kinds):
+        raise ValueError(f"AtbMemConnector serves attention layers (full, sliding-window or "
+                         f"chunked); this model's KV-cache groups are {kinds}")
+    if len({(spec.block_size, spec.page_size_bytes) for spec in specs}) != 1:
+        raise ValueError(f"AtbMemConnector needs every KV-cache group's blocks alike; this "
+                         f"model's are {[(s.block_size, s.page_size_bytes) for s in specs]}")
+    spec = specs[0]
+    caches = max(len(group.layer_names) for group in groups)
     parallel = vllm_config.parallel_config
     attention = getattr(vllm_config, "attention_config", None)
+    windows = [getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
+                                                                None) for spec in specs]
     identity = layout_identity(
         weights=weights, model_config=model_config_hash(vllm_config.model_config),
         dtype=str(spec.dtype), block_size=spec.block_size,
-        kv_heads=spec.num_kv_heads, head_size=spec.head_size, layers=layers,
-        spec=type(spec).__name__, layout=getattr(kv_cache_config, "kv_cache_layout", None),
+        kv_heads=spec.num_kv_heads, head_size=spec.head_size, layers=caches,
+        spec=type(spec).__name__ if len(groups) == 1 else
+        repr([(kind, window, len(group.layer_names))
+              for kind, window, group in zip(kinds, windows, groups, strict=True)]),
+        layout=getattr(kv_cache_config, "kv_cache_layout", None),
         backend=str(getattr(attention, "backend", None)),
         device=vllm_config.device_config.device_type,
         tensor_parallel=parallel.tensor_parallel_size)
-    return identity, spec.block_size, spec.page_size_bytes * layers
+    return identity, spec.block_size, spec.page_size_bytes * caches * len(groups), len(groups)
 
 
 def tensor_parallel_ranks(vllm_config: Any) -> int:

@@ -7,10 +7,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["HOST", "Scheduled", "TierMoves"]
+__all__ = ["HOST", "Scheduled", "TierMoves", "VllmBlock", "whole"]
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
+
+VllmBlock = int | tuple[int, ...]
+"""A block of a request in vLLM's cache: its id, or with several KV-cache groups (vLLM's
+hybrid manager) one id per group, 0 where a sliding window let the group's block go."""
+
+
+def whole(block: VllmBlock) -> bool:
+    """Whether every group still holds the block (a save reads all of them)."""
+    return not isinstance(block, tuple) or all(block)
 
 
 @dataclass
@@ -21,16 +30,16 @@ class TierMoves:
     host_copies: list[tuple[int, int]] = field(default_factory=list)
     """(host block, host block): a hit ending inside a block, copied whole into the
     request's own block first (the index counts its pieces as computed there)."""
-    host_loads: list[tuple[int, int]] = field(default_factory=list)
+    host_loads: list[tuple[int, VllmBlock]] = field(default_factory=list)
     """(host block, vLLM block): copied before the forward, after ``host_copies``."""
-    store_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    store_loads: dict[str, list[tuple[int, int, VllmBlock]]] = field(default_factory=dict)
     """Per request: (hash word 0, hash word 1, vLLM block), fetched asynchronously."""
-    disk_loads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    disk_loads: dict[str, list[tuple[int, int, VllmBlock]]] = field(default_factory=dict)
     """Per request: (hash word 0, hash word 1, vLLM block), read from the disk before the
     forward (a small local load: no step spent waiting for it)."""
-    saves: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[VllmBlock, int]] = field(default_factory=list)
     """(vLLM block, host block): copied after the forward."""
-    puts: list[tuple[bool, int, int, int, tuple[str, ...]]] = field(default_factory=list)
+    puts: list[tuple[bool, VllmBlock, int, int, tuple[str, ...]]] = field(default_factory=list)
     """(from host, block, hash word 0, hash word 1, stores): written to those stores after
     the saves, from the host block (or, without a host tier, the vLLM block)."""
     idle: bool = False
@@ -48,6 +57,6 @@ class Scheduled:
     req_id: str
     num_computed_tokens: int
     num_scheduled_tokens: int
-    new_block_ids: Sequence[int] | None = None
+    new_block_ids: Sequence[VllmBlock] | None = None
     resumed: bool = False
     """``new_block_ids`` replace the request's blocks (it came back from preemption)."""

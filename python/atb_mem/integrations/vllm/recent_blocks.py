@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["MAX_REMEMBERED", "BlockNames", "Sightings"]
 
@@ -42,8 +43,12 @@ class BlockNames:
     def __init__(self) -> None:
         self._names: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
 
-    def add(self, block_hash: int, parent: int | None, tokens: list[int]) -> None:
-        self._names[block_hash] = (parent, tokens)
+    def add(self, hashes: Any, index: int, tokens: Sequence[int], block_size: int) -> None:
+        """Block ``index`` of a request whose blocks' hashes are ``hashes`` (rows of two
+        words) and whose tokens are ``tokens``."""
+        parent = int(hashes[index - 1][0]) if index else None
+        self._names[int(hashes[index][0])] = (
+            parent, list(tokens[index * block_size:(index + 1) * block_size]))
         while len(self._names) > MAX_REMEMBERED:
             self._names.popitem(last=False)
 

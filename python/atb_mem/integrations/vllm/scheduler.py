@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from atb_mem._core import KVCachePool, OutOfMemoryError
-from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves
+from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves, VllmBlock, whole
 from atb_mem.integrations.vllm.recent_blocks import BlockNames, Sightings
 from atb_mem.integrations.vllm.store_lookups import StoreLookup, StoreLookups
 from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
@@ -70,9 +70,12 @@ class _Request:
     loading: list[tuple[int, str, int]] = field(default_factory=list)
     """(block index, store, tokens) of its disk and store loads in flight: counted served
     once they land."""
-    vllm_blocks: list[int] = field(default_factory=list)
+    vllm_blocks: list[VllmBlock] = field(default_factory=list)
     committed: bool = False
     saved: int = 0
+    saves_end: int | None = None
+    """A block no group's save can read (a window let it go before it was saved): nothing
+    from it on is saved, as a hit needs every block before it."""
     asked: tuple[Any, ...] = ()
     """The lookup's arguments and answer, which an unchanged lookup gets again."""
     loads_now: bool = False
@@ -115,7 +118,8 @@ class TierScheduler:
         self._epoch = 0
         self.lookups = StoreLookups(stores, identities)
         self.enable_kv_events = enable_kv_events
-        self._names = BlockNames()
+        self.names = BlockNames()
+        """What the blocks put to the stores hold, for the workers' KV events."""
         self.counters: dict[str, float] = {"lookups": 0, "host_full": 0, "hit_tokens": 0,
                                          "store_errors": 0}
         self._errors_seen = 0
@@ -201,7 +205,8 @@ class TierScheduler:
             raise OutOfMemoryError("no host hit to pin")
         return self.index.alloc_sequence(seq_id, tokens[:pinned], cache_salt=salt)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def allocated(self, req_id: str, block_ids: Sequence[VllmBlock], num_external_tokens: int
+                  ) -> None:
         """vLLM gave the request ``block_ids`` and takes ``num_external_tokens`` from the tiers
         (which may be fewer than offered): plans their loads."""
         request = self._requests.get(req_id)
@@ -255,8 +260,9 @@ class TierScheduler:
                     request.vllm_blocks.extend(step.new_block_ids)
             end = step.num_computed_tokens + step.num_scheduled_tokens
             full = min(end, len(request.tokens)) // self.block_size
+            full = min(full, len(request.vllm_blocks), request.saves_end or full)
             if full > request.saved:
-                self._plan_saves(request, min(full, len(request.vllm_blocks)), moves)
+                self._plan_saves(request, full, moves)
         return moves
 
     def _plan_saves(self, request: _Request, full: int, moves: TierMoves) -> None:
@@ -274,6 +280,12 @@ class TierScheduler:
         if request.seq_id is not None:
             self._extend(request, full * block_size)
         host = request.seq_id is not None
+        # A save reads vLLM's block (past the host's hit, or with no host tier): all of it.
+        unsaved = next((index for index in range(request.saved, full)
+                        if (not host or index >= request.host_whole)
+                        and not whole(request.vllm_blocks[index])), None)
+        if unsaved is not None:
+            request.saves_end = full = unsaved
         for index in range(request.saved, full):
             if host and index >= request.host_whole:
                 moves.saves.append((request.vllm_blocks[index], request.host_table[index]))
@@ -287,7 +299,7 @@ class TierScheduler:
                 block = request.host_table[index] if host else request.vllm_blocks[index]
                 moves.puts.append((host, block, int(words[0]), int(words[1]), lacking))
                 if self.enable_kv_events:
-                    self._name(request, index)
+                    self.names.add(request.hashes, index, request.tokens, block_size)
         if host:
             self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
         request.saved = full
@@ -327,11 +339,17 @@ class TierScheduler:
             # pieces and the blocks whose saves were planned, each in a step's moves.
             self.index.free_sequence(request.seq_id)
 
-    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
+    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[VllmBlock],
+                    failed_requests: Iterable[str] = ()) -> None:
         """What the workers reported (see ``StoreLookups.loads_ended``). The tokens a
         request's loads served count now: vLLM recomputes from its first failed block on,
-        so those and the ones after it were not served."""
+        so those and the ones after it were not served; from a request that failed (with
+        several KV-cache groups), none."""
         finished, failed = set(finished), set(failed_blocks)
+        for req_id in failed_requests:
+            request = self._requests.get(req_id)
+            if request is not None:
+                failed.update(request.vllm_blocks[index] for index, _, _ in request.loading)
         self.lookups.loads_ended(finished, failed)
         for req_id in finished:
             request = self._requests.get(req_id)
@@ -378,14 +396,3 @@ class TierScheduler:
     def take_events(self) -> Any:
         """The host index's KV events since the last call."""
         return self.index.take_events()
-
-    def _name(self, request: _Request, index: int) -> None:
-        size = self.block_size
-        self._names.add(int(request.hashes[index][0]),
-                        int(request.hashes[index - 1][0]) if index else None,
-                        list(request.tokens[index * size:(index + 1) * size]))
-
-    def name_of(self, block_hash: int) -> tuple[int | None, list[int]]:
-        """(parent hash, token ids) of a block put to the stores, by the first 64 bits of its
-        hash (what KV events name it by); ``(None, [])`` once forgotten."""
-        return self._names.name_of(block_hash)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from atb_mem.integrations.vllm.moves import VllmBlock
 from atb_mem.integrations.vllm.settings import ConnectorSettings
 from atb_mem.kv.tiers import DiskStore, KVStore, MooncakeStore
 from atb_mem.kv.tiers.block_io import held_by
@@ -46,7 +47,7 @@ class StoreLookups:
         self.stores = list(stores)
         self.identities = list(identities)
         # Disk and store loads in flight, per request: (hash words, vLLM block).
-        self._loading: dict[str, list[tuple[tuple[int, int], int]]] = {}
+        self._loading: dict[str, list[tuple[tuple[int, int], VllmBlock]]] = {}
         # Blocks whose load failed lately, until when they are not offered.
         self._unavailable: OrderedDict[tuple[int, int], float] = OrderedDict()
 
@@ -58,11 +59,11 @@ class StoreLookups:
                 for words, stores in zip(hashes, held_by(self.stores, self.identities, hashes),
                                          strict=True)]
 
-    def loading(self, req_id: str, words: tuple[int, int], block: int) -> None:
+    def loading(self, req_id: str, words: tuple[int, int], block: VllmBlock) -> None:
         """A load of ``words`` into vLLM's ``block`` for ``req_id`` was planned."""
         self._loading.setdefault(req_id, []).append((words, block))
 
-    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[int]) -> None:
+    def loads_ended(self, finished: Iterable[str], failed_blocks: Iterable[VllmBlock]) -> None:
         """What the workers reported (vLLM's ``finished_recving`` and
         ``invalid_block_ids``): a block whose load failed is not offered for
         ``UNAVAILABLE_S``."""

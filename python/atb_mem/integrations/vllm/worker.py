@@ -3,9 +3,10 @@ and the tiers, exactly as the scheduler side's ``TierMoves`` say, and decides no
 
 Bytes inside a vLLM block are in the attention backend's layout (the CPU backend stores the
 K half transposed), so blocks move whole and are never sliced into tokens. The host tier is
-one preallocated buffer ``[num_host_blocks + 1, layers, *block]`` (block 0 unused, as in
-the index); a block's bytes for the disk or the store are that row, framed with a checksum
-and its key. Disk and store reads run on threads; what they fetched is copied into vLLM's
+one preallocated buffer ``[num_host_blocks + 1, groups, caches, *block]`` (block 0 unused, as
+in the index; one KV-cache group and a cache per layer but under vLLM's hybrid manager, whose
+groups share the caches); a block's bytes for the disk or the store are that row, framed with
+a checksum and its key. Disk and store reads run on threads; what they fetched is copied into vLLM's
 blocks on the worker's thread, after the step's forward, and the request reported done
 (``finished``) with, for a block that was missing, damaged or late, its vLLM block in
 ``load_errors``: vLLM recomputes from there.
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.integrations.vllm.moves import HOST, TierMoves
+from atb_mem.integrations.vllm.moves import HOST, TierMoves, VllmBlock
 from atb_mem.kv.tiers.block_io import BlockFetch, BlockWriter, landing_chunks
 from atb_mem.kv.tiers.store import KVStore, block_key, framed_size, key_hash
 
@@ -38,7 +39,7 @@ log = logging.getLogger("atb_mem.vllm")
 @dataclass
 class _Load:
     req_id: str
-    blocks: list[int]
+    blocks: list[VllmBlock]
     fetch: BlockFetch
     """A late load lands the leading part of what it fetched."""
 
@@ -47,9 +48,10 @@ class TierWorker:
     """Executes ``TierMoves`` over the layer caches registered with ``register``."""
 
     def __init__(self, *, num_host_blocks: int, stores: Sequence[KVStore], layout: str,
-                 identity: str, load_timeout_s: float = 30.0, puts_land_in_step: bool = False
-                 ) -> None:
+                 identity: str, load_timeout_s: float = 30.0, puts_land_in_step: bool = False,
+                 groups: int = 1) -> None:
         self.num_host_blocks = num_host_blocks
+        self.groups = groups
         # A prefill server's puts land before its step ends, so that the request's answer
         # (what sends it on to a decode server) comes after its blocks are in the store.
         self.puts_land_in_step = puts_land_in_step
@@ -63,6 +65,7 @@ class TierWorker:
         self._block_bytes = 0
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load")
         # Loads before the forward never queue behind the asynchronous ones.
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load-now")
@@ -82,20 +85,24 @@ class TierWorker:
         allocates the host tier; returns the bytes of one block across layers."""
         import torch
 
-        views = []
+        views, seen = [], set()
         for name, cache in kv_caches.items():
             dims = [dim for dim, size in enumerate(cache.shape) if size == num_blocks]
             if not dims:
                 raise ValueError(f"vLLM's cache of layer {name!r}, shaped "
                                  f"{tuple(cache.shape)}, has no dimension of {num_blocks} "
                                  f"blocks")
-            views.append(cache.movedim(dims[0], 0))
+            view = cache.movedim(dims[0], 0)
+            # The hybrid manager's groups share caches: each is moved once.
+            if (view.data_ptr(), view.shape, view.stride()) not in seen:
+                seen.add((view.data_ptr(), view.shape, view.stride()))
+                views.append(view)
         shapes = {(tuple(view.shape[1:]), view.dtype) for view in views}
         if len(shapes) != 1:
             raise ValueError(f"AtbMemConnector needs every layer's block alike, got {shapes}")
         (block_shape, dtype), = shapes
         self._views = views
-        shape = (len(views), *block_shape)
+        shape = (self.groups, len(views), *block_shape)
         pin = views[0].device.type == "cuda"
         if self.num_host_blocks:
             self._host = torch.empty((self.num_host_blocks + 1, *shape), dtype=dtype,
@@ -110,22 +117,37 @@ class TierWorker:
 
     # ---- block copies -----------------------------------------------------------------------
 
-    def _to_vllm(self, source: Any, rows: Any, blocks: Sequence[int]) -> None:
-        """``source[rows]`` (host rows ``[k, layers, *block]``) into vLLM ``blocks``."""
+    def _by_group(self, rows: Sequence[int], blocks: Sequence[VllmBlock]
+                  ) -> list[tuple[list[int], Any]]:
+        """Per KV-cache group: the rows of ``blocks`` it holds and their vLLM ids (a block a
+        window let go, 0, is skipped: it is vLLM's null block)."""
         import torch
 
-        target = torch.tensor(list(blocks), dtype=torch.long, device=self._views[0].device)
-        for layer, view in enumerate(self._views):
-            view[target] = source[rows, layer].to(view.device, non_blocking=False)
+        device = self._views[0].device
+        if self.groups == 1:
+            return [(list(rows), torch.tensor(list(blocks), dtype=torch.long, device=device))]
+        found = []
+        for group in range(self.groups):
+            held = [(row, block[group]) for row, block in  # type: ignore[index]
+                    zip(rows, blocks, strict=True) if block[group]]  # type: ignore[index]
+            found.append(([row for row, _ in held],
+                          torch.tensor([block for _, block in held], dtype=torch.long,
+                                       device=device)))
+        return found
 
-    def _from_vllm(self, target: Any, rows: Any, blocks: Sequence[int]) -> None:
-        import torch
+    def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> None:
+        """``source[rows]`` (host rows ``[k, groups, caches, *block]``) into vLLM ``blocks``."""
+        for group, (held, target) in enumerate(self._by_group(rows, blocks)):
+            for cache, view in enumerate(self._views):
+                view[target] = source[held, group, cache].to(view.device, non_blocking=False)
 
-        source = torch.tensor(list(blocks), dtype=torch.long, device=self._views[0].device)
-        for layer, view in enumerate(self._views):
-            target[rows, layer] = view[source].to(target.device)
+    def _from_vllm(self, target: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]
+                   ) -> None:
+        for group, (held, source) in enumerate(self._by_group(rows, blocks)):
+            for cache, view in enumerate(self._views):
+                target[held, group, cache] = view[source].to(target.device)
 
-    def _bytes_of(self, from_host: bool, block: int) -> bytes:
+    def _bytes_of(self, from_host: bool, block: VllmBlock) -> bytes:
         """One block's bytes, copied now (the block may be overwritten after this step)."""
         if from_host:
             row = self._host[block]
@@ -144,7 +166,7 @@ class TierWorker:
             self._host[list(dst)] = self._host[list(src)]
         if moves.host_loads:
             rows, blocks = zip(*moves.host_loads, strict=True)
-            self._to_vllm(self._host, list(rows), blocks)
+            self._to_vllm(self._host, rows, blocks)
             self._count(**{f"loaded_blocks_{HOST}": len(rows)},
                         loaded_bytes=len(rows) * self._block_bytes)
         if moves.disk_loads:
@@ -152,7 +174,7 @@ class TierWorker:
         self._loads += [self._fetch(req_id, loads, self._fetchers)
                         for req_id, loads in moves.store_loads.items()]
 
-    def _fetch(self, req_id: str, loads: list[tuple[int, int, int]],
+    def _fetch(self, req_id: str, loads: list[tuple[int, int, VllmBlock]],
                pool: ThreadPoolExecutor) -> _Load:
         """A load of ``loads`` ((hash word 0, hash word 1, vLLM block) each), fetched on
         ``pool``."""
@@ -161,7 +183,7 @@ class TierWorker:
                     lambda: self._count(corrupt_blocks=1))
         return _Load(req_id, [block for _, _, block in loads], fetch)
 
-    def _load_now(self, disk_loads: Mapping[str, list[tuple[int, int, int]]]) -> None:
+    def _load_now(self, disk_loads: Mapping[str, list[tuple[int, int, VllmBlock]]]) -> None:
         """Reads the requests' disk blocks (in parallel, at most the load timeout in all)
         and lands what arrived intact; vLLM recomputes from a block that did not
         (``load_errors``, reported this step)."""
@@ -182,7 +204,7 @@ class TierWorker:
         """After the forward: vLLM blocks → host blocks, then the puts to the stores."""
         if moves.saves:
             blocks, rows = zip(*moves.saves, strict=True)
-            self._from_vllm(self._host, list(rows), blocks)
+            self._from_vllm(self._host, rows, blocks)
             self._count(**{f"saved_blocks_{HOST}": len(rows)},
                         saved_bytes=len(rows) * self._block_bytes)
         writes = []
@@ -256,12 +278,15 @@ class TierWorker:
         except Exception as error:  # a copy that failed: recomputed
             log.warning("atb-mem: landing a load of %s failed: %s", req_id, error)
         if landed < len(blocks):
-            self._errors.update(blocks[landed:])
+            if self.groups == 1:
+                self._errors.update(blocks[landed:])  # type: ignore[arg-type]
+            else:  # vLLM cannot tell one group's block ids from another's
+                self._failed.add(req_id)
             self._count(load_failures=1)
         begun = fetch.started[0] if fetch.started else now
         self._count(load_seconds_sum=time.perf_counter() - begun, loads=1)
 
-    def _land(self, blocks: list[int], intact: list[tuple[bytes, str]]) -> int:
+    def _land(self, blocks: list[VllmBlock], intact: list[tuple[bytes, str]]) -> int:
         """Copies a fetch's leading intact blocks in, a landing buffer's worth at a time
         (one indexed copy per layer each time, not one per block and layer); returns how
         many landed."""
@@ -292,6 +317,12 @@ class TierWorker:
         """vLLM blocks whose loads failed since the last call."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def failed_requests(self) -> set[str]:
+        """With several KV-cache groups: the requests whose loads failed since the last call
+        (their blocks' ids do not say their group); vLLM recomputes them whole."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def _count(self, **amounts: float) -> None:
         with self._lock:

@@ -1,0 +1,134 @@
+"""``AtbMemConnector`` under vLLM's hybrid manager: a model's sliding-window and
+full-attention layers form KV-cache groups, each with its own block ids over caches the
+groups share (layer ``i`` of every group in cache ``i``). A block of a request is one vLLM
+block per group, 0 where a window let the group's block go; the tiers keep one row per group
+and move them together. Scheduler and worker here; vLLM itself in
+``test_vllm_end_to_end.py``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from atb_mem.integrations.vllm.moves import TierMoves
+from atb_mem.integrations.vllm.scheduler import Scheduled
+from tests.integrations.vllm.fakes import FakeStore
+from tests.integrations.vllm.scheduler_calls import keys, make, prefill, words
+
+if os.environ.get("ATB_MEM_REQUIRE_TORCH"):
+    import torch  # CI: without torch these fail, never skip
+else:
+    torch = pytest.importorskip("torch")
+
+GROUPS, NUM_BLOCKS, SHAPE = 3, 12, (2, 4, 16)
+
+
+# ---- the scheduler side ------------------------------------------------------------------------
+
+def test_a_hybrid_prompt_is_saved_per_group_and_loaded_where_the_groups_hold_blocks() -> None:
+    sched = make()
+    a = list(range(400))
+    moves = prefill(sched, "a", a, [(1, 11, 21), (2, 12, 22), (3, 13, 23), (4, 14, 24)])
+    assert [block for block, _ in moves.saves] == [(1, 11, 21), (2, 12, 22), (3, 13, 23)]
+    sched.finished("a")
+    # The repeat: the windowed groups let the first two blocks go (vLLM's null block, 0).
+    blocks = [(5, 0, 0), (6, 0, 0), (7, 17, 27), (8, 18, 28)]
+    assert sched.lookup("b", a, 0) == (384, False)
+    sched.allocated("b", blocks, 384)
+    moves = sched.build([Scheduled("b", 384, 16, blocks, True)])
+    hosts = [host for _, host in prefill(make(), "x", a, [1, 2, 3, 4]).saves]
+    assert moves.host_loads == list(zip(hosts, blocks[:3], strict=True))
+    assert not moves.saves, "its blocks are in the host already"
+
+
+def test_saves_stop_at_a_block_a_group_let_go_before_it_was_saved() -> None:
+    """A hit needs every block before it: from a block no save can read whole (vLLM's own
+    prefix cache served it, then a window let a group's copy go), nothing more is saved,
+    and nothing of it is cached."""
+    disk = FakeStore("DISK")
+    sched = make(stores=[disk])
+    a = list(range(520))
+    blocks = [(1, 11), (2, 0), (3, 13), (4, 14), (5, 15)]
+    assert sched.lookup("a", a, 0) == (0, False)
+    sched.allocated("a", blocks, 0)
+    moves = sched.build([Scheduled("a", 0, 400, blocks, True)])
+    assert [block for block, _ in moves.saves] == [(1, 11)]
+    assert [put[1] for put in moves.puts] == [moves.saves[0][1]]
+    moves = sched.build([Scheduled("a", 400, 120, None)])  # the rest of the prompt
+    assert not moves.saves and not moves.puts
+    sched.finished("a")
+    assert make(stores=[disk]).lookup("b", a, 0) == (0, False)
+    assert sched.lookup("b", a, 0) == (128, False), "the block before it is cached"
+
+
+def test_a_failed_hybrid_load_is_named_by_its_request_and_counts_nothing_served() -> None:
+    """vLLM cannot map block ids back to requests with several groups: the workers name the
+    request (``failed_recving``), vLLM recomputes it whole, and none of its load counts."""
+    disk = FakeStore("DISK")
+    a = list(range(520))
+    sched = make(num_host_blocks=0, stores=[disk])
+    disk.data.update(dict.fromkeys(keys(sched, a)[:3], b"x"))
+    assert sched.lookup("a", a, 0) == (384, True)
+    blocks = [(1, 0), (2, 12), (3, 13), (4, 14), (5, 15)]
+    sched.allocated("a", blocks, 384)
+    moves = sched.build([])
+    assert moves.store_loads == {"a": [(*words(sched, a)[index], blocks[index])
+                                       for index in range(3)]}
+    sched.loads_ended({"a"}, (), {"a"})
+    assert sched.take_counters().get("hit_tokens", 0) == 0
+    assert sched.hit_tokens("a") == {}
+    # The failed blocks are not offered again for a while.
+    assert make(num_host_blocks=0, stores=[disk]).lookup("b", a, 0) == (384, True)
+    assert sched.lookup("b", a, 0) == (0, False)
+
+
+# ---- the worker side ---------------------------------------------------------------------------
+
+def shared_caches(seed: int = 0) -> dict[str, Any]:
+    """vLLM's CPU caches under the hybrid manager: two caches ([blocks, *block] each), each
+    shared by one layer of every group (the same tensor under each name)."""
+    generator = torch.Generator().manual_seed(seed)
+    caches = [torch.randn((NUM_BLOCKS, *SHAPE), generator=generator) for _ in range(2)]
+    return {f"model.layers.{group * 2 + cache}.self_attn": caches[cache]
+            for group in range(GROUPS) for cache in range(2)}
+
+
+def hybrid_worker(stores: list[Any] = ()) -> Any:  # type: ignore[assignment]
+    from atb_mem.integrations.vllm.worker import TierWorker
+
+    return TierWorker(num_host_blocks=6, stores=list(stores), layout="hyb", identity="hyb-tp0",
+                      groups=GROUPS)
+
+
+def test_the_worker_moves_each_groups_block_and_skips_the_ones_let_go() -> None:
+    kv = shared_caches()
+    distinct = list({id(cache): cache for cache in kv.values()}.values())
+    tier = hybrid_worker()
+    assert tier.register(kv, NUM_BLOCKS) == GROUPS * 2 * torch.finfo(torch.float32).bits // 8 \
+        * SHAPE[0] * SHAPE[1] * SHAPE[2], "a row per group, each cache once"
+    before = [cache.clone() for cache in distinct]
+    tier.save(TierMoves(saves=[((1, 2, 3), 1), ((4, 5, 6), 2)]))
+    tier.start_loads(TierMoves(host_loads=[(1, (7, 0, 8)), (2, (9, 10, 11))]))
+    for cache, old in zip(distinct, before, strict=True):
+        assert torch.equal(cache[7], old[1]) and torch.equal(cache[8], old[3])
+        assert torch.equal(cache[9], old[4]) and torch.equal(cache[10], old[5])
+        assert torch.equal(cache[11], old[6])
+        assert torch.equal(cache[0], old[0]), "vLLM's null block is never written"
+        untouched = [1, 2, 3, 4, 5, 6]
+        assert torch.equal(cache[untouched], old[untouched])
+
+
+def test_a_failed_hybrid_load_names_its_request_not_blocks() -> None:
+    tier = hybrid_worker([FakeStore("DISK")])  # holds nothing: every read misses
+    tier.register(shared_caches(), NUM_BLOCKS)
+    tier.start_loads(TierMoves(store_loads={"a": [(1, 2, (3, 0, 4))]}))
+    done: set[str] = set()
+    for _ in range(600):  # bounded: 30 s
+        done |= tier.finished(0.05)
+        if done:
+            break
+    assert done == {"a"}
+    assert tier.failed_requests() == {"a"} and tier.load_errors() == set()
+    assert tier.failed_requests() == set(), "reported once"
