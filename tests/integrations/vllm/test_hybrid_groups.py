@@ -132,3 +132,47 @@ def test_a_failed_hybrid_load_names_its_request_not_blocks() -> None:
     assert done == {"a"}
     assert tier.failed_requests() == {"a"} and tier.load_errors() == set()
     assert tier.failed_requests() == set(), "reported once"
+
+
+# ---- what names the blocks ---------------------------------------------------------------------
+
+def _config(*groups: tuple[str, int | None, int, int]) -> tuple[Any, Any]:
+    """vLLM's config objects as ``kv_layout`` reads them: groups of (spec class name,
+    window, layers, page bytes)."""
+    from types import SimpleNamespace as Space
+
+    specs = [type(kind, (), dict(block_size=128, page_size_bytes=page, dtype="float32",
+                                 num_kv_heads=2, head_size=32, sliding_window=window))()
+             for kind, window, _, page in groups]
+    kv_cache_config = Space(kv_cache_groups=[
+        Space(kv_cache_spec=spec, layer_names=[f"l{at}" for at in range(layers)])
+        for spec, (_, _, layers, _) in zip(specs, groups, strict=True)])
+    model = Space(hf_config=Space(to_dict=lambda: {"model_type": "gemma3_text"}),
+                  quantization=None)
+    vllm_config = Space(model_config=model, parallel_config=Space(tensor_parallel_size=1),
+                        device_config=Space(device_type="cpu"))
+    return vllm_config, kv_cache_config
+
+
+def test_a_hybrid_layout_is_named_by_its_groups_and_sized_a_row_per_group() -> None:
+    from atb_mem.integrations.vllm.identity import kv_layout
+
+    full = _config(("FullAttentionSpec", None, 3, 1024))
+    hybrid = _config(("SlidingWindowSpec", 64, 2, 1024), ("FullAttentionSpec", None, 1, 1024))
+    other = _config(("SlidingWindowSpec", 32, 2, 1024), ("FullAttentionSpec", None, 1, 1024))
+    one, _, block_bytes, groups = kv_layout(*full, "w")
+    assert (block_bytes, groups) == (3 * 1024, 1), "a cache per layer, one group"
+    named, block_size, block_bytes, groups = kv_layout(*hybrid, "w")
+    assert (block_size, block_bytes, groups) == (128, 2 * 2 * 1024, 2)
+    assert len({one, named, kv_layout(*other, "w")[0]}) == 3, "the window is in the name"
+
+
+@pytest.mark.parametrize("groups, message", [
+    ((("SlidingWindowSpec", 64, 2, 1024), ("MambaSpec", None, 1, 1024)), "MambaSpec"),
+    ((("SlidingWindowSpec", 64, 2, 1024), ("FullAttentionSpec", None, 1, 2048)), "alike")])
+def test_groups_the_tiers_cannot_keep_are_refused_naming_them(
+        groups: tuple[tuple[str, int | None, int, int], ...], message: str) -> None:
+    from atb_mem.integrations.vllm.identity import kv_layout
+
+    with pytest.raises(ValueError, match=message):
+        kv_layout(*_config(*groups), "w")
