@@ -199,6 +199,29 @@ def same_tokens(run: dict[str, Any], alone: dict[str, Any]) -> float:
     return same / max(1, len(ids))
 
 
+def divergences(run: dict[str, Any], alone: dict[str, Any]) -> tuple[int, int, float]:
+    """(replies that differ from vLLM alone's, how many of them are the first in their
+    conversation, the widest margin of vLLM alone's greedy token over the next one at such a
+    reply's first differing token). A conversation's later turns carry its earlier replies,
+    so one differing reply makes every later one differ: only the first says anything."""
+    ids, differing, first, widest = alone["requests"], 0, 0, 0.0
+    diverged: set[str] = set()
+    for key in sorted(run["requests"], key=lambda key: tuple(map(int, key.split("-")))):
+        if key not in ids or run["requests"][key]["tokens"] == ids[key]["tokens"]:
+            continue
+        differing += 1
+        talk = key.split("-")[0]
+        if talk in diverged:
+            continue
+        diverged.add(talk)
+        first += 1
+        mine, theirs = run["requests"][key]["tokens"], ids[key]["tokens"]
+        at = next(at for at, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+        margins = ids[key].get("margins") or []
+        widest = max(widest, margins[at] if at < len(margins) else float("inf"))
+    return differing, first, widest
+
+
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
@@ -313,6 +336,13 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
               f"{row['output_tokens_per_s']:>9.1f} {row['total_tokens_per_s']:>9.0f} "
               f"{row['host_blocks_loaded']:>8.0f}/{row['disk_blocks_loaded']:<7.0f} "
               f"{min(agreement[name]):>12.0%}")
+    for name in names[1:]:
+        for run, alone_run in zip(runs[name], runs["vLLM alone"], strict=True):
+            differing, first, widest = divergences(run["replay"], alone_run["replay"])
+            if differing:
+                print(f"  {name}: {differing} replies differ from vLLM alone's, {first} of them "
+                      f"the first in their conversation; at their first differing token vLLM "
+                      f"alone's greedy token led the next by at most {widest:.2g} (log-prob)")
     for name in names[1:]:
         row = medians[name]
         print(f"  {name}: TTFT p50 {alone['ttft_p50_ms'] / row['ttft_p50_ms']:.2f}× better "

@@ -107,7 +107,8 @@ def _cpu_seconds() -> dict[str, float]:
 def _params(tokens: int) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    # The two likeliest tokens at each step: how near a tie the greedy choice was.
+    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
 
 
 def _request_row(output: Any, own_ttft: float) -> dict[str, Any]:
@@ -116,7 +117,14 @@ def _request_row(output: Any, own_ttft: float) -> dict[str, Any]:
     return {"prompt": len(output.prompt_token_ids), "cached": output.num_cached_tokens or 0,
             "ttft": latency or own_ttft, "own_ttft": own_ttft,
             "preemptions": getattr(metrics, "num_preemptions", 0) if metrics else 0,
-            "tokens": list(output.outputs[0].token_ids)}
+            "tokens": list(output.outputs[0].token_ids),
+            "margins": [_margin(step) for step in output.outputs[0].logprobs or []]}
+
+
+def _margin(step: dict[int, Any]) -> float:
+    """The log-probability by which the greedy token beat the next one."""
+    best = sorted((entry.logprob for entry in step.values()), reverse=True)
+    return float(best[0] - best[1]) if len(best) > 1 else float("inf")
 
 
 def run_replay(llm: Any, talks: list[list[tuple[list[int], int]]], concurrent: int

@@ -63,6 +63,15 @@ def test_saves_stop_at_a_block_a_group_let_go_before_it_was_saved() -> None:
     assert sched.lookup("b", a, 0) == (128, False), "the block before it is cached"
 
 
+def test_an_ended_hybrid_requests_tail_is_saved_only_while_every_group_holds_it() -> None:
+    a = list(range(2000, 2300))  # two full blocks and 44 tokens: two whole pieces of 16
+    for tail, saved in (((7, 17), True), ((7, 0), False)):
+        sched = make(hash_block_size=16)
+        prefill(sched, "a", a, [(5, 15), (6, 16), tail])
+        assert sched.finished("a", 300) is saved, "vLLM holds the blocks of a tail"
+        assert [block for _, block, _ in sched.build([]).tail_saves] == ([tail] if saved else [])
+
+
 def test_a_failed_hybrid_load_is_named_by_its_request_and_counts_nothing_served() -> None:
     """vLLM cannot map block ids back to requests with several groups: the workers name the
     request (``failed_recving``), vLLM recomputes it whole, and none of its load counts."""

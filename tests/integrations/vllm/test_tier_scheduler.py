@@ -12,7 +12,7 @@ import pytest
 
 from atb_mem.integrations.vllm.scheduler import HOST, Scheduled
 from tests.integrations.vllm.fakes import FakeStore
-from tests.integrations.vllm.scheduler_calls import make, prefill, words
+from tests.integrations.vllm.scheduler_calls import keys, make, prefill, words
 
 
 def test_a_repeated_prompt_is_served_from_the_host() -> None:
@@ -330,3 +330,46 @@ def test_a_host_tier_too_full_for_the_whole_prompt_still_serves_its_hit() -> Non
     assert [block for _, block in moves.host_loads] == [10, 11]
     assert not moves.saves
     assert sched.hit_tokens("z") == {HOST: 256}
+
+
+def test_an_ended_requests_last_pieces_are_saved_and_hit() -> None:
+    """A request that ends with 300 tokens computed (two full blocks and 44 tokens): the 44
+    tokens' two whole pieces of 16 are copied into the host first thing next step (vLLM
+    holds the block until then) and hit a later prompt sharing them (a copy of the block,
+    then its load); without the count of computed tokens nothing of the tail is saved."""
+    for computed, hit in ((300, 256 + 32), (None, 256)):
+        sched = make(hash_block_size=16)
+        a = list(range(2000, 2300))
+        prefill(sched, "a", a, [5, 6, 7])
+        assert sched.finished("a", computed) is (computed is not None)
+        moves = sched.build([])
+        if computed is None:
+            assert not moves.tail_saves
+        else:
+            (req_id, block, row), = moves.tail_saves
+            assert (req_id, block) == ("a", 7) and row != 0 and not moves.saves
+        b = a[:296] + list(range(9000, 9100))
+        assert sched.lookup("b", b, 0) == (hit, False)
+        sched.allocated("b", [1, 2, 3, 4], hit)
+        moves = sched.build([])
+        assert [target for _, target in moves.host_loads] == [1, 2, 3][:-(-hit // 128)]
+        if computed is not None:  # the tail's block, copied whole into b's own host block
+            (src, _), = moves.host_copies
+            assert src == row
+
+
+def test_no_tail_is_saved_while_a_load_is_in_flight_or_past_a_gap() -> None:
+    disk = FakeStore("DISK")
+    sched = make(hash_block_size=16, stores=[disk])
+    a = list(range(3000, 3300))
+    disk.data.update(dict.fromkeys(keys(sched, a)[:2], b""))
+    assert sched.lookup("a", a, 0) == (256, True)
+    sched.allocated("a", [5, 6, 7], 256)
+    sched.finished("a", 300)  # aborted while its load ran: its blocks' bytes are not known
+    assert not sched.build([]).tail_saves
+    sched = make(hash_block_size=16)
+    sched.lookup("c", a, 0)
+    sched.allocated("c", [5, 6, 7], 0)
+    sched.build([Scheduled("c", 0, 128, [5, 6, 7], True)])  # one block computed, one saved
+    sched.finished("c", 300)  # block 1 never saved: a tail past it would leave a hole
+    assert not sched.build([]).tail_saves

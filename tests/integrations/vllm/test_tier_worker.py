@@ -310,3 +310,19 @@ def test_disk_loads_before_the_forward_land_at_once_and_report_what_failed(
     assert counters["loaded_blocks_DISK"] == 2 and counters["corrupt_blocks"] == 1
     assert counters["load_failures"] == 1
     tier.close()
+
+
+def test_a_tail_is_copied_to_the_host_first_and_its_request_reported() -> None:
+    """An ended request's last block (vLLM's 7) goes to host block 3 first thing in the
+    step: a host load that reads host block 3 into vLLM's 8 sees the tail's bytes, and the
+    request is reported once (vLLM frees its blocks then)."""
+    kv = caches(seed=3)
+    tier = worker([], num_host_blocks=6)
+    tier.register(kv, NUM_BLOCKS)
+    tier.save(TierMoves(saves=[(2, 4)]))  # host block 4: block 2's bytes
+    tail, held = block(kv, 7), block(kv, 2)
+    tier.start_loads(TierMoves(tail_saves=[("r", 7, 3)], host_loads=[(4, 7), (3, 8)]))
+    assert block(kv, 8) == tail and block(kv, 7) == held
+    assert tier.tails_copied() == {"r"} and tier.tails_copied() == set()
+    assert tier.take_counters()["saved_blocks_HOST"] == 2
+    tier.close()

@@ -65,13 +65,32 @@ def test_the_host_tier_serves_repeats_and_hits_finer_than_a_block(
     prompts = [P, P, Q, S]
     with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": prompts}], HOST) as vllm:
         result = vllm.run()
-    # 300 tokens: two whole 128-token blocks; Q: one block and three 16-token pieces of
+    # 300 tokens: two whole 128-token blocks and two 16-token pieces of the third (the first
+    # P's last block, saved when it ended, copied whole); Q: one block and three pieces of
     # the next, copied whole; S: four pieces of the first.
-    assert result["cached"] == [0, 256, 176, 64]
+    assert result["cached"] == [0, 256 + 32, 176, 64]
     counters = result["counters"]
-    assert counters["vllm:external_prefix_cache_hits"] == 256 + 176 + 64
-    assert counters["vllm:atb_mem_loaded_blocks{HOST}"] == 2 + 2 + 1
+    assert counters["vllm:external_prefix_cache_hits"] == 288 + 176 + 64
+    assert counters["vllm:atb_mem_loaded_blocks{HOST}"] == 3 + 2 + 1
     assert_as_alone(expected, prompts, result)
+
+
+def test_a_tail_is_copied_before_vllm_gives_its_block_to_another_request(
+        model: Path, expected: dict[tuple[int, ...], Any], tmp_path: Path) -> None:
+    """vLLM runs a step's forward before its ``start_load_kv`` when the step loads nothing
+    synchronously, so an ended request's last block stays its own until a worker copied it.
+    P and V fill the cache (six blocks); U waits, then takes their freed blocks, P's last
+    one first, and computes into them in the step that would copy P's tail. P's repeat
+    still gets P's tail."""
+    phases: list[dict[str, Any]] = [{"prompts": [P, V, U], "together": True},
+                                    {"prompts": [P]}]
+    with VllmProcess(model, tmp_path / "vllm.log", phases, HOST, num_blocks=7,
+                     max_model_len=512) as vllm:
+        together = vllm.run()
+        assert_as_alone(expected, [P, V, U], together)
+        result = vllm.run()
+    assert result["cached"] == [256 + 32]
+    assert_as_alone(expected, [P], result)
 
 
 def test_loading_zeros_instead_changes_the_tokens(
@@ -80,7 +99,7 @@ def test_loading_zeros_instead_changes_the_tokens(
     with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": [P, P]}], HOST,
                      connector="ZeroLoadsConnector", module=FAULTS) as vllm:
         result = vllm.run()
-    assert result["cached"] == [0, 256]
+    assert result["cached"] == [0, 288]
     assert result["tokens"][0] == expected[tuple(P)][0]
     assert result["tokens"][1] != expected[tuple(P)][0]
 
@@ -107,7 +126,9 @@ def test_a_fresh_vllm_loads_from_the_disk_tier_and_recomputes_damaged_files(
     with VllmProcess(model, tmp_path / "first.log", [{"prompts": first}], tiers,
                      kv_events_port=free_port()) as vllm:
         result = vllm.run()
-    assert result["cached"] == [0, 256] * 3
+    # Each repeat: two whole blocks, and the whole 16-token pieces of the first run's last
+    # block within the prompt (P's 300 and U's 290 tokens: two; V's 270: none).
+    assert result["cached"] == [0, 288, 0, 288, 0, 256]
     assert_as_alone(expected, first, result)
     # vLLM's own KV-event stream names the tiers: the host took each computed block, the
     # disk the ones seen twice.

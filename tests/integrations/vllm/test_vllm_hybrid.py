@@ -43,8 +43,10 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_is_served_from_the_host(
     with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": prompts}], HOST) as vllm:
         result = vllm.run()
     assert result["hybrid_manager"], "the connector no longer turns vLLM's hybrid manager off"
-    assert result["cached"] == [0, 512, 400]
-    assert result["counters"]["vllm:external_prefix_cache_hits"] == 512 + 400
+    # H: four whole blocks and five 16-token pieces of its fifth (the first H's last block,
+    # saved when it ended, in every group); J: three blocks and one piece.
+    assert result["cached"] == [0, 592, 400]
+    assert result["counters"]["vllm:external_prefix_cache_hits"] == 592 + 400
     assert_as_alone(expected, prompts, result)
 
 
@@ -54,7 +56,7 @@ def test_loading_zeros_into_every_group_changes_the_tokens(
     with VllmProcess(model, tmp_path / "vllm.log", [{"prompts": [H, H]}], HOST,
                      connector="ZeroLoadsConnector", module=FAULTS) as vllm:
         result = vllm.run()
-    assert result["cached"] == [0, 512]
+    assert result["cached"] == [0, 592]
     assert result["tokens"][0] == expected[tuple(H)][0]
     assert result["tokens"][1] != expected[tuple(H)][0]
 
@@ -69,12 +71,12 @@ def test_a_fresh_vllm_loads_a_hybrid_prompt_from_the_disk_and_recomputes_a_damag
     with VllmProcess(model, tmp_path / "first.log", [{"prompts": [H, H, K, K]}],
                      tiers) as vllm:
         result = vllm.run()
-    assert result["cached"] == [0, 512, 0, 256]
+    assert result["cached"] == [0, 592, 0, 288]
     files = _disk_files(disk, K)
     phases: list[dict[str, Any]] = [{"prompts": [H]}, {"prompts": [K]}]
     with VllmProcess(model, tmp_path / "second.log", phases, tiers) as vllm:
         result = vllm.run()
-        assert result["cached"] == [512]
+        assert result["cached"] == [512]  # the disk keeps whole blocks only
         assert result["counters"]["vllm:atb_mem_loaded_blocks{DISK}"] == 4
         assert_as_alone(expected, [H], result)
 

@@ -168,7 +168,7 @@ class AtbMemConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._worker is not None
         idle = self.has_connector_metadata() and self._moves().idle
         done = self._worker.finished(_IDLE_WAIT_S if idle else 0.0)
-        return None, done or None
+        return self._worker.tails_copied() or None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str]
                              ) -> KVConnectorTransferResults:
@@ -271,7 +271,10 @@ class AtbMemConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.finished(request.request_id), None
+        # Under asynchronous scheduling the count includes tokens of a step still running;
+        # only the processed ones are surely in the block when its copy runs.
+        processed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        return self._scheduler.finished(request.request_id, max(0, processed)), None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:

@@ -27,6 +27,11 @@ class TierMoves:
     """One step's moves, executed by every worker in this order. Plain lists: it travels
     pickled to worker processes."""
 
+    tail_saves: list[tuple[str, VllmBlock, int]] = field(default_factory=list)
+    """(request, vLLM block, host block): an ended request's last, partly filled block,
+    whose vLLM block vLLM holds until the workers report the request (``finished_sending``).
+    Copied first: every other move of the step was planned after the request ended, so none
+    reads a host block the tail's took over (the index no longer had it)."""
     host_copies: list[tuple[int, int]] = field(default_factory=list)
     """(host block, host block): a hit ending inside a block, copied whole into the
     request's own block first (the index counts its pieces as computed there)."""
@@ -46,8 +51,8 @@ class TierMoves:
     """No forward this step: a worker may wait a little for its loads."""
 
     def __bool__(self) -> bool:
-        return bool(self.host_copies or self.host_loads or self.store_loads or self.disk_loads
-                    or self.saves or self.puts)
+        return bool(self.tail_saves or self.host_copies or self.host_loads or self.store_loads
+                    or self.disk_loads or self.saves or self.puts)
 
 
 @dataclass(frozen=True)

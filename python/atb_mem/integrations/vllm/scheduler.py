@@ -29,14 +29,14 @@ A request's life here:
   index), and put to the stores that lacked them (a host hit is a sighting too, so a hot
   prompt reaches the disk, which writes on its second sighting).
 - ``finished`` (``request_finished``): its host blocks are unpinned; what was saved stays
-  cached. Saves run within their step, so vLLM never waits to free the request's blocks.
+  cached. Its last, partly filled block is copied to the host in the next step, vLLM
+  holding the request's blocks until then; full blocks' saves run within their step.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,41 +45,10 @@ from atb_mem._core import KVCachePool, OutOfMemoryError
 from atb_mem.integrations.vllm.moves import HOST, Scheduled, TierMoves, VllmBlock, whole
 from atb_mem.integrations.vllm.recent_blocks import BlockNames, Sightings
 from atb_mem.integrations.vllm.store_lookups import StoreLookup, StoreLookups
+from atb_mem.integrations.vllm.tier_request import TierRequest
 from atb_mem.kv.retention import DEFAULT_PRIORITY, MAX_PRIORITY
 
 __all__ = ["HOST", "Scheduled", "StoreLookup", "TierMoves", "TierScheduler"]
-
-
-@dataclass
-class _Request:
-    tokens: Sequence[int]
-    """The request's tokens, read live (vLLM appends the ones it samples)."""
-    salt: str | None
-    seq_id: int | None
-    """Its sequence in the host index (None: no host tier, or the index was full)."""
-    hashes: np.ndarray
-    num_computed: int
-    host_table: list[int]
-    host_whole: int
-    partial: bool
-    """Whether the host's hit ends inside block ``host_whole`` (copied into its own)."""
-    holders: list[tuple[str, ...]]
-    """Per block before the last token's: the stores holding it."""
-    store_run: int
-    hit_tokens: dict[str, int] = field(default_factory=dict)
-    loading: list[tuple[int, str, int]] = field(default_factory=list)
-    """(block index, store, tokens) of its disk and store loads in flight: counted served
-    once they land."""
-    vllm_blocks: list[VllmBlock] = field(default_factory=list)
-    committed: bool = False
-    saved: int = 0
-    saves_end: int | None = None
-    """A block no group's save can read (a window let it go before it was saved): nothing
-    from it on is saved, as a hit needs every block before it."""
-    asked: tuple[Any, ...] = ()
-    """The lookup's arguments and answer, which an unchanged lookup gets again."""
-    loads_now: bool = False
-    """Its disk blocks are read before the forward of the step that admits it."""
 
 
 class TierScheduler:
@@ -112,7 +81,7 @@ class TierScheduler:
         # The longest sequence the index can hold: it raises ValueError, not
         # OutOfMemoryError, for a longer one.
         self._max_tokens = num_host_blocks * block_size
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, TierRequest] = {}
         self._seq_ids = itertools.count(1)
         self._pending = TierMoves()
         self._epoch = 0
@@ -174,7 +143,7 @@ class TierScheduler:
         # A whole block from a store brings the pieces the host's copy has.
         total = (host_whole + run) * block_size if run else host_hit
         partial = not run and host_hit % block_size > 0
-        self._requests[req_id] = _Request(
+        self._requests[req_id] = TierRequest(
             tokens, salt, seq_id, hashes, num_computed_tokens, table, host_whole, partial,
             holders, run)
         external = max(0, total - num_computed_tokens) if self.loads else 0
@@ -265,7 +234,7 @@ class TierScheduler:
                 self._plan_saves(request, full, moves)
         return moves
 
-    def _plan_saves(self, request: _Request, full: int, moves: TierMoves) -> None:
+    def _plan_saves(self, request: TierRequest, full: int, moves: TierMoves) -> None:
         if not self.saves:
             request.saved = full
             return
@@ -304,14 +273,14 @@ class TierScheduler:
             self.index.mark_computed(request.seq_id, full * block_size)  # type: ignore[arg-type]
         request.saved = full
 
-    def _extend(self, request: _Request, tokens: int) -> None:
+    def _extend(self, request: TierRequest, tokens: int) -> bool:
         """Grows the request's index sequence to ``tokens`` (its decoded blocks); where the
-        index is full, the request stops saving to the host (what it saved stays)."""
+        index is full, the request stops saving to the host (what it saved stays): False."""
         seq_id = request.seq_id
         assert seq_id is not None
         length = self.index.seq_len(seq_id)
         if tokens <= length:
-            return
+            return True
         try:
             if tokens > self._max_tokens:
                 raise OutOfMemoryError("longer than the host tier")
@@ -321,16 +290,40 @@ class TierScheduler:
             self.counters["host_full"] += 1
             self.index.free_sequence(seq_id)
             request.seq_id = None
-            return
+            return False
         request.host_table = self.index.block_table(seq_id).tolist()
+        return True
 
     # ---- a request ends ---------------------------------------------------------------------
 
-    def finished(self, req_id: str) -> bool:
-        """The request ended (finished, aborted or failed): its host blocks are unpinned.
-        Returns whether vLLM must keep its blocks: never, as saves run within their step."""
+    def finished(self, req_id: str, num_computed: int | None = None) -> bool:
+        """The request ended: its host blocks unpinned, its last block's whole pieces saved
+        to the host. Returns whether vLLM must keep its blocks until a worker says the tail
+        was copied (``finished_sending``): vLLM may run the next step's forward, which could
+        write a freed block, before that step's ``start_load_kv``. Full blocks' saves run
+        within their step, so nothing else is held."""
+        request = self._requests.get(req_id)
+        tail = request is not None and num_computed is not None and \
+            self._save_tail(req_id, request, num_computed)
         self._release(req_id)
-        return False
+        return tail
+
+    def _save_tail(self, req_id: str, request: TierRequest, computed: int) -> bool:
+        """The last block's copy into the host, where it holds a whole piece and every full
+        block before it was saved (the index keeps its pieces once the sequence is freed);
+        not while a load of the request is in flight (its blocks' bytes are not known yet)."""
+        index, tail = divmod(computed, self.block_size)
+        if not self.saves or request.seq_id is None or request.loading or \
+                tail < self.index.hash_block_size or index != request.saved or \
+                index >= len(request.vllm_blocks) or computed > len(request.tokens) or \
+                not whole(request.vllm_blocks[index]):
+            return False
+        if not self._extend(request, computed):  # the index is full
+            return False
+        self._pending.tail_saves.append((req_id, request.vllm_blocks[index],
+                                         request.host_table[index]))
+        self.index.mark_computed(request.seq_id, computed)
+        return True
 
     def _release(self, req_id: str) -> None:
         request = self._requests.pop(req_id, None)

@@ -66,6 +66,7 @@ class TierWorker:
         self._loads: list[_Load] = []
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        self._tails_copied: set[str] = set()
         self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load")
         # Loads before the forward never queue behind the asynchronous ones.
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="atb-mem-vllm-load-now")
@@ -160,7 +161,15 @@ class TierWorker:
 
     def start_loads(self, moves: TierMoves) -> None:
         """The host copies and loads now (before the forward that reads them); the disk and
-        store fetches on threads."""
+        store fetches on threads. First the ended requests' tails into the host."""
+        if moves.tail_saves:
+            req_ids, blocks, rows = zip(*moves.tail_saves, strict=True)
+            try:
+                self._from_vllm(self._host, rows, blocks)
+                self._count(**{f"saved_blocks_{HOST}": len(rows)},
+                            saved_bytes=len(rows) * self._block_bytes)
+            finally:  # vLLM holds their blocks until told, copied or not
+                self._tails_copied.update(req_ids)
         if moves.host_copies:
             src, dst = zip(*moves.host_copies, strict=True)
             self._host[list(dst)] = self._host[list(src)]
@@ -317,6 +326,12 @@ class TierWorker:
         """vLLM blocks whose loads failed since the last call."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def tails_copied(self) -> set[str]:
+        """The ended requests whose last blocks were copied since the last call: vLLM may
+        free their blocks now."""
+        copied, self._tails_copied = self._tails_copied, set()
+        return copied
 
     def failed_requests(self) -> set[str]:
         """With several KV-cache groups: the requests whose loads failed since the last call
