@@ -165,6 +165,8 @@ def replay_figures(run: dict[str, Any]) -> dict[str, float]:
             "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "own_ttft_p50_ms": 1e3 * statistics.median(row["own_ttft"] for row in rows),
+            "steps_to_first_p50": statistics.median(row.get("steps_to_first", 0)
+                                                    for row in rows),
             "output_tokens_per_s": output / run["seconds"],
             "total_tokens_per_s": (prompt + output) / run["seconds"],
             "seconds": run["seconds"], "cpu_seconds": sum(run["cpu_seconds"].values()),
@@ -336,6 +338,10 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
               f"{row['output_tokens_per_s']:>9.1f} {row['total_tokens_per_s']:>9.0f} "
               f"{row['host_blocks_loaded']:>8.0f}/{row['disk_blocks_loaded']:<7.0f} "
               f"{min(agreement[name]):>12.0%}")
+    for name in names:
+        row = medians[name]
+        print(f"  {name}: a turn's first token came {row['steps_to_first_p50']:.1f} engine "
+              f"steps after it arrived (median)")
     for name in names[1:]:
         for run, alone_run in zip(runs[name], runs["vLLM alone"], strict=True):
             differing, first, widest = divergences(run["replay"], alone_run["replay"])

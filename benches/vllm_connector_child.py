@@ -136,6 +136,11 @@ def run_replay(llm: Any, talks: list[list[tuple[list[int], int]]], concurrent: i
     waiting, active = list(history), []
     arrived: dict[str, float] = {}
     first: dict[str, float] = {}
+    # How many engine steps a turn waited for its first token (a load that made it wait a
+    # step of its own would show here).
+    arrived_step: dict[str, int] = {}
+    steps_to_first: dict[str, int] = {}
+    steps = 0
     rows: dict[str, dict[str, Any]] = {}
     before, cpu, hooks = _counters(llm), _cpu_seconds(), dict(_hook_seconds)
     start = time.perf_counter()
@@ -147,15 +152,20 @@ def run_replay(llm: Any, talks: list[list[tuple[list[int], int]]], concurrent: i
             history[c] = history[c] + message
             request_id = f"{c}-{next_turn[c]}"
             arrived[request_id] = time.perf_counter()
+            arrived_step[request_id] = steps
             engine.add_request(request_id, {"prompt_token_ids": history[c]}, _params(reply))
-        for output in engine.step():
+        outputs = engine.step()
+        steps += 1
+        for output in outputs:
             request_id = output.request_id
             if request_id not in first and output.outputs[0].token_ids:
                 first[request_id] = time.perf_counter() - arrived[request_id]
+                steps_to_first[request_id] = steps - arrived_step[request_id]
             if not output.finished:
                 continue
             c = int(request_id.split("-")[0])
-            rows[request_id] = _request_row(output, first[request_id])
+            rows[request_id] = {**_request_row(output, first[request_id]),
+                                "steps_to_first": steps_to_first[request_id]}
             history[c] = history[c] + list(output.outputs[0].token_ids)
             next_turn[c] += 1
             active.remove(c)
