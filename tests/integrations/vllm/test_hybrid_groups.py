@@ -72,6 +72,41 @@ def test_an_ended_hybrid_requests_tail_is_saved_only_while_every_group_holds_it(
         assert [block for _, block, _ in sched.build([]).tail_saves] == ([tail] if saved else [])
 
 
+def test_a_model_of_windowed_layers_only_has_null_blocks_in_its_one_group() -> None:
+    """vLLM keeps a model whose every layer is windowed (Mistral) as one group, whose blocks
+    before the window are its null block 0: never saved, and once a save stopped there the
+    host index grows no more for the request."""
+    sched = make(num_host_blocks=16)
+    a = list(range(900))
+    assert sched.lookup("a", a, 0) == (0, False)
+    blocks = [0, 0, 3, 4, 5, 6, 7, 8]  # vLLM's own cache served the first two blocks
+    sched.allocated("a", blocks, 0)
+    free = sched.index.num_free_blocks
+    moves = sched.build([Scheduled("a", 256, 600, blocks, True)])
+    assert not moves.saves and not moves.puts
+    for step in range(3):  # decode steps that fill no new block save nothing either
+        assert not sched.build([Scheduled("a", 856 + step, 1, None)]).saves
+    assert sched.index.num_free_blocks >= free - 8, "no block held for what is never saved"
+
+
+def test_a_failed_hybrid_load_takes_back_the_hosts_part_too() -> None:
+    """vLLM recomputes a request whose load failed whole: the host blocks it loaded were
+    not served either."""
+    disk = FakeStore("DISK")
+    sched = make(stores=[disk])
+    a = list(range(520))
+    prefill(sched, "a", a, [(1, 11), (2, 12), (3, 13), (4, 14), (5, 15)])
+    sched.finished("a")
+    b = a[:256] + list(range(5000, 5300))
+    disk.data.update(dict.fromkeys(keys(sched, b)[2:4], b"x"))
+    assert sched.lookup("b", b, 0) == (512, True)
+    sched.allocated("b", [(6, 16), (7, 17), (8, 18), (9, 19), (10, 20)], 512)
+    assert sched.take_counters().get("hit_tokens", 0) == 0, "not before its loads end"
+    sched.loads_ended({"b"}, (), {"b"})
+    assert sched.take_counters().get("hit_tokens", 0) == 0, "not the host's 256 either"
+    assert sched.hit_tokens("b") == {}
+
+
 def test_a_failed_hybrid_load_is_named_by_its_request_and_counts_nothing_served() -> None:
     """vLLM cannot map block ids back to requests with several groups: the workers name the
     request (``failed_recving``), vLLM recomputes it whole, and none of its load counts."""
@@ -185,3 +220,24 @@ def test_groups_the_tiers_cannot_keep_are_refused_naming_them(
 
     with pytest.raises(ValueError, match=message):
         kv_layout(*_config(*groups), "w")
+
+
+def test_a_windowed_models_null_block_is_never_loaded_into_nor_reported() -> None:
+    from atb_mem.integrations.vllm.worker import TierWorker
+
+    generator = torch.Generator().manual_seed(1)
+    kv = {f"layer.{at}": torch.randn((NUM_BLOCKS, *SHAPE), generator=generator)
+          for at in range(2)}
+    before = [cache.clone() for cache in kv.values()]
+    tier = TierWorker(num_host_blocks=6, stores=[FakeStore("DISK")], layout="win",
+                      identity="win-tp0")
+    tier.register(kv, NUM_BLOCKS)
+    tier.save(TierMoves(saves=[(4, 1), (5, 2)]))
+    tier.start_loads(TierMoves(host_loads=[(1, 0), (2, 7)],
+                               store_loads={"a": [(1, 2, 0), (3, 4, 8)]}))
+    for _ in range(600):  # bounded: 30 s; the store holds neither block
+        if tier.finished(0.05):
+            break
+    for cache, old in zip(kv.values(), before, strict=True):
+        assert torch.equal(cache[0], old[0]) and torch.equal(cache[7], old[5])
+    assert tier.load_errors() == {8}, "the null block is no block of the request's"

@@ -113,7 +113,7 @@ def test_a_store_the_workers_say_stopped_gets_no_more_puts() -> None:
 def test_hit_tokens_count_what_loads_served_not_what_they_planned() -> None:
     """A disk load of three blocks whose second fails: vLLM recomputes from it on, so the
     connector counts the first block's 128 tokens served, not 384; the request's hits by
-    tier say the same. Host hits count when planned (their copies do not fail)."""
+    tier say the same. Host hits alone count when planned (their copies do not fail)."""
     disk = FakeStore("DISK")
     a = list(range(520))
     sched = make(stores=[disk])

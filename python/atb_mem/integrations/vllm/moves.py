@@ -14,12 +14,13 @@ HOST = "HOST"
 
 VllmBlock = int | tuple[int, ...]
 """A block of a request in vLLM's cache: its id, or with several KV-cache groups (vLLM's
-hybrid manager) one id per group, 0 where a sliding window let the group's block go."""
+hybrid manager) one id per group; 0 is vLLM's null block, where a sliding window let the
+block go (a model of windowed layers only has one group, and null blocks too)."""
 
 
 def whole(block: VllmBlock) -> bool:
     """Whether every group still holds the block (a save reads all of them)."""
-    return not isinstance(block, tuple) or all(block)
+    return all(block) if isinstance(block, tuple) else block != 0
 
 
 @dataclass

@@ -195,7 +195,6 @@ class TierScheduler:
             if index < request.host_whole + request.partial:
                 tier = HOST
                 self._pending.host_loads.append((request.host_table[index], target))
-                self.counters["hit_tokens"] += tokens  # a copy in memory: it lands
             else:
                 tier = request.holders[index][0]
                 words = (int(request.hashes[index][0]), int(request.hashes[index][1]))
@@ -205,6 +204,8 @@ class TierScheduler:
                 self.lookups.loading(req_id, words, target)
                 request.loading.append((index, tier, tokens))
             request.hit_tokens[tier] = request.hit_tokens.get(tier, 0) + tokens
+        if not request.loading:  # the host's copies land (with other loads: once they end)
+            self.counters["hit_tokens"] += request.hit_tokens.get(HOST, 0)
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         """The tokens each tier served the request (its last admission)."""
@@ -229,7 +230,9 @@ class TierScheduler:
                     request.vllm_blocks.extend(step.new_block_ids)
             end = step.num_computed_tokens + step.num_scheduled_tokens
             full = min(end, len(request.tokens)) // self.block_size
-            full = min(full, len(request.vllm_blocks), request.saves_end or full)
+            if request.saves_end is not None:
+                full = min(full, request.saves_end)
+            full = min(full, len(request.vllm_blocks))
             if full > request.saved:
                 self._plan_saves(request, full, moves)
         return moves
@@ -316,7 +319,7 @@ class TierScheduler:
         if not self.saves or request.seq_id is None or request.loading or \
                 tail < self.index.hash_block_size or index != request.saved or \
                 index >= len(request.vllm_blocks) or computed > len(request.tokens) or \
-                not whole(request.vllm_blocks[index]):
+                computed > self._max_tokens or not whole(request.vllm_blocks[index]):
             return False
         if not self._extend(request, computed):  # the index is full
             return False
@@ -339,6 +342,7 @@ class TierScheduler:
         so those and the ones after it were not served; from a request that failed (with
         several KV-cache groups), none."""
         finished, failed = set(finished), set(failed_blocks)
+        failed_requests = set(failed_requests)
         for req_id in failed_requests:
             request = self._requests.get(req_id)
             if request is not None:
@@ -348,6 +352,10 @@ class TierScheduler:
             request = self._requests.get(req_id)
             if request is None or not request.loading:
                 continue
+            if req_id in failed_requests:  # vLLM recomputes it whole: the host's part too
+                request.hit_tokens.pop(HOST, None)
+            else:
+                self.counters["hit_tokens"] += request.hit_tokens.get(HOST, 0)
             served = True
             for index, tier, tokens in request.loading:
                 served = served and request.vllm_blocks[index] not in failed

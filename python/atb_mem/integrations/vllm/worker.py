@@ -126,7 +126,10 @@ class TierWorker:
 
         device = self._views[0].device
         if self.groups == 1:
-            return [(list(rows), torch.tensor(list(blocks), dtype=torch.long, device=device))]
+            held = [(row, block) for row, block in zip(rows, blocks, strict=True) if block]
+            return [([row for row, _ in held],
+                     torch.tensor([block for _, block in held], dtype=torch.long,
+                                  device=device))]
         found = []
         for group in range(self.groups):
             held = [(row, block[group]) for row, block in  # type: ignore[index]
@@ -287,8 +290,9 @@ class TierWorker:
         except Exception as error:  # a copy that failed: recomputed
             log.warning("atb-mem: landing a load of %s failed: %s", req_id, error)
         if landed < len(blocks):
-            if self.groups == 1:
-                self._errors.update(blocks[landed:])  # type: ignore[arg-type]
+            if self.groups == 1:  # not vLLM's null block (a windowed model's), never loaded
+                self._errors.update(block for block in blocks[landed:]  # type: ignore[misc]
+                                    if block)
             else:  # vLLM cannot tell one group's block ids from another's
                 self._failed.add(req_id)
             self._count(load_failures=1)
