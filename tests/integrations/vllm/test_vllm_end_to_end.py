@@ -15,6 +15,7 @@ import pytest
 
 from tests.integrations.vllm.vllm_process import (
     VllmProcess,
+    alone,
     serve_vllm,
     tiny_llama,
     token_prompt,
@@ -42,12 +43,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def expected(model: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
     """vLLM alone: each prompt's tokens and logprobs."""
-    log = tmp_path_factory.mktemp("alone") / "vllm.log"
-    with VllmProcess(model, log, [{"prompts": PROMPTS}]) as vllm:
-        result = vllm.run()
+    outputs, result = alone(model, tmp_path_factory.mktemp("alone") / "vllm.log", PROMPTS)
     assert result["cached"] == [0] * len(PROMPTS)
-    return {tuple(prompt): (tokens, logprobs) for prompt, tokens, logprobs in
-            zip(PROMPTS, result["tokens"], result["logprobs"], strict=True)}
+    return outputs
 
 
 def assert_as_alone(expected: dict[tuple[int, ...], Any], prompts: list[list[int]],

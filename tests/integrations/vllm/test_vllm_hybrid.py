@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.vllm.test_vllm_end_to_end import FAULTS, HOST, _disk_files, assert_as_alone
-from tests.integrations.vllm.vllm_process import VllmProcess, tiny_gemma3, token_prompt
+from tests.integrations.vllm.vllm_process import VllmProcess, alone, tiny_gemma3, token_prompt
 
 H = token_prompt(11, 600)  # four whole 128-token blocks: the windows keep the last ones
 J = H[:400] + token_prompt(12, 100)  # shares three blocks and one 16-token piece with H
@@ -29,12 +29,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def expected(model: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> dict[tuple[int, ...], tuple[list[int], list[float]]]:
-    log = tmp_path_factory.mktemp("alone") / "vllm.log"
-    with VllmProcess(model, log, [{"prompts": PROMPTS}]) as vllm:
-        result = vllm.run()
+    outputs, result = alone(model, tmp_path_factory.mktemp("alone") / "vllm.log", PROMPTS)
     assert result["hybrid_manager"], "vLLM alone runs its hybrid manager on this model"
-    return {tuple(prompt): (tokens, logprobs) for prompt, tokens, logprobs in
-            zip(PROMPTS, result["tokens"], result["logprobs"], strict=True)}
+    return outputs
 
 
 def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_is_served_from_the_host(

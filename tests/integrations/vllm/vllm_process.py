@@ -93,6 +93,15 @@ def serve_vllm(model: Path, log: Path, port: int, role: str, extra: dict[str, An
             cwd=str(log.parent))
 
 
+def alone(model: Path, log: Path, prompts: list[list[int]]
+          ) -> tuple[dict[tuple[int, ...], tuple[list[int], list[float]]], dict[str, Any]]:
+    """vLLM without the connector: each prompt's tokens and logprobs, and its whole result."""
+    with VllmProcess(model, log, [{"prompts": prompts}]) as vllm:
+        result = vllm.run()
+    return ({tuple(prompt): (tokens, logprobs) for prompt, tokens, logprobs in
+             zip(prompts, result["tokens"], result["logprobs"], strict=True)}, result)
+
+
 class VllmProcess:
     """One ``LLM`` in its own process: ``start`` → ``run`` per phase → ``stop``."""
 
