@@ -155,6 +155,8 @@ def test_the_worker_moves_each_groups_block_and_skips_the_ones_let_go() -> None:
     before = [cache.clone() for cache in distinct]
     tier.save(TierMoves(saves=[((1, 2, 3), 1), ((4, 5, 6), 2)]))
     tier.start_loads(TierMoves(host_loads=[(1, (7, 0, 8)), (2, (9, 10, 11))]))
+    part = 2 * 4 * SHAPE[0] * SHAPE[1] * SHAPE[2]  # a group's part of a row: 2 fp32 caches
+    assert tier.take_counters()["loaded_bytes"] == 5 * part, "not the part a window let go"
     for cache, old in zip(distinct, before, strict=True):
         assert torch.equal(cache[7], old[1]) and torch.equal(cache[8], old[3])
         assert torch.equal(cache[9], old[4]) and torch.equal(cache[10], old[5])

@@ -273,9 +273,9 @@ def test_a_load_lands_its_blocks_in_one_copy_per_layer(
     copies: list[list[int]] = []
     to_vllm = tier._to_vllm
 
-    def counted(source: Any, rows: Any, blocks: Any) -> None:
+    def counted(source: Any, rows: Any, blocks: Any) -> int:
         copies.append(list(blocks))
-        to_vllm(source, rows, blocks)
+        return to_vllm(source, rows, blocks)
 
     tier._to_vllm = counted
     tier.start_loads(TierMoves(store_loads={"r": [(*HASHES[at], 9 - at) for at in range(4)]}))

@@ -139,11 +139,15 @@ class TierWorker:
                                        device=device)))
         return found
 
-    def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> None:
-        """``source[rows]`` (host rows ``[k, groups, caches, *block]``) into vLLM ``blocks``."""
+    def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> int:
+        """``source[rows]`` (host rows ``[k, groups, caches, *block]``) into vLLM ``blocks``;
+        returns the bytes copied (a group's block vLLM let go is not)."""
+        copied = 0
         for group, (held, target) in enumerate(self._by_group(rows, blocks)):
+            copied += len(held) * self._block_bytes // self.groups
             for cache, view in enumerate(self._views):
                 view[target] = source[held, group, cache].to(view.device, non_blocking=False)
+        return copied
 
     def _from_vllm(self, target: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]
                    ) -> None:
@@ -178,9 +182,8 @@ class TierWorker:
             self._host[list(dst)] = self._host[list(src)]
         if moves.host_loads:
             rows, blocks = zip(*moves.host_loads, strict=True)
-            self._to_vllm(self._host, rows, blocks)
-            self._count(**{f"loaded_blocks_{HOST}": len(rows)},
-                        loaded_bytes=len(rows) * self._block_bytes)
+            copied = self._to_vllm(self._host, rows, blocks)
+            self._count(**{f"loaded_blocks_{HOST}": len(rows)}, loaded_bytes=copied)
         if moves.disk_loads:
             self._load_now(moves.disk_loads)
         self._loads += [self._fetch(req_id, loads, self._fetchers)
@@ -309,10 +312,11 @@ class TierWorker:
             rows = buffer.view(len(buffer), -1).view(dtype=_uint8()).numpy()
             for row, (payload, _) in enumerate(chunk):
                 rows[row] = np.frombuffer(payload, dtype=np.uint8)
-            self._to_vllm(buffer, list(range(len(chunk))), blocks[start:start + len(chunk)])
+            copied = self._to_vllm(buffer, list(range(len(chunk))),
+                                   blocks[start:start + len(chunk)])
             landed += len(chunk)
             tiers = Counter(f"loaded_blocks_{tier}" for _, tier in chunk)
-            self._count(**tiers, loaded_bytes=len(chunk) * self._block_bytes)
+            self._count(**tiers, loaded_bytes=copied)
         return landed
 
     def _landing_rows(self, count: int) -> Any:
