@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from atb_mem.integrations.vllm import AtbMemConnector
-from atb_mem.integrations.vllm.moves import TierMoves
+from atb_mem.integrations.vllm.moves import TierMoves, group_ids
 
 
 class ZeroLoadsConnector(AtbMemConnector):  # type: ignore[misc, valid-type]
@@ -18,8 +18,8 @@ class ZeroLoadsConnector(AtbMemConnector):  # type: ignore[misc, valid-type]
         super().start_load_kv(forward_context, **kwargs)
         moves: TierMoves = self._moves()
         if moves.host_loads:  # each group's block (vLLM's null block, 0, left alone)
-            blocks = [block for _, loaded in moves.host_loads for block in
-                      (loaded if isinstance(loaded, tuple) else (loaded,)) if block]
+            blocks = [block for _, loaded in moves.host_loads for block in group_ids(loaded)
+                      if block]
             for view in self._worker._views:
                 view[blocks] = 0
 

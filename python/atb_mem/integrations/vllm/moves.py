@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["HOST", "Scheduled", "TierMoves", "VllmBlock", "whole"]
+__all__ = ["HOST", "Scheduled", "TierMoves", "VllmBlock", "group_ids", "whole"]
 
 HOST = "HOST"
 """The host tier's name in hit counts (the stores use theirs: ``DISK``, ``MOONCAKE``)."""
@@ -18,9 +18,14 @@ hybrid manager) one id per group; 0 is vLLM's null block, where a sliding window
 block go (a model of windowed layers only has one group, and null blocks too)."""
 
 
+def group_ids(block: VllmBlock) -> tuple[int, ...]:
+    """The block's id in each KV-cache group (one group: its id alone)."""
+    return block if isinstance(block, tuple) else (block,)
+
+
 def whole(block: VllmBlock) -> bool:
     """Whether every group still holds the block (a save reads all of them)."""
-    return all(block) if isinstance(block, tuple) else block != 0
+    return all(group_ids(block))
 
 
 @dataclass

@@ -6,8 +6,8 @@ K half transposed), so blocks move whole and are never sliced into tokens. The h
 one preallocated buffer ``[num_host_blocks + 1, groups, caches, *block]`` (block 0 unused, as
 in the index; one KV-cache group and a cache per layer but under vLLM's hybrid manager, whose
 groups share the caches); a block's bytes for the disk or the store are that row, framed with
-a checksum and its key. Disk and store reads run on threads; what they fetched is copied into vLLM's
-blocks on the worker's thread, after the step's forward, and the request reported done
+a checksum and its key. Disk and store reads run on threads; what they fetched is copied into
+vLLM's blocks on the worker's thread, after the step's forward, and the request reported done
 (``finished``) with, for a block that was missing, damaged or late, its vLLM block in
 ``load_errors``: vLLM recomputes from there.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from atb_mem.integrations.vllm.moves import HOST, TierMoves, VllmBlock
+from atb_mem.integrations.vllm.moves import HOST, TierMoves, VllmBlock, group_ids, whole
 from atb_mem.kv.tiers.block_io import BlockFetch, BlockWriter, landing_chunks
 from atb_mem.kv.tiers.store import KVStore, block_key, framed_size, key_hash
 
@@ -95,8 +95,9 @@ class TierWorker:
                                  f"blocks")
             view = cache.movedim(dims[0], 0)
             # The hybrid manager's groups share caches: each is moved once.
-            if (view.data_ptr(), view.shape, view.stride()) not in seen:
-                seen.add((view.data_ptr(), view.shape, view.stride()))
+            key = (view.data_ptr(), view.shape, view.stride())
+            if key not in seen:
+                seen.add(key)
                 views.append(view)
         shapes = {(tuple(view.shape[1:]), view.dtype) for view in views}
         if len(shapes) != 1:
@@ -124,19 +125,14 @@ class TierWorker:
         window let go, 0, is skipped: it is vLLM's null block)."""
         import torch
 
-        device = self._views[0].device
-        if self.groups == 1:
-            held = [(row, block) for row, block in zip(rows, blocks, strict=True) if block]
-            return [([row for row, _ in held],
-                     torch.tensor([block for _, block in held], dtype=torch.long,
-                                  device=device))]
+        ids = [group_ids(block) for block in blocks]
         found = []
         for group in range(self.groups):
-            held = [(row, block[group]) for row, block in  # type: ignore[index]
-                    zip(rows, blocks, strict=True) if block[group]]  # type: ignore[index]
+            held = [(row, each[group]) for row, each in zip(rows, ids, strict=True)
+                    if each[group]]
             found.append(([row for row, _ in held],
                           torch.tensor([block for _, block in held], dtype=torch.long,
-                                       device=device)))
+                                       device=self._views[0].device)))
         return found
 
     def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> int:
@@ -295,7 +291,7 @@ class TierWorker:
         if landed < len(blocks):
             if self.groups == 1:  # not vLLM's null block (a windowed model's), never loaded
                 self._errors.update(block for block in blocks[landed:]  # type: ignore[misc]
-                                    if block)
+                                    if whole(block))
             else:  # vLLM cannot tell one group's block ids from another's
                 self._failed.add(req_id)
             self._count(load_failures=1)
