@@ -305,7 +305,7 @@ impl MemPool {
 
     /// Frees the allocation that starts at `offset`.
     pub fn free_offset(&mut self, offset: u64) -> CoreResult<u64> {
-        let range = (offset % self.alignment == 0)
+        let range = offset.is_multiple_of(self.alignment)
             .then(|| self.ranges.find_used_at(offset / self.alignment))
             .flatten()
             .ok_or_else(|| {

@@ -14,7 +14,7 @@ impl<E: Element> PagedAttention<'_, E> {
             "heads, KV heads and head_dim must be positive: {shape:?}"
         );
         ensure!(
-            shape.num_heads % shape.num_kv_heads == 0,
+            shape.num_heads.is_multiple_of(shape.num_kv_heads),
             "{} query heads cannot share {} KV heads evenly",
             shape.num_heads,
             shape.num_kv_heads
@@ -28,7 +28,7 @@ impl<E: Element> PagedAttention<'_, E> {
         }
         let per_token = shape.num_heads * shape.head_dim;
         ensure!(
-            self.query.len() % per_token == 0 && out_len == self.query.len(),
+            self.query.len().is_multiple_of(per_token) && out_len == self.query.len(),
             "the query ({}) and output ({out_len}) must both be [tokens, {}, {}]",
             self.query.len(),
             shape.num_heads,
@@ -37,7 +37,7 @@ impl<E: Element> PagedAttention<'_, E> {
         let slot = shape.num_kv_heads * shape.head_dim;
         let cache = self.key_cache.len();
         ensure!(
-            cache == self.value_cache.len() && cache % (slot * shape.block_size) == 0,
+            cache == self.value_cache.len() && cache.is_multiple_of(slot * shape.block_size),
             "the key ({cache}) and value ({}) caches must both be [blocks × {}, {}, {}]",
             self.value_cache.len(),
             shape.block_size,

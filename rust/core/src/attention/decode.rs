@@ -7,13 +7,14 @@
 //! at the speed memory delivers. Reading every head of the piece per token walks each
 //! token's heads as one contiguous run, block after block: a stream the prefetcher follows.
 //!
-//! Per span of `DECODE_SPAN` keys: every head's scores (a dot product per query vector and
-//! key, K converted to `f32` one row at a time), the online softmax per vector, then V the
-//! same way, each weighted row added into its vectors' sums.
+//! Per span of `DECODE_SPAN` keys: every head's scores (K converted to `f32` one row at a
+//! time; per query vector and key, the products left in a register's lanes, and sixteen
+//! keys' lanes added up at once, `KeyScores`), the online softmax per vector, then V the same
+//! way, each weighted row added into its vectors' sums.
 
 use super::element::Element;
 use super::item::{load_queries, online_softmax, prefetch, write_out, Output, Place, Scratch};
-use super::lanes::{add_scaled, dot};
+use super::lanes::{add_scaled, KeyScores, LANES};
 use super::PagedAttention;
 
 /// Keys whose scores are taken before their values are summed: the softmax rescales once
@@ -27,7 +28,7 @@ pub(super) const DECODE_SPAN: usize = 32;
 /// As `kernel::attend`'s: `out` is the call's output and no other thread writes these heads
 /// of this token.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element>(
+pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     call: &PagedAttention<'_, E>,
     row: usize,
     (first_kv_head, kv_heads): (usize, usize),
@@ -52,15 +53,26 @@ pub(super) unsafe fn attend<E: Element>(
     for first_key in (lowest..=highest).step_by(DECODE_SPAN) {
         let end_key = (first_key + DECODE_SPAN).min(highest + 1);
         let keys = end_key - first_key;
-        for position in first_key..end_key {
-            let at = heads_at(position);
-            prefetch_ahead(call.key_cache, position, highest + 1, width, &heads_at);
-            for head in 0..kv_heads {
-                let key = as_f32(&call.key_cache[at + head * dim..][..dim], &mut scratch.row);
-                for vector in head * group..(head + 1) * group {
-                    let query = &scratch.queries[vector * dim..(vector + 1) * dim];
-                    scratch.scores[vector * DECODE_SPAN + position - first_key] = dot(query, key);
+        for first_of_block in (first_key..end_key).step_by(LANES) {
+            let end_of_block = (first_of_block + LANES).min(end_key);
+            for position in first_of_block..end_of_block {
+                let at = heads_at(position);
+                prefetch_ahead(call.key_cache, position, highest + 1, width, &heads_at);
+                for head in 0..kv_heads {
+                    let key = as_f32(&call.key_cache[at + head * dim..][..dim], &mut scratch.row);
+                    for vector in head * group..(head + 1) * group {
+                        let query = &scratch.queries[vector * dim..(vector + 1) * dim];
+                        scratch.lane_sums[vector][position - first_of_block] =
+                            S::lane_products(query, key);
+                    }
                 }
+            }
+            // Rows past the block's end hold stale sums: each sum reads its own row only.
+            let (from, count) = (first_of_block - first_key, end_of_block - first_of_block);
+            for vector in 0..place.vectors {
+                let sums = S::row_sums(&scratch.lane_sums[vector]);
+                scratch.scores[vector * DECODE_SPAN + from..][..count]
+                    .copy_from_slice(&sums[..count]);
             }
         }
         for vector in 0..place.vectors {

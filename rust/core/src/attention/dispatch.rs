@@ -22,6 +22,9 @@ use rayon::prelude::*;
 use super::element::Element;
 use super::item::{Output, Scratch, WorkItem, TOKEN_TILE};
 use super::kernel;
+#[cfg(target_arch = "x86_64")]
+use super::lanes::Avx512;
+use super::lanes::Portable;
 use super::PagedAttention;
 use crate::error::CoreResult;
 
@@ -154,7 +157,7 @@ pub(super) fn run<E: Element>(
 fn decode_heads(rows: usize, kv_heads: usize, threads: usize) -> usize {
     (1..=kv_heads)
         .rev()
-        .find(|&heads| kv_heads % heads == 0 && rows * (kv_heads / heads) >= 4 * threads)
+        .find(|&heads| kv_heads.is_multiple_of(heads) && rows * (kv_heads / heads) >= 4 * threads)
         .unwrap_or(1)
 }
 
@@ -215,7 +218,7 @@ unsafe fn piece_avx512<E: Element>(
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend(call, item, scratch, out);
+    kernel::attend::<E, Avx512>(call, item, scratch, out);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -226,7 +229,7 @@ unsafe fn piece_avx2<E: Element>(
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend(call, item, scratch, out);
+    kernel::attend::<E, Portable>(call, item, scratch, out);
 }
 
 unsafe fn piece_portable<E: Element>(
@@ -235,7 +238,7 @@ unsafe fn piece_portable<E: Element>(
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend(call, item, scratch, out);
+    kernel::attend::<E, Portable>(call, item, scratch, out);
 }
 
 thread_local! {

@@ -5,7 +5,7 @@
 //! choice of path), `lane_tile`'s (many) and `decode`'s (a decode row).
 
 use super::element::Element;
-use super::lanes::{exp, exp_shifted_sum, max, scale};
+use super::lanes::{exp, exp_shifted_sum, max, scale, LANES};
 use super::{PagedAttention, Visibility};
 
 /// Tokens of one prefill row attended together: their K/V blocks are read once for all.
@@ -42,6 +42,8 @@ pub(super) struct Scratch {
     pub(super) values: Vec<f32>,
     pub(super) row: Vec<f32>,
     pub(super) scores: Vec<f32>,
+    /// Per vector of a decode, its products with sixteen keys, lane by lane (`decode`).
+    pub(super) lane_sums: Vec<[[f32; LANES]; LANES]>,
     /// Per vector, the first and last positions it sees (`lane_tile`).
     pub(super) seen: Vec<(u32, u32)>,
     /// Where each key of a span has its K and V rows (`lane_tile`).

@@ -19,7 +19,7 @@ use super::item::{
     SPAN, TOKEN_TILE,
 };
 use super::lane_tile::{self, LANES, PAIR};
-use super::lanes::{add_scaled, dot};
+use super::lanes::{add_scaled, dot, KeyScores};
 use super::{AttentionShape, PagedAttention};
 
 /// Keys (or dims, in the weighted sum) per column of a register tile: one AVX-512 register
@@ -46,6 +46,7 @@ impl Scratch {
             values: vec![0.0; SPAN * head_dim],
             row: vec![0.0; head_dim],
             scores: vec![0.0; (SPAN * PAIR.max(QUAD)).max(heads * DECODE_SPAN)],
+            lane_sums: vec![[[0.0; LANES]; LANES]; heads],
             seen: vec![(0, 0); vectors],
             offsets: vec![0; SPAN],
         }
@@ -58,7 +59,7 @@ impl Scratch {
 /// `out` points at the call's output, of `tokens × heads × head_dim` elements, and no other
 /// thread writes this item's part of it.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element>(
+pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     call: &PagedAttention<'_, E>,
     item: WorkItem,
     scratch: &mut Scratch,
@@ -68,7 +69,7 @@ pub(super) unsafe fn attend<E: Element>(
     let row = item.row as usize;
     if call.rows.query_len(row) == 1 {
         let heads = (item.kv_head as usize, item.kv_heads as usize);
-        return decode::attend(call, row, heads, scratch, out);
+        return decode::attend::<E, S>(call, row, heads, scratch, out);
     }
     let place = Place::of(call, item);
     let vectors = place.vectors;

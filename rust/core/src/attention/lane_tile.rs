@@ -13,11 +13,9 @@
 use super::element::Element;
 use super::item::{load_span, write_out, Output, Place, Scratch, SPAN};
 use super::lanes::exp;
+pub(super) use super::lanes::LANES;
 use super::PagedAttention;
 
-/// Query vectors per register (AVX-512's sixteen `f32`; AVX2 and the portable code take a
-/// block as two or four registers).
-pub(super) const LANES: usize = 16;
 /// Lane blocks a register tile spans.
 pub(super) const PAIR: usize = 2 * LANES;
 /// Keys (scores) or dims (the weighted sum of V) per register tile.

@@ -4,13 +4,22 @@
 //! A sum over lanes is kept in `LANES` partial sums: the compiler may not reorder float
 //! additions, but it vectorizes independent ones.
 
-const LANES: usize = 16;
+/// `f32`s per register: AVX-512's sixteen (AVX2 and the portable code take two or four
+/// registers for as many).
+pub(super) const LANES: usize = 16;
 
 /// `a · b` (as long): lane-parallel partial sums, added in order at the end. Added as a
 /// tree, the partial sums led LLVM to split the whole loop into 2-lane pieces (a quarter of
 /// AVX-512's width): a decode's scores took 20% longer.
 #[inline(always)]
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    lane_products(a, b).iter().sum::<f32>()
+}
+
+/// `a · b` (as long) left in `LANES` partial sums, lane `l` holding the products of the
+/// elements `l`, `l + LANES`, ...: what `dot` adds up.
+#[inline(always)]
+pub(super) fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
     let mut partial = [0.0f32; LANES];
     let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (a_tail, b_tail) = (a_chunks.remainder(), b_chunks.remainder());
@@ -19,11 +28,133 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
             partial[lane] = a[lane].mul_add(b[lane], partial[lane]);
         }
     }
-    let mut sum = partial.iter().sum::<f32>();
-    for (a, b) in a_tail.iter().zip(b_tail) {
-        sum = a.mul_add(*b, sum);
+    for (lane, (a, b)) in a_tail.iter().zip(b_tail).enumerate() {
+        partial[lane] = a.mul_add(*b, partial[lane]);
     }
-    sum
+    partial
+}
+
+/// A decode's scores, sixteen keys at a time: per query vector and key, the products left
+/// in a register's lanes (`lane_products`), then sixteen keys' lanes added up at once
+/// (`row_sums`). A sum per key is a chain of dependent additions and lane extractions (a
+/// decode spent a fifth of its time there); sixteen at once are a butterfly of sixteen-lane
+/// additions. Each instruction set's copy of the kernel names its own (`dispatch`).
+pub(super) trait KeyScores {
+    /// `lane_products(a, b)`.
+    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES];
+    /// `out[j] = Σ rows[j]`.
+    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES];
+}
+
+/// Plain loops, each row's lanes added in order, as `dot` does (any CPU).
+pub(super) struct Portable;
+
+impl KeyScores for Portable {
+    #[inline(always)]
+    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
+        lane_products(a, b)
+    }
+
+    #[inline(always)]
+    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
+        std::array::from_fn(|j| rows[j].iter().sum::<f32>())
+    }
+}
+
+/// AVX-512 instructions, named: one register per key's products (LLVM split `lane_products`'
+/// sixteen lanes into registers of 8, 4, 2 and 2 here), and four levels of shuffles and
+/// additions, each halving the partial sums per row and doubling the rows per register.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl KeyScores for Avx512 {
+    #[inline(always)]
+    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
+        // Safety: only the AVX-512 copy of the kernel names `Avx512` (`dispatch`), and it
+        // runs only where the CPU has AVX-512.
+        unsafe { lane_products_avx512(a, b) }
+    }
+
+    #[inline(always)]
+    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
+        // Safety: as above.
+        unsafe { butterfly(rows) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn lane_products_avx512(a: &[f32], b: &[f32]) -> [f32; LANES] {
+    use std::arch::x86_64::*;
+    let len = a.len().min(b.len());
+    // One chain of multiply-adds, as the portable loop's lanes (two chains measured slower).
+    let mut sums = _mm512_setzero_ps();
+    let mut at = 0;
+    while at + LANES <= len {
+        let (x, y) = (
+            _mm512_loadu_ps(a[at..].as_ptr()),
+            _mm512_loadu_ps(b[at..].as_ptr()),
+        );
+        sums = _mm512_fmadd_ps(x, y, sums);
+        at += LANES;
+    }
+    if at < len {
+        // The tail's lanes only: a masked load reads nothing past the slices.
+        let mask: __mmask16 = (1u16 << (len - at)) - 1;
+        let x = _mm512_maskz_loadu_ps(mask, a[at..].as_ptr());
+        let y = _mm512_maskz_loadu_ps(mask, b[at..].as_ptr());
+        sums = _mm512_fmadd_ps(x, y, sums);
+    }
+    let mut out = [0.0f32; LANES];
+    _mm512_storeu_ps(out.as_mut_ptr(), sums);
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn butterfly(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
+    use std::arch::x86_64::*;
+    let add_pair = |low: __m512, high: __m512| _mm512_add_ps(low, high);
+    // Level 1: rows 2i and 2i + 1, their halves added: lanes 0..8 row 2i's, 8..16 row 2i + 1's.
+    let halves: [__m512; 8] = std::array::from_fn(|i| {
+        let (x, y) = (
+            _mm512_loadu_ps(rows[2 * i].as_ptr()),
+            _mm512_loadu_ps(rows[2 * i + 1].as_ptr()),
+        );
+        add_pair(
+            _mm512_shuffle_f32x4::<0x44>(x, y),
+            _mm512_shuffle_f32x4::<0xEE>(x, y),
+        )
+    });
+    // Level 2: quarter q of register i holds row 4i + q's four partial sums.
+    let quarters: [__m512; 4] = std::array::from_fn(|i| {
+        let (x, y) = (halves[2 * i], halves[2 * i + 1]);
+        add_pair(
+            _mm512_shuffle_f32x4::<0x88>(x, y),
+            _mm512_shuffle_f32x4::<0xDD>(x, y),
+        )
+    });
+    // Level 3: in quarter q, lanes 0..2 row 8i + q's two sums, lanes 2..4 row 8i + 4 + q's.
+    let pairs: [__m512; 2] = std::array::from_fn(|i| {
+        let (x, y) = (quarters[2 * i], quarters[2 * i + 1]);
+        add_pair(
+            _mm512_shuffle_ps::<0x44>(x, y),
+            _mm512_shuffle_ps::<0xEE>(x, y),
+        )
+    });
+    // Level 4: lane 4q + t is row 4t + q's sum; one permutation puts row j in lane j.
+    let (x, y) = (pairs[0], pairs[1]);
+    let sums = add_pair(
+        _mm512_shuffle_ps::<0x88>(x, y),
+        _mm512_shuffle_ps::<0xDD>(x, y),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let mut out = [0.0f32; LANES];
+    _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, sums));
+    out
 }
 
 /// The largest of `values` (`-inf` for none), in lane-parallel partial maxima: one
@@ -147,6 +278,46 @@ mod tests {
             let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
             assert!((f64::from(dot(&a, &b)) - want).abs() < 1e-4, "len {len}");
+        }
+    }
+
+    #[test]
+    fn row_sums_add_each_row() {
+        let rows: [[f32; LANES]; LANES] = std::array::from_fn(|j| {
+            std::array::from_fn(|l| ((j * LANES + l) as f32 * 0.731).sin() * (1 + j) as f32)
+        });
+        let want: [f32; LANES] = std::array::from_fn(|j| rows[j].iter().sum::<f32>());
+        let check = |got: [f32; LANES], how: &str| {
+            for j in 0..LANES {
+                assert!((got[j] - want[j]).abs() < 1e-5, "{how}: row {j}");
+            }
+        };
+        check(Portable::row_sums(&rows), "in order");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            check(Avx512::row_sums(&rows), "butterfly");
+            // A NaN stays in its own row.
+            let mut poisoned = rows;
+            poisoned[5][9] = f32::NAN;
+            let got = Avx512::row_sums(&poisoned);
+            assert!(got[5].is_nan());
+            let clean = Avx512::row_sums(&rows);
+            assert!((0..LANES).filter(|&j| j != 5).all(|j| got[j] == clean[j]));
+        }
+    }
+
+    #[test]
+    fn lane_products_match_the_plain_loop() {
+        for len in [0, 1, 15, 16, 17, 64, 100, 128, 257] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want = lane_products(&a, &b);
+            assert_eq!(Portable::lane_products(&a, &b), want, "len {len}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // The same fused multiply-adds in the same order per lane: equal bits.
+                assert_eq!(Avx512::lane_products(&a, &b), want, "len {len}");
+            }
         }
     }
 

@@ -29,7 +29,7 @@ pub fn write_slots<E: Element>(
         tokens * row
     );
     ensure!(
-        key_cache.len() == value_cache.len() && key_cache.len() % row == 0,
+        key_cache.len() == value_cache.len() && key_cache.len().is_multiple_of(row),
         "the key and value caches hold {} and {} elements, not whole slots of {row}",
         key_cache.len(),
         value_cache.len()

@@ -52,7 +52,7 @@ impl KvCache {
                 needed += new_blocks * growing;
             }
             // Only a fork shares a partly filled block (prefix hits share full ones).
-            if self.sequences.has_forked() && seq.num_tokens() % block_size != 0 {
+            if self.sequences.has_forked() && !seq.num_tokens().is_multiple_of(block_size) {
                 for table in seq.tables().iter().filter(|table| table.complete()) {
                     let last = table.blocks().last().copied().unwrap_or(NULL_BLOCK);
                     if last != NULL_BLOCK && self.tiers.block_pool.ref_count(last) > 1 {

@@ -53,7 +53,7 @@ impl KvCache {
     pub(super) fn set_hash_block_size(&mut self, hash_block_size: usize) -> CoreResult<()> {
         let block_size = self.block_size();
         ensure!(
-            hash_block_size != 0 && block_size % hash_block_size == 0,
+            hash_block_size != 0 && block_size.is_multiple_of(hash_block_size),
             "hash_block_size must divide block_size = {block_size}, got {hash_block_size}"
         );
         ensure!(
