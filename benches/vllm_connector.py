@@ -243,6 +243,10 @@ def main() -> None:
     parser.add_argument("--host", default="1GiB", help="the host tier of the 'host' run")
     parser.add_argument("--disk-host", default="96MiB",
                         help="the host tier of the 'host+disk' run")
+    parser.add_argument("--model", default="llama", choices=["llama", "qwen3-0.6b"],
+                        help="the replay's model: the fp32 Llama of --hidden/--layers/"
+                             "--kv-heads/--vocab, or Qwen3-0.6B's published shapes in bf16 "
+                             "(random weights, benches/engine_vs_vllm.py's)")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -278,14 +282,23 @@ def main() -> None:
 
 
 def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    heads = args.hidden // 64
-    model = save_llama(work / "llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                       heads=heads, kv_heads=args.kv_heads, head_dim=64)
+    if args.model == "qwen3-0.6b":
+        from engine_vs_vllm import MODELS, save_model  # beside this script
+
+        model, vocab, dtype = work / "qwen3", MODELS["qwen3-0.6b"]["vocab"], "bfloat16"
+        save_model(model, "qwen3-0.6b")
+        shapes = "Qwen3-0.6B's shapes in bf16 (28 layers, 16 heads, 8 KV, of 128)"
+    else:
+        heads, vocab, dtype = args.hidden // 64, args.vocab, "float32"
+        model = save_llama(work / "llama", vocab=vocab, hidden=args.hidden,
+                           layers=args.layers, heads=heads, kv_heads=args.kv_heads, head_dim=64)
+        shapes = (f"fp32 Llama, hidden {args.hidden}, {args.layers} layers, {heads} heads "
+                  f"({args.kv_heads} KV) of 64")
     talks = conversations(args.trace, args.conversations, args.turns, args.scale,
-                          tuple(args.message), tuple(args.reply), args.vocab)
+                          tuple(args.message), tuple(args.reply), vocab)
     longest = max(sum(len(message) + reply for message, reply in talk) for talk in talks)
     room = max(longest, args.distinct_length + args.distinct_tokens)
-    base = {"model": str(model), "vocab": args.vocab,
+    base = {"model": str(model), "vocab": vocab, "dtype": dtype,
             "max_model_len": -(-room // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE,
             "max_num_seqs": args.concurrent, "num_blocks": args.num_blocks,
             "distinct_tokens": args.distinct_tokens}
@@ -293,23 +306,24 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(f"multi-turn replay: {args.conversations} conversations × {args.turns} turns, "
           f"{args.concurrent} at once, longest {longest} tokens, {held:,} tokens of history "
           f"in all; vLLM's KV cache {args.num_blocks} blocks "
-          f"({args.num_blocks * BLOCK_SIZE:,} tokens); hidden {args.hidden}, "
-          f"{args.layers} layers, {heads} heads ({args.kv_heads} KV) of 64; prefill if every "
+          f"({args.num_blocks * BLOCK_SIZE:,} tokens); {shapes}; prefill if every "
           f"full block of a conversation's last turn hit: {least_prefill(talks):,} tokens",
           flush=True)
     names = ("vLLM alone", "host", "host+disk")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     apart: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        distinct = [distinct_prompts(args.distinct, args.distinct_length, args.vocab,
+        distinct = [distinct_prompts(args.distinct, args.distinct_length, vocab,
                                      1 + round_ * args.distinct_batches + batch)
                     for batch in range(args.distinct_batches)]
         print(f"round {round_ + 1} of {args.rounds}", flush=True)
         # Each round starts with the next configuration: the machine drifts over minutes.
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         # The replay, then the prompts that never hit in fresh vLLMs of their own.
-        for phase, jobs, into in (("replay", {"talks": talks}, runs),
-                                  ("distinct", {"distinct": distinct}, apart)):
+        phases = [("replay", {"talks": talks}, runs)]
+        if args.distinct_batches:  # 0: the replay alone (the paired script measures the cost)
+            phases.append(("distinct", {"distinct": distinct}, apart))
+        for phase, jobs, into in phases:
             for name in order:
                 disk = work / f"disk-{phase}-{round_}"
                 extras = {"vLLM alone": None, "host": {"host": args.host, "hash_block_size": 16},
@@ -321,11 +335,11 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 shutil.rmtree(disk, ignore_errors=True)
     replay = {name: [replay_figures(run["replay"]) for run in runs[name]] for name in names}
     distinct_runs = {name: [batch_figures(run["distinct"]) for run in apart[name]]
-                     for name in names}
+                     for name in names if apart[name]}
     agreement = {name: [same_tokens(run["replay"], alone["replay"]) for run, alone in
                         zip(runs[name], runs["vLLM alone"], strict=True)] for name in names}
     medians = {name: median_of(replay[name]) for name in names}
-    costs = {name: median_of(distinct_runs[name]) for name in names}
+    costs = {name: median_of(runs_) for name, runs_ in distinct_runs.items()}
     alone = medians["vLLM alone"]
     print(f"\nmulti-turn replay, medians of {args.rounds}:")
     print(f"{'':>11} {'prefill tok':>11} {'connector tok':>13} {'TTFT p50':>9} "
@@ -354,6 +368,12 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"  {name}: TTFT p50 {alone['ttft_p50_ms'] / row['ttft_p50_ms']:.2f}× better "
               f"(target ≥ 2), output tokens/s ×"
               f"{row['output_tokens_per_s'] / alone['output_tokens_per_s']:.2f} (target ≥ 1)")
+    if not args.distinct_batches:
+        for name in names:
+            print(f"  {name:>11} rounds, TTFT p50 (ms): "
+                  + " ".join(f"{run['ttft_p50_ms']:.0f}" for run in replay[name]))
+        return {"least_prefill_tokens": least_prefill(talks), "replay": replay,
+                "replay_medians": medians, "same_replies": agreement}
     print(f"\nnothing hits: {args.distinct} distinct prompts of {args.distinct_length} tokens, "
           f"{args.distinct_tokens} output tokens each, all at once; medians of {args.rounds} "
           f"vLLMs, each the median of {args.distinct_batches} batches:")

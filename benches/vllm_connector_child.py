@@ -214,7 +214,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
     arguments: dict[str, Any] = dict(
-        model=job["model"], skip_tokenizer_init=True, dtype="float32",
+        model=job["model"], skip_tokenizer_init=True, dtype=job.get("dtype", "float32"),
         enable_prefix_caching=True, max_model_len=job["max_model_len"],
         max_num_seqs=job["max_num_seqs"], enforce_eager=True, disable_log_stats=False,
         seed=0, num_gpu_blocks_override=job["num_blocks"])
