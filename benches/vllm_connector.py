@@ -1,7 +1,8 @@
 """``AtbMemConnector`` inside vLLM's CPU build, against vLLM alone (its prefix caching on in
 every configuration), each configuration in a fresh vLLM process, round after round in one
 run so that the machine's noise hits all of them (each round starts with the next
-configuration, since the machine drifts over minutes):
+configuration, since the machine drifts over minutes), vLLM run as its CPU guide advises
+(``--as-installed``: as it installs, its engine core a process of its own):
 
     .venv-vllm/bin/python benches/vllm_connector.py [--rounds 3] [--out vllm_connector.json]
 
@@ -9,7 +10,7 @@ Run it with the python of vLLM's virtualenv (vLLM is not a dependency of atb-mem
 does not collect this file). vLLM's CPU worker keeps one core off its OMP threads, and one
 more when a KV connector is configured: on a small machine that would give the connector's
 runs more cores than vLLM alone's, so every run gets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` =
-``--reserved-cpus``. Three measurements:
+``--reserved-cpus`` (0 at its best: every core runs the forward). Three measurements:
 
 1. **Multi-turn replay** (the shape of ``benches/multi_turn_offload.py``): conversation ``c``
    takes its turns' lengths from the Azure LLM code trace 2023 (``--trace``), rows
@@ -120,19 +121,32 @@ def save_llama(folder: Path, *, vocab: int, hidden: int, layers: int, heads: int
     return folder
 
 
-def spawn(job: dict[str, Any], work: Path, label: str, reserved_cpus: int,
+def vllm_environment(reserved_cpus: int, as_installed: bool) -> dict[str, str]:
+    """What every vLLM of a run gets beyond this process's environment. vLLM's CPU worker
+    keeps ``reserved_cpus`` cores off its OMP threads: by default one, and one more with any
+    KV connector, which on 2 cores would give the connector's runs twice vLLM alone's cores.
+    Unless ``as_installed``, vLLM runs as its CPU guide advises (``engine_vs_vllm``'s
+    ``vllm_at_its_best``: tcmalloc and torch's OpenMP runtime preloaded, a thread per core, the
+    engine core in the worker's process below 4 cores), every core its forward's."""
+    environment = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
+                   "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "benches")])}
+    if not as_installed:
+        from engine_vs_vllm import vllm_at_its_best  # beside this script
+
+        environment.update(vllm_at_its_best(sys.executable), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return environment
+
+
+def spawn(job: dict[str, Any], work: Path, label: str, settings: dict[str, str],
           core: int | None = None) -> dict[str, Any]:
-    """Runs ``job`` in a fresh process (``vllm_connector_child.py``); its result. vLLM's
-    CPU worker keeps ``reserved_cpus`` cores off its OMP threads: by default one, and one
-    more with any KV connector, which on 2 cores would give the connector's runs twice vLLM
-    alone's cores. With ``core``, the process and its one OpenMP thread stay on that core."""
+    """Runs ``job`` in a fresh process (``vllm_connector_child.py``) with ``settings``
+    (``vllm_environment``); its result. With ``core``, the process and its one OpenMP thread
+    stay on that core."""
     job_file = work / f"{label}.json"
     job_file.write_text(json.dumps(job))
     log = work / f"{label}.log"
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
-                   "VLLM_LOGGING_LEVEL": "WARNING",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT / "benches")])}
+    environment = {**os.environ, **settings}
     if core is not None:
         environment.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
                            VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -263,10 +277,18 @@ def main() -> None:
     parser.add_argument("--prefix-host-blocks", type=int, default=None,
                         help="the host tier in the prefix runs, in blocks (default: as vLLM's)")
     parser.add_argument("--reserved-cpus", type=int, default=1,
-                        help="VLLM_CPU_NUM_OF_RESERVED_CPU, the same in every run")
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU, the same in every run "
+                             "(--as-installed only: at its best, vLLM's forward takes every "
+                             "core)")
+    parser.add_argument("--as-installed", action="store_true",
+                        help="vLLM as it installs (its engine core a process of its own), "
+                             "not as its CPU guide advises")
     parser.add_argument("--skip-replay", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="JSON of every run")
     args = parser.parse_args()
+    args.settings = vllm_environment(args.reserved_cpus, args.as_installed)
+    print("every vLLM runs with " + " ".join(f"{key}={value}" for key, value in
+                                             sorted(args.settings.items())), flush=True)
     work = Path(tempfile.mkdtemp(prefix="atb-mem-vllm-bench-"))
     report: dict[str, Any] = {"arguments": {key: str(value) if isinstance(value, Path)
                                             else value for key, value in vars(args).items()}}
@@ -331,7 +353,7 @@ def replay_rounds(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                         "disk": [str(disk), "8GiB"]}}
                 job = {**base, **jobs, "extra": extras[name], "seed": round_}
                 into[name].append(spawn(job, work, f"{phase}-{name.replace(' ', '_')}-{round_}",
-                                        args.reserved_cpus))
+                                        args.settings))
                 shutil.rmtree(disk, ignore_errors=True)
     replay = {name: [replay_figures(run["replay"]) for run in runs[name]] for name in names}
     distinct_runs = {name: [batch_figures(run["distinct"]) for run in apart[name]]
@@ -428,7 +450,7 @@ def prefix_hit_rates(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bare = [PrefixRequest(request.prompt, [], request.system) for request in requests]
     for name, extra in configurations.items():
         run = spawn({**base, "extra": extra}, work, name.replace(" ", "_").replace("/", "-"),
-                    args.reserved_cpus)
+                    args.settings)
         prompt = sum(map(len, prompts))
         cached = sum(run["prefix"]["cached"])
         piece = None if extra is None else extra["hash_block_size"]

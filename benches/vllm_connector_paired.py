@@ -23,7 +23,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vllm_connector import BLOCK_SIZE, batch_figures, save_llama, spawn  # beside this script
+from vllm_connector import (  # beside this script
+    BLOCK_SIZE,
+    batch_figures,
+    save_llama,
+    spawn,
+    vllm_environment,
+)
 from vllm_connector_child import distinct_prompts
 
 # "lookups only": no tier holds anything (what the connector's presence alone costs).
@@ -45,7 +51,8 @@ def pair(base: dict[str, Any], extra: dict[str, Any], work: Path, index: int
     results: list[dict[str, Any]] = [{}, {}]
 
     def run(side: int) -> None:
-        results[side] = spawn(jobs[side], work, f"pair-{index}-{side}", 0, core=cores[side])
+        results[side] = spawn(jobs[side], work, f"pair-{index}-{side}",
+                              vllm_environment(0, as_installed=True), core=cores[side])
 
     threads = [threading.Thread(target=run, args=(side,)) for side in (0, 1)]
     for thread in threads:
