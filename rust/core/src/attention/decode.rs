@@ -62,15 +62,18 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
                     let key = as_f32(&call.key_cache[at + head * dim..][..dim], &mut scratch.row);
                     for vector in head * group..(head + 1) * group {
                         let query = &scratch.queries[vector * dim..(vector + 1) * dim];
+                        // Safety: the copy of the kernel that names `S` runs where the CPU
+                        // has its instructions (`dispatch`).
                         scratch.lane_sums[vector][position - first_of_block] =
-                            S::lane_products(query, key);
+                            unsafe { S::lane_products(query, key) };
                     }
                 }
             }
             // Rows past the block's end hold stale sums: each sum reads its own row only.
             let (from, count) = (first_of_block - first_key, end_of_block - first_of_block);
             for vector in 0..place.vectors {
-                let sums = S::row_sums(&scratch.lane_sums[vector]);
+                // Safety: as above.
+                let sums = unsafe { S::row_sums(&scratch.lane_sums[vector]) };
                 scratch.scores[vector * DECODE_SPAN + from..][..count]
                     .copy_from_slice(&sums[..count]);
             }

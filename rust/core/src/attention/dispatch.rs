@@ -2,8 +2,9 @@
 //! the copy of the kernel compiled for the best vector instructions this CPU has.
 //!
 //! The kernel (`kernel::attend`) is inlined into one function per instruction set, each
-//! compiled with that set's target features; which one runs is decided once per call from
-//! what the CPU reports (tests run each copy the CPU has).
+//! compiled with that set's target features and naming its decode scores (`KeyScores`);
+//! which one runs is decided once per call from what the CPU reports (tests run each copy
+//! the CPU has).
 //!
 //! Threads (the caller passes torch's count) are those of the process's OpenMP runtime once
 //! `use_openmp` has named it: torch's operators run on that team, whose threads spin for a

@@ -80,8 +80,8 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     }
     load_queries(call, &place, scratch);
     let (lowest, highest) = place.keys(call.visibility);
-    // One or two vectors (a decode with few query heads per KV head) fill too little of a
-    // tile to pay for transposing K: they take a dot product per key instead.
+    // One or two vectors (a prefill's last tile with one or two query heads per KV head)
+    // fill too little of a tile to pay for transposing K: they take a dot product per key.
     let by_rows = vectors <= 2;
     for first_key in (lowest..=highest).step_by(SPAN) {
         let end_key = (first_key + SPAN).min(highest + 1);

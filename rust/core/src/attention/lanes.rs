@@ -2,15 +2,15 @@
 //! compiler turns each loop into vector instructions of whatever width the function it is
 //! inlined into was compiled for (AVX-512, AVX2 or the portable baseline; see `dispatch`).
 //! A sum over lanes is kept in `LANES` partial sums: the compiler may not reorder float
-//! additions, but it vectorizes independent ones.
+//! additions, but it vectorizes independent ones. A decode's scores (`KeyScores`) are the
+//! exception: named AVX-512 instructions in that copy, where LLVM's lanes fell short.
 
 /// `f32`s per register: AVX-512's sixteen (AVX2 and the portable code take two or four
 /// registers for as many).
 pub(super) const LANES: usize = 16;
 
-/// `a · b` (as long): lane-parallel partial sums, added in order at the end. Added as a
-/// tree, the partial sums led LLVM to split the whole loop into 2-lane pieces (a quarter of
-/// AVX-512's width): a decode's scores took 20% longer.
+/// `a · b` (as long): lane-parallel partial sums, added in order at the end (added as a
+/// tree, they led LLVM to split the whole loop into 2-lane pieces).
 #[inline(always)]
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     lane_products(a, b).iter().sum::<f32>()
@@ -39,24 +39,35 @@ pub(super) fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
 /// (`row_sums`). A sum per key is a chain of dependent additions and lane extractions (a
 /// decode spent a fifth of its time there); sixteen at once are a butterfly of sixteen-lane
 /// additions. Each instruction set's copy of the kernel names its own (`dispatch`).
-pub(super) trait KeyScores {
+///
+/// # Safety
+/// An implementor's methods may use instructions of its own set: call them only where the
+/// CPU has it (`dispatch` names each set in the copy compiled for it, after detection).
+pub(super) unsafe trait KeyScores {
     /// `lane_products(a, b)`.
-    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES];
+    ///
+    /// # Safety
+    /// The CPU has the implementor's instruction set.
+    unsafe fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES];
     /// `out[j] = Σ rows[j]`.
-    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES];
+    ///
+    /// # Safety
+    /// As `lane_products`.
+    unsafe fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES];
 }
 
 /// Plain loops, each row's lanes added in order, as `dot` does (any CPU).
 pub(super) struct Portable;
 
-impl KeyScores for Portable {
+// Safety: plain Rust, any CPU.
+unsafe impl KeyScores for Portable {
     #[inline(always)]
-    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
+    unsafe fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
         lane_products(a, b)
     }
 
     #[inline(always)]
-    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
+    unsafe fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
         std::array::from_fn(|j| rows[j].iter().sum::<f32>())
     }
 }
@@ -67,19 +78,17 @@ impl KeyScores for Portable {
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Avx512;
 
+// Safety: AVX-512F instructions only, which the caller's CPU has (the trait's contract).
 #[cfg(target_arch = "x86_64")]
-impl KeyScores for Avx512 {
+unsafe impl KeyScores for Avx512 {
     #[inline(always)]
-    fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
-        // Safety: only the AVX-512 copy of the kernel names `Avx512` (`dispatch`), and it
-        // runs only where the CPU has AVX-512.
-        unsafe { lane_products_avx512(a, b) }
+    unsafe fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
+        lane_products_avx512(a, b)
     }
 
     #[inline(always)]
-    fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
-        // Safety: as above.
-        unsafe { butterfly(rows) }
+    unsafe fn row_sums(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
+        butterfly(rows)
     }
 }
 
@@ -117,14 +126,13 @@ unsafe fn lane_products_avx512(a: &[f32], b: &[f32]) -> [f32; LANES] {
 #[inline]
 unsafe fn butterfly(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
     use std::arch::x86_64::*;
-    let add_pair = |low: __m512, high: __m512| _mm512_add_ps(low, high);
     // Level 1: rows 2i and 2i + 1, their halves added: lanes 0..8 row 2i's, 8..16 row 2i + 1's.
     let halves: [__m512; 8] = std::array::from_fn(|i| {
         let (x, y) = (
             _mm512_loadu_ps(rows[2 * i].as_ptr()),
             _mm512_loadu_ps(rows[2 * i + 1].as_ptr()),
         );
-        add_pair(
+        _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x44>(x, y),
             _mm512_shuffle_f32x4::<0xEE>(x, y),
         )
@@ -132,7 +140,7 @@ unsafe fn butterfly(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
     // Level 2: quarter q of register i holds row 4i + q's four partial sums.
     let quarters: [__m512; 4] = std::array::from_fn(|i| {
         let (x, y) = (halves[2 * i], halves[2 * i + 1]);
-        add_pair(
+        _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(x, y),
             _mm512_shuffle_f32x4::<0xDD>(x, y),
         )
@@ -140,14 +148,14 @@ unsafe fn butterfly(rows: &[[f32; LANES]; LANES]) -> [f32; LANES] {
     // Level 3: in quarter q, lanes 0..2 row 8i + q's two sums, lanes 2..4 row 8i + 4 + q's.
     let pairs: [__m512; 2] = std::array::from_fn(|i| {
         let (x, y) = (quarters[2 * i], quarters[2 * i + 1]);
-        add_pair(
+        _mm512_add_ps(
             _mm512_shuffle_ps::<0x44>(x, y),
             _mm512_shuffle_ps::<0xEE>(x, y),
         )
     });
     // Level 4: lane 4q + t is row 4t + q's sum; one permutation puts row j in lane j.
     let (x, y) = (pairs[0], pairs[1]);
-    let sums = add_pair(
+    let sums = _mm512_add_ps(
         _mm512_shuffle_ps::<0x88>(x, y),
         _mm512_shuffle_ps::<0xDD>(x, y),
     );
@@ -287,21 +295,27 @@ mod tests {
             std::array::from_fn(|l| ((j * LANES + l) as f32 * 0.731).sin() * (1 + j) as f32)
         });
         let want: [f32; LANES] = std::array::from_fn(|j| rows[j].iter().sum::<f32>());
+        // Sums in another order: within a few roundings of each row's magnitude.
         let check = |got: [f32; LANES], how: &str| {
             for j in 0..LANES {
-                assert!((got[j] - want[j]).abs() < 1e-5, "{how}: row {j}");
+                let size: f32 = rows[j].iter().map(|value| value.abs()).sum();
+                assert!(
+                    (got[j] - want[j]).abs() <= 4.0 * f32::EPSILON * size,
+                    "{how}: row {j}"
+                );
             }
         };
-        check(Portable::row_sums(&rows), "in order");
+        // Safety: the portable set runs anywhere; AVX-512 only where detected.
+        check(unsafe { Portable::row_sums(&rows) }, "in order");
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
-            check(Avx512::row_sums(&rows), "butterfly");
+            check(unsafe { Avx512::row_sums(&rows) }, "butterfly");
             // A NaN stays in its own row.
             let mut poisoned = rows;
             poisoned[5][9] = f32::NAN;
-            let got = Avx512::row_sums(&poisoned);
+            let got = unsafe { Avx512::row_sums(&poisoned) };
             assert!(got[5].is_nan());
-            let clean = Avx512::row_sums(&rows);
+            let clean = unsafe { Avx512::row_sums(&rows) };
             assert!((0..LANES).filter(|&j| j != 5).all(|j| got[j] == clean[j]));
         }
     }
@@ -312,11 +326,16 @@ mod tests {
             let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
             let want = lane_products(&a, &b);
-            assert_eq!(Portable::lane_products(&a, &b), want, "len {len}");
+            // Safety: the portable set runs anywhere; AVX-512 only where detected.
+            assert_eq!(
+                unsafe { Portable::lane_products(&a, &b) },
+                want,
+                "len {len}"
+            );
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx512f") {
-                // The same fused multiply-adds in the same order per lane: equal bits.
-                assert_eq!(Avx512::lane_products(&a, &b), want, "len {len}");
+                // The same fused multiply-adds in the same order per lane: equal values.
+                assert_eq!(unsafe { Avx512::lane_products(&a, &b) }, want, "len {len}");
             }
         }
     }
