@@ -59,6 +59,7 @@ class TierWorker:
         self.layout, self.identity = layout, identity
         self.load_timeout_s = load_timeout_s
         self._views: list[Any] = []
+        self._on_host = True
         self._host: Any = None
         self._staging: Any = None
         self._landing: Any = None
@@ -104,6 +105,7 @@ class TierWorker:
             raise ValueError(f"AtbMemConnector needs every layer's block alike, got {shapes}")
         (block_shape, dtype), = shapes
         self._views = views
+        self._on_host = views[0].device.type == "cpu"
         shape = (self.groups, len(views), *block_shape)
         pin = views[0].device.type == "cuda"
         if self.num_host_blocks:
@@ -120,34 +122,50 @@ class TierWorker:
     # ---- block copies -----------------------------------------------------------------------
 
     def _by_group(self, rows: Sequence[int], blocks: Sequence[VllmBlock]
-                  ) -> list[tuple[list[int], Any]]:
+                  ) -> list[tuple[list[int], list[int]]]:
         """Per KV-cache group: the rows of ``blocks`` it holds and their vLLM ids (a block a
         window let go, 0, is skipped: it is vLLM's null block)."""
-        import torch
-
         ids = [group_ids(block) for block in blocks]
         found = []
         for group in range(self.groups):
             held = [(row, each[group]) for row, each in zip(rows, ids, strict=True)
                     if each[group]]
-            found.append(([row for row, _ in held],
-                          torch.tensor([block for _, block in held], dtype=torch.long,
-                                       device=self._views[0].device)))
+            found.append(([row for row, _ in held], [block for _, block in held]))
         return found
+
+    # On the host, a plain copy per block and cache (Qwen3-0.6B's 14 MiB blocks: 18-20 GB/s;
+    # a gather into a temporary and an indexed assignment ran at 2-4 GB/s); on a device, a
+    # gather per cache there and one transfer.
 
     def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> int:
         """``source[rows]`` (host rows ``[k, groups, caches, *block]``) into vLLM ``blocks``;
         returns the bytes copied (a group's block vLLM let go is not)."""
+        import torch
+
         copied = 0
-        for group, (held, target) in enumerate(self._by_group(rows, blocks)):
+        for group, (held, targets) in enumerate(self._by_group(rows, blocks)):
             copied += len(held) * self._block_bytes // self.groups
+            if self._on_host:
+                for row, block in zip(held, targets, strict=True):
+                    for cache, view in enumerate(self._views):
+                        view[block].copy_(source[row, group, cache])
+                continue
+            target = torch.tensor(targets, dtype=torch.long, device=self._views[0].device)
             for cache, view in enumerate(self._views):
                 view[target] = source[held, group, cache].to(view.device, non_blocking=False)
         return copied
 
     def _from_vllm(self, target: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]
                    ) -> None:
-        for group, (held, source) in enumerate(self._by_group(rows, blocks)):
+        import torch
+
+        for group, (held, sources) in enumerate(self._by_group(rows, blocks)):
+            if self._on_host:
+                for row, block in zip(held, sources, strict=True):
+                    for cache, view in enumerate(self._views):
+                        target[row, group, cache].copy_(view[block])
+                continue
+            source = torch.tensor(sources, dtype=torch.long, device=self._views[0].device)
             for cache, view in enumerate(self._views):
                 target[held, group, cache] = view[source].to(target.device)
 
