@@ -108,8 +108,8 @@ class TierWorker:
         self._on_host = views[0].device.type == "cpu"
         shape = (self.groups, len(views), *block_shape)
         pin = views[0].device.type == "cuda"
-        if self.num_host_blocks:
-            self._host = torch.empty((self.num_host_blocks + 1, *shape), dtype=dtype,
+        if self.num_host_blocks:  # written now: no page faults inside a step's first saves
+            self._host = torch.zeros((self.num_host_blocks + 1, *shape), dtype=dtype,
                                      pin_memory=pin)
         self._staging = torch.empty((1, *shape), dtype=dtype, pin_memory=pin)
         self._block_bytes = self._staging[0].numel() * self._staging.element_size()
