@@ -133,41 +133,40 @@ class TierWorker:
             found.append(([row for row, _ in held], [block for _, block in held]))
         return found
 
-    # On the host, a plain copy per block and cache (Qwen3-0.6B's 14 MiB blocks: 18-20 GB/s;
-    # a gather into a temporary and an indexed assignment ran at 2-4 GB/s); on a device, a
-    # gather per cache there and one transfer.
-
     def _to_vllm(self, source: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]) -> int:
         """``source[rows]`` (host rows ``[k, groups, caches, *block]``) into vLLM ``blocks``;
         returns the bytes copied (a group's block vLLM let go is not)."""
-        import torch
-
-        copied = 0
-        for group, (held, targets) in enumerate(self._by_group(rows, blocks)):
-            copied += len(held) * self._block_bytes // self.groups
-            if self._on_host:
-                for row, block in zip(held, targets, strict=True):
-                    for cache, view in enumerate(self._views):
-                        view[block].copy_(source[row, group, cache])
-                continue
-            target = torch.tensor(targets, dtype=torch.long, device=self._views[0].device)
-            for cache, view in enumerate(self._views):
-                view[target] = source[held, group, cache].to(view.device, non_blocking=False)
-        return copied
+        return self._copy(source, rows, blocks, into_vllm=True)
 
     def _from_vllm(self, target: Any, rows: Sequence[int], blocks: Sequence[VllmBlock]
                    ) -> None:
+        self._copy(target, rows, blocks, into_vllm=False)
+
+    def _copy(self, host: Any, rows: Sequence[int], blocks: Sequence[VllmBlock],
+              into_vllm: bool) -> int:
+        """Host rows ``rows`` to or from vLLM ``blocks``; the bytes moved. On the host, a plain
+        copy per block and cache (Qwen3-0.6B's 14 MiB blocks: 18-20 GB/s; a gather into a
+        temporary and an indexed assignment ran at 2-4 GB/s); on a device, a gather per cache
+        there and one transfer."""
         import torch
 
-        for group, (held, sources) in enumerate(self._by_group(rows, blocks)):
+        copied = 0
+        for group, (held, ids) in enumerate(self._by_group(rows, blocks)):
+            copied += len(held) * self._block_bytes // self.groups
             if self._on_host:
-                for row, block in zip(held, sources, strict=True):
+                for row, block in zip(held, ids, strict=True):
                     for cache, view in enumerate(self._views):
-                        target[row, group, cache].copy_(view[block])
+                        pair = (view[block], host[row, group, cache])
+                        target, source = pair if into_vllm else pair[::-1]
+                        target.copy_(source)
                 continue
-            source = torch.tensor(sources, dtype=torch.long, device=self._views[0].device)
+            on_device = torch.tensor(ids, dtype=torch.long, device=self._views[0].device)
             for cache, view in enumerate(self._views):
-                target[held, group, cache] = view[source].to(target.device)
+                if into_vllm:
+                    view[on_device] = host[held, group, cache].to(view.device)
+                else:
+                    host[held, group, cache] = view[on_device].to(host.device)
+        return copied
 
     def _bytes_of(self, from_host: bool, block: VllmBlock) -> bytes:
         """One block's bytes, copied now (the block may be overwritten after this step)."""
