@@ -143,7 +143,8 @@ def assert_each_matches_hf(results: dict[str, Any], reference: Any,
     for requests in arrivals.values():
         for request_id, tokens, params in requests:
             expected = hf_tokens(reference, tokens, params.max_tokens)
-            assert results[request_id][0][0] == expected, request_id
+            got = results[request_id][0][0]
+            assert got == expected, f"{request_id}: {got} against HF's {expected}"
 
 
 def random_prompt(seed: int, length: int) -> list[int]:
