@@ -11,6 +11,7 @@ from typing_extensions import Self
 from atb_mem._types import (
     AlignmentPolicy,
     ContinuousSchedulerConfig,
+    KVCacheDtype,
     KVCacheStats,
     KVDtype,
     KVDtypeAlias,
@@ -29,11 +30,25 @@ PAD_SLOT: int
 """-1: slot-mapping entry of a batch-table row with no new token (kernels skip it)."""
 KV_DTYPES: list[KVDtype]
 """The dtypes a KV cache takes, by canonical name."""
+KV_CACHE_DTYPES: list[KVCacheDtype]
+"""The ``kv_cache_dtype`` names a KV cache takes: ``"auto"`` and the quantized ones."""
 EVICTION_POLICIES: tuple[str, ...]
 """The names ``KVCachePool``'s ``eviction_policy`` takes, the core's one list of them."""
 def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: KVDtype | KVDtypeAlias | Any, block_size: int) -> tuple[int, int, int]:
-    """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core."""
+                    dtype: KVDtype | KVDtypeAlias | Any, block_size: int,
+                    kv_cache_dtype: KVCacheDtype = "auto") -> tuple[int, int, int]:
+    """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core
+    (a quantized cache's rows count their scales)."""
+def quantize_kv_rows(values: npt.NDArray[np.float32], out: npt.NDArray[np.uint8],
+                     kv_cache_dtype: KVCacheDtype) -> None:
+    """Writes each row of ``values`` (float32 ``[n, head_dim]``, C-contiguous) into ``out``
+    (uint8 ``[n, head_dim + 4]``) as a quantized row: its one-byte codes, then its scale
+    (int8: bfloat16 scale and offset; fp8_e4m3: an f32 scale). A row that is not all finite
+    reads back as NaN."""
+def dequantize_kv_rows(rows: npt.NDArray[np.uint8], out: npt.NDArray[np.float32],
+                       kv_cache_dtype: KVCacheDtype) -> None:
+    """Reads each quantized row of ``rows`` (uint8 ``[n, head_dim + 4]``) into ``out``
+    (float32 ``[n, head_dim]``)."""
 def kv_cache_groups(num_layers: int, layer_types: Sequence[str] | None = None,
                     sliding_window: int | None = None, attention_chunk_size: int | None = None,
                     state_bytes: int | None = None,
@@ -129,7 +144,8 @@ class KVCachePool:
                 attention_chunk_size: int | None = None,
                 eviction_policy: Literal["lru", "lfu", "slru", "priority"] | None = None,
                 hash_block_size: int | None = None, state_bytes: int | None = None,
-                state_checkpoint_interval: int | None = None) -> Self: ...
+                state_checkpoint_interval: int | None = None,
+                kv_cache_dtype: KVCacheDtype | None = None) -> Self: ...
     @property
     def hash_block_size(self) -> int:
         """Tokens per prefix key: ``block_size`` unless hits finer than a block were asked for."""
@@ -173,6 +189,8 @@ class KVCachePool:
     def head_dim(self) -> int: ...
     @property
     def dtype(self) -> KVDtype: ...
+    @property
+    def kv_cache_dtype(self) -> KVCacheDtype: ...
     @property
     def enable_prefix_caching(self) -> bool: ...
     @property

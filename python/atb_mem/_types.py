@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypedDict
 # ---- choices --------------------------------------------------------------------------------
 
 KVDtype = Literal["float16", "bfloat16", "float32", "int8"]
+KVCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 """A KV cache's element type, as ``KVCachePool.dtype`` names it."""
 KVDtypeAlias = Literal["fp16", "half", "bf16", "fp32", "float"]
 """Other names the constructor accepts for the same types."""

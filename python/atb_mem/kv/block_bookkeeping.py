@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         SeqIdsLike,
         TokenIdsLike,
     )
-    from atb_mem._types import KVDtype
+    from atb_mem._types import KVCacheDtype, KVDtype
 
 __all__ = ["BlockBookkeeping"]
 
@@ -91,6 +91,12 @@ class BlockBookkeeping:
     def dtype(self) -> KVDtype:
         """The K/V element type, by canonical name."""
         return self._core.dtype
+
+    @property
+    def kv_cache_dtype(self) -> KVCacheDtype:
+        """How the cache stores K/V: ``"auto"`` (as ``dtype``), or quantized per token and KV
+        head, ``"int8"`` or ``"fp8_e4m3"`` (rows of one-byte codes and their scale)."""
+        return self._core.kv_cache_dtype
 
     @property
     def bytes_per_block(self) -> int:

@@ -32,6 +32,7 @@ from atb_mem._types import (
 )
 from atb_mem.kv.block_bookkeeping import BlockBookkeeping
 from atb_mem.kv.planning import plan_kv_cache
+from atb_mem.kv.quantized_rows import quantize_rows
 from atb_mem.kv.tensors import KVTensors
 from atb_mem.memory.backends import NumpyBackend, TorchBackend, TorchRegion, backend_for
 from atb_mem.memory.mem_pool import MemPool
@@ -43,7 +44,7 @@ _CONFIG_KEYS = {"max_pages": "num_blocks", "page_size": "block_size", **{name: n
     "num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype",
     "enable_prefix_caching", "device", "num_host_blocks", "host_prefix_cache", "eviction_policy",
     "hash_block_size", "enable_kv_events", "layer_types", "sliding_window",
-    "attention_chunk_size", "state_bytes", "state_checkpoint_interval")}}
+    "attention_chunk_size", "state_bytes", "state_checkpoint_interval", "kv_cache_dtype")}}
 
 _DEFAULT_DEVICE = "host"
 
@@ -103,7 +104,7 @@ class KVCachePool(BlockBookkeeping):
             backend = _backend_of_pool(pool)
         else:
             backend = backend_for(device)
-        dtype = backend.dtype(self.dtype)
+        dtype = backend.dtype(self.dtype if self.kv_cache_dtype == "auto" else "uint8")
         nbytes = self.num_blocks * self.bytes_per_block
         if pool is None:
             pool = MemPool(nbytes, alignment=1, backing=backend.region(nbytes))
@@ -123,8 +124,9 @@ class KVCachePool(BlockBookkeeping):
         return self._core
 
     def _shape(self, blocks: int) -> tuple[int, ...]:
-        return (self.layers_per_block, 2, blocks, self.block_size, self.num_kv_heads,
-                self.head_dim)
+        row = self.head_dim if self.kv_cache_dtype == "auto" else _core.kv_layout_bytes(
+            1, 1, self.head_dim, self.dtype, 1, self.kv_cache_dtype)[1] // 2  # bytes, scale in
+        return (self.layers_per_block, 2, blocks, self.block_size, self.num_kv_heads, row)
 
     @property
     def groups(self) -> list[KVCacheGroup]:
@@ -229,16 +231,22 @@ class KVCachePool(BlockBookkeeping):
             raise TypeError(f"slot_mapping must be a 1-D integer array, got {slots.dtype} "
                             f"with shape {slots.shape}")
         expected = (len(slots), self.num_kv_heads, self.head_dim)
+        quantized = self.kv_cache_dtype != "auto"
+        model_dtype = backend.dtype(self.dtype) if quantized else kv.dtype
         for name, tensor in (("key", key), ("value", value)):
             if not backend.is_tensor(tensor):
                 raise TypeError(f"{name} must be a {backend.name} array, got "
                                 f"{type(tensor).__name__}")
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
-            if tensor.dtype != kv.dtype:
-                raise TypeError(f"{name} has dtype {tensor.dtype}; the cache holds {kv.dtype}")
+            if tensor.dtype != model_dtype:
+                raise TypeError(f"{name} has dtype {tensor.dtype}; the cache holds "
+                                f"{model_dtype}")
             if backend.name == "torch" and tensor.device != kv.device:
                 raise ValueError(f"{name} is on {tensor.device}; the cache is on {kv.device}")
+        if quantized:  # each token's rows from its own values (quantized_rows)
+            key, value = (quantize_rows(backend, tensor, self.kv_cache_dtype, kv)
+                          for tensor in (key, value))
         slots = slots.astype(np.int64, copy=False)
         self.write_slots(slots, tensors.execute,
                          lambda: tensors.scatter_kv(layer, slots, key, value))

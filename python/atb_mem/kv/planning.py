@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from atb_mem._core import KV_DTYPES, kv_cache_groups, kv_layout_bytes
+from atb_mem._types import KVCacheDtype
 
 FRAME_BYTES = 16  # a stored block's header: atb_mem.kv.tiers.store.frame
 
@@ -77,26 +78,28 @@ def _positive_int(name: str, value: object) -> int:
 
 def block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
                 layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
-                attention_chunk_size: int | None = None, state_bytes: int | None = None
+                attention_chunk_size: int | None = None, state_bytes: int | None = None,
+                kv_cache_dtype: KVCacheDtype = "auto"
                 ) -> tuple[int, list[tuple[str, list[int], int | None]]]:
     """(bytes of one block, the KV-cache groups) of the cache ``KVCachePool`` builds for these
     dimensions: a block holds the K/V of one group's ``layers_per_block`` layers."""
     per_block, groups, _ = block_layout(block_size, num_layers, num_kv_heads, head_dim, dtype,
                                         layer_types, sliding_window, attention_chunk_size,
-                                        state_bytes)
+                                        state_bytes, kv_cache_dtype)
     return per_block, groups
 
 
 def block_layout(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: str, layer_types: Sequence[str] | None = None,
                  sliding_window: int | None = None, attention_chunk_size: int | None = None,
-                 state_bytes: int | None = None
+                 state_bytes: int | None = None, kv_cache_dtype: KVCacheDtype = "auto"
                  ) -> tuple[int, list[tuple[str, list[int], int | None]], int]:
     """``block_bytes`` and the blocks one sequence's recurrent states take: each state group
     takes ⌈state_bytes / one layer's share of a block⌉, as ``KVCachePool.state_groups``."""
     groups, layers_per_block, states = kv_cache_groups(num_layers, layer_types, sliding_window,
                                                        attention_chunk_size, state_bytes)
-    per_block = kv_layout_bytes(layers_per_block, num_kv_heads, head_dim, dtype, block_size)[2]
+    per_block = kv_layout_bytes(layers_per_block, num_kv_heads, head_dim, dtype, block_size,
+                                kv_cache_dtype)[2]
     slot_bytes = per_block // layers_per_block
     return per_block, groups, sum(-(-size // slot_bytes) for _, size in states)
 
@@ -106,15 +109,17 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
                   dtype: str, max_model_len: int, safety: float = 0.9,
                   layer_types: Sequence[str] | None = None, sliding_window: int | None = None,
                   attention_chunk_size: int | None = None, state_bytes: int | None = None,
-                  host_offload_bytes: int = 0, disk_offload_bytes: int = 0) -> KVCachePlan:
+                  host_offload_bytes: int = 0, disk_offload_bytes: int = 0,
+                  kv_cache_dtype: KVCacheDtype = "auto") -> KVCachePlan:
     """Sizes a KV cache, and the host offload tier of ``host_offload_bytes`` below it.
 
     The arithmetic:
 
     - ``usable = total_bytes × gpu_memory_utilization − model_bytes``: what the cache may use
       once the weights are loaded;
-    - ``bytes_per_block = 2 (K and V) × num_layers × block_size × num_kv_heads × head_dim ×
-      itemsize(dtype)``;
+    - ``bytes_per_block = 2 (K and V) × num_layers × block_size × num_kv_heads × row``, a row
+      being ``head_dim × itemsize(dtype)``, or with ``kv_cache_dtype`` ``"int8"`` or
+      ``"fp8_e4m3"`` ``head_dim`` one-byte codes and their four-byte scale (docs/bytes.md);
     - ``num_blocks = ⌊usable / bytes_per_block⌋`` (block 0, the null block, included);
     - ``blocks_per_seq = ⌈max_model_len / block_size⌉`` and ``bytes_per_seq = blocks_per_seq ×
       bytes_per_block``: one sequence at the maximum length;
@@ -159,7 +164,7 @@ def plan_kv_cache(total_bytes: int, model_bytes: int, *, gpu_memory_utilization:
     usable = budget - model_bytes
     bytes_per_block, groups, state_blocks = block_layout(
         dims["block_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], dtype,
-        layer_types, sliding_window, attention_chunk_size, state_bytes)
+        layer_types, sliding_window, attention_chunk_size, state_bytes, kv_cache_dtype)
     num_blocks = usable // bytes_per_block
     full_length = math.ceil(dims["max_model_len"] / dims["block_size"])
     blocks_per_seq = state_blocks + sum(full_length if window is None else

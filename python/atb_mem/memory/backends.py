@@ -37,7 +37,7 @@ __all__ = ["NumpyBackend", "TorchBackend", "TorchRegion", "backend_for"]
 # numpy has no bfloat16: the host backing holds its bits as uint16 words (view them with
 # ml_dtypes' bfloat16, or use a torch device).
 _NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
-                 "int8": np.int8}
+                 "int8": np.int8, "uint8": np.uint8}
 
 
 class NumpyBackend:

@@ -9,8 +9,8 @@
 //! included).
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvDtype, KvLayout, Preemption,
-    SchedulerConfig, StepPlan, Tokens,
+    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvCacheDtype, KvDtype, KvLayout,
+    Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,7 @@ fn layout() -> KvLayout {
         num_kv_heads: 8,
         head_dim: 128,
         dtype: KvDtype::BFloat16,
+        cache_dtype: KvCacheDtype::Auto,
     }
 }
 

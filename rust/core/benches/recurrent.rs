@@ -8,8 +8,8 @@
 //! `benches/recurrent_checkpoints.py` measures the same through Python.
 
 use atb_mem_core::{
-    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvDtype, KvLayout, LayerKind,
-    Preemption, SchedulerConfig, StepPlan, Tokens,
+    AttentionKind, ContinuousScheduler, KvCache, KvCacheConfig, KvCacheDtype, KvDtype, KvLayout,
+    LayerKind, Preemption, SchedulerConfig, StepPlan, Tokens,
 };
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,7 @@ fn cache(states: bool, batch: usize, interval: Option<usize>) -> KvCache {
         num_kv_heads: 4,
         head_dim: 128,
         dtype: KvDtype::BFloat16,
+        cache_dtype: KvCacheDtype::Auto,
     };
     let probe = KvCacheConfig::new(1 << 20, BLOCK_SIZE, layout)
         .layer_kinds(&kinds)

@@ -1,6 +1,7 @@
 //! The shape of what one block holds, so the core can size blocks in bytes.
 
 use crate::error::CoreResult;
+use crate::quant::KvCacheDtype;
 
 /// Element type of the K/V cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +58,10 @@ pub struct KvLayout {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The model's K/V dtype (what queries and new K/V come in).
     pub dtype: KvDtype,
+    /// How the cache stores them: in `dtype` (`Auto`) or quantized per row (`quant`).
+    pub cache_dtype: KvCacheDtype,
 }
 
 impl Default for KvLayout {
@@ -67,6 +71,7 @@ impl Default for KvLayout {
             num_kv_heads: 1,
             head_dim: 1,
             dtype: KvDtype::Float16,
+            cache_dtype: KvCacheDtype::Auto,
         }
     }
 }
@@ -80,7 +85,21 @@ impl KvLayout {
         ] {
             ensure!(value != 0, "{name} must be at least 1, got 0");
         }
+        ensure!(
+            self.cache_dtype == KvCacheDtype::Auto || self.dtype != KvDtype::Int8,
+            "kv_cache_dtype {:?} quantizes a model's float K/V; the cache's dtype is int8",
+            self.cache_dtype.name()
+        );
         Ok(())
+    }
+
+    /// Bytes of one token's K (or V) for one KV head: `head_dim` elements of `dtype`, or a
+    /// quantized row with its scale; `None` on overflow.
+    pub fn row_bytes(&self) -> Option<usize> {
+        match self.cache_dtype {
+            KvCacheDtype::Auto => self.head_dim.checked_mul(self.dtype.itemsize()),
+            quantized => quantized.row_bytes(self.head_dim),
+        }
     }
 
     /// Bytes of K plus V for one token across all layers, `None` on overflow.
@@ -94,10 +113,51 @@ impl KvLayout {
             self.num_layers,
             block_size,
             self.num_kv_heads,
-            self.head_dim,
-            self.dtype.itemsize(),
+            self.row_bytes()?,
         ]
         .into_iter()
         .try_fold(2usize, |acc, factor| acc.checked_mul(factor))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(dtype: KvDtype, cache_dtype: KvCacheDtype) -> KvLayout {
+        KvLayout {
+            num_layers: 28,
+            num_kv_heads: 8,
+            head_dim: 128,
+            dtype,
+            cache_dtype,
+        }
+    }
+
+    #[test]
+    fn quantized_blocks_count_each_rows_codes_and_scale() {
+        let bf16 = layout(KvDtype::BFloat16, KvCacheDtype::Auto);
+        assert_eq!(bf16.bytes_per_block(16), Some(2 * 28 * 16 * 8 * 256));
+        for cache_dtype in [KvCacheDtype::Int8, KvCacheDtype::Fp8E4m3] {
+            let quantized = layout(KvDtype::BFloat16, cache_dtype);
+            assert_eq!(quantized.row_bytes(), Some(132));
+            assert_eq!(quantized.bytes_per_block(16), Some(2 * 28 * 16 * 8 * 132));
+            // The model's dtype does not change a quantized row.
+            assert_eq!(
+                layout(KvDtype::Float32, cache_dtype).bytes_per_block(16),
+                quantized.bytes_per_block(16)
+            );
+        }
+    }
+
+    #[test]
+    fn a_quantized_cache_needs_a_float_model_dtype() {
+        assert!(layout(KvDtype::Int8, KvCacheDtype::Int8)
+            .validate()
+            .is_err());
+        assert!(layout(KvDtype::Int8, KvCacheDtype::Auto).validate().is_ok());
+        assert!(layout(KvDtype::Float16, KvCacheDtype::Fp8E4m3)
+            .validate()
+            .is_ok());
     }
 }

@@ -2,7 +2,8 @@
 //! describe, with every setting applied, and a setting it refuses is named.
 
 use atb_mem_core::{
-    AttentionKind, EvictionPolicy, KvCache, KvCacheConfig, KvDtype, KvLayout, LayerKind,
+    AttentionKind, EvictionPolicy, KvCache, KvCacheConfig, KvCacheDtype, KvDtype, KvLayout,
+    LayerKind,
 };
 
 #[path = "support/state.rs"]
@@ -15,6 +16,7 @@ fn layout() -> KvLayout {
         num_kv_heads: 2,
         head_dim: 8,
         dtype: KvDtype::BFloat16,
+        cache_dtype: KvCacheDtype::Auto,
     }
 }
 

@@ -1,20 +1,22 @@
 //! Byte sizes of a K/V layout, from the core: the one place they are computed.
 
-use atb_mem_core::{group_hybrid_layers, layer_kinds, KvDtype, KvLayout};
+use atb_mem_core::{group_hybrid_layers, layer_kinds, KvCacheDtype, KvDtype, KvLayout};
 use pyo3::prelude::*;
 
 use crate::convert::{Count, Dtype, LayerTypes};
 use crate::errors::{value_error, IntoPyResult};
 
-/// (itemsize, bytes per token, bytes per block) of K plus V over every layer.
+/// (itemsize, bytes per token, bytes per block) of K plus V over every layer; a quantized
+/// cache's rows count their scales.
 #[pyfunction]
-#[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, block_size))]
+#[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, block_size, kv_cache_dtype="auto"))]
 pub fn kv_layout_bytes(
     num_layers: Count<1>,
     num_kv_heads: Count<1>,
     head_dim: Count<1>,
     dtype: Dtype,
     block_size: Count<1>,
+    kv_cache_dtype: &str,
 ) -> PyResult<(usize, usize, usize)> {
     let num_layers = num_layers.0;
     let num_kv_heads = num_kv_heads.0;
@@ -26,10 +28,17 @@ pub fn kv_layout_bytes(
         num_kv_heads,
         head_dim,
         dtype,
+        cache_dtype: KvCacheDtype::parse(kv_cache_dtype).into_py_result()?,
     };
+    layout.validate().into_py_result()?;
     let overflow = || value_error("the K/V size overflows 64 bits");
+    // What the cache stores: one-byte codes where it quantizes.
+    let itemsize = match layout.cache_dtype {
+        KvCacheDtype::Auto => dtype.itemsize(),
+        _ => 1,
+    };
     Ok((
-        dtype.itemsize(),
+        itemsize,
         layout.bytes_per_token().ok_or_else(overflow)?,
         layout.bytes_per_block(block_size).ok_or_else(overflow)?,
     ))
@@ -73,6 +82,11 @@ type GroupsRow = (
     usize,
     Vec<(Vec<usize>, usize)>,
 );
+
+/// The `kv_cache_dtype` names a K/V cache accepts.
+pub fn kv_cache_dtype_names() -> Vec<&'static str> {
+    KvCacheDtype::ALL.iter().map(|dtype| dtype.name()).collect()
+}
 
 /// The dtype names a K/V cache accepts, canonical spelling.
 pub fn dtype_names() -> Vec<&'static str> {

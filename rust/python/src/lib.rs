@@ -12,6 +12,7 @@ mod errors;
 mod kv_cache;
 mod layout;
 mod lock;
+mod quant;
 mod sched;
 
 use pyo3::prelude::*;
@@ -36,7 +37,10 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(attention::paged_attention, module)?)?;
     module.add_function(wrap_pyfunction!(attention::use_openmp, module)?)?;
     module.add_function(wrap_pyfunction!(layout::kv_cache_groups, module)?)?;
+    module.add_function(wrap_pyfunction!(quant::quantize_kv_rows, module)?)?;
+    module.add_function(wrap_pyfunction!(quant::dequantize_kv_rows, module)?)?;
     module.add("KV_DTYPES", layout::dtype_names())?;
+    module.add("KV_CACHE_DTYPES", layout::kv_cache_dtype_names())?;
     let policies = PyTuple::new(module.py(), atb_mem_core::EvictionPolicy::NAMES)?;
     module.add("EVICTION_POLICIES", policies)?;
     module.add("NULL_BLOCK", atb_mem_core::NULL_BLOCK)?;

@@ -1,6 +1,8 @@
 //! A hybrid cache with recurrent states, as the directed tests of states share it.
 
-use atb_mem_core::{AttentionKind, KvCache, KvCacheConfig, KvDtype, KvLayout, LayerKind};
+use atb_mem_core::{
+    AttentionKind, KvCache, KvCacheConfig, KvCacheDtype, KvDtype, KvLayout, LayerKind,
+};
 
 pub const BLOCK_SIZE: usize = 4;
 /// Bytes of one layer's K/V slot in a block: 2 × 4 tokens × 1 head × 2 dims × 2 bytes.
@@ -25,6 +27,7 @@ pub fn hybrid_config(num_blocks: usize) -> KvCacheConfig {
         num_kv_heads: 1,
         head_dim: 2,
         dtype: KvDtype::Float16,
+        cache_dtype: KvCacheDtype::Auto,
     };
     let config = KvCacheConfig::new(num_blocks, BLOCK_SIZE, layout).layer_kinds(&kinds);
     // A checkpoint takes 6 blocks, one group's K/V one: by default one per 6 blocks.

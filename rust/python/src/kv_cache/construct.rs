@@ -1,7 +1,9 @@
 //! `KVCachePool(...)`: its arguments, converted and checked one by one, fill the
 //! `KvCacheConfig` the core builds the cache from.
 
-use atb_mem_core::{layer_kinds, EvictionPolicy, KvCache, KvCacheConfig, KvDtype, KvLayout};
+use atb_mem_core::{
+    layer_kinds, EvictionPolicy, KvCache, KvCacheConfig, KvCacheDtype, KvDtype, KvLayout,
+};
 use pyo3::prelude::*;
 
 use super::PyKvCachePool;
@@ -17,7 +19,7 @@ impl PyKvCachePool {
                         host_prefix_cache=false, enable_kv_events=false, layer_types=None,
                         sliding_window=None, attention_chunk_size=None, eviction_policy=None,
                         hash_block_size=None, state_bytes=None,
-                        state_checkpoint_interval=None))]
+                        state_checkpoint_interval=None, kv_cache_dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = arg::num_blocks)] num_blocks: usize,
@@ -37,8 +39,12 @@ impl PyKvCachePool {
         #[pyo3(from_py_with = arg::hash_block_size)] hash_block_size: Option<usize>,
         #[pyo3(from_py_with = arg::state_bytes)] state_bytes: Option<usize>,
         #[pyo3(from_py_with = arg::interval)] state_checkpoint_interval: Option<usize>,
+        kv_cache_dtype: Option<String>,
     ) -> PyResult<Self> {
-        let layout = layout(num_layers, num_kv_heads, head_dim, dtype);
+        let mut layout = layout(num_layers, num_kv_heads, head_dim, dtype);
+        if let Some(name) = kv_cache_dtype {
+            layout.cache_dtype = KvCacheDtype::parse(&name).into_py_result()?;
+        }
         let kinds = layer_kinds(
             layout.num_layers,
             layer_types.as_ref().map(|names| names.0.as_slice()),
@@ -82,6 +88,7 @@ fn layout(
         num_kv_heads: num_kv_heads.unwrap_or(1),
         head_dim: head_dim.unwrap_or(1),
         dtype: dtype.map_or(KvDtype::Float16, |dtype| dtype.0),
+        cache_dtype: KvCacheDtype::Auto,
     }
 }
 

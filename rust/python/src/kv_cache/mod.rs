@@ -111,6 +111,12 @@ impl PyKvCachePool {
         Ok(self.lock()?.layout().dtype.name())
     }
 
+    /// How the cache stores K/V: ``"auto"`` (in ``dtype``), ``"int8"`` or ``"fp8_e4m3"``.
+    #[getter]
+    fn kv_cache_dtype(&self) -> PyResult<&'static str> {
+        Ok(self.lock()?.layout().cache_dtype.name())
+    }
+
     #[getter]
     fn enable_prefix_caching(&self) -> PyResult<bool> {
         Ok(self.lock()?.enable_prefix_caching())

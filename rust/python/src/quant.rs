@@ -1,0 +1,102 @@
+//! Quantized K/V rows to and from f32, the core's row formats, into arrays the caller owns,
+//! with the GIL released.
+
+use atb_mem_core::KvCacheDtype;
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::{value_error, IntoPyResult};
+
+/// The quantized dtype named `name` (not "auto", which holds no rows).
+fn quantized(name: &str) -> PyResult<KvCacheDtype> {
+    match KvCacheDtype::parse(name).into_py_result()? {
+        KvCacheDtype::Auto => Err(value_error(
+            "kv_cache_dtype \"auto\" stores the model's dtype: it has no quantized rows",
+        )),
+        dtype => Ok(dtype),
+    }
+}
+
+/// Writes each row of `values` (f32 `[n, head_dim]`) as a quantized row of `out` (uint8
+/// `[n, head_dim + 4]`).
+#[pyfunction]
+pub fn quantize_kv_rows(
+    py: Python<'_>,
+    values: PyReadonlyArray2<'_, f32>,
+    out: &Bound<'_, PyArray2<u8>>,
+    kv_cache_dtype: &str,
+) -> PyResult<()> {
+    let dtype = quantized(kv_cache_dtype)?;
+    let [rows, head_dim] = [values.shape()[0], values.shape()[1]];
+    let row_bytes = dtype
+        .row_bytes(head_dim)
+        .ok_or_else(|| value_error("the row size overflows"))?;
+    let mut out = out
+        .try_readwrite()
+        .map_err(|_| value_error("out is borrowed elsewhere"))?;
+    if out.shape() != [rows, row_bytes] {
+        return Err(value_error(format!(
+            "out must have shape ({rows}, {row_bytes}) for {rows} rows of {head_dim} values, \
+             got {:?}",
+            out.shape()
+        )));
+    }
+    let values = values
+        .as_slice()
+        .map_err(|_| value_error("values must be a C-contiguous float32 array"))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| value_error("out must be a C-contiguous uint8 array"))?;
+    if head_dim > 0 {
+        py.detach(|| {
+            for (row, row_values) in out
+                .chunks_exact_mut(row_bytes)
+                .zip(values.chunks_exact(head_dim))
+            {
+                dtype.quantize_row(row_values, row);
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Reads each quantized row of `rows` (uint8 `[n, head_dim + 4]`) into `out` (f32
+/// `[n, head_dim]`).
+#[pyfunction]
+pub fn dequantize_kv_rows(
+    py: Python<'_>,
+    rows: PyReadonlyArray2<'_, u8>,
+    out: &Bound<'_, PyArray2<f32>>,
+    kv_cache_dtype: &str,
+) -> PyResult<()> {
+    let dtype = quantized(kv_cache_dtype)?;
+    let [count, row_bytes] = [rows.shape()[0], rows.shape()[1]];
+    let mut out = out
+        .try_readwrite()
+        .map_err(|_| value_error("out is borrowed elsewhere"))?;
+    let head_dim = out.shape()[1];
+    if out.shape()[0] != count || dtype.row_bytes(head_dim) != Some(row_bytes) {
+        return Err(value_error(format!(
+            "rows of {row_bytes} bytes hold {} values each; out has shape {:?}",
+            row_bytes.saturating_sub(dtype.row_bytes(0).unwrap_or(0)),
+            out.shape()
+        )));
+    }
+    let rows = rows
+        .as_slice()
+        .map_err(|_| value_error("rows must be a C-contiguous uint8 array"))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| value_error("out must be a C-contiguous float32 array"))?;
+    if head_dim > 0 {
+        py.detach(|| {
+            for (row_values, row) in out
+                .chunks_exact_mut(head_dim)
+                .zip(rows.chunks_exact(row_bytes))
+            {
+                dtype.dequantize_row(row, row_values);
+            }
+        });
+    }
+    Ok(())
+}
