@@ -70,7 +70,7 @@ def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
                     new_keys: npt.NDArray[Any] | None = None,
                     new_values: npt.NDArray[Any] | None = None,
                     slot_mapping: npt.NDArray[np.int32] | None = None,
-                    threads: int = 1) -> None:
+                    threads: int = 1, kv_cache_dtype: KVCacheDtype = "auto") -> None:
     """Paged attention on the CPU for one layer and step, into ``out``.
 
     ``query`` and ``out`` ``[tokens, heads, head_dim]``, the caches ``[slots, kv_heads,
@@ -81,6 +81,9 @@ def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
     (sliding) or ``chunk`` positions when given; grouped-query heads; ``sinks`` (``[heads]``)
     adds gpt-oss's sink logit. With ``new_keys``/``new_values`` (``[tokens, kv_heads,
     head_dim]``) and ``slot_mapping``, writes them into their slots first (negative: none).
+    A quantized cache (``kv_cache_dtype`` ``"int8"`` or ``"fp8_e4m3"``) is uint8 ``[slots,
+    kv_heads, head_dim + 4]``, each row's codes then its scale, read in place; the new K/V
+    (in ``dtype``) are quantized into their slots.
     Every input is checked before anything is read or written; ``threads`` threads, the GIL
     released."""
 

@@ -166,7 +166,9 @@ def poison_unused_blocks(kv_cache: Any) -> int:
     stale read turns the logits into NaN. Returns how many blocks."""
     torch = require_torch()
     blocks = torch.from_numpy(kv_cache.unused_blocks()).long().to(kv_cache.kv_cache.device)
-    kv_cache.kv_cache[:, :, blocks] = float("nan")
+    # A quantized cache's rows of 0xFF bytes have a NaN scale: they read back as NaN.
+    poison = float("nan") if kv_cache.kv_cache_dtype == "auto" else 0xFF
+    kv_cache.kv_cache[:, :, blocks] = poison
     return len(blocks)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from atb_mem._types import AttentionBackend
+from atb_mem._types import AttentionBackend, KVCacheDtype
 from atb_mem.integrations.cpu_attention import CpuPagedAttention
 from atb_mem.integrations.flashinfer import FlashInferAttention
 
@@ -21,20 +21,27 @@ ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "torch", "flashinfer
 
 
 def attention_kernel(backend: AttentionBackend, device: Any, num_heads: int, num_kv_heads: int,
-                     head_dim: int, block_size: int, dtype: Any
+                     head_dim: int, block_size: int, dtype: Any,
+                     kv_cache_dtype: KVCacheDtype = "auto"
                      ) -> FlashInferAttention | CpuPagedAttention | None:
-    """The paged kernel a model runner uses, or None for the torch reference."""
+    """The paged kernel a model runner uses, or None for the torch reference. A quantized
+    cache (``kv_cache_dtype``) is read by atb-mem's CPU kernel only: elsewhere, an error."""
     import torch
 
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     device = torch.device(device)
+    cpu_kernel = backend == "cpu" or (backend == "auto" and device.type == "cpu")
+    if kv_cache_dtype != "auto" and not (cpu_kernel and device.type == "cpu"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only atb-mem's CPU kernel reads "
+                         f"quantized blocks (attention_backend 'cpu' or 'auto' on the CPU), "
+                         f"not attention_backend {backend!r} on {device}")
     if backend == "torch":
         return None
-    if backend == "cpu" or (backend == "auto" and device.type == "cpu"):
+    if cpu_kernel:
         if device.type != "cpu":
             raise ValueError(f"the 'cpu' attention backend runs on the CPU, not on {device}")
-        return CpuPagedAttention(block_size, dtype)
+        return CpuPagedAttention(block_size, dtype, kv_cache_dtype)
     if backend == "auto" and device.type != "cuda":
         return None
     try:

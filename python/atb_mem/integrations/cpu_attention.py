@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atb_mem import _core
+from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.layer_attention import LayerAttention
 from atb_mem.integrations.reference_attention import sdpa_attention
 
@@ -49,13 +50,17 @@ SDPA_MIN_TOKENS = 16
 class CpuPagedAttention:
     """The kernel for one model's cache on the CPU: its block size and element type."""
 
-    def __init__(self, block_size: int, dtype: Any) -> None:
+    def __init__(self, block_size: int, dtype: Any, kv_cache_dtype: KVCacheDtype = "auto"
+                 ) -> None:
         if str(dtype) not in _DTYPES:
             raise ValueError(f"the CPU kernel computes {sorted(_DTYPES.values())}, not {dtype}")
         self.block_size = block_size
         self.dtype = _DTYPES[str(dtype)]
+        self.kv_cache_dtype = kv_cache_dtype
+        """``"auto"`` (the caches hold ``dtype``) or a quantized cache's rows, read in place."""
+        # SDPA reads K/V as torch tensors of the model's dtype: not a quantized cache's rows.
         self.sdpa_min_tokens = SDPA_MIN_TOKENS if self.dtype == "bfloat16" and _has_amx() \
-            else None
+            and kv_cache_dtype == "auto" else None
         """Fresh rows of at least this many tokens go to torch's SDPA (None: none do)."""
         share_torchs_threads()
 
@@ -124,7 +129,7 @@ class CpuPagedStep:
             block_size=self.kernel.block_size, scale=float(scale), dtype=self.kernel.dtype,
             window=window, chunk=chunk,
             sinks=None if sinks is None else sinks.detach().float().contiguous().numpy(),
-            threads=self.threads, **new)
+            threads=self.threads, kv_cache_dtype=self.kernel.kv_cache_dtype, **new)
         return out
 
     def _split(self, group: int, kind: LayerAttention) -> _Split | None:

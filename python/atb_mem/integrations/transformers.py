@@ -143,16 +143,20 @@ class ModelRunner:
         self.kernel = attention_kernel(attention_backend, self.device,
                                        config.num_attention_heads // tensor_parallel_size,
                                        kv_cache.num_kv_heads, kv_cache.head_dim,
-                                       kv_cache.block_size, model.dtype)
-        shape = (-1, kv_cache.num_kv_heads, kv_cache.head_dim)
+                                       kv_cache.block_size, model.dtype, kv_cache.kv_cache_dtype)
+        # A row: head_dim elements, or a quantized cache's head_dim codes and their scale.
+        shape = (-1, kv_cache.num_kv_heads, kv_cache.kv_cache.shape[-1])
         self.layer_groups = layer_groups(self.layers, kv_cache)
         # A recurrent layer has no K/V: its mixer reads and writes its state blocks.
         self.layer_caches = [(None, None) if attention.is_recurrent else
                              (kv_cache.key_cache(layer).view(shape),
                               kv_cache.value_cache(layer).view(shape))
                              for layer, attention in enumerate(self.layers)]
-        self.recurrent = RecurrentStates(model, kv_cache, self.layers) \
-            if any(attention.is_recurrent for attention in self.layers) else None
+        recurrent = any(attention.is_recurrent for attention in self.layers)
+        if recurrent and kv_cache.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache.kv_cache_dtype!r} is for attention "
+                             "layers' K/V; this model has recurrent layers, not served with it")
+        self.recurrent = RecurrentStates(model, kv_cache, self.layers) if recurrent else None
         # Only inside a step: outside, the user's model runs as transformers would.
         self.attention = AttentionSwitch(model, ATTN_IMPLEMENTATION, paged_attention_forward)
         # Compiled around the CPU kernel, one rank; recurrent layers' Python hooks stay eager.

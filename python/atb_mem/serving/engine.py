@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atb_mem import _core
-from atb_mem._types import AttentionBackend, Preemption
+from atb_mem._types import AttentionBackend, KVCacheDtype, Preemption
 from atb_mem.events import KVEventPublisher
 from atb_mem.integrations.transformers import ModelRunner
 from atb_mem.kv.cache_pool import KVCachePool
@@ -74,7 +74,8 @@ class Engine:
     asks), ``"lru"``, ``"lfu"`` or ``"slru"``; ``hash_block_size``: hits every that many
     tokens; ``state_checkpoint_interval``: blocks between the recurrent states kept for prefix
     hits; ``kv_events`` (``ZmqEventPublisher``) gets the events. ``enforce_eager``: no
-    ``torch.compile`` around the CPU kernel (see ``integrations.compiled_forward``)."""
+    ``torch.compile`` around the CPU kernel (see ``integrations.compiled_forward``).
+    ``kv_cache_dtype``: ``"int8"``/``"fp8_e4m3"``, K/V quantized per token (docs/bytes.md)."""
 
     def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64,
@@ -82,13 +83,12 @@ class Engine:
                  preemption: Preemption = "recompute", num_host_blocks: int | None = None,
                  kv_offload: Mapping[str, Any] | None = None, kv_store: str | None = None,
                  kv_identity: str | None = None, gpu_memory_utilization: float = 0.9,
-                 eviction_policy: str = "priority",
-                 kv_cache_memory_bytes: int | None = None, hash_block_size: int | None = None,
-                 state_checkpoint_interval: int | None = None,
+                 eviction_policy: str = "priority", kv_cache_memory_bytes: int | None = None,
+                 hash_block_size: int | None = None, state_checkpoint_interval: int | None = None,
                  kv_events: KVEventPublisher | None = None, tensor_parallel_size: int = 1,
                  verify_tensor_parallel: bool = False,
-                 attention_backend: AttentionBackend = "auto", enforce_eager: bool = False
-                 ) -> None:
+                 attention_backend: AttentionBackend = "auto", enforce_eager: bool = False,
+                 kv_cache_dtype: KVCacheDtype = "auto") -> None:
         if kv_events is not None and not callable(getattr(kv_events, "publish", None)):
             raise TypeError(f"kv_events must have a publish(events) method (a "
                             f"KVEventPublisher), got {type(kv_events).__name__}")
@@ -103,7 +103,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len: int = int(config.max_position_embeddings)
         self.vocab_size: int = int(config.vocab_size)
-        shape = kv_cache_shape(model, tensor_parallel_size)
+        shape = kv_cache_shape(model, tensor_parallel_size, kv_cache_dtype)
         if num_blocks is None:
             num_blocks = num_kv_blocks(model, shape, block_size, max_num_seqs,
                                        self.max_model_len, gpu_memory_utilization,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from atb_mem._sizes import parse_size
+from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.layer_attention import kv_cache_groups as groups_for_layers
 from atb_mem.integrations.recurrent_state import state_arguments
 from atb_mem.integrations.transformers import kv_cache_layout, supported_layers
@@ -24,12 +25,15 @@ OFFLOAD_TIERS = ("host", "disk")
 HOST_KV_BUDGET = 4 << 30
 
 
-def kv_cache_shape(model: Any, tensor_parallel_size: int = 1) -> dict[str, Any]:
+def kv_cache_shape(model: Any, tensor_parallel_size: int = 1,
+                   kv_cache_dtype: KVCacheDtype = "auto") -> dict[str, Any]:
     """``KVCachePool`` arguments for ``model``: ``num_layers``, ``num_kv_heads``, ``head_dim``,
     ``dtype``, and for a hybrid model ``layer_types`` with its window or chunk, or the
-    ``state_bytes`` of its recurrent layers."""
+    ``state_bytes`` of its recurrent layers; a quantized ``kv_cache_dtype`` (so that the tiers'
+    layout identity names it too)."""
     layers = supported_layers(model)
-    return {**kv_cache_layout(model, tensor_parallel_size),
+    quantized = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+    return {**kv_cache_layout(model, tensor_parallel_size), **quantized,
             **groups_for_layers(layers, **state_arguments(model, layers, tensor_parallel_size))}
 
 

@@ -38,8 +38,8 @@ pub use alloc::{
 };
 pub use attention::MAX_THREADS as MAX_ATTENTION_THREADS;
 pub use attention::{
-    bf16, f16, use_openmp, write_slots, AttentionShape, Element, InstructionSet, NewKv,
-    OpenMpParallel, PagedAttention, StepRows, Visibility,
+    bf16, f16, use_openmp, write_slots, AttentionShape, Element, Fp8E4m3Code, InstructionSet,
+    Int8Code, NewKv, OpenMpParallel, PagedAttention, StepRows, Visibility,
 };
 pub use content_digest::{content_digests, Digest, PIECE_BYTES};
 pub use error::{CoreError, CoreResult};

@@ -1,9 +1,13 @@
 //! The CPU paged-attention kernel against a plain reference: random steps (block sizes
 //! 1-256, grouped-query ratios, windows, chunks, prefill chunks over cached context, empty
-//! and one-token contexts, sinks), every block no row may read poisoned with NaN; a wrong
-//! block table entry is caught; bad inputs are errors that leave the output alone.
+//! and one-token contexts, sinks), every block no row may read poisoned with NaN; quantized
+//! caches (int8, fp8) against the reference of their dequantized values; a wrong block table
+//! entry is caught; bad inputs are errors that leave the output alone.
 
-use atb_mem_core::{bf16, AttentionShape, InstructionSet, PagedAttention, StepRows, Visibility};
+use atb_mem_core::{
+    bf16, AttentionShape, Fp8E4m3Code, InstructionSet, Int8Code, KvCacheDtype, PagedAttention,
+    StepRows, Visibility,
+};
 use proptest::prelude::*;
 
 /// A step: the shape, per row (cached tokens, new tokens), the tables and caches.
@@ -285,6 +289,74 @@ proptest! {
         let out: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
         let want = reference(&step, &built, scale);
         prop_assert!(close(&out, &want, 8e-3).is_ok(), "{:?}", close(&out, &want, 8e-3));
+    }
+}
+
+/// Each `head_dim` row of `cache` as a quantized row of `dtype`; and the values it reads back
+/// as (NaN rows stay NaN).
+fn quantized(cache: &[f32], head_dim: usize, dtype: KvCacheDtype) -> (Vec<u8>, Vec<f32>) {
+    let row = dtype.row_bytes(head_dim).unwrap();
+    let mut codes = vec![0u8; cache.len() / head_dim * row];
+    let mut back = vec![0f32; cache.len()];
+    for ((values, codes), back) in cache
+        .chunks_exact(head_dim)
+        .zip(codes.chunks_exact_mut(row))
+        .zip(back.chunks_exact_mut(head_dim))
+    {
+        dtype.quantize_row(values, codes);
+        dtype.dequantize_row(codes, back);
+    }
+    (codes, back)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(100),
+        ..ProptestConfig::default()
+    })]
+
+    /// The kernel reads quantized rows in place: the same output as the reference over the
+    /// values those rows read back as, on every copy of the kernel.
+    #[test]
+    fn quantized_caches_match_the_reference_of_their_values(
+        step in steps(),
+        int8 in any::<bool>(),
+        threads in 1usize..=3,
+    ) {
+        let mut built = build(&step);
+        let dim = step.shape.head_dim;
+        let dtype = if int8 { KvCacheDtype::Int8 } else { KvCacheDtype::Fp8E4m3 };
+        let (key_codes, keys) = quantized(&built.keys, dim, dtype);
+        let (value_codes, values) = quantized(&built.values, dim, dtype);
+        (built.keys, built.values) = (keys, values);
+        let scale = 1.0 / (dim as f32).sqrt();
+        let want = reference(&step, &built, scale);
+        let plain = call(&step, &built, &built.tables, scale);
+        let sets = [InstructionSet::Avx512, InstructionSet::Avx2, InstructionSet::Portable];
+        for set in sets.into_iter().filter(|set| set.available()) {
+            let mut out = vec![f32::NAN; built.query.len()];
+            if int8 {
+                PagedAttention {
+                    key_cache: Int8Code::from_bytes(&key_codes),
+                    value_cache: Int8Code::from_bytes(&value_codes),
+                    query: plain.query, shape: plain.shape, rows: plain.rows,
+                    visibility: plain.visibility, scale, sinks: plain.sinks,
+                }
+                .run_with(&mut out, threads, set)
+                .unwrap();
+            } else {
+                PagedAttention {
+                    key_cache: Fp8E4m3Code::from_bytes(&key_codes),
+                    value_cache: Fp8E4m3Code::from_bytes(&value_codes),
+                    query: plain.query, shape: plain.shape, rows: plain.rows,
+                    visibility: plain.visibility, scale, sinks: plain.sinks,
+                }
+                .run_with(&mut out, threads, set)
+                .unwrap();
+            }
+            let compared = close(&out, &want, 2e-5);
+            prop_assert!(compared.is_ok(), "{dtype:?} {set:?}: {compared:?}");
+        }
     }
 }
 

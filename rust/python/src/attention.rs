@@ -6,7 +6,8 @@ use std::ffi::CString;
 use std::path::PathBuf;
 
 use atb_mem_core::{
-    bf16, f16, write_slots, AttentionShape, Element, NewKv, PagedAttention, StepRows, Visibility,
+    bf16, f16, write_slots, AttentionShape, Element, Fp8E4m3Code, Int8Code, KvCacheDtype, NewKv,
+    PagedAttention, StepRows, Visibility,
 };
 use numpy::{
     PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -78,7 +79,7 @@ pub fn use_openmp(library: PathBuf) -> PyResult<()> {
 #[pyo3(signature = (
     query, key_cache, value_cache, out, query_start_loc, seq_lens, block_tables, *,
     block_size, scale, dtype, window=None, chunk=None, sinks=None, new_keys=None,
-    new_values=None, slot_mapping=None, threads=Count(1)
+    new_values=None, slot_mapping=None, threads=Count(1), kv_cache_dtype="auto"
 ))]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per input
 pub fn paged_attention<'py>(
@@ -100,7 +101,9 @@ pub fn paged_attention<'py>(
     new_values: Option<&Bound<'py, PyAny>>,
     slot_mapping: Option<PyReadonlyArray1<'py, i32>>,
     threads: Count<1>,
+    kv_cache_dtype: &str,
 ) -> PyResult<()> {
+    let cache_dtype = KvCacheDtype::parse(kv_cache_dtype).into_py_result()?;
     let visibility = match (window, chunk) {
         (None, None) => Visibility::Causal,
         (Some(window), None) => Visibility::Sliding {
@@ -135,26 +138,44 @@ pub fn paged_attention<'py>(
         out,
         new_kv,
     };
+    let threads = threads.get();
     match dtype {
-        "float32" => attend::<f32, f32>(py, &tensors, &rows, threads.get()),
-        "bfloat16" => attend::<bf16, i16>(py, &tensors, &rows, threads.get()),
-        "float16" => attend::<f16, i16>(py, &tensors, &rows, threads.get()),
+        "float32" => attend_over::<f32, f32>(py, &tensors, &rows, threads, cache_dtype),
+        "bfloat16" => attend_over::<bf16, i16>(py, &tensors, &rows, threads, cache_dtype),
+        "float16" => attend_over::<f16, i16>(py, &tensors, &rows, threads, cache_dtype),
         other => Err(value_error(format!(
             "dtype must be 'float32', 'bfloat16' or 'float16', got {other:?}"
         ))),
     }
 }
 
-/// Runs the call with elements `E`, held by numpy as `T` (the same bits).
-fn attend<E: Element, T: numpy::Element>(
+/// `attend` with the caches' element: the model's (`T` to numpy), or a quantized row's code
+/// (uint8 to numpy).
+fn attend_over<E: Element, T: numpy::Element>(
+    py: Python<'_>,
+    tensors: &Tensors<'_, '_>,
+    rows: &Rows<'_>,
+    threads: usize,
+    cache_dtype: KvCacheDtype,
+) -> PyResult<()> {
+    match cache_dtype {
+        KvCacheDtype::Auto => attend::<E, T, E, T>(py, tensors, rows, threads),
+        KvCacheDtype::Int8 => attend::<E, T, Int8Code, u8>(py, tensors, rows, threads),
+        KvCacheDtype::Fp8E4m3 => attend::<E, T, Fp8E4m3Code, u8>(py, tensors, rows, threads),
+    }
+}
+
+/// Runs the call with elements `E`, held by numpy as `T` (the same bits), over caches of
+/// `C`, held by numpy as `U`.
+fn attend<E: Element, T: numpy::Element, C: Element, U: numpy::Element>(
     py: Python<'_>,
     tensors: &Tensors<'_, '_>,
     rows: &Rows<'_>,
     threads: usize,
 ) -> PyResult<()> {
     let query = readonly::<T>(tensors.query, "query")?;
-    let mut key_cache = writable::<T>(tensors.key_cache, "key_cache")?;
-    let mut value_cache = writable::<T>(tensors.value_cache, "value_cache")?;
+    let mut key_cache = writable::<U>(tensors.key_cache, "key_cache")?;
+    let mut value_cache = writable::<U>(tensors.value_cache, "value_cache")?;
     let mut out = writable::<T>(tensors.out, "out")?;
     let new_kv = match tensors.new_kv {
         Some((keys, values)) => Some((
@@ -165,9 +186,10 @@ fn attend<E: Element, T: numpy::Element>(
     };
     let [_, num_heads, head_dim] = dims(query.shape(), "query")?;
     let [_, num_kv_heads, cache_dim] = dims(key_cache.shape(), "key_cache")?;
-    if cache_dim != head_dim || out.shape() != query.shape() {
+    if cache_dim != C::row_len(head_dim) || out.shape() != query.shape() {
         return Err(value_error(format!(
-            "query {:?}, out {:?} and key_cache {:?} disagree on head_dim or shape",
+            "query {:?}, out {:?} and key_cache {:?} disagree on head_dim or shape (a \
+             quantized cache's rows are head_dim + 4 bytes)",
             query.shape(),
             out.shape(),
             key_cache.shape()
@@ -192,8 +214,8 @@ fn attend<E: Element, T: numpy::Element>(
         contiguous(&rows.block_tables.as_slice(), "block_tables")?,
     );
     let query = cast::<T, E>(contiguous(&query.as_slice(), "query")?);
-    let keys = cast_mut::<T, E>(contiguous_mut(key_cache.as_slice_mut(), "key_cache")?);
-    let values = cast_mut::<T, E>(contiguous_mut(value_cache.as_slice_mut(), "value_cache")?);
+    let keys = cast_mut::<U, C>(contiguous_mut(key_cache.as_slice_mut(), "key_cache")?);
+    let values = cast_mut::<U, C>(contiguous_mut(value_cache.as_slice_mut(), "value_cache")?);
     let out = cast_mut::<T, E>(contiguous_mut(out.as_slice_mut(), "out")?);
     let new = match (&new_kv, &rows.slot_mapping) {
         (Some((new_keys, new_values)), Some(slot_mapping)) => Some(NewKv {
@@ -214,7 +236,7 @@ fn attend<E: Element, T: numpy::Element>(
         // Checked before the new K/V are written: a refused call changes nothing.
         paged_call(shape, step, query, (keys, values), how).validate(out.len(), threads)?;
         if let Some(new) = &new {
-            write_slots(new, keys, values, num_kv_heads * head_dim)?;
+            write_slots(new, keys, values, (num_kv_heads, head_dim))?;
         }
         paged_call(shape, step, query, (keys, values), how).run(out, threads)
     })
@@ -223,13 +245,13 @@ fn attend<E: Element, T: numpy::Element>(
 
 /// The core's call over these caches (built twice: once to validate, once to run after the
 /// caches were written).
-fn paged_call<'a, E>(
+fn paged_call<'a, E, C>(
     shape: AttentionShape,
     rows: StepRows<'a>,
     query: &'a [E],
-    (key_cache, value_cache): (&'a [E], &'a [E]),
+    (key_cache, value_cache): (&'a [C], &'a [C]),
     (visibility, scale, sinks): (Visibility, f32, Option<&'a [f32]>),
-) -> PagedAttention<'a, E> {
+) -> PagedAttention<'a, E, C> {
     PagedAttention {
         shape,
         rows,
@@ -274,10 +296,10 @@ fn writable<'py, T: numpy::Element>(
 }
 
 fn wrong_type<T: numpy::Element>(name: &str) -> PyErr {
-    let wanted = if std::mem::size_of::<T>() == 4 {
-        "float32"
-    } else {
-        "int16 (a 16-bit tensor's bits)"
+    let wanted = match std::mem::size_of::<T>() {
+        4 => "float32",
+        1 => "uint8 (a quantized cache's rows)",
+        _ => "int16 (a 16-bit tensor's bits)",
     };
     value_error(format!("{name} must be a numpy {wanted} array"))
 }

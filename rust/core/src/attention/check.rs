@@ -6,7 +6,7 @@ use super::element::Element;
 use super::{PagedAttention, Visibility};
 use crate::error::CoreResult;
 
-impl<E: Element> PagedAttention<'_, E> {
+impl<E: Element, C: Element> PagedAttention<'_, E, C> {
     pub(super) fn check(&self, out_len: usize) -> CoreResult<()> {
         let shape = &self.shape;
         ensure!(
@@ -34,15 +34,15 @@ impl<E: Element> PagedAttention<'_, E> {
             shape.num_heads,
             shape.head_dim
         );
-        let slot = shape.num_kv_heads * shape.head_dim;
+        let row = C::row_len(shape.head_dim);
+        let slot = shape.num_kv_heads * row;
         let cache = self.key_cache.len();
         ensure!(
             cache == self.value_cache.len() && cache.is_multiple_of(slot * shape.block_size),
-            "the key ({cache}) and value ({}) caches must both be [blocks × {}, {}, {}]",
+            "the key ({cache}) and value ({}) caches must both be [blocks × {}, {}, {row}]",
             self.value_cache.len(),
             shape.block_size,
             shape.num_kv_heads,
-            shape.head_dim
         );
         if let Some(sinks) = self.sinks {
             ensure!(

@@ -28,8 +28,8 @@ pub(super) const DECODE_SPAN: usize = 32;
 /// As `kernel::attend`'s: `out` is the call's output and no other thread writes these heads
 /// of this token.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element, S: KeyScores>(
-    call: &PagedAttention<'_, E>,
+pub(super) unsafe fn attend<E: Element, C: Element, S: KeyScores>(
+    call: &PagedAttention<'_, E, C>,
     row: usize,
     (first_kv_head, kv_heads): (usize, usize),
     scratch: &mut Scratch,
@@ -44,12 +44,13 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     let rows = &call.rows;
     let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
     // Where position `p`'s rows of the piece's heads start (all of them, contiguous).
+    let row = C::row_len(dim);
     let heads_at = |position: usize| {
         let slot = table[position / shape.block_size] as usize * shape.block_size
             + position % shape.block_size;
-        (slot * shape.num_kv_heads + first_kv_head) * dim
+        (slot * shape.num_kv_heads + first_kv_head) * row
     };
-    let width = kv_heads * dim;
+    let width = kv_heads * row;
     for first_key in (lowest..=highest).step_by(DECODE_SPAN) {
         let end_key = (first_key + DECODE_SPAN).min(highest + 1);
         let keys = end_key - first_key;
@@ -59,7 +60,7 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
                 let at = heads_at(position);
                 prefetch_ahead(call.key_cache, position, highest + 1, width, &heads_at);
                 for head in 0..kv_heads {
-                    let key = as_f32(&call.key_cache[at + head * dim..][..dim], &mut scratch.row);
+                    let key = as_f32(&call.key_cache[at + head * row..][..row], &mut scratch.row);
                     for vector in head * group..(head + 1) * group {
                         let query = &scratch.queries[vector * dim..(vector + 1) * dim];
                         // Safety: the copy of the kernel that names `S` runs where the CPU
@@ -91,7 +92,7 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
             prefetch_ahead(call.value_cache, position, highest + 1, width, &heads_at);
             for head in 0..kv_heads {
                 let value = as_f32(
-                    &call.value_cache[at + head * dim..][..dim],
+                    &call.value_cache[at + head * row..][..row],
                     &mut scratch.row,
                 );
                 for vector in head * group..(head + 1) * group {
@@ -108,14 +109,14 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     write_out(call, &place, scratch, out);
 }
 
-/// `src` as `f32`s: in place when it holds them, else converted into `row`.
+/// One cache row `src` as `f32`s: in place when it holds them, else converted into `row`
+/// (as many values as `row` holds: `head_dim`).
 #[inline(always)]
-fn as_f32<'a, E: Element>(src: &'a [E], row: &'a mut [f32]) -> &'a [f32] {
-    match E::as_f32(src) {
+fn as_f32<'a, C: Element>(src: &'a [C], row: &'a mut [f32]) -> &'a [f32] {
+    match C::as_f32(src) {
         Some(values) => values,
         None => {
-            let row = &mut row[..src.len()];
-            E::load(src, row);
+            C::load(src, row);
             row
         }
     }

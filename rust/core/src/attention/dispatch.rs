@@ -55,7 +55,7 @@ pub unsafe fn use_openmp(parallel: OpenMpParallel) -> CoreResult<()> {
     Ok(())
 }
 
-type Piece<E> = unsafe fn(&PagedAttention<'_, E>, WorkItem, &mut Scratch, Output<E>);
+type Piece<E, C> = unsafe fn(&PagedAttention<'_, E, C>, WorkItem, &mut Scratch, Output<E>);
 
 /// The vector instructions a copy of the kernel is compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,25 +88,25 @@ impl InstructionSet {
         return self == InstructionSet::Portable;
     }
 
-    fn piece<E: Element>(self) -> Piece<E> {
+    fn piece<E: Element, C: Element>(self) -> Piece<E, C> {
         match self {
             #[cfg(target_arch = "x86_64")]
-            InstructionSet::Avx512 => piece_avx512::<E>,
+            InstructionSet::Avx512 => piece_avx512::<E, C>,
             #[cfg(target_arch = "x86_64")]
-            InstructionSet::Avx2 => piece_avx2::<E>,
-            _ => piece_portable::<E>,
+            InstructionSet::Avx2 => piece_avx2::<E, C>,
+            _ => piece_portable::<E, C>,
         }
     }
 }
 
 /// Runs a checked call on `threads` threads with the copy for `set`, which this CPU has.
-pub(super) fn run<E: Element>(
-    call: &PagedAttention<'_, E>,
+pub(super) fn run<E: Element, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     out: &mut [E],
     threads: usize,
     set: InstructionSet,
 ) -> CoreResult<()> {
-    let piece = set.piece::<E>();
+    let piece = set.piece::<E, C>();
     let rows = call.rows.seq_lens.len();
     let kv_heads = call.shape.num_kv_heads;
     let decode_heads = decode_heads(rows, kv_heads, threads);
@@ -213,33 +213,33 @@ unsafe extern "C" fn take_pieces(data: *mut c_void) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn piece_avx512<E: Element>(
-    call: &PagedAttention<'_, E>,
+unsafe fn piece_avx512<E: Element, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     item: WorkItem,
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend::<E, Avx512>(call, item, scratch, out);
+    kernel::attend::<E, C, Avx512>(call, item, scratch, out);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn piece_avx2<E: Element>(
-    call: &PagedAttention<'_, E>,
+unsafe fn piece_avx2<E: Element, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     item: WorkItem,
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend::<E, Portable>(call, item, scratch, out);
+    kernel::attend::<E, C, Portable>(call, item, scratch, out);
 }
 
-unsafe fn piece_portable<E: Element>(
-    call: &PagedAttention<'_, E>,
+unsafe fn piece_portable<E: Element, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     item: WorkItem,
     scratch: &mut Scratch,
     out: Output<E>,
 ) {
-    kernel::attend::<E, Portable>(call, item, scratch, out);
+    kernel::attend::<E, C, Portable>(call, item, scratch, out);
 }
 
 thread_local! {
@@ -247,7 +247,7 @@ thread_local! {
     static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
 }
 
-fn with_scratch<E: Element>(call: &PagedAttention<'_, E>, work: impl FnOnce(&mut Scratch)) {
+fn with_scratch<E, C>(call: &PagedAttention<'_, E, C>, work: impl FnOnce(&mut Scratch)) {
     let shape = &call.shape;
     let sizes = (
         shape.num_heads / shape.num_kv_heads,

@@ -72,7 +72,7 @@ pub(super) struct Place {
 }
 
 impl Place {
-    pub(super) fn of<E>(call: &PagedAttention<'_, E>, item: WorkItem) -> Self {
+    pub(super) fn of<E, C>(call: &PagedAttention<'_, E, C>, item: WorkItem) -> Self {
         let rows = &call.rows;
         let row = item.row as usize;
         let row_start = rows.query_start_loc[row] as usize;
@@ -104,8 +104,8 @@ impl Place {
 
     /// Decode row `row`'s token with the query heads of KV heads `first_kv_head..` (`kv_heads`
     /// of them, `first_kv_head` a multiple of `kv_heads`), as one group of vectors.
-    pub(super) fn heads<E>(
-        call: &PagedAttention<'_, E>,
+    pub(super) fn heads<E, C>(
+        call: &PagedAttention<'_, E, C>,
         row: usize,
         first_kv_head: usize,
         kv_heads: usize,
@@ -145,8 +145,8 @@ impl Visibility {
 
 /// Loads the item's queries, pre-scaled, and starts its softmax state.
 #[inline(always)]
-pub(super) fn load_queries<E: Element>(
-    call: &PagedAttention<'_, E>,
+pub(super) fn load_queries<E: Element, C>(
+    call: &PagedAttention<'_, E, C>,
     place: &Place,
     scratch: &mut Scratch,
 ) {
@@ -188,8 +188,8 @@ pub(super) fn online_softmax(
 /// # Safety
 /// As `kernel::attend`'s.
 #[inline(always)]
-pub(super) unsafe fn write_out<E: Element>(
-    call: &PagedAttention<'_, E>,
+pub(super) unsafe fn write_out<E: Element, C>(
+    call: &PagedAttention<'_, E, C>,
     place: &Place,
     scratch: &mut Scratch,
     out: Output<E>,
@@ -223,8 +223,8 @@ pub(super) unsafe fn write_out<E: Element>(
 /// when they are scored `by_rows`; values as rows into `values`. The rows of positions up to
 /// `PREFETCH_AHEAD` further, below `prefetch_end`, are prefetched meanwhile.
 #[inline(always)]
-pub(super) fn load_span<E: Element>(
-    call: &PagedAttention<'_, E>,
+pub(super) fn load_span<E, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     scratch: &mut Scratch,
     table: &[i32],
     (first_key, end_key, prefetch_end): (usize, usize, usize),
@@ -233,31 +233,32 @@ pub(super) fn load_span<E: Element>(
 ) {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
+    let row = C::row_len(dim);
     let row_at = |position: usize| {
         let slot = table[position / block_size] as usize * block_size + position % block_size;
-        (slot * shape.num_kv_heads + kv_head) * dim
+        (slot * shape.num_kv_heads + kv_head) * row
     };
     for position in first_key..end_key {
         let key = position - first_key;
         if position + PREFETCH_AHEAD < prefetch_end {
             let ahead = row_at(position + PREFETCH_AHEAD);
-            prefetch(&call.key_cache[ahead..ahead + dim]);
-            prefetch(&call.value_cache[ahead..ahead + dim]);
+            prefetch(&call.key_cache[ahead..ahead + row]);
+            prefetch(&call.value_cache[ahead..ahead + row]);
         }
         let at = row_at(position);
         if by_rows {
-            E::load(
-                &call.key_cache[at..at + dim],
+            C::load(
+                &call.key_cache[at..at + row],
                 &mut scratch.keys_t[key * dim..(key + 1) * dim],
             );
         } else {
-            E::load(&call.key_cache[at..at + dim], &mut scratch.row);
-            for (d, &value) in scratch.row.iter().enumerate() {
+            C::load(&call.key_cache[at..at + row], &mut scratch.row[..dim]);
+            for (d, &value) in scratch.row[..dim].iter().enumerate() {
                 scratch.keys_t[d * SPAN + key] = value;
             }
         }
-        E::load(
-            &call.value_cache[at..at + dim],
+        C::load(
+            &call.value_cache[at..at + row],
             &mut scratch.values[key * dim..(key + 1) * dim],
         );
     }

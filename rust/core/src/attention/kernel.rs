@@ -59,8 +59,8 @@ impl Scratch {
 /// `out` points at the call's output, of `tokens × heads × head_dim` elements, and no other
 /// thread writes this item's part of it.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element, S: KeyScores>(
-    call: &PagedAttention<'_, E>,
+pub(super) unsafe fn attend<E: Element, C: Element, S: KeyScores>(
+    call: &PagedAttention<'_, E, C>,
     item: WorkItem,
     scratch: &mut Scratch,
     out: Output<E>,
@@ -69,7 +69,7 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
     let row = item.row as usize;
     if call.rows.query_len(row) == 1 {
         let heads = (item.kv_head as usize, item.kv_heads as usize);
-        return decode::attend::<E, S>(call, row, heads, scratch, out);
+        return decode::attend::<E, C, S>(call, row, heads, scratch, out);
     }
     let place = Place::of(call, item);
     let vectors = place.vectors;
@@ -125,8 +125,8 @@ pub(super) unsafe fn attend<E: Element, S: KeyScores>(
 /// weights (zero where a vector does not see a key), rescaling each one's sums when its
 /// maximum grows.
 #[inline(always)]
-fn softmax_quad<E>(
-    call: &PagedAttention<'_, E>,
+fn softmax_quad<E, C>(
+    call: &PagedAttention<'_, E, C>,
     place: &Place,
     scratch: &mut Scratch,
     quad: usize,
@@ -194,7 +194,12 @@ fn score_quad(queries: &[f32], keys_t: &[f32], dim: usize, keys: usize, scores: 
 /// keys (as rows in `keys_t`, `load_span` with `by_rows`), a dot product per key, into
 /// `scores` as `score_quad` leaves them.
 #[inline(always)]
-fn score_rows<E>(call: &PagedAttention<'_, E>, scratch: &mut Scratch, keys: usize, vectors: usize) {
+fn score_rows<E, C>(
+    call: &PagedAttention<'_, E, C>,
+    scratch: &mut Scratch,
+    keys: usize,
+    vectors: usize,
+) {
     let dim = call.shape.head_dim;
     for key in 0..keys {
         let row = &scratch.keys_t[key * dim..(key + 1) * dim];

@@ -26,8 +26,8 @@ const STEP: usize = 4;
 /// # Safety
 /// As `kernel::attend`'s.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element>(
-    call: &PagedAttention<'_, E>,
+pub(super) unsafe fn attend<E: Element, C: Element>(
+    call: &PagedAttention<'_, E, C>,
     place: &Place,
     table: &[i32],
     scratch: &mut Scratch,
@@ -105,7 +105,11 @@ fn keys_seen(seen: &[(u32, u32)], (first_key, end_key): (usize, usize)) -> Optio
 /// Loads the item's queries, pre-scaled, transposed per lane block (`[dim, LANES]`), each
 /// lane's visible positions, and starts its softmax state.
 #[inline(always)]
-fn load_queries<E: Element>(call: &PagedAttention<'_, E>, place: &Place, scratch: &mut Scratch) {
+fn load_queries<E: Element, C>(
+    call: &PagedAttention<'_, E, C>,
+    place: &Place,
+    scratch: &mut Scratch,
+) {
     let (dim, vectors) = (call.shape.head_dim, place.vectors);
     let padded = vectors.next_multiple_of(PAIR);
     for i in 0..vectors {
@@ -152,8 +156,8 @@ impl Rows<'_> {
 /// caches themselves when they hold `f32` (returned: no copy), else in `keys_t` and
 /// `values`, converted there (`None`).
 #[inline(always)]
-fn span_rows<'a, E: Element>(
-    call: &PagedAttention<'a, E>,
+fn span_rows<'a, E, C: Element>(
+    call: &PagedAttention<'a, E, C>,
     scratch: &mut Scratch,
     table: &[i32],
     (first_key, end_key): (usize, usize),
@@ -161,7 +165,7 @@ fn span_rows<'a, E: Element>(
 ) -> Option<(&'a [f32], &'a [f32])> {
     let shape = &call.shape;
     let (dim, block_size) = (shape.head_dim, shape.block_size);
-    let in_place = E::as_f32(call.key_cache).zip(E::as_f32(call.value_cache));
+    let in_place = C::as_f32(call.key_cache).zip(C::as_f32(call.value_cache));
     if in_place.is_none() {
         load_span(
             call,

@@ -27,7 +27,7 @@ mod lanes;
 mod slots;
 
 pub use dispatch::{use_openmp, InstructionSet, OpenMpParallel};
-pub use element::Element;
+pub use element::{Element, Fp8E4m3Code, Int8Code};
 pub use half::{bf16, f16};
 pub use slots::{write_slots, NewKv};
 
@@ -70,14 +70,16 @@ pub enum Visibility {
 }
 
 /// One layer's attention for one step: `query` `[tokens, num_heads, head_dim]`, the caches
-/// `[slots, num_kv_heads, head_dim]` (slot = block × block_size + offset).
+/// `[slots, num_kv_heads, row]` (slot = block × block_size + offset), a row being `head_dim`
+/// elements of `C`, or a quantized row of `head_dim` codes and their scale (`Int8Code`,
+/// `Fp8E4m3Code`: read in place, dequantized a row at a time).
 #[derive(Debug, Clone, Copy)]
-pub struct PagedAttention<'a, E> {
+pub struct PagedAttention<'a, E, C = E> {
     pub shape: AttentionShape,
     pub rows: StepRows<'a>,
     pub query: &'a [E],
-    pub key_cache: &'a [E],
-    pub value_cache: &'a [E],
+    pub key_cache: &'a [C],
+    pub value_cache: &'a [C],
     pub visibility: Visibility,
     /// Multiplies every score (usually `head_dim ** -0.5`).
     pub scale: f32,
@@ -93,7 +95,7 @@ impl StepRows<'_> {
     }
 }
 
-impl<E: Element> PagedAttention<'_, E> {
+impl<E: Element, C: Element> PagedAttention<'_, E, C> {
     /// Attends every row into `out` (`[tokens, num_heads, head_dim]`) on `threads` threads.
     /// Checks every input first: a bad one is an error and `out` is left as it was.
     pub fn run(&self, out: &mut [E], threads: usize) -> CoreResult<()> {

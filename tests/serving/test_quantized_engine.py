@@ -1,0 +1,118 @@
+"""An Engine over quantized KV blocks (``kv_cache_dtype="int8"`` / ``"fp8_e4m3"``).
+
+A token's quantized rows depend on its own K/V alone, so with quantized KV every request's
+greedy tokens are the same whether its prefix was recomputed, hit in the device cache, or
+loaded from the disk tier (unused blocks poisoned so that they read back as NaN, eager and
+compiled). The negative control rescales the cached rows of a prefix: the hit that reads
+them then gives other tokens, so the comparison can fail. Bad combinations are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atb_mem.serving import Engine, SamplingParams
+from atb_mem.serving.kv_sizing import kv_cache_shape
+from tests.support.models import model_pair, random_prompt, run_poisoned
+
+QUANTIZED = ["int8", "fp8_e4m3"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPT = random_prompt(21, 26)
+FOLLOW_UP = [*PROMPT[:20], *random_prompt(22, 7)]  # shares its first five blocks
+
+
+def tokens(engine: Engine, label: str, prompt: list[int]) -> list[int]:
+    result: list[int] = run_poisoned(engine, {0: [(label, prompt, GREEDY)]})[label][0][0]
+    return result
+
+
+def engine(model: Any, kv_cache_dtype: str, **kwargs: Any) -> Engine:
+    return Engine(model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype, **kwargs)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_a_prefix_hit_reads_what_a_recompute_writes(architecture: str,
+                                                    kv_cache_dtype: str) -> None:
+    model, _ = model_pair(architecture)
+    recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
+    want = [tokens(recomputing, "a", PROMPT), tokens(recomputing, "b", FOLLOW_UP)]
+    for enforce_eager in (True, False):
+        hitting = engine(model, kv_cache_dtype, enforce_eager=enforce_eager)
+        assert tokens(hitting, "a", PROMPT) == want[0]
+        assert hitting.kv_cache.explain_prefix(FOLLOW_UP).hit_tokens == 20
+        assert tokens(hitting, "b", FOLLOW_UP) == want[1], (architecture, enforce_eager)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_rescaled_cached_rows_change_the_tokens_of_a_hit(kv_cache_dtype: str) -> None:
+    """The negative control: the same hit over rows whose scales were changed."""
+    model, _ = model_pair("llama")
+    hitting = engine(model, kv_cache_dtype, enforce_eager=True)
+    tokens(hitting, "a", PROMPT)
+    want = tokens(hitting, "b", FOLLOW_UP)
+    cache = hitting.kv_cache
+    cached = [int(block) for block in np.flatnonzero(np.isin(
+        np.arange(cache.num_blocks), cache.unused_blocks(), invert=True))[1:]]
+    rows = cache.kv_cache[:, :, cached]                 # [layers, 2, blocks, slots, heads, row]
+    head_dim = cache.head_dim
+    if kv_cache_dtype == "int8":  # the bfloat16 scale: one more to its exponent doubles it
+        scale = rows[..., head_dim:head_dim + 2].contiguous().view(dtype=_torch().int16)
+        rows[..., head_dim:head_dim + 2] = (scale + 128).view(dtype=_torch().uint8)
+    else:  # the f32 scale, doubled
+        scale = rows[..., head_dim:head_dim + 4].contiguous().view(dtype=_torch().float32)
+        rows[..., head_dim:head_dim + 4] = (scale * 2).view(dtype=_torch().uint8)
+    cache.kv_cache[:, :, cached] = rows
+    assert cache.explain_prefix(FOLLOW_UP).hit_tokens >= 20
+    assert tokens(hitting, "c", FOLLOW_UP) != want
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_the_disk_tier_serves_quantized_blocks_to_their_own_dtype_only(
+        kv_cache_dtype: str, tmp_path: Path) -> None:
+    model, _ = model_pair("llama")
+    recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
+    want = tokens(recomputing, "a", FOLLOW_UP)
+
+    def disk_engine(kind: str) -> Engine:
+        return Engine(model, num_blocks=12, block_size=4, max_num_seqs=1, enforce_eager=True,
+                      kv_offload={"disk": (str(tmp_path), "16MiB")}, kv_cache_dtype=kind)
+
+    def on_disk(serving: Engine) -> int:
+        assert serving.tiers is not None
+        return sum(count for medium, count in serving.tiers.explain_prefix(FOLLOW_UP).tiers
+                   if medium == "disk")
+
+    writer = disk_engine(kv_cache_dtype)
+    for round_ in range(2):  # saves of one step land while the next runs
+        tokens(writer, f"w{round_}", PROMPT)
+        assert writer.tiers is not None and writer.tiers.wait_for_saves(60)
+    writer.shutdown()
+    # Another dtype's engine finds nothing: the dtype is part of the blocks' keys.
+    other = "auto" if kv_cache_dtype != "auto" else "int8"
+    assert on_disk(disk_engine(other)) == 0
+    reader = disk_engine(kv_cache_dtype)
+    assert on_disk(reader) == 20
+    assert tokens(reader, "r", FOLLOW_UP) == want
+    reader.shutdown()
+
+
+def test_bad_kv_cache_dtypes_and_combinations_are_refused() -> None:
+    model, _ = model_pair("llama")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(model, num_blocks=16, block_size=4, kv_cache_dtype="int4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CPU kernel"):
+        Engine(model, num_blocks=16, block_size=4, kv_cache_dtype="int8",
+               attention_backend="torch")
+    assert kv_cache_shape(model, 1, "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
+    assert "kv_cache_dtype" not in kv_cache_shape(model)
