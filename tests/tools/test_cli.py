@@ -45,6 +45,25 @@ def test_plan_table_and_json_agree_with_plan_kv_cache(tmp_path: Path) -> None:
         assert row["bytes_per_block"] == 2 * 32 * row["block_size"] * 8 * 128 * 2
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_plan_counts_quantized_rows_and_their_scales(tmp_path: Path,
+                                                     kv_cache_dtype: str) -> None:
+    out = tmp_path / "plan.json"
+    result = atb_mem_command(*PLAN, "--utilization", "0.9", "--block-sizes", "16",
+                             "--kv-cache-dtype", kv_cache_dtype, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"K/V in {kv_cache_dtype}" in result.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    # A row: 128 one-byte codes and a four-byte scale, against float16's 256 bytes.
+    assert row["bytes_per_block"] == 2 * 32 * 16 * 8 * (128 + 4)
+    unquantized = atb_mem.plan_kv_cache(80 << 30, 16 << 30, gpu_memory_utilization=0.9,
+                                        block_size=16, num_layers=32, num_kv_heads=8,
+                                        head_dim=128, dtype="float16", max_model_len=8192)
+    assert row["num_blocks"] >= 1.9 * unquantized.num_blocks
+    refused = atb_mem_command(*PLAN, "--kv-cache-dtype", "int4")
+    assert refused.returncode != 0 and "int4" in refused.stderr
+
+
 def test_plan_with_a_host_tier_says_what_each_tier_holds(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     result = atb_mem_command(*PLAN, "--block-sizes", "16,128", "--utilization", "0.9",

@@ -29,6 +29,7 @@ from atb_mem.tools.bench import bench
 from atb_mem.tools.ctl import ctl
 from atb_mem.tools.generate import generate
 from atb_mem.tools.options import (
+    KV_CACHE_DTYPE_OPTION,
     OFFLOAD,
     SIZE,
     CommaList,
@@ -63,11 +64,13 @@ def cli() -> None:
 @click.option("--kv-offload", type=OFFLOAD, multiple=True,
               help="Tiers below the device, host=SIZE and disk=PATH:SIZE: the tokens of "
                    "prefix each tier holds are tabulated.")
+@KV_CACHE_DTYPE_OPTION
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def plan(total_memory: int, model_memory: int, model_config: str | None, layers: int | None,
          kv_heads: int | None, head_dim: int | None, dtype: str | None, max_model_len: int,
          utilizations: list[float], block_sizes: list[int], safety: float,
-         kv_offload: tuple[tuple[str, Any], ...], json_path: str | None) -> None:
+         kv_offload: tuple[tuple[str, Any], ...], kv_cache_dtype: Any,
+         json_path: str | None) -> None:
     """Capacity table: blocks, bytes per block and max_num_seqs by utilization and block size;
     with --kv-offload, the tokens of prefix the device, the host and the disk tier hold."""
     layers, kv_heads, head_dim, dtype, model = model_dimensions(model_config, layers, kv_heads,
@@ -87,7 +90,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                                  gpu_memory_utilization=utilization, block_size=block_size,
                                  num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                  dtype=dtype, max_model_len=max_model_len, safety=safety,
-                                 host_offload_bytes=host, disk_offload_bytes=disk)
+                                 host_offload_bytes=host, disk_offload_bytes=disk,
+                                 kv_cache_dtype=kv_cache_dtype)
                 result, every_block = sizing(**groups), sizing()
             except ValueError as error:
                 errors.append(f"utilization {utilization}, block size {block_size}: {error}")
@@ -109,7 +113,8 @@ def plan(total_memory: int, model_memory: int, model_config: str | None, layers:
                          "max_num_seqs_keeping_every_block": every_block.max_num_seqs})
     if not rows:
         raise click.ClickException(errors[0])
-    table = Table(title=f"KV-cache capacity ({dtype}, max_model_len {max_model_len})")
+    quantized = "" if kv_cache_dtype == "auto" else f", K/V in {kv_cache_dtype}"
+    table = Table(title=f"KV-cache capacity ({dtype}{quantized}, max_model_len {max_model_len})")
     columns = ["utilization", "block size", "blocks", "bytes/block", "usable GiB",
                "max_num_seqs"] + (["keeping every block"] if groups else []) \
         + (["device tokens"] if host or disk else []) + (["host tokens"] if host else []) \

@@ -21,14 +21,15 @@ from atb_mem.tools.options import console, engine_options
 @engine_options
 def generate(model_dir: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, device: str | None, dtype: str, block_size: int,
-             num_blocks: int | None, attention_backend: str) -> None:
+             num_blocks: int | None, attention_backend: str, kv_cache_dtype: str) -> None:
     """Continues PROMPT with the checkpoint in MODEL_DIR, streaming the text."""
     from atb_mem.serving import Engine, SamplingParams
 
     engine = Engine.from_pretrained(model_dir, device=device,
                                     dtype=None if dtype == "auto" else dtype,
                                     block_size=block_size, num_blocks=num_blocks, max_num_seqs=1,
-                                    attention_backend=attention_backend)
+                                    attention_backend=attention_backend,
+                                    kv_cache_dtype=kv_cache_dtype)
     if engine.tokenizer is None:
         raise click.ClickException(f"{model_dir} has no tokenizer to read the prompt with")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from atb_mem._core import KV_DTYPES
+from atb_mem._core import KV_CACHE_DTYPES, KV_DTYPES
 from atb_mem._sizes import parse_size
 from atb_mem.integrations.attention_backends import ATTENTION_BACKENDS
 
@@ -82,6 +82,11 @@ def offload_tiers(tiers: tuple[tuple[str, Any], ...]) -> dict[str, Any] | None:
 SIZE = _Size()
 OFFLOAD = _Offload()
 DTYPES = list(KV_DTYPES)
+KV_CACHE_DTYPE_OPTION = click.option(
+    "--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default="auto",
+    show_default=True,
+    help="How the KV cache stores K/V: the model's dtype (auto), or quantized per token and "
+         "KV head, int8 or fp8_e4m3 (about twice the tokens in the same memory).")
 # Wide tables when the output is not a terminal (a file, a CI log): rich would use 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -127,6 +132,7 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True,
                      help="Paged attention: atb-mem's CPU kernel, FlashInfer's (CUDA), or the "
                           "torch reference; auto picks the kernel the device has."),
+        KV_CACHE_DTYPE_OPTION,
     ]
     for option in reversed(options):
         command = option(command)

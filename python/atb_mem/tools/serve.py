@@ -87,7 +87,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
           kv_store: str | None, kv_identity: str | None, eviction_policy: str,
           hash_block_size: int | None, state_checkpoint_interval: int | None,
           no_prefix_caching: bool, gpu_memory_utilization: float, attention_backend: str,
-          max_batch_size: int | None,
+          kv_cache_dtype: str, max_batch_size: int | None,
           timeout_ms: float | None, kv_events_endpoint: str | None,
           kv_events_replay_endpoint: str | None, kv_events_topic: str,
           tensor_parallel_size: int, config_path: str | None, admin_token: str | None,
@@ -124,7 +124,7 @@ def serve(model_dir: str, host: str, port: int, served_model_name: str | None,
         "eviction_policy": eviction_policy, "hash_block_size": hash_block_size,
         "state_checkpoint_interval": state_checkpoint_interval,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "attention_backend": attention_backend}
+        "attention_backend": attention_backend, "kv_cache_dtype": kv_cache_dtype}
     workers: list[subprocess.Popen[bytes]] = []
     if tensor_parallel_size > 1 and "RANK" not in os.environ:
         from atb_mem.distributed.tensor_parallel import launch_workers
