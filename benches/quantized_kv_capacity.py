@@ -3,10 +3,12 @@
 cache preempt, each in a fresh process, round after round alternating:
 
     python benches/quantized_kv_capacity.py [--model qwen3-0.6b] [--kv-budget-mib 256] \
-        [--requests 64] [--rounds 2]
+        [--requests 64] [--rounds 2] [--output-scale 2]
 
 The requests are ``engine_vs_vllm.py``'s (the first of the Azure code trace, all queued at
-t=0, greedy, EOS ignored); ``max_num_seqs=64``, 16-token blocks, the compiled forward.
+t=0, greedy, EOS ignored), each output ``--output-scale`` times as long (2: the trace's own
+``GeneratedTokens``; outputs that grow are what makes a running batch preempt);
+``max_num_seqs=64``, 16-token blocks, the compiled forward.
 Reported per run: useful output tokens/s, preemptions, the most sequences running in one
 step, the cache's blocks, and blocks per GiB of each dtype.
 """
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--kv-budget-mib", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output-scale", type=int, default=1)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -78,10 +81,11 @@ def main() -> None:
         model_dir = Path(folder) / "model"
         build_model(args.model).save_pretrained(model_dir)
         job = {"model": str(model_dir), "name": args.model, "budget": args.kv_budget_mib << 20,
-               "work": workload(args.requests, vocab),
+               "work": [(prompt, tokens * args.output_scale)
+                        for prompt, tokens in workload(args.requests, vocab)],
                "warm_up": [([5] * 40, 4), ([6] * 90, 4)]}
-        print(f"{args.model}, {args.requests} requests, KV budget {args.kv_budget_mib} MiB, "
-              f"max_num_seqs 64, block size 16, compiled forward")
+        print(f"{args.model}, {args.requests} requests (outputs x{args.output_scale}), KV "
+              f"budget {args.kv_budget_mib} MiB, max_num_seqs 64, block size 16, compiled forward")
         for round_ in range(args.rounds):
             for dtype in DTYPES:
                 job_file = Path(folder) / f"{dtype}.json"
