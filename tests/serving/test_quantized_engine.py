@@ -1,10 +1,11 @@
 """An Engine over quantized KV blocks (``kv_cache_dtype="int8"`` / ``"fp8_e4m3"``).
 
 A token's quantized rows depend on its own K/V alone, so with quantized KV every request's
-greedy tokens are the same whether its prefix was recomputed, hit in the device cache, or
-loaded from the disk tier (unused blocks poisoned so that they read back as NaN, eager and
-compiled). The negative control rescales the cached rows of a prefix: the hit that reads
-them then gives other tokens, so the comparison can fail. Bad combinations are refused.
+greedy tokens are the same whether its prefix was recomputed, hit in the device cache,
+promoted from the host tier, loaded from the disk tier, or its sequence swapped out and back
+(unused blocks poisoned so that they read back as NaN; eager and compiled). The negative
+control rescales the cached rows of a prefix: the hit that reads them then gives other tokens,
+so the comparison can fail. Bad combinations are refused.
 """
 
 from __future__ import annotations
@@ -105,6 +106,38 @@ def test_the_disk_tier_serves_quantized_blocks_to_their_own_dtype_only(
     assert on_disk(reader) == 20
     assert tokens(reader, "r", FOLLOW_UP) == want
     reader.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_prefixes_promoted_from_the_host_tier_give_a_recomputes_tokens(
+        kv_cache_dtype: str) -> None:
+    """A device of 7 usable blocks keeps one request: each repeated prompt's prefix comes from
+    the host."""
+    model, _ = model_pair("llama")
+    prompts = [random_prompt(30 + seed, 13) for seed in range(4)]  # 3 blocks, 5 with outputs
+    recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
+    want = [tokens(recomputing, f"a{index}", prompt) for index, prompt in enumerate(prompts)]
+    offloading = Engine(model, num_blocks=8, block_size=4, max_num_seqs=1, enforce_eager=True,
+                        kv_offload={"host": 64 * 1024}, kv_cache_dtype=kv_cache_dtype)
+    for round_ in range(2):
+        got = [tokens(offloading, f"{round_}-{index}", prompt)
+               for index, prompt in enumerate(prompts)]
+        assert got == want, round_
+    assert offloading.kv_cache.stats()["prefix_cache_host_hit_tokens"] >= 3 * 12
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(kv_cache_dtype: str) -> None:
+    model, _ = model_pair("llama")
+    prompts = [random_prompt(40 + seed, 9) for seed in range(4)]
+    arrivals = {0: [(f"r{index}", prompt, GREEDY) for index, prompt in enumerate(prompts)]}
+    roomy = engine(model, kv_cache_dtype, enforce_eager=True)
+    want = {key: value[0][0] for key, value in run_poisoned(roomy, arrivals).items()}
+    swapping = Engine(model, num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=True,
+                      preemption="swap", num_host_blocks=32, kv_cache_dtype=kv_cache_dtype)
+    got = {key: value[0][0] for key, value in run_poisoned(swapping, arrivals).items()}
+    assert swapping.scheduler.stats()["preemptions"] > 0
+    assert got == want
 
 
 def test_bad_kv_cache_dtypes_and_combinations_are_refused() -> None:
