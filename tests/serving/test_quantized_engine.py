@@ -2,7 +2,8 @@
 
 A token's quantized rows depend on its own K/V alone, so with quantized KV every request's
 greedy tokens are the same whether its prefix was recomputed, hit in the device cache,
-promoted from the host tier, loaded from the disk tier, or its sequence swapped out and back
+promoted from the host tier, loaded from the disk tier or from Mooncake (a real
+``mooncake_master`` on 127.0.0.1), or its sequence swapped out and back
 (unused blocks poisoned so that they read back as NaN; eager and compiled). The negative
 control rescales the cached rows of a prefix: the hit that reads them then gives other tokens,
 so the comparison can fail. Bad combinations are refused.
@@ -19,6 +20,7 @@ import pytest
 from atb_mem.serving import Engine, SamplingParams
 from atb_mem.serving.kv_sizing import kv_cache_shape
 from tests.support.models import model_pair, random_prompt, run_poisoned
+from tests.support.mooncake import mooncake_master
 
 QUANTIZED = ["int8", "fp8_e4m3"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -138,6 +140,28 @@ def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(kv_cache_dtyp
     got = {key: value[0][0] for key, value in run_poisoned(swapping, arrivals).items()}
     assert swapping.scheduler.stats()["preemptions"] > 0
     assert got == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_prefixes_loaded_from_mooncake_give_a_recomputes_tokens(kv_cache_dtype: str) -> None:
+    """A device that keeps no earlier prompt: the second round's prefixes come from the store."""
+    model, _ = model_pair("llama")
+    prompts = [random_prompt(50 + seed, 13) for seed in range(3)]
+    recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
+    want = [tokens(recomputing, f"a{index}", prompt) for index, prompt in enumerate(prompts)]
+    with mooncake_master() as master:
+        storing = Engine(model, num_blocks=8, block_size=4, max_num_seqs=1, enforce_eager=True,
+                         kv_store=master.url, kv_cache_dtype=kv_cache_dtype)
+        try:
+            assert storing.tiers is not None
+            for round_ in range(2):
+                got = [tokens(storing, f"{round_}-{index}", prompt)
+                       for index, prompt in enumerate(prompts)]
+                assert got == want, round_
+                assert storing.tiers.wait_for_saves(60)
+            assert storing.tiers.counters.loaded_by_tier == {"MOONCAKE": 3 * len(prompts)}
+        finally:
+            storing.shutdown()
 
 
 def test_bad_kv_cache_dtypes_and_combinations_are_refused() -> None:
