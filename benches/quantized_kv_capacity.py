@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def main() -> None:
                 child = subprocess.run([sys.executable, __file__, "--child", str(job_file)],
                                        capture_output=True, text=True, timeout=3600,
                                        env={"PYTHONPATH": str(ROOT / "python"),
-                                            **dict(__import__("os").environ)})
+                                            **os.environ})
                 lines = [line for line in child.stdout.splitlines()
                          if line.startswith("RESULT ")]
                 if child.returncode or not lines:

@@ -309,6 +309,24 @@ fn quantized(cache: &[f32], head_dim: usize, dtype: KvCacheDtype) -> (Vec<u8>, V
     (codes, back)
 }
 
+/// `call` over other caches.
+fn over_caches<'a, C>(
+    call: &PagedAttention<'a, f32>,
+    key_cache: &'a [C],
+    value_cache: &'a [C],
+) -> PagedAttention<'a, f32, C> {
+    PagedAttention {
+        key_cache,
+        value_cache,
+        query: call.query,
+        shape: call.shape,
+        rows: call.rows,
+        visibility: call.visibility,
+        scale: call.scale,
+        sinks: call.sinks,
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(100),
@@ -336,23 +354,15 @@ proptest! {
         for set in sets.into_iter().filter(|set| set.available()) {
             let mut out = vec![f32::NAN; built.query.len()];
             if int8 {
-                PagedAttention {
-                    key_cache: Int8Code::from_bytes(&key_codes),
-                    value_cache: Int8Code::from_bytes(&value_codes),
-                    query: plain.query, shape: plain.shape, rows: plain.rows,
-                    visibility: plain.visibility, scale, sinks: plain.sinks,
-                }
-                .run_with(&mut out, threads, set)
-                .unwrap();
+                over_caches(&plain, Int8Code::from_bytes(&key_codes),
+                            Int8Code::from_bytes(&value_codes))
+                    .run_with(&mut out, threads, set)
+                    .unwrap();
             } else {
-                PagedAttention {
-                    key_cache: Fp8E4m3Code::from_bytes(&key_codes),
-                    value_cache: Fp8E4m3Code::from_bytes(&value_codes),
-                    query: plain.query, shape: plain.shape, rows: plain.rows,
-                    visibility: plain.visibility, scale, sinks: plain.sinks,
-                }
-                .run_with(&mut out, threads, set)
-                .unwrap();
+                over_caches(&plain, Fp8E4m3Code::from_bytes(&key_codes),
+                            Fp8E4m3Code::from_bytes(&value_codes))
+                    .run_with(&mut out, threads, set)
+                    .unwrap();
             }
             let compared = close(&out, &want, 2e-5);
             prop_assert!(compared.is_ok(), "{dtype:?} {set:?}: {compared:?}");

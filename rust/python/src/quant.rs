@@ -17,6 +17,20 @@ fn quantized(name: &str) -> PyResult<KvCacheDtype> {
     }
 }
 
+/// (head_dim, row bytes) of `values` (`[n, head_dim]` f32) and `rows` (`[n, row bytes]`), or
+/// an error where the two do not pair up as rows of `dtype`.
+fn row_sizes(dtype: KvCacheDtype, values: &[usize], rows: &[usize]) -> PyResult<(usize, usize)> {
+    let (head_dim, row_bytes) = (values[1], rows[1]);
+    if values[0] != rows[0] || dtype.row_bytes(head_dim) != Some(row_bytes) {
+        return Err(value_error(format!(
+            "values of shape {values:?} and quantized rows of shape {rows:?} disagree: a row \
+             of {head_dim} values takes {} bytes",
+            head_dim.saturating_add(dtype.row_bytes(0).unwrap_or(0))
+        )));
+    }
+    Ok((head_dim, row_bytes))
+}
+
 /// Writes each row of `values` (f32 `[n, head_dim]`) as a quantized row of `out` (uint8
 /// `[n, head_dim + 4]`).
 #[pyfunction]
@@ -27,20 +41,10 @@ pub fn quantize_kv_rows(
     kv_cache_dtype: &str,
 ) -> PyResult<()> {
     let dtype = quantized(kv_cache_dtype)?;
-    let [rows, head_dim] = [values.shape()[0], values.shape()[1]];
-    let row_bytes = dtype
-        .row_bytes(head_dim)
-        .ok_or_else(|| value_error("the row size overflows"))?;
     let mut out = out
         .try_readwrite()
         .map_err(|_| value_error("out is borrowed elsewhere"))?;
-    if out.shape() != [rows, row_bytes] {
-        return Err(value_error(format!(
-            "out must have shape ({rows}, {row_bytes}) for {rows} rows of {head_dim} values, \
-             got {:?}",
-            out.shape()
-        )));
-    }
+    let (head_dim, row_bytes) = row_sizes(dtype, values.shape(), out.shape())?;
     let values = values
         .as_slice()
         .map_err(|_| value_error("values must be a C-contiguous float32 array"))?;
@@ -70,18 +74,10 @@ pub fn dequantize_kv_rows(
     kv_cache_dtype: &str,
 ) -> PyResult<()> {
     let dtype = quantized(kv_cache_dtype)?;
-    let [count, row_bytes] = [rows.shape()[0], rows.shape()[1]];
     let mut out = out
         .try_readwrite()
         .map_err(|_| value_error("out is borrowed elsewhere"))?;
-    let head_dim = out.shape()[1];
-    if out.shape()[0] != count || dtype.row_bytes(head_dim) != Some(row_bytes) {
-        return Err(value_error(format!(
-            "rows of {row_bytes} bytes hold {} values each; out has shape {:?}",
-            row_bytes.saturating_sub(dtype.row_bytes(0).unwrap_or(0)),
-            out.shape()
-        )));
-    }
+    let (head_dim, row_bytes) = row_sizes(dtype, out.shape(), rows.shape())?;
     let rows = rows
         .as_slice()
         .map_err(|_| value_error("rows must be a C-contiguous uint8 array"))?;

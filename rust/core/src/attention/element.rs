@@ -97,11 +97,10 @@ macro_rules! quantized_element {
                 unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<$code>(), bytes.len()) }
             }
 
-            /// Bytes as rows of codes, to write.
-            pub fn from_bytes_mut(bytes: &mut [u8]) -> &mut [$code] {
-                // Safety: as `from_bytes`; borrowed mutably for the result's life.
+            fn bytes_mut(codes: &mut [$code]) -> &mut [u8] {
+                // Safety: as `bytes`; borrowed mutably for the result's life.
                 unsafe {
-                    std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<$code>(), bytes.len())
+                    std::slice::from_raw_parts_mut(codes.as_mut_ptr().cast::<u8>(), codes.len())
                 }
             }
         }
@@ -114,11 +113,7 @@ macro_rules! quantized_element {
 
             #[inline(always)]
             fn store(src: &[f32], dst: &mut [$code]) {
-                // Safety: `repr(transparent)` over a `u8`.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), dst.len())
-                };
-                $format::quantize(src, bytes);
+                $format::quantize(src, $code::bytes_mut(dst));
             }
 
             #[inline(always)]
