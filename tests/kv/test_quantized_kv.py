@@ -155,6 +155,27 @@ def test_bad_kv_cache_dtypes_are_refused() -> None:
                                "int8")
 
 
+def test_bad_rows_and_attention_calls_are_refused_and_write_nothing() -> None:
+    rows = np.zeros((2, 12), np.uint8)
+    out = np.full((2, 8), 7.0, np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        _core.dequantize_kv_rows(rows, np.zeros((2, 9), np.float32), "int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        _core.dequantize_kv_rows(rows, out, "fp4")
+    assert np.all(out == 7.0)
+    # The kernel over a quantized cache: an unknown dtype, and rows of the model's width.
+    query = np.ones((1, 2, 8), np.float32)
+    attended = np.full_like(query, 7.0)
+    steps = (np.array([0, 1], np.int32), np.array([1], np.int32), np.ones((1, 1), np.int32))
+    for kv_cache_dtype, row, match in (("int4", 12, "kv_cache_dtype"), ("int8", 8, "head_dim")):
+        cache = np.zeros((2 * 4, 1, row), np.uint8)
+        with pytest.raises(ValueError, match=match):
+            _core.paged_attention(query, cache, cache.copy(), attended, *steps, block_size=4,
+                                  scale=1.0, dtype="float32",
+                                  kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
+        assert np.all(attended == 7.0) and not cache.any()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_a_write_in_the_wrong_dtype_changes_nothing(kv_cache_dtype: str) -> None:
     rng = np.random.default_rng(6)
