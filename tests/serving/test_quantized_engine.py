@@ -51,6 +51,42 @@ def test_a_prefix_hit_reads_what_a_recompute_writes(architecture: str,
         assert tokens(hitting, "b", FOLLOW_UP) == want[1], (architecture, enforce_eager)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_the_torch_reference_writes_and_reads_rows_as_the_kernel_does(
+        architecture: str, kv_cache_dtype: str, device: str) -> None:
+    """The reference path (CUDA's; on the CPU with ``attention_backend="torch"``): its hits
+    and recomputes give the CPU kernel's tokens, and on the CPU the first layer's rows (its
+    K/V comes from the embeddings alone) are the kernel's byte for byte."""
+    model, _ = model_pair(architecture)
+    kernel = engine(model, kv_cache_dtype, enforce_eager=True)
+    want = [tokens(kernel, "a", PROMPT), tokens(kernel, "b", FOLLOW_UP)]
+    for enable_prefix_caching in (False, True):
+        reference = engine(model.to(device), kv_cache_dtype, attention_backend=(
+            "torch" if device == "cpu" else "auto"), enable_prefix_caching=enable_prefix_caching)
+        assert reference.runner.kernel is None
+        got = [tokens(reference, "a", PROMPT)]
+        hit = reference.kv_cache.explain_prefix(FOLLOW_UP).hit_tokens
+        got.append(tokens(reference, "b", FOLLOW_UP))
+        assert (got, hit) == (want, 20 if enable_prefix_caching else 0), architecture
+    if device == "cpu":  # a GPU's projections round otherwise
+        layer_0 = [cached_rows(serving, PROMPT[:20])[0] for serving in (kernel, reference)]
+        assert bool((layer_0[0] == layer_0[1]).all())
+
+
+def cached_rows(serving: Engine, prefix: list[int]) -> Any:
+    """The rows of the blocks the prefix cache holds for ``prefix``: a sequence that hits
+    them, looked at and let go."""
+    kv_cache = serving.kv_cache
+    kv_cache.alloc_sequence(1 << 40, prefix)
+    blocks = kv_cache.block_table(1 << 40)[:-1]         # the last one is the new token's
+    assert kv_cache.num_computed(1 << 40) == len(prefix) - 4
+    rows = kv_cache.kv_cache[:, :, blocks.tolist()].clone()
+    kv_cache.free_sequence(1 << 40)
+    return rows
+
+
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_rescaled_cached_rows_change_the_tokens_of_a_hit(kv_cache_dtype: str) -> None:
     """The negative control: the same hit over rows whose scales were changed."""
@@ -168,8 +204,8 @@ def test_bad_kv_cache_dtypes_and_combinations_are_refused() -> None:
     model, _ = model_pair("llama")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(model, num_blocks=16, block_size=4, kv_cache_dtype="int4")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="CPU kernel"):
+    with pytest.raises(ValueError, match="FlashInfer does not read"):
         Engine(model, num_blocks=16, block_size=4, kv_cache_dtype="int8",
-               attention_backend="torch")
+               attention_backend="flashinfer")
     assert kv_cache_shape(model, 1, "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
     assert "kv_cache_dtype" not in kv_cache_shape(model)

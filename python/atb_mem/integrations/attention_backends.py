@@ -25,18 +25,20 @@ def attention_kernel(backend: AttentionBackend, device: Any, num_heads: int, num
                      kv_cache_dtype: KVCacheDtype = "auto"
                      ) -> FlashInferAttention | CpuPagedAttention | None:
     """The paged kernel a model runner uses, or None for the torch reference. A quantized
-    cache (``kv_cache_dtype``) is read by atb-mem's CPU kernel only: elsewhere, an error."""
+    cache (``kv_cache_dtype``) is read by atb-mem's CPU kernel and by the torch reference;
+    FlashInfer's fp8 takes one scale per tensor, not the rows' own, so on CUDA the reference
+    serves it (and asking for FlashInfer is an error)."""
     import torch
 
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     device = torch.device(device)
     cpu_kernel = backend == "cpu" or (backend == "auto" and device.type == "cpu")
-    if kv_cache_dtype != "auto" and not (cpu_kernel and device.type == "cpu"):
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: only atb-mem's CPU kernel reads "
-                         f"quantized blocks (attention_backend 'cpu' or 'auto' on the CPU), "
-                         f"not attention_backend {backend!r} on {device}")
-    if backend == "torch":
+    if kv_cache_dtype != "auto" and backend == "flashinfer":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: FlashInfer does not read "
+                         "atb-mem's quantized rows (a scale per token and head); use "
+                         "attention_backend 'auto' or 'torch'")
+    if backend == "torch" or (kv_cache_dtype != "auto" and not cpu_kernel):
         return None
     if cpu_kernel:
         if device.type != "cpu":

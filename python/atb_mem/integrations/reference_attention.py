@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.layer_attention import LayerAttention
+from atb_mem.kv.quantized_rows import dequantize_tensor_rows
 
 if TYPE_CHECKING:
     import torch
@@ -111,19 +113,26 @@ def sdpa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def attend_paged(queries_by_token: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, rows: PagedRows, mask: torch.Tensor,
-                  scaling: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``."""
+                 value_cache: torch.Tensor, rows: PagedRows, mask: torch.Tensor,
+                 scaling: float | None, sinks: torch.Tensor | None,
+                 kv_cache_dtype: KVCacheDtype = "auto") -> torch.Tensor:
+    """The rows' new tokens attending over their gathered K/V: ``[n, heads, D]``; a
+    quantized cache's rows (``kv_cache_dtype``) are dequantized as they are gathered."""
     import torch
 
     count, length = rows.kv_slots.shape
     slots = rows.kv_slots.reshape(-1)
     dtype = queries_by_token.dtype
-    # [rows, L, kv, D] -> [rows, kv, L, D], padding zeroed.
-    keys = torch.where(rows.kv_valid, key_cache.index_select(0, slots).view(
-        count, length, *key_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
-    values = torch.where(rows.kv_valid, value_cache.index_select(0, slots).view(
-        count, length, *value_cache.shape[1:]), 0).to(dtype).transpose(1, 2)
+
+    def gathered(cache: torch.Tensor) -> torch.Tensor:
+        """[rows, L, kv, D] -> [rows, kv, L, D], padding zeroed."""
+        kv = cache.index_select(0, slots)
+        if kv_cache_dtype != "auto":
+            kv = dequantize_tensor_rows(kv, kv_cache_dtype)
+        kv = kv.view(count, length, *kv.shape[1:])
+        return torch.where(rows.kv_valid, kv, 0).to(dtype).transpose(1, 2)
+
+    keys, values = gathered(key_cache), gathered(value_cache)
     queries = queries_by_token[rows.tokens].transpose(1, 2)               # [rows, H, Q, D]
     out = sdpa_attention(queries, keys, values, mask, scaling, sinks)
     return out.transpose(1, 2)[rows.token_row, rows.token_col]

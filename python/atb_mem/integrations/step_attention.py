@@ -6,7 +6,9 @@ graph's opaque operator (``compiled_forward``), which both import it from here.
 
 A paged kernel (atb-mem's on the CPU, FlashInfer on CUDA) serves the layers it can; the rest
 take the torch reference: a row whose K/V is all new attends over its own new keys (SDPA),
-the others over their K/V gathered through the block tables.
+the others over their K/V gathered through the block tables. Over a quantized cache the
+reference writes rows as the core does and reads them back dequantized, fresh rows included
+(over what their rows will read back as), so that a prefix hit computes what a recompute does.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.cpu_attention import CpuPagedAttention, CpuPagedStep
 from atb_mem.integrations.flashinfer import FlashInferAttention, FlashInferStep
 from atb_mem.integrations.layer_attention import FULL_ATTENTION, LayerAttention
 from atb_mem.integrations.reference_attention import PagedRows, attend_paged, sdpa_attention
+from atb_mem.kv.quantized_rows import dequantize_tensor_rows, quantize_tensor_rows
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +66,8 @@ class StepAttention:
     """The plan's rows other than the fresh ones, as they are gathered together."""
     block_size: int
     device: Any
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """How the caches store K/V: in the model's dtype, or as quantized rows (uint8)."""
     kernel: FlashInferStep | CpuPagedStep | None = None
     """The step of a paged kernel (FlashInfer, atb-mem's on the CPU) that serves the layers
     it can."""
@@ -94,8 +100,8 @@ class StepAttention:
     def from_plan(cls, plan: StepPlan, layer_caches: list[tuple[Any, Any]], block_size: int,
                   device: Any, layers: list[LayerAttention] | None = None,
                   layer_groups: list[int] | None = None,
-                  kernel: FlashInferAttention | CpuPagedAttention | None = None
-                  ) -> StepAttention:
+                  kernel: FlashInferAttention | CpuPagedAttention | None = None,
+                  kv_cache_dtype: KVCacheDtype = "auto") -> StepAttention:
         import torch
 
         layers = layers or [FULL_ATTENTION] * len(layer_caches)
@@ -115,7 +121,7 @@ class StepAttention:
         slots = [torch.from_numpy(row.astype(np.int64)).to(device) for row in slot_rows]
         return cls(layer_caches=layer_caches, layers=layers, layer_groups=layer_groups,
                    slot_mappings=slots, fresh=fresh, plan=plan, row_sets=row_sets,
-                   block_size=block_size, device=device,
+                   block_size=block_size, device=device, kv_cache_dtype=kv_cache_dtype,
                    kernel=None if kernel is None else kernel.begin_step(
                        query_lens, seq_lens, table_planes, slot_rows))
 
@@ -164,6 +170,13 @@ def attend_step(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: t
             value_cache.index_copy_(0, slot_mapping, new_values)
             out = kernel.attend(group, kind, queries, key_cache, value_cache, scaling)
         return out.unsqueeze(0)
+    quantized = step.kv_cache_dtype != "auto"
+    if quantized:
+        new_keys = quantize_tensor_rows(new_keys, step.kv_cache_dtype)
+        new_values = quantize_tensor_rows(new_values, step.kv_cache_dtype)
+        # Fresh rows attend over what their rows read back as, as a later hit would.
+        key, value = (dequantize_tensor_rows(rows, step.kv_cache_dtype).to(query.dtype)
+                      .transpose(0, 1)[None] for rows in (new_keys, new_values))
     key_cache.index_copy_(0, slot_mapping, new_keys)
     value_cache.index_copy_(0, slot_mapping, new_values)
     out = torch.empty((query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype,
@@ -172,7 +185,8 @@ def attend_step(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: t
     queries_by_token = query[0].transpose(0, 1)                            # [T, H, D]
     for rows in step.paged_rows(group):
         out[rows.token_ids] = attend_paged(queries_by_token, key_cache, value_cache, rows,
-                                            rows.masks[kind], scaling, sinks)
+                                            rows.masks[kind], scaling, sinks,
+                                            step.kv_cache_dtype)
     return out.unsqueeze(0)
 
 

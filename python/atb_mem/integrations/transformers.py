@@ -153,9 +153,7 @@ class ModelRunner:
                               kv_cache.value_cache(layer).view(shape))
                              for layer, attention in enumerate(self.layers)]
         recurrent = any(attention.is_recurrent for attention in self.layers)
-        if recurrent and kv_cache.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {kv_cache.kv_cache_dtype!r} is for attention "
-                             "layers' K/V; this model has recurrent layers, not served with it")
+        # A quantized cache quantizes K/V only: states keep the model's dtype in its bytes.
         self.recurrent = RecurrentStates(model, kv_cache, self.layers) if recurrent else None
         # Only inside a step: outside, the user's model runs as transformers would.
         self.attention = AttentionSwitch(model, ATTN_IMPLEMENTATION, paged_attention_forward)
@@ -178,7 +176,7 @@ class ModelRunner:
             raise ValueError("the plan has tokens without ids: give requests their token ids")
         step = StepAttention.from_plan(plan, self.layer_caches, self.kv_cache.block_size,
                                        self.device, self.layers, self.layer_groups,
-                                       self.kernel)
+                                       self.kernel, self.kv_cache.kv_cache_dtype)
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array.astype(np.int64)).to(self.device)
