@@ -27,6 +27,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from atb_mem.integrations.compiled_rotary import compute_rotary_once
 from atb_mem.integrations.step_attention import attend_step
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class CompiledForward:
         import torch
 
         paged_attention_op()
+        compute_rotary_once(model)
         self.model = model
         self.compiled: Any = torch.compile(model, dynamic=True)
         self.failed: str | None = None
