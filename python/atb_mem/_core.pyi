@@ -40,11 +40,11 @@ def kv_layout_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
     """(itemsize, K+V bytes per token, per block) over every layer: sizes come from the core
     (a quantized cache's rows count their scales)."""
 def quantize_kv_rows(values: npt.NDArray[np.float32], out: npt.NDArray[np.uint8],
-                     kv_cache_dtype: KVCacheDtype) -> None:
+                     kv_cache_dtype: KVCacheDtype, *, threads: int = 1) -> None:
     """Writes each row of ``values`` (float32 ``[n, head_dim]``, C-contiguous) into ``out``
     (uint8 ``[n, head_dim + 4]``) as a quantized row: its one-byte codes, then its scale
-    (int8: bfloat16 scale and offset; fp8_e4m3: an f32 scale). A row that is not all finite
-    reads back as NaN."""
+    (int8: bfloat16 scale and offset; fp8_e4m3: an f32 scale), on ``threads`` threads (1 to
+    1,024; those of ``paged_attention``). A row that is not all finite reads back as NaN."""
 def dequantize_kv_rows(rows: npt.NDArray[np.uint8], out: npt.NDArray[np.float32],
                        kv_cache_dtype: KVCacheDtype) -> None:
     """Reads each quantized row of ``rows`` (uint8 ``[n, head_dim + 4]``) into ``out``

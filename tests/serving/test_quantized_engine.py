@@ -209,3 +209,60 @@ def test_bad_kv_cache_dtypes_and_combinations_are_refused() -> None:
                attention_backend="flashinfer")
     assert kv_cache_shape(model, 1, "fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
     assert "kv_cache_dtype" not in kv_cache_shape(model)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_bf16_rows_on_sdpa_read_what_their_rows_hold(architecture: str, kv_cache_dtype: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AMX tiles: rows of 16 new tokens or more take torch's SDPA over what
+    their rows read back as (fresh rows over their own, a later chunk and a prefix hit over
+    the rows gathered from the cache), so a hit gives a recompute's tokens, and the kernel
+    alone (reading the same rows) gives them too."""
+    from atb_mem.integrations.cpu_attention import CpuPagedAttention, CpuPagedStep
+
+    torch = _torch()
+    model = model_pair(architecture)[0].to(torch.bfloat16)
+    long = random_prompt(40, 60)
+    arrivals = {0: [("long", long, GREEDY)],  # chunks of 24 after 0 and 24 cached
+                12: [("hit", long[:48] + random_prompt(41, 20), GREEDY)]}
+    from atb_mem.integrations import cpu_attention
+    from atb_mem.kv.quantized_rows import dequantize_tensor_rows
+
+    contexts: list[int] = []
+    keys: list[Any] = []                          # what SDPA is given, in the split's order
+    attend_split, sdpa = CpuPagedStep._attend_split, cpu_attention.sdpa_attention
+
+    def spy(self: CpuPagedStep, split: Any, group: int, kind: Any, queries: Any,
+            caches: Any, *args: Any) -> Any:
+        keys.clear()
+        out = attend_split(self, split, group, kind, queries, caches, *args)
+        for (start, end), context, key in zip(split.sdpa_rows, split.contexts, keys,
+                                              strict=True):
+            slots = split.slots[start:end] if context is None else context.slots
+            held = dequantize_tensor_rows(caches[0][slots], kv_cache_dtype)
+            assert torch.equal(key[0].transpose(0, 1), held.to(torch.bfloat16))
+            contexts.append(0 if context is None else len(slots))
+        return out
+
+    def sdpa_spy(query: Any, key: Any, *args: Any) -> Any:
+        keys.append(key)
+        return sdpa(query, key, *args)
+
+    monkeypatch.setattr(CpuPagedStep, "_attend_split", spy)
+    monkeypatch.setattr(cpu_attention, "sdpa_attention", sdpa_spy)
+
+    def serve(sdpa: bool, **kwargs: Any) -> dict[str, list[int]]:
+        serving = Engine(model, num_blocks=64, block_size=4, max_num_seqs=6,
+                         max_num_batched_tokens=24, kv_cache_dtype=kv_cache_dtype, **kwargs)
+        kernel = serving.runner.kernel
+        assert isinstance(kernel, CpuPagedAttention)
+        if not sdpa:
+            kernel.sdpa_min_tokens = None
+        return {key: value[0][0] for key, value in run_poisoned(serving, arrivals).items()}
+
+    hitting = serve(sdpa=True)
+    if CpuPagedAttention(4, torch.bfloat16).sdpa_min_tokens is not None:
+        assert {0, 48, 68} <= set(contexts), contexts   # fresh, a later chunk, the hit
+    assert serve(sdpa=True, enable_prefix_caching=False) == hitting
+    assert serve(sdpa=False) == hitting

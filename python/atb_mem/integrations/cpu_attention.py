@@ -18,7 +18,9 @@ cached: 2.0 against 7.8 ms, K/V gathered and a mask included). Such rows of
 asks (no sinks; a full layer, or a window the whole row fits in): a row whose K/V is all new
 over the new K/V alone, causal; one with context over its K/V gathered from the cache, its
 new tokens seeing the context and themselves causally. Decodes and shorter rows still take
-the kernel, in one call, and every new K/V is written to its slot first.
+the kernel, in one call, and every new K/V is written to its slot first. Over a quantized
+cache the new K/V is quantized first and SDPA attends over what the rows read back as, fresh
+rows and rows with context alike.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from atb_mem import _core
 from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.layer_attention import LayerAttention
 from atb_mem.integrations.reference_attention import sdpa_attention
+from atb_mem.kv.quantized_rows import dequantize_tensor_rows
 
 if TYPE_CHECKING:
     import torch
@@ -58,9 +61,10 @@ class CpuPagedAttention:
         self.dtype = _DTYPES[str(dtype)]
         self.kv_cache_dtype = kv_cache_dtype
         """``"auto"`` (the caches hold ``dtype``) or a quantized cache's rows, read in place."""
-        # SDPA reads K/V as torch tensors of the model's dtype: not a quantized cache's rows.
+        # Over a quantized cache SDPA reads what the rows read back as (dequantized), fresh
+        # rows and rows with context alike, so that a hit computes what a recompute does.
         self.sdpa_min_tokens = SDPA_MIN_TOKENS if self.dtype == "bfloat16" and _has_amx() \
-            and kv_cache_dtype == "auto" else None
+            else None
         """Fresh rows of at least this many tokens go to torch's SDPA (None: none do)."""
         share_torchs_threads()
 
@@ -147,6 +151,10 @@ class CpuPagedStep:
         import torch
 
         (key_cache, value_cache), (new_keys, new_values) = caches, new_kv
+        quantized = self.kernel.kv_cache_dtype
+        if quantized != "auto":
+            new_keys, new_values = (_quantized(part, quantized, self.threads)
+                                    for part in new_kv)
         key_cache.index_copy_(0, split.slots, new_keys)
         value_cache.index_copy_(0, split.slots, new_values)
         out = torch.empty(queries.shape, dtype=queries.dtype)
@@ -155,6 +163,9 @@ class CpuPagedStep:
                 key, value = new_keys[start:end], new_values[start:end]
             else:
                 key, value = key_cache[context.slots], value_cache[context.slots]
+            if quantized != "auto":
+                key, value = (dequantize_tensor_rows(part, quantized).to(queries.dtype)
+                              for part in (key, value))
             query, key, value = (part.transpose(0, 1)[None]  # [1, heads, t, D]
                                  for part in (queries[start:end], key, value))
             mask = None if context is None else context.mask
@@ -235,6 +246,18 @@ class _Context:
             + positions % block_size
         mask = torch.ones((new, length), dtype=torch.bool).tril(length - new)
         return cls(slots=torch.from_numpy(slots), mask=mask)
+
+
+def _quantized(values: torch.Tensor, kv_cache_dtype: KVCacheDtype, threads: int
+               ) -> torch.Tensor:
+    """``values`` ``[T, kv_heads, D]`` as a quantized cache's rows, by the core, on the
+    kernel's threads."""
+    import torch
+
+    flat = values.float().reshape(-1, values.shape[-1]).numpy()
+    rows = np.empty((flat.shape[0], flat.shape[1] + 4), dtype=np.uint8)
+    _core.quantize_kv_rows(flat, rows, kv_cache_dtype, threads=threads)
+    return torch.from_numpy(rows).view(*values.shape[:-1], -1)
 
 
 def _has_amx() -> bool:

@@ -53,7 +53,7 @@ pub use kv_cache::{
     SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
-pub use quant::{Fp8E4m3Rows, Int8Rows, KvCacheDtype, RowFormat, FP8_E4M3_MAX};
+pub use quant::{quantize_rows, Fp8E4m3Rows, Int8Rows, KvCacheDtype, RowFormat, FP8_E4M3_MAX};
 pub use sched::{
     BatcherConfig, BlockLoad, BlockTableWriter, ContinuousScheduler, LoadCounters, Poll,
     Preemption, RequestBatcher, SchedulerConfig, StepPlan, TimeoutAction, MAX_NUM_BATCHED_TOKENS,

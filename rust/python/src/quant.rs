@@ -1,10 +1,11 @@
 //! Quantized K/V rows to and from f32, the core's row formats, into arrays the caller owns,
 //! with the GIL released.
 
-use atb_mem_core::KvCacheDtype;
+use atb_mem_core::{quantize_rows, KvCacheDtype};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use crate::convert::Count;
 use crate::errors::{value_error, IntoPyResult};
 
 /// The quantized dtype named `name` (not "auto", which holds no rows).
@@ -32,36 +33,32 @@ fn row_sizes(dtype: KvCacheDtype, values: &[usize], rows: &[usize]) -> PyResult<
 }
 
 /// Writes each row of `values` (f32 `[n, head_dim]`) as a quantized row of `out` (uint8
-/// `[n, head_dim + 4]`).
+/// `[n, head_dim + 4]`), on `threads` threads (the attention kernel's).
 #[pyfunction]
+#[pyo3(signature = (values, out, kv_cache_dtype, *, threads=Count(1)))]
 pub fn quantize_kv_rows(
     py: Python<'_>,
     values: PyReadonlyArray2<'_, f32>,
     out: &Bound<'_, PyArray2<u8>>,
     kv_cache_dtype: &str,
+    threads: Count<1>,
 ) -> PyResult<()> {
     let dtype = quantized(kv_cache_dtype)?;
     let mut out = out
         .try_readwrite()
         .map_err(|_| value_error("out is borrowed elsewhere"))?;
-    let (head_dim, row_bytes) = row_sizes(dtype, values.shape(), out.shape())?;
+    let (head_dim, _) = row_sizes(dtype, values.shape(), out.shape())?;
     let values = values
         .as_slice()
         .map_err(|_| value_error("values must be a C-contiguous float32 array"))?;
     let out = out
         .as_slice_mut()
         .map_err(|_| value_error("out must be a C-contiguous uint8 array"))?;
-    if head_dim > 0 {
-        py.detach(|| {
-            for (row, row_values) in out
-                .chunks_exact_mut(row_bytes)
-                .zip(values.chunks_exact(head_dim))
-            {
-                dtype.quantize_row(row_values, row);
-            }
-        });
+    if head_dim == 0 {
+        return Ok(());
     }
-    Ok(())
+    py.detach(|| quantize_rows(dtype, values, out, head_dim, threads.get()))
+        .into_py_result()
 }
 
 /// Reads each quantized row of `rows` (uint8 `[n, head_dim + 4]`) into `out` (f32

@@ -141,14 +141,23 @@ pub(super) fn run<E: Element, C: Element>(
             }
         });
     };
-    let pieces = rows * kv_heads;
+    for_each_piece(threads, rows * kv_heads, &attend_row)
+}
+
+/// Runs `work` for every piece of `0..pieces` on up to `threads` threads: the OpenMP team's
+/// once `use_openmp` named it, else the kernel's own pool.
+pub fn for_each_piece(
+    threads: usize,
+    pieces: usize,
+    work: &(dyn Fn(usize) + Sync),
+) -> CoreResult<()> {
     if threads == 1 || pieces < 2 {
-        (0..pieces).for_each(attend_row);
+        (0..pieces).for_each(work);
     } else if let Some(&parallel) = OPENMP.get() {
         // Safety: `use_openmp`'s contract.
-        unsafe { fork_join(parallel, threads.min(pieces), pieces, &attend_row)? };
+        unsafe { fork_join(parallel, threads.min(pieces), pieces, work)? };
     } else {
-        pool(threads)?.install(|| (0..pieces).into_par_iter().for_each(attend_row));
+        pool(threads)?.install(|| (0..pieces).into_par_iter().for_each(work));
     }
     Ok(())
 }

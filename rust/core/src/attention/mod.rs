@@ -26,7 +26,7 @@ mod lane_tile;
 mod lanes;
 mod slots;
 
-pub use dispatch::{use_openmp, InstructionSet, OpenMpParallel};
+pub use dispatch::{for_each_piece, use_openmp, InstructionSet, OpenMpParallel};
 pub use element::{Element, Fp8E4m3Code, Int8Code};
 pub use half::{bf16, f16};
 pub use slots::{write_slots, NewKv};

@@ -30,35 +30,45 @@ impl Fp8E4m3Rows {
     }
 
     /// The code nearest `value` (ties to the even code), saturating at ±448; NaN for NaN.
+    /// Both ways of rounding (normal codes from the f32's bits, subnormal ones from the value
+    /// times 2^9) are computed and one is chosen, without branches, so that a row's loop
+    /// vectorizes.
+    #[inline(always)]
     pub fn encode(value: f32) -> u8 {
-        let sign = ((value.to_bits() >> 24) & 0x80) as u8;
-        let magnitude = value.abs();
-        if magnitude.is_nan() {
-            return sign | 0x7F;
-        }
-        if magnitude >= FP8_E4M3_MAX {
-            return sign | 0x7E;
-        }
-        let bits = magnitude.to_bits();
-        let exponent = (bits >> 23) as i32 - 127;
-        let code = if exponent < -6 {
-            // Subnormal codes are multiples of 2^-9, and code 8 is 2^-6, the first normal
-            // one: the scaled value rounded is the code. (x * 512 is exact.)
-            (magnitude * 512.0).round_ties_even() as u32
+        let bits = value.to_bits();
+        let sign = ((bits >> 24) & 0x80) as u8;
+        let magnitude_bits = bits & 0x7FFF_FFFF;
+        let magnitude = f32::from_bits(magnitude_bits);
+        // Normal codes: the exponent rebiased (7 for 127) and the top three mantissa bits,
+        // the rest rounded to nearest even; a carry out of the mantissa moves to the next
+        // exponent, as it should. (Wrapping: below 2^-6 this is computed and not chosen.)
+        let exponent = (magnitude_bits >> 23).wrapping_sub(120);
+        let mantissa = magnitude_bits & 0x7F_FFFF;
+        let truncated = (exponent << 3) | (mantissa >> 20);
+        let rest = mantissa & 0xF_FFFF;
+        let up = u32::from(rest > 0x8_0000 || (rest == 0x8_0000 && truncated & 1 == 1));
+        let normal = truncated.wrapping_add(up);
+        // Subnormal codes are multiples of 2^-9, and code 8 is 2^-6, the first normal one:
+        // the scaled value rounded (ties to even, by adding and taking away 1.5 x 2^23) is the
+        // code. (x * 512 is exact.)
+        let subnormal = ((magnitude * 512.0 + ROUNDING) - ROUNDING) as u32;
+        let code = if magnitude_bits < 121 << 23 {
+            subnormal
         } else {
-            let mantissa = bits & 0x7F_FFFF;
-            let code = (((exponent + 7) as u32) << 3) | (mantissa >> 20);
-            let rest = mantissa & 0xF_FFFF;
-            // A carry out of the mantissa moves to the next exponent, as it should.
-            if rest > 0x8_0000 || (rest == 0x8_0000 && code & 1 == 1) {
-                code + 1
-            } else {
-                code
-            }
+            normal
         };
-        sign | code.min(0x7E) as u8
+        let code = if magnitude >= FP8_E4M3_MAX {
+            0x7E
+        } else {
+            code.min(0x7E)
+        };
+        let code = if magnitude.is_nan() { 0x7F } else { code };
+        sign | code as u8
     }
 }
+
+/// 1.5 x 2^23: an f32 of magnitude under 2^22 added to it is rounded to an integer.
+const ROUNDING: f32 = 12_582_912.0;
 
 impl RowFormat for Fp8E4m3Rows {
     const TRAILER: usize = 4;
@@ -167,6 +177,29 @@ mod tests {
                 Fp8E4m3Rows::VALUES[usize::from(Fp8E4m3Rows::encode(value))],
                 value
             );
+        }
+    }
+
+    #[test]
+    fn every_halfway_point_and_its_neighbours_encode_to_the_nearest_code() {
+        // Between each pair of adjacent codes (subnormal and normal), and a step either side.
+        for code in 0..0x7Eu8 {
+            let (low, high) = (
+                Fp8E4m3Rows::VALUES[usize::from(code)],
+                Fp8E4m3Rows::VALUES[usize::from(code) + 1],
+            );
+            let halfway = (low + high) / 2.0;
+            for value in [halfway.next_down(), halfway, halfway.next_up()] {
+                for signed in [value, -value] {
+                    let (got, want) = (Fp8E4m3Rows::encode(signed), nearest(signed));
+                    let value_of = |code: u8| Fp8E4m3Rows::VALUES[usize::from(code)];
+                    assert_eq!(
+                        value_of(got),
+                        value_of(want),
+                        "{signed}: {got:#x}, {want:#x}"
+                    );
+                }
+            }
         }
     }
 

@@ -65,14 +65,14 @@ impl RowFormat for Int8Rows {
         let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         // A scale under 2^-128 has no f32 inverse: such rows divide.
         let divide = !inverse.is_finite();
-        for (code, &value) in row[..at].iter_mut().zip(values) {
-            let units = if divide {
-                (value - offset) / scale
-            } else {
-                (value - offset) * inverse
-            };
-            // NaN (a non-finite row) becomes code 0 under `as`; the NaN scale reads it back.
-            *code = (units.round_ties_even().clamp(-128.0, 127.0) as i8) as u8;
+        if divide {
+            for (code, &value) in row[..at].iter_mut().zip(values) {
+                *code = code_of((value - offset) / scale);
+            }
+        } else {
+            for (code, &value) in row[..at].iter_mut().zip(values) {
+                *code = code_of((value - offset) * inverse);
+            }
         }
     }
 
@@ -84,6 +84,20 @@ impl RowFormat for Int8Rows {
             *value = f32::from(code as i8) * scale + offset;
         }
     }
+}
+
+/// 1.5 x 2^23: an f32 of magnitude under 2^22 added to it is rounded to an integer.
+const ROUNDING: f32 = 12_582_912.0;
+
+/// The code of `units` (a value's distance from the offset in steps): the nearest integer,
+/// ties to even, clamped to `-128..=127`. Clamped first, then rounded by adding and taking
+/// away 1.5 x 2^23, where f32's step is 1: the same as rounding first, and it vectorizes
+/// (`round_ties_even` is a libm call per value without SSE4.1: 7.6 against ~0.5 ns a value).
+/// NaN (a row that is not all finite) becomes code 0 under `as`; its NaN scale reads it back.
+#[inline(always)]
+fn code_of(units: f32) -> u8 {
+    let clamped = units.clamp(-128.0, 127.0);
+    (((clamped + ROUNDING) - ROUNDING) as i8) as u8
 }
 
 /// The smallest bfloat16 at least `value` (a non-negative finite f64).
@@ -132,6 +146,35 @@ mod tests {
             );
         }
         Ok(())
+    }
+
+    #[test]
+    fn codes_round_to_nearest_even_and_clamp_as_round_ties_even_does() {
+        let reference = |units: f32| (units.round_ties_even().clamp(-128.0, 127.0) as i8) as u8;
+        let mut units = vec![
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            1e30,
+            -1e30,
+        ];
+        for whole in -140..=140 {
+            for fraction in [-0.5f32, -0.49999997, 0.0, 0.49999997, 0.5, 0.50000006] {
+                units.push(whole as f32 + fraction);
+            }
+        }
+        units.extend([
+            4_194_303.5,
+            -4_194_304.5,
+            8_388_609.0,
+            f32::MIN_POSITIVE,
+            1.0e-45,
+        ]);
+        for value in units {
+            assert_eq!(code_of(value), reference(value), "{value}");
+        }
     }
 
     proptest! {

@@ -14,6 +14,7 @@ mod int8;
 pub use fp8::{Fp8E4m3Rows, FP8_E4M3_MAX};
 pub use int8::Int8Rows;
 
+use crate::attention::{for_each_piece, MAX_THREADS};
 use crate::error::CoreResult;
 
 /// How a cache stores K/V: in the model's dtype (`Auto`), or quantized per token and KV head.
@@ -87,6 +88,70 @@ impl KvCacheDtype {
 ///
 /// A row whose values are not all finite is written with a NaN scale, so that reading it
 /// gives NaN everywhere: a quantized cache cannot hide a bad value as a finite one.
+/// Rows one thread quantizes at a time in `quantize_rows`.
+const ROWS_PER_PIECE: usize = 64;
+
+/// Quantizes each row of `values` (`head_dim` f32s) into its row of `out` (`row_bytes(head_dim)`
+/// bytes), on up to `threads` threads (the attention kernel's, `for_each_piece`).
+pub fn quantize_rows(
+    dtype: KvCacheDtype,
+    values: &[f32],
+    out: &mut [u8],
+    head_dim: usize,
+    threads: usize,
+) -> CoreResult<()> {
+    let row_bytes = match dtype.row_bytes(head_dim) {
+        Some(row_bytes) if head_dim > 0 => row_bytes,
+        _ => {
+            return Err(invalid!(
+                "quantize_rows needs a quantized dtype and a head_dim"
+            ))
+        }
+    };
+    ensure!(
+        (1..=MAX_THREADS).contains(&threads),
+        "threads must be 1 to {MAX_THREADS}, got {threads}"
+    );
+    let rows = values.len() / head_dim;
+    ensure!(
+        values.len() == rows * head_dim && Some(out.len()) == rows.checked_mul(row_bytes),
+        "{} values and {} bytes are not the same rows of {head_dim} values and {row_bytes} bytes",
+        values.len(),
+        out.len()
+    );
+    let out = RowsOut(out.as_mut_ptr());
+    let quantize_piece = |piece: usize| {
+        let first = piece * ROWS_PER_PIECE;
+        let count = ROWS_PER_PIECE.min(rows - first);
+        // Safety: pieces cover disjoint rows of `out`, which outlives the threads' work.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(out.at(first * row_bytes), count * row_bytes) };
+        let values = &values[first * head_dim..(first + count) * head_dim];
+        for (row, row_values) in bytes
+            .chunks_exact_mut(row_bytes)
+            .zip(values.chunks_exact(head_dim))
+        {
+            dtype.quantize_row(row_values, row);
+        }
+    };
+    for_each_piece(threads, rows.div_ceil(ROWS_PER_PIECE), &quantize_piece)
+}
+
+/// `out`'s start, shared by the threads of `quantize_rows`, each writing rows of its own.
+#[derive(Clone, Copy)]
+struct RowsOut(*mut u8);
+
+// Safety: the threads write disjoint rows (`quantize_rows`).
+unsafe impl Send for RowsOut {}
+unsafe impl Sync for RowsOut {}
+
+impl RowsOut {
+    fn at(self, offset: usize) -> *mut u8 {
+        // Safety (for callers): `offset` is within the slice it came from.
+        self.0.wrapping_add(offset)
+    }
+}
+
 pub trait RowFormat {
     /// Bytes after the codes.
     const TRAILER: usize;
@@ -99,6 +164,44 @@ pub trait RowFormat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_quantized_on_threads_are_the_rows_quantized_one_by_one() {
+        let head_dim = 24;
+        let values: Vec<f32> = (0..head_dim * 150)
+            .map(|i| ((i * 37) % 101) as f32 - 50.5)
+            .collect();
+        for dtype in [KvCacheDtype::Int8, KvCacheDtype::Fp8E4m3] {
+            let row_bytes = dtype.row_bytes(head_dim).unwrap();
+            let mut one_by_one = vec![0u8; 150 * row_bytes];
+            for (row, row_values) in one_by_one
+                .chunks_exact_mut(row_bytes)
+                .zip(values.chunks_exact(head_dim))
+            {
+                dtype.quantize_row(row_values, row);
+            }
+            for threads in [1, 2, 3] {
+                let mut out = vec![0u8; 150 * row_bytes];
+                quantize_rows(dtype, &values, &mut out, head_dim, threads).unwrap();
+                assert_eq!(out, one_by_one, "{dtype:?} on {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_rows_refuses_mismatched_sizes_and_writes_nothing() {
+        let values = vec![1.0f32; 48];
+        let mut out = vec![7u8; 2 * 28];
+        for (dtype, head_dim, threads) in [
+            (KvCacheDtype::Auto, 24, 1),
+            (KvCacheDtype::Int8, 0, 1),
+            (KvCacheDtype::Int8, 24, 0),
+            (KvCacheDtype::Int8, 16, 1), // 3 rows of 16 need 60 bytes
+        ] {
+            assert!(quantize_rows(dtype, &values, &mut out, head_dim, threads).is_err());
+            assert!(out.iter().all(|&byte| byte == 7));
+        }
+    }
 
     #[test]
     fn names_round_trip_and_unknown_names_are_refused() {
