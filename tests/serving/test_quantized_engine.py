@@ -4,9 +4,11 @@ A token's quantized rows depend on its own K/V alone, so with quantized KV every
 greedy tokens are the same whether its prefix was recomputed, hit in the device cache,
 promoted from the host tier, loaded from the disk tier or from Mooncake (a real
 ``mooncake_master`` on 127.0.0.1), or its sequence swapped out and back
-(unused blocks poisoned so that they read back as NaN; eager and compiled). The negative
-control rescales the cached rows of a prefix: the hit that reads them then gives other tokens,
-so the comparison can fail. Bad combinations are refused.
+(unused blocks poisoned so that they read back as NaN; eager and compiled), on Llama, Qwen3
+and Gemma 3 (sliding-window layers). The negative control rescales the cached rows of a
+prefix: the hit that reads them then gives other tokens, so the comparison can fail. The torch
+reference path (CUDA's) writes the kernel's bytes and gives its tokens; bf16 rows on SDPA read
+what their rows hold. Bad combinations are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from tests.support.models import model_pair, random_prompt, run_poisoned
 from tests.support.mooncake import mooncake_master
 
 QUANTIZED = ["int8", "fp8_e4m3"]
+ARCHITECTURES = ["llama", "qwen3", "gemma3"]  # Gemma 3: sliding-window and full layers
+# The disk tier and Mooncake serve models of full-attention layers only (any kv_cache_dtype).
+FULL_ATTENTION = ["llama", "qwen3"]
+
+
+def groups(architecture: str) -> int:
+    """KV-cache groups of the model: each takes a block of its own per four tokens."""
+    return 2 if architecture == "gemma3" else 1
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = random_prompt(21, 26)
 FOLLOW_UP = [*PROMPT[:20], *random_prompt(22, 7)]  # shares its first five blocks
@@ -37,7 +47,7 @@ def engine(model: Any, kv_cache_dtype: str, **kwargs: Any) -> Engine:
     return Engine(model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype, **kwargs)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_a_prefix_hit_reads_what_a_recompute_writes(architecture: str,
                                                     kv_cache_dtype: str) -> None:
@@ -52,7 +62,7 @@ def test_a_prefix_hit_reads_what_a_recompute_writes(architecture: str,
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_the_torch_reference_writes_and_reads_rows_as_the_kernel_does(
         architecture: str, kv_cache_dtype: str, device: str) -> None:
@@ -116,10 +126,11 @@ def _torch() -> Any:
     return torch
 
 
+@pytest.mark.parametrize("architecture", FULL_ATTENTION)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_the_disk_tier_serves_quantized_blocks_to_their_own_dtype_only(
-        kv_cache_dtype: str, tmp_path: Path) -> None:
-    model, _ = model_pair("llama")
+        architecture: str, kv_cache_dtype: str, tmp_path: Path) -> None:
+    model, _ = model_pair(architecture)
     recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
     want = tokens(recomputing, "a", FOLLOW_UP)
 
@@ -146,17 +157,20 @@ def test_the_disk_tier_serves_quantized_blocks_to_their_own_dtype_only(
     reader.shutdown()
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_prefixes_promoted_from_the_host_tier_give_a_recomputes_tokens(
-        kv_cache_dtype: str) -> None:
-    """A device of 7 usable blocks keeps one request: each repeated prompt's prefix comes from
-    the host."""
-    model, _ = model_pair("llama")
+        architecture: str, kv_cache_dtype: str) -> None:
+    """A device of 7 usable blocks (per group) keeps one request: each repeated prompt's
+    prefix comes from the host."""
+    model, _ = model_pair(architecture)
     prompts = [random_prompt(30 + seed, 13) for seed in range(4)]  # 3 blocks, 5 with outputs
     recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
     want = [tokens(recomputing, f"a{index}", prompt) for index, prompt in enumerate(prompts)]
-    offloading = Engine(model, num_blocks=8, block_size=4, max_num_seqs=1, enforce_eager=True,
-                        kv_offload={"host": 64 * 1024}, kv_cache_dtype=kv_cache_dtype)
+    offloading = Engine(model, num_blocks=8 * groups(architecture), block_size=4,
+                        max_num_seqs=1, enforce_eager=True,
+                        kv_offload={"host": 64 * 1024 * groups(architecture)},
+                        kv_cache_dtype=kv_cache_dtype)
     for round_ in range(2):
         got = [tokens(offloading, f"{round_}-{index}", prompt)
                for index, prompt in enumerate(prompts)]
@@ -164,24 +178,29 @@ def test_prefixes_promoted_from_the_host_tier_give_a_recomputes_tokens(
     assert offloading.kv_cache.stats()["prefix_cache_host_hit_tokens"] >= 3 * 12
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
-def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(kv_cache_dtype: str) -> None:
-    model, _ = model_pair("llama")
+def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(
+        architecture: str, kv_cache_dtype: str) -> None:
+    model, _ = model_pair(architecture)
     prompts = [random_prompt(40 + seed, 9) for seed in range(4)]
     arrivals = {0: [(f"r{index}", prompt, GREEDY) for index, prompt in enumerate(prompts)]}
     roomy = engine(model, kv_cache_dtype, enforce_eager=True)
     want = {key: value[0][0] for key, value in run_poisoned(roomy, arrivals).items()}
-    swapping = Engine(model, num_blocks=8, block_size=4, max_num_seqs=4, enforce_eager=True,
-                      preemption="swap", num_host_blocks=32, kv_cache_dtype=kv_cache_dtype)
+    swapping = Engine(model, num_blocks=8 * groups(architecture), block_size=4,
+                      max_num_seqs=4, enforce_eager=True, preemption="swap",
+                      num_host_blocks=32 * groups(architecture), kv_cache_dtype=kv_cache_dtype)
     got = {key: value[0][0] for key, value in run_poisoned(swapping, arrivals).items()}
     assert swapping.scheduler.stats()["preemptions"] > 0
     assert got == want
 
 
+@pytest.mark.parametrize("architecture", FULL_ATTENTION)
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
-def test_prefixes_loaded_from_mooncake_give_a_recomputes_tokens(kv_cache_dtype: str) -> None:
+def test_prefixes_loaded_from_mooncake_give_a_recomputes_tokens(
+        architecture: str, kv_cache_dtype: str) -> None:
     """A device that keeps no earlier prompt: the second round's prefixes come from the store."""
-    model, _ = model_pair("llama")
+    model, _ = model_pair(architecture)
     prompts = [random_prompt(50 + seed, 13) for seed in range(3)]
     recomputing = engine(model, kv_cache_dtype, enable_prefix_caching=False, enforce_eager=True)
     want = [tokens(recomputing, f"a{index}", prompt) for index, prompt in enumerate(prompts)]
