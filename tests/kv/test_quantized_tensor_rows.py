@@ -27,6 +27,9 @@ def rows_of_every_kind(head_dim: int) -> np.ndarray:
         -1e6, 1e6, (64, 1)))
     rows.append(np.repeat(generator.standard_normal((16, 1)), head_dim, axis=1))
     rows.append(np.zeros((2, head_dim)))
+    signed_zeros = np.zeros((4, head_dim))
+    signed_zeros[1::2, ::2] = -0.0                     # either zero may be a row's bound
+    rows.append(signed_zeros)
     spike = generator.standard_normal((16, head_dim))
     spike[:, 0] = 3e38
     rows.append(spike)

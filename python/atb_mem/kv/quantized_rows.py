@@ -94,8 +94,9 @@ def _int8_rows(flat: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, 
     f64 where it takes f64), so that both write the same bytes."""
     import torch
 
-    low = flat.amin(-1, keepdim=True).double()
-    high = flat.amax(-1, keepdim=True).double()
+    # + 0.0: a zero bound is +0, whichever zero the row's minimum or maximum was (the core's).
+    low = flat.amin(-1, keepdim=True).double() + 0.0
+    high = flat.amax(-1, keepdim=True).double() + 0.0
     offset = _bfloat16_nearest(low + (high - low) * 128.0 / 255.0)
     rounded = offset.double()
     # + 0.0: a row of zeros needs +0, whichever zero torch's maximum returns.

@@ -10,7 +10,7 @@
 //! hardware conversions do; reading is a table of the 256 codes, so no CPU feature is needed
 //! for either.
 
-use super::RowFormat;
+use super::{row_range, RowFormat, ROUNDING};
 
 /// The largest finite E4M3 value.
 pub const FP8_E4M3_MAX: f32 = 448.0;
@@ -35,23 +35,25 @@ impl Fp8E4m3Rows {
     /// vectorizes.
     #[inline(always)]
     pub fn encode(value: f32) -> u8 {
-        let bits = value.to_bits();
+        // i32 throughout: SSE2 has no unsigned conversion or minimum, which would keep the
+        // loop from vectorizing.
+        let bits = value.to_bits() as i32;
         let sign = ((bits >> 24) & 0x80) as u8;
         let magnitude_bits = bits & 0x7FFF_FFFF;
-        let magnitude = f32::from_bits(magnitude_bits);
+        let magnitude = f32::from_bits(magnitude_bits as u32);
         // Normal codes: the exponent rebiased (7 for 127) and the top three mantissa bits,
         // the rest rounded to nearest even; a carry out of the mantissa moves to the next
-        // exponent, as it should. (Wrapping: below 2^-6 this is computed and not chosen.)
-        let exponent = (magnitude_bits >> 23).wrapping_sub(120);
-        let mantissa = magnitude_bits & 0x7F_FFFF;
-        let truncated = (exponent << 3) | (mantissa >> 20);
-        let rest = mantissa & 0xF_FFFF;
-        let up = u32::from(rest > 0x8_0000 || (rest == 0x8_0000 && truncated & 1 == 1));
-        let normal = truncated.wrapping_add(up);
+        // exponent, as it should. (Below 2^-6 this is computed and not chosen.)
+        let truncated = ((magnitude_bits >> 20) - (120 << 3)) & 0xFFF;
+        let rest = magnitude_bits & 0xF_FFFF;
+        let up = i32::from(rest > 0x8_0000 || (rest == 0x8_0000 && truncated & 1 == 1));
+        let normal = truncated + up;
         // Subnormal codes are multiples of 2^-9, and code 8 is 2^-6, the first normal one:
         // the scaled value rounded (ties to even, by adding and taking away 1.5 x 2^23) is the
-        // code. (x * 512 is exact.)
-        let subnormal = ((magnitude * 512.0 + ROUNDING) - ROUNDING) as u32;
+        // code. (x * 512 is exact; the minimum keeps large values, not chosen, in range.)
+        let subnormal = (magnitude.min(1.0) * 512.0 + ROUNDING) - ROUNDING;
+        // Safety: an integer in 0..=512 (NaN and larger values were taken to 1.0 first).
+        let subnormal = unsafe { subnormal.to_int_unchecked::<i32>() };
         let code = if magnitude_bits < 121 << 23 {
             subnormal
         } else {
@@ -67,18 +69,20 @@ impl Fp8E4m3Rows {
     }
 }
 
-/// 1.5 x 2^23: an f32 of magnitude under 2^22 added to it is rounded to an integer.
-const ROUNDING: f32 = 12_582_912.0;
-
 impl RowFormat for Fp8E4m3Rows {
     const TRAILER: usize = 4;
 
+    #[inline(always)]
     fn quantize(values: &[f32], row: &mut [u8]) {
         debug_assert_eq!(row.len(), values.len() + Self::TRAILER);
-        let largest = values
-            .iter()
-            .fold(0.0f32, |largest, value| largest.max(value.abs()));
-        let scale = if values.iter().all(|value| value.is_finite()) {
+        let (low, high, finite) = row_range(values);
+        // The largest magnitude (+0 for a row of zeros, whichever zero its bounds are).
+        let largest = if values.is_empty() {
+            0.0
+        } else {
+            (-low).max(high).abs()
+        };
+        let scale = if finite {
             largest / FP8_E4M3_MAX
         } else {
             f32::NAN

@@ -14,7 +14,7 @@ mod int8;
 pub use fp8::{Fp8E4m3Rows, FP8_E4M3_MAX};
 pub use int8::Int8Rows;
 
-use crate::attention::{for_each_piece, MAX_THREADS};
+use crate::attention::{for_each_piece, InstructionSet, MAX_THREADS};
 use crate::error::CoreResult;
 
 /// How a cache stores K/V: in the model's dtype (`Auto`), or quantized per token and KV head.
@@ -66,6 +66,7 @@ impl KvCacheDtype {
     }
 
     /// Writes `values` as one row of this dtype into `row` (`row_bytes(values.len())` long).
+    #[inline(always)]
     pub fn quantize_row(self, values: &[f32], row: &mut [u8]) {
         match self {
             KvCacheDtype::Auto => panic!("an auto cache holds no quantized rows"),
@@ -88,6 +89,45 @@ impl KvCacheDtype {
 ///
 /// A row whose values are not all finite is written with a NaN scale, so that reading it
 /// gives NaN everywhere: a quantized cache cannot hide a bad value as a finite one.
+/// 1.5 x 2^23: an f32 of magnitude under 2^22 added to it is rounded to an integer.
+const ROUNDING: f32 = 12_582_912.0;
+
+/// Lanes a row's reductions keep apart (one AVX-512 register), so that they vectorize: a
+/// running minimum is one chain of dependent instructions, which the compiler keeps scalar.
+const LANES: usize = 16;
+
+/// A row's smallest and largest values (either zero where both are), and whether every value
+/// is finite.
+#[inline(always)]
+fn row_range(values: &[f32]) -> (f32, f32, bool) {
+    let mut low = [f32::INFINITY; LANES];
+    let mut high = [f32::NEG_INFINITY; LANES];
+    // x - x is 0 for a finite x and NaN otherwise, and NaN stays NaN in a sum.
+    let mut not_finite = [0.0f32; LANES];
+    let mut take = |lane: usize, value: f32| {
+        low[lane] = low[lane].min(value);
+        high[lane] = high[lane].max(value);
+        #[allow(clippy::eq_op)] // the point: NaN for infinities and NaN
+        let zero_if_finite = value - value;
+        not_finite[lane] += zero_if_finite;
+    };
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &value) in chunk.iter().enumerate() {
+            take(lane, value);
+        }
+    }
+    for (lane, &value) in tail.iter().enumerate() {
+        take(lane, value);
+    }
+    (
+        low.into_iter().fold(f32::INFINITY, f32::min),
+        high.into_iter().fold(f32::NEG_INFINITY, f32::max),
+        not_finite.iter().all(|&sum| sum == 0.0),
+    )
+}
+
 /// Rows one thread quantizes at a time in `quantize_rows`.
 const ROWS_PER_PIECE: usize = 64;
 
@@ -120,6 +160,7 @@ pub fn quantize_rows(
         out.len()
     );
     let out = RowsOut(out.as_mut_ptr());
+    let set = InstructionSet::detected();
     let quantize_piece = |piece: usize| {
         let first = piece * ROWS_PER_PIECE;
         let count = ROWS_PER_PIECE.min(rows - first);
@@ -127,14 +168,41 @@ pub fn quantize_rows(
         let bytes =
             unsafe { std::slice::from_raw_parts_mut(out.at(first * row_bytes), count * row_bytes) };
         let values = &values[first * head_dim..(first + count) * head_dim];
-        for (row, row_values) in bytes
-            .chunks_exact_mut(row_bytes)
-            .zip(values.chunks_exact(head_dim))
-        {
-            dtype.quantize_row(row_values, row);
+        match set {
+            // Safety: `detected` found their features on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            InstructionSet::Avx512 => unsafe { quantize_avx512(dtype, values, bytes, head_dim) },
+            #[cfg(target_arch = "x86_64")]
+            InstructionSet::Avx2 => unsafe { quantize_avx2(dtype, values, bytes, head_dim) },
+            _ => quantize_each(dtype, values, bytes, head_dim),
         }
     };
     for_each_piece(threads, rows.div_ceil(ROWS_PER_PIECE), &quantize_piece)
+}
+
+/// Each row of `values` into its row of `bytes`; inlined into one copy per instruction set,
+/// so that the rows' loops run as wide as the CPU allows (SSE2's four lanes by default).
+#[inline(always)]
+fn quantize_each(dtype: KvCacheDtype, values: &[f32], bytes: &mut [u8], head_dim: usize) {
+    let row_bytes = bytes.len() / (values.len() / head_dim);
+    for (row, row_values) in bytes
+        .chunks_exact_mut(row_bytes)
+        .zip(values.chunks_exact(head_dim))
+    {
+        dtype.quantize_row(row_values, row);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn quantize_avx512(dtype: KvCacheDtype, values: &[f32], bytes: &mut [u8], head_dim: usize) {
+    quantize_each(dtype, values, bytes, head_dim);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(dtype: KvCacheDtype, values: &[f32], bytes: &mut [u8], head_dim: usize) {
+    quantize_each(dtype, values, bytes, head_dim);
 }
 
 /// `out`'s start, shared by the threads of `quantize_rows`, each writing rows of its own.
