@@ -230,7 +230,7 @@ def test_lower_tiers_refuse_what_they_cannot_serve(tmp_path: Path) -> None:
         tier_connector(engine.kv_cache, model, {"disk": (str(tmp_path), "1MiB")}, None, shape,
                        2)
     hybrid, _ = model_pair("gemma3")
-    with pytest.raises(ValueError, match="full-attention"):
+    with pytest.raises(ValueError, match="all full-attention; this one has sliding-window"):
         Engine(hybrid, num_blocks=32, block_size=BLOCK_SIZE,
                kv_offload={"disk": (str(tmp_path), "1MiB")})
 

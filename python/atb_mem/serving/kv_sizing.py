@@ -140,9 +140,10 @@ def tier_connector(kv_cache: Any, model: Any, kv_offload: Mapping[str, Any] | No
         return None
     if any(group.kind != "full_attention" for group in kv_cache.groups) \
             or kv_cache.num_state_blocks:
-        raise ValueError("the disk tier and kv_store serve models of full-attention layers "
-                         "(a recurrent layer's prefix resumes from a state checkpoint, which "
-                         "only the device keeps)")
+        raise ValueError("the disk tier and kv_store serve models whose layers are all "
+                         "full-attention; this one has sliding-window, chunked or recurrent "
+                         "layers (a recurrent layer's prefix resumes from a state checkpoint, "
+                         "which only the device keeps)")
     if tensor_parallel_size != 1:  # the workers would not load their shards
         raise ValueError("the disk tier and kv_store serve engines without tensor parallelism")
     stores = lower_tiers(kv_offload, kv_store)
