@@ -21,7 +21,7 @@ import pytest
 
 from atb_mem.serving import Engine, SamplingParams
 from atb_mem.serving.kv_sizing import kv_cache_shape
-from tests.support.models import model_pair, random_prompt, run_poisoned
+from tests.support.models import first_samples, model_pair, random_prompt, run_poisoned
 from tests.support.mooncake import mooncake_master
 
 QUANTIZED = ["int8", "fp8_e4m3"]
@@ -186,11 +186,11 @@ def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(
     prompts = [random_prompt(40 + seed, 9) for seed in range(4)]
     arrivals = {0: [(f"r{index}", prompt, GREEDY) for index, prompt in enumerate(prompts)]}
     roomy = engine(model, kv_cache_dtype, enforce_eager=True)
-    want = {key: value[0][0] for key, value in run_poisoned(roomy, arrivals).items()}
+    want = first_samples(roomy, arrivals)
     swapping = Engine(model, num_blocks=8 * groups(architecture), block_size=4,
                       max_num_seqs=4, enforce_eager=True, preemption="swap",
                       num_host_blocks=32 * groups(architecture), kv_cache_dtype=kv_cache_dtype)
-    got = {key: value[0][0] for key, value in run_poisoned(swapping, arrivals).items()}
+    got = first_samples(swapping, arrivals)
     assert swapping.scheduler.stats()["preemptions"] > 0
     assert got == want
 
@@ -278,7 +278,7 @@ def test_bf16_rows_on_sdpa_read_what_their_rows_hold(architecture: str, kv_cache
         assert isinstance(kernel, CpuPagedAttention)
         if not sdpa:
             kernel.sdpa_min_tokens = None
-        return {key: value[0][0] for key, value in run_poisoned(serving, arrivals).items()}
+        return first_samples(serving, arrivals)
 
     hitting = serve(sdpa=True)
     if CpuPagedAttention(4, torch.bfloat16).sdpa_min_tokens is not None:

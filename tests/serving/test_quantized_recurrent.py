@@ -17,7 +17,13 @@ import pytest
 
 from atb_mem.serving import Engine
 from tests.serving.test_engine_recurrent import mixed_requests, turns
-from tests.support.models import RECURRENT_ARCHITECTURES, greedy, model_pair, run_poisoned
+from tests.support.models import (
+    RECURRENT_ARCHITECTURES,
+    first_samples,
+    greedy,
+    model_pair,
+    run_poisoned,
+)
 
 QUANTIZED = ["int8", "fp8_e4m3"]
 BLOCK_SIZE = 4
@@ -88,8 +94,7 @@ def test_sequences_swapped_out_and_back_give_a_roomy_caches_tokens(
     def serve(**kwargs: Any) -> tuple[dict[str, list[int]], Engine]:
         engine = Engine(model, block_size=BLOCK_SIZE, max_num_seqs=5,
                         max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype, **kwargs)
-        results = run_poisoned(engine, mixed_requests())
-        return {key: value[0][0] for key, value in results.items()}, engine
+        return first_samples(engine, mixed_requests()), engine
 
     want, _ = serve(num_blocks=400)
     # Room for two sequences' states (more blocks each than unquantized) and a little K/V:

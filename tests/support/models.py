@@ -194,6 +194,13 @@ def run_poisoned(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any
     return results
 
 
+def first_samples(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any]]]
+                  ) -> dict[str, list[int]]:
+    """``run_poisoned``'s outputs, each request's first sample's tokens."""
+    return {request_id: samples[0][0]
+            for request_id, samples in run_poisoned(engine, arrivals).items()}
+
+
 def run_with_errors(engine: Any, arrivals: dict[int, list[tuple[str, list[int], Any]]]
                     ) -> tuple[dict[str, Any], list[int]]:
     """``run_poisoned`` that also keeps each request's error (``results[id]["error"]``),

@@ -15,6 +15,7 @@ multimodal one's sections, say) is left as it is.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +30,10 @@ _forwards: list[tuple[weakref.WeakMethod[Any], dict[str | None, int]]] = []
 """Per module taken over, its own forward (weakly: a model let go goes) and, per variant it
 computes (Gemma 3's one per kind of layer; else None), the size of its tables' last
 dimension."""
-_registered: dict[str, Any] = {}
 
 
+@functools.cache
 def _operator() -> Any:
-    if "op" in _registered:
-        return _registered["op"]
     import torch
 
     @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
@@ -52,7 +51,6 @@ def _operator() -> Any:
         shape = (*position_ids.shape, _forwards[module][1][variant])
         return x.new_empty(shape), x.new_empty(shape)
 
-    _registered["op"] = rotary_cos_sin
     return rotary_cos_sin
 
 

@@ -37,7 +37,7 @@ from atb_mem import _core
 from atb_mem._types import KVCacheDtype
 from atb_mem.integrations.layer_attention import LayerAttention
 from atb_mem.integrations.reference_attention import sdpa_attention
-from atb_mem.kv.quantized_rows import dequantize_tensor_rows
+from atb_mem.kv.quantized_rows import dequantize_tensor_rows, quantize_host_rows
 
 if TYPE_CHECKING:
     import torch
@@ -153,8 +153,8 @@ class CpuPagedStep:
         (key_cache, value_cache), (new_keys, new_values) = caches, new_kv
         quantized = self.kernel.kv_cache_dtype
         if quantized != "auto":
-            new_keys, new_values = (_quantized(part, quantized, self.threads)
-                                    for part in new_kv)
+            new_keys, new_values = (torch.from_numpy(quantize_host_rows(
+                part.float().numpy(), quantized, self.threads)) for part in new_kv)
         key_cache.index_copy_(0, split.slots, new_keys)
         value_cache.index_copy_(0, split.slots, new_values)
         out = torch.empty(queries.shape, dtype=queries.dtype)
@@ -246,18 +246,6 @@ class _Context:
             + positions % block_size
         mask = torch.ones((new, length), dtype=torch.bool).tril(length - new)
         return cls(slots=torch.from_numpy(slots), mask=mask)
-
-
-def _quantized(values: torch.Tensor, kv_cache_dtype: KVCacheDtype, threads: int
-               ) -> torch.Tensor:
-    """``values`` ``[T, kv_heads, D]`` as a quantized cache's rows, by the core, on the
-    kernel's threads."""
-    import torch
-
-    flat = values.float().reshape(-1, values.shape[-1]).numpy()
-    rows = np.empty((flat.shape[0], flat.shape[1] + 4), dtype=np.uint8)
-    _core.quantize_kv_rows(flat, rows, kv_cache_dtype, threads=threads)
-    return torch.from_numpy(rows).view(*values.shape[:-1], -1)
 
 
 def _has_amx() -> bool:

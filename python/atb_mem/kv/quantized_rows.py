@@ -19,9 +19,12 @@ from atb_mem._types import KVCacheDtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dequantize_rows", "dequantize_tensor_rows", "quantize_rows", "quantize_tensor_rows"]
+__all__ = ["dequantize_rows", "dequantize_tensor_rows", "quantize_host_rows", "quantize_rows",
+           "quantize_tensor_rows"]
 
 FP8_E4M3_MAX = 448.0
+TRAILER_BYTES = 4
+"""Bytes of a row's scale (int8: scale and offset) after its codes, in either format."""
 
 
 def _as_float32(values: Any) -> np.ndarray:
@@ -37,11 +40,17 @@ def quantize_rows(backend: Any, values: Any, kv_cache_dtype: KVCacheDtype, like:
     ``[tokens, kv_heads, row_bytes]``, an array of ``backend`` where ``like`` (the cache) is."""
     if backend.name == "torch":
         return quantize_tensor_rows(values.to(like.device), kv_cache_dtype)
-    flat = np.ascontiguousarray(_as_float32(values))
-    tokens, heads, head_dim = flat.shape
-    rows = np.empty((tokens * heads, like.shape[-1]), dtype=np.uint8)
-    _core.quantize_kv_rows(flat.reshape(tokens * heads, head_dim), rows, kv_cache_dtype)
-    return rows.reshape(tokens, heads, -1)
+    return quantize_host_rows(_as_float32(values), kv_cache_dtype)
+
+
+def quantize_host_rows(values: np.ndarray, kv_cache_dtype: KVCacheDtype,
+                       threads: int = 1) -> np.ndarray:
+    """float32 ``values`` ``[..., head_dim]`` as uint8 rows ``[..., head_dim + 4]``, by the
+    core, on ``threads`` threads (the attention kernel's)."""
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, values.shape[-1])
+    rows = np.empty((flat.shape[0], flat.shape[1] + TRAILER_BYTES), dtype=np.uint8)
+    _core.quantize_kv_rows(flat, rows, kv_cache_dtype, threads=threads)
+    return rows.reshape(*values.shape[:-1], -1)
 
 
 def dequantize_rows(rows: Any, kv_cache_dtype: KVCacheDtype, head_dim: int) -> np.ndarray:
@@ -77,7 +86,7 @@ def dequantize_tensor_rows(rows: torch.Tensor, kv_cache_dtype: KVCacheDtype) -> 
     value computed as the core's kernel reads it."""
     import torch
 
-    head_dim = rows.shape[-1] - 4
+    head_dim = rows.shape[-1] - TRAILER_BYTES
     trailer = rows[..., head_dim:].contiguous()
     if kv_cache_dtype == "int8":
         scale_and_offset = trailer.view(torch.bfloat16).float()

@@ -85,10 +85,6 @@ impl KvCacheDtype {
     }
 }
 
-/// One quantized row format: `head_dim` one-byte codes followed by `TRAILER` bytes of scale.
-///
-/// A row whose values are not all finite is written with a NaN scale, so that reading it
-/// gives NaN everywhere: a quantized cache cannot hide a bad value as a finite one.
 /// 1.5 x 2^23: an f32 of magnitude under 2^22 added to it is rounded to an integer.
 const ROUNDING: f32 = 12_582_912.0;
 
@@ -220,6 +216,10 @@ impl RowsOut {
     }
 }
 
+/// One quantized row format: `head_dim` one-byte codes followed by `TRAILER` bytes of scale.
+///
+/// A row whose values are not all finite is written with a NaN scale, so that reading it
+/// gives NaN everywhere: a quantized cache cannot hide a bad value as a finite one.
 pub trait RowFormat {
     /// Bytes after the codes.
     const TRAILER: usize;
