@@ -158,6 +158,10 @@ def test_bad_kv_cache_dtypes_are_refused() -> None:
 def test_bad_rows_and_attention_calls_are_refused_and_write_nothing() -> None:
     rows = np.zeros((2, 12), np.uint8)
     out = np.full((2, 8), 7.0, np.float32)
+    for threads, match in ((0, "at least 1"), (1025, "1 to 1024")):
+        with pytest.raises(ValueError, match=match):
+            _core.quantize_kv_rows(out, rows, "int8", threads=threads)
+        assert not rows.any()
     with pytest.raises(ValueError, match="shape"):
         _core.dequantize_kv_rows(rows, np.zeros((2, 9), np.float32), "int8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
