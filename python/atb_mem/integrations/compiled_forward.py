@@ -27,6 +27,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from atb_mem.integrations.bf16_linear import compute_bf16_linears_in_f32
 from atb_mem.integrations.compiled_rotary import compute_rotary_once
 from atb_mem.integrations.step_attention import attend_step
 
@@ -77,6 +78,7 @@ class CompiledForward:
 
         paged_attention_op()
         compute_rotary_once(model)
+        compute_bf16_linears_in_f32(model)
         self.model = model
         self.compiled: Any = torch.compile(model, dynamic=True)
         self.failed: str | None = None

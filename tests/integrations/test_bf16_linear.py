@@ -1,0 +1,123 @@
+"""bfloat16 linear layers summed in float32 (``integrations/bf16_linear.py``): every element
+within one rounding of the exact product, torch's own product below ``MIN_ROWS`` rows, the
+layers taken over only where the CPU lacks bfloat16 instructions and only inside dynamo, and a
+compiled Engine on Qwen3-0.6B's shapes that uses them gives HF's tokens up to near ties (a wrong
+slice fails)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from atb_mem.integrations import bf16_linear as module
+from atb_mem.integrations.compiled_forward import CompiledForward
+from tests.serving.test_engine_qwen3_shapes import ARRIVALS, engine_for
+from tests.support.models import model_pair, require_torch, run_poisoned
+from tests.support.near_ties import assert_each_matches_hf_up_to_near_ties
+
+torch = require_torch()
+
+
+def within_one_rounding(result: Any, x: Any, weight: Any, bias: Any) -> bool:
+    """Each element of ``result`` is the exact (float64) product rounded to bfloat16, or the
+    bfloat16 value next to it (float32 sums carry an error of their own)."""
+    exact = torch.nn.functional.linear(x.double(), weight.double(),
+                                       None if bias is None else bias.double())
+    nearest = exact.to(torch.bfloat16).double()
+    # bfloat16 keeps 8 significant bits: two of its values one apart differ by 2^-7 of it.
+    spacing = torch.maximum(nearest.abs(), exact.abs()) * 2.0 ** -7 + 1e-30
+    return bool(((result.double() - exact).abs() <= spacing).all())
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 37])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_products_are_summed_in_float32_from_min_rows(rows: int, with_bias: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(module, "_SLICE_ELEMENTS", 16 * 48)  # 16 rows a slice: 7 slices, one short
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn((1, rows, 48), generator=generator).to(torch.bfloat16)
+    weight = (torch.randn((100, 48), generator=generator) * 0.2).to(torch.bfloat16)
+    bias = torch.randn(100, generator=generator).to(torch.bfloat16) if with_bias else None
+    result = module.bf16_linear(x, weight, bias)
+    assert result.shape == (1, rows, 100) and result.dtype == torch.bfloat16
+    if rows < module.MIN_ROWS:
+        assert torch.equal(result, torch.nn.functional.linear(x, weight, bias))
+    assert within_one_rounding(result, x, weight, bias)
+    # The bound can fail: a slice left out (here the last, four rows short) is caught.
+    broken = result.clone()
+    broken[..., 96:] = 0
+    assert not within_one_rounding(broken, x, weight, bias)
+
+
+def test_other_dtypes_and_no_rows_are_torchs_own() -> None:
+    weight = torch.randn((8, 4))
+    x = torch.randn((32, 4))
+    assert torch.equal(module.bf16_linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    empty = torch.zeros((0, 4), dtype=torch.bfloat16)
+    assert module.bf16_linear(empty, weight.to(torch.bfloat16), None).shape == (0, 8)
+
+
+def test_layers_are_taken_only_where_bfloat16_lacks_instructions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = model_pair("qwen3_shapes")[0]
+    linears = sum(type(layer) is torch.nn.Linear for layer in model.modules())
+    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: True)
+    assert module.compute_bf16_linears_in_f32(model) == 0  # float32: nothing to take
+    model = model.to(torch.bfloat16)
+    inputs = torch.randint(3, 100, (1, 20))
+    with torch.inference_mode():
+        before = model(inputs).logits
+        assert module.compute_bf16_linears_in_f32(model) == linears > 0
+        assert module.compute_bf16_linears_in_f32(model) == linears  # once per layer
+        # Outside dynamo the model is transformers' own, bit for bit.
+        assert torch.equal(model(inputs).logits, before)
+    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: False)
+    assert module.compute_bf16_linears_in_f32(model_pair("qwen3_shapes")[0].to(torch.bfloat16)) == 0
+
+
+def run_compiled_engine(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], Any, list[int]]:
+    """A compiled bfloat16 Engine on Qwen3-0.6B's shapes, its linears taken over; the rows of
+    each call of the operator."""
+    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: True)
+    calls: list[int] = []
+    product = module.bf16_linear
+
+    def counted(x: Any, weight: Any, bias: Any) -> Any:
+        calls.append(x.numel() // x.shape[-1])
+        return product(x, weight, bias)
+
+    monkeypatch.setattr(module, "bf16_linear", counted)
+    model, reference = (half.to(torch.bfloat16) for half in model_pair("qwen3_shapes"))
+    engine = engine_for(model)
+    assert isinstance(engine.runner.forward, CompiledForward)
+    calls.clear()  # the warm-up's
+    results = run_poisoned(engine, ARRIVALS)
+    assert engine.runner.forward.failed is None
+    return results, reference, calls
+
+
+@pytest.mark.usefixtures("compiled")
+def test_a_compiled_bfloat16_engine_sums_in_float32_and_gives_hfs_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    results, reference, calls = run_compiled_engine(monkeypatch)
+    assert any(rows >= module.MIN_ROWS for rows in calls), calls
+    assert any(rows < module.MIN_ROWS for rows in calls), calls
+    differing = assert_each_matches_hf_up_to_near_ties(results, reference, ARRIVALS)
+    print(f"requests leaving HF's tokens at a near tie: {len(differing)} of 5 {differing}")
+
+
+@pytest.mark.usefixtures("compiled")
+def test_a_wrong_product_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    product = module.bf16_linear
+
+    def last_slice_dropped(x: Any, weight: Any, bias: Any) -> Any:
+        result = product(x, weight, bias)
+        if x.numel() // x.shape[-1] >= module.MIN_ROWS:
+            result[..., -weight.shape[0] // 8:] = 0
+        return result
+
+    monkeypatch.setattr(module, "bf16_linear", last_slice_dropped)
+    results, reference, _ = run_compiled_engine(monkeypatch)
+    with pytest.raises(AssertionError, match="above twice"):
+        assert_each_matches_hf_up_to_near_ties(results, reference, ARRIVALS)
