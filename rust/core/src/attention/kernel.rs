@@ -76,7 +76,7 @@ pub(super) unsafe fn attend<E: Element, C: Element, S: KeyScores>(
     let rows = &call.rows;
     let table = &rows.block_tables[row * rows.width..(row + 1) * rows.width];
     if vectors >= LANES {
-        return lane_tile::attend(call, &place, table, scratch, out);
+        return lane_tile::attend::<E, C, S>(call, &place, table, scratch, out);
     }
     load_queries(call, &place, scratch);
     let (lowest, highest) = place.keys(call.visibility);

@@ -12,8 +12,8 @@
 
 use super::element::Element;
 use super::item::{load_span, write_out, Output, Place, Scratch, SPAN};
-use super::lanes::exp;
 pub(super) use super::lanes::LANES;
+use super::lanes::{exp, KeyScores};
 use super::PagedAttention;
 
 /// Lane blocks a register tile spans.
@@ -26,7 +26,7 @@ const STEP: usize = 4;
 /// # Safety
 /// As `kernel::attend`'s.
 #[inline(always)]
-pub(super) unsafe fn attend<E: Element, C: Element>(
+pub(super) unsafe fn attend<E: Element, C: Element, S: KeyScores>(
     call: &PagedAttention<'_, E, C>,
     place: &Place,
     table: &[i32],
@@ -60,7 +60,13 @@ pub(super) unsafe fn attend<E: Element, C: Element>(
                 dim,
             };
             let queries = &scratch.queries[pair * dim..(pair + PAIR) * dim];
-            score_pair(queries, rows, key_range, &mut scratch.scores);
+            if S::PAIRED_TILES {
+                score_pair(queries, rows, key_range, &mut scratch.scores);
+            } else {
+                let (low, high) = queries.split_at(dim * LANES);
+                score_block::<0>(low, rows, key_range, &mut scratch.scores);
+                score_block::<LANES>(high, rows, key_range, &mut scratch.scores);
+            }
             let state = Softmax {
                 seen,
                 max: &mut scratch.max[pair..pair + PAIR],
@@ -73,7 +79,13 @@ pub(super) unsafe fn attend<E: Element, C: Element>(
                 data: values_in,
                 ..rows
             };
-            accumulate_pair(acc, &scratch.scores, rows, key_range);
+            if S::PAIRED_TILES {
+                accumulate_pair(acc, &scratch.scores, rows, key_range);
+            } else {
+                let (low, high) = acc.split_at_mut(dim * LANES);
+                accumulate_block::<0>(low, &scratch.scores, rows, key_range);
+                accumulate_block::<LANES>(high, &scratch.scores, rows, key_range);
+            }
         }
     }
     // Back to a row per vector, as `write_out` reads the sums.
@@ -222,6 +234,32 @@ fn score_pair(queries: &[f32], keys: Rows<'_>, (first, end): (usize, usize), sco
     }
 }
 
+/// `score_pair` for one lane block (`queries`, `[dim, LANES]`), into the lanes
+/// `HALF..HALF + LANES` of each score row: four keys' sums are eight AVX2 registers.
+#[inline(always)]
+fn score_block<const HALF: usize>(
+    queries: &[f32],
+    keys: Rows<'_>,
+    (first, end): (usize, usize),
+    scores: &mut [f32],
+) {
+    for key in (first..end).step_by(STEP) {
+        let [k0, k1, k2, k3]: [&[f32]; STEP] = std::array::from_fn(|j| keys.row(key + j));
+        let mut sums = [[0.0f32; LANES]; STEP];
+        let elements = k0.iter().zip(k1).zip(k2).zip(k3);
+        for (column, (((&a, &b), &c), &d)) in lane_arrays::<LANES>(queries).zip(elements) {
+            for (j, k) in [a, b, c, d].into_iter().enumerate() {
+                for lane in 0..LANES {
+                    sums[j][lane] = k.mul_add(column[lane], sums[j][lane]);
+                }
+            }
+        }
+        for (j, sum) in sums.iter().enumerate() {
+            scores[(key + j) * PAIR + HALF..][..LANES].copy_from_slice(sum);
+        }
+    }
+}
+
 /// A pair of lane blocks' softmax state: each lane's visible positions, maximum, sum, and
 /// weighted sum of V (`[2, dim, LANES]`).
 struct Softmax<'a> {
@@ -344,6 +382,55 @@ fn accumulate_dims<const DIMS: usize>(
     for j in 0..DIMS {
         acc[low_at + j * LANES..][..LANES].copy_from_slice(&low[j]);
         acc[high_at + j * LANES..][..LANES].copy_from_slice(&high[j]);
+    }
+}
+
+/// `accumulate_pair` for one lane block (`acc`, `[dim, LANES]`), weighted by the lanes
+/// `HALF..HALF + LANES` of each weight row.
+#[inline(always)]
+fn accumulate_block<const HALF: usize>(
+    acc: &mut [f32],
+    weights: &[f32],
+    values: Rows<'_>,
+    key_range: (usize, usize),
+) {
+    let dim = values.dim;
+    let whole = dim / STEP * STEP;
+    for d in (0..whole).step_by(STEP) {
+        accumulate_block_dims::<STEP, HALF>(acc, weights, values, key_range, d);
+    }
+    for d in whole..dim {
+        accumulate_block_dims::<1, HALF>(acc, weights, values, key_range, d);
+    }
+}
+
+/// `accumulate_block` for dims `d..d + DIMS`.
+#[inline(always)]
+fn accumulate_block_dims<const DIMS: usize, const HALF: usize>(
+    acc: &mut [f32],
+    weights: &[f32],
+    values: Rows<'_>,
+    (first, end): (usize, usize),
+    d: usize,
+) {
+    let at = d * LANES;
+    let mut sums = [[0.0f32; LANES]; DIMS];
+    for (j, sum) in sums.iter_mut().enumerate() {
+        sum.copy_from_slice(&acc[at + j * LANES..][..LANES]);
+    }
+    let weights = lane_arrays::<PAIR>(&weights[first * PAIR..end * PAIR]);
+    for (row, &offset) in weights.zip(&values.offsets[first..end]) {
+        let value: &[f32; DIMS] = values.data[offset + d..offset + d + DIMS]
+            .try_into()
+            .unwrap();
+        for j in 0..DIMS {
+            for lane in 0..LANES {
+                sums[j][lane] = value[j].mul_add(row[HALF + lane], sums[j][lane]);
+            }
+        }
+    }
+    for (j, sum) in sums.iter().enumerate() {
+        acc[at + j * LANES..][..LANES].copy_from_slice(sum);
     }
 }
 

@@ -44,6 +44,10 @@ pub(super) fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
 /// An implementor's methods may use instructions of its own set: call them only where the
 /// CPU has it (`dispatch` names each set in the copy compiled for it, after detection).
 pub(super) unsafe trait KeyScores {
+    /// Whether a prefill's register tiles span two lane blocks (`lane_tile`): with 32
+    /// registers of 16 lanes they take 8; with 16 of 8 (AVX2) they would take all 16 and
+    /// spill, so each block is a tile of its own there.
+    const PAIRED_TILES: bool;
     /// `lane_products(a, b)`.
     ///
     /// # Safety
@@ -61,6 +65,8 @@ pub(super) struct Portable;
 
 // Safety: plain Rust, any CPU.
 unsafe impl KeyScores for Portable {
+    const PAIRED_TILES: bool = false;
+
     #[inline(always)]
     unsafe fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
         lane_products(a, b)
@@ -81,6 +87,8 @@ pub(super) struct Avx512;
 // Safety: AVX-512F instructions only, which the caller's CPU has (the trait's contract).
 #[cfg(target_arch = "x86_64")]
 unsafe impl KeyScores for Avx512 {
+    const PAIRED_TILES: bool = true;
+
     #[inline(always)]
     unsafe fn lane_products(a: &[f32], b: &[f32]) -> [f32; LANES] {
         lane_products_avx512(a, b)
