@@ -207,6 +207,20 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
+def cpu() -> str:
+    """The CPU's model name and the instruction sets both systems' bf16 and attention paths
+    depend on (results differ by far between an AVX2 CPU and one with AMX tiles)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "an unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                      if line.startswith("flags")), []))
+    sets = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"),
+                                      ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
+            if flag in flags]
+    return f"{name} ({', '.join(sets) or 'no AVX2'})"
+
+
 def vllm_at_its_best(python: str) -> dict[str, str]:
     """The environment vLLM's CPU installation guide asks for: tcmalloc and the OpenMP runtime
     its torch links preloaded, one OpenMP thread per core, and on fewer than 4 cores the engine
@@ -288,7 +302,7 @@ def main() -> None:
     work = workload(args.requests or model["requests"], model["vocab"])
     print(f"{args.model} ({model['dtype']}): {len(work)} requests, "
           f"{sum(len(p) for p, _ in work)} prompt and {sum(m for _, m in work)} output tokens; "
-          f"{len(os.sched_getaffinity(0))} cores", flush=True)
+          f"{len(os.sched_getaffinity(0))} cores of {cpu()}", flush=True)
     systems = args.systems.split(",")
     pythons = {system: args.vllm_python if system.startswith("vllm") else sys.executable
                for system in systems}
