@@ -121,3 +121,18 @@ def test_a_wrong_product_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     results, reference, _ = run_compiled_engine(monkeypatch)
     with pytest.raises(AssertionError, match="above twice"):
         assert_each_matches_hf_up_to_near_ties(results, reference, ARRIVALS)
+
+
+@pytest.mark.usefixtures("compiled")
+def test_a_compile_that_records_gradients_keeps_torchs_linear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: True)
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    assert module.compute_bf16_linears_in_f32(layer) == 1
+    x = torch.randn((32, 8)).to(torch.bfloat16)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    compiled(x).float().sum().backward()  # the operator has no gradient: it must not be used
+    assert layer.weight.grad is not None
+    with torch.no_grad():
+        taken = torch.compile(layer, backend="eager", fullgraph=True)(x)
+    assert within_one_rounding(taken, x, layer.weight, layer.bias)

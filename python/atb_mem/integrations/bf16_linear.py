@@ -14,7 +14,8 @@ Below ``MIN_ROWS`` rows the conversion costs more than it saves: those keep torc
 Only a compiled forward takes the layers over (``compute_bf16_linears_in_f32``): they become
 one opaque operator each (``atb_mem::bf16_linear``), which decides by the step's rows when it
 runs, so no graph is compiled per size. A model called outside dynamo (the user's own
-``generate``) runs its linears as transformers made them.
+``generate``), or compiled where autograd records (training), runs its linears as transformers
+made them.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def _forward(module: Any, operator: Any) -> Any:
     import torch
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # Dynamo's own test: true only where this thread's dynamo traces this call.
-        if torch.compiler.is_dynamo_compiling():
+        # Dynamo's own test: true only where this thread's dynamo traces this call. The
+        # operator has no gradient: a compile that records one (the user's) keeps F.linear.
+        if torch.compiler.is_dynamo_compiling() and not torch.is_grad_enabled():
             result: torch.Tensor = operator(x, module.weight, module.bias)
             return result
         return torch.nn.functional.linear(x, module.weight, module.bias)
