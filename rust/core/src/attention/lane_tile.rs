@@ -8,7 +8,9 @@
 //! of each lane's visible positions with the key's. Both products are register tiles of two
 //! lane blocks (32 vectors) × four broadcast elements of K or V: per step two loads and
 //! four broadcasts feed eight multiply-adds, and K is never transposed (the quad path
-//! transposes it once per span and tile).
+//! transposes it once per span and tile). Where registers hold 8 lanes (AVX2), two blocks'
+//! sums would fill all 16 registers and spill: there a tile is one block
+//! (`KeyScores::PAIRED_TILES`).
 
 use super::element::Element;
 use super::item::{load_span, write_out, Output, Place, Scratch, SPAN};
