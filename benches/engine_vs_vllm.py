@@ -210,11 +210,12 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 def cpu() -> str:
     """The CPU's model name and the instruction sets both systems' bf16 and attention paths
     depend on (results differ by far between an AVX2 CPU and one with AMX tiles)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "an unknown CPU")
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines()
-                      if line.startswith("flags")), []))
+    info = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    for line in (info.read_text() if info.exists() else "").splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name, flags = fields.get("model name", "an unknown CPU"), set(fields.get("flags", "").split())
     sets = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"),
                                       ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
             if flag in flags]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from atb_mem.integrations.cpu_attention import torch_cpu_has
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,11 +45,9 @@ def lacks_bf16_instructions() -> bool:
     """Whether this x86 CPU multiplies bfloat16 only by converting (no AVX512-BF16, no AMX)."""
     import platform
 
-    import torch
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return not (torch_cpu_has("avx512_bf16") or torch_cpu_has("amx_tile"))
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

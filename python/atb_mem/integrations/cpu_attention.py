@@ -42,7 +42,8 @@ from atb_mem.kv.quantized_rows import dequantize_tensor_rows, quantize_host_rows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep", "share_torchs_threads"]
+__all__ = ["SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep", "share_torchs_threads",
+           "torch_cpu_has"]
 
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -63,8 +64,8 @@ class CpuPagedAttention:
         """``"auto"`` (the caches hold ``dtype``) or a quantized cache's rows, read in place."""
         # Over a quantized cache SDPA reads what the rows read back as (dequantized), fresh
         # rows and rows with context alike, so that a hit computes what a recompute does.
-        self.sdpa_min_tokens = SDPA_MIN_TOKENS if self.dtype == "bfloat16" and _has_amx() \
-            else None
+        amx = torch_cpu_has("amx_tile")
+        self.sdpa_min_tokens = SDPA_MIN_TOKENS if self.dtype == "bfloat16" and amx else None
         """Fresh rows of at least this many tokens go to torch's SDPA (None: none do)."""
         share_torchs_threads()
 
@@ -248,11 +249,13 @@ class _Context:
         return cls(slots=torch.from_numpy(slots), mask=mask)
 
 
-def _has_amx() -> bool:
-    """Whether this CPU has AMX tiles for torch's kernels (torch's own, private, test)."""
+def torch_cpu_has(feature: str) -> bool:
+    """Whether this CPU has ``feature`` (``"amx_tile"``, ``"avx512_bf16"``, ...) for torch's
+    kernels, by torch's own private test ``torch.cpu._is_<feature>_supported``; False where
+    this torch has no such test."""
     import torch
 
-    test = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    test = getattr(torch.cpu, f"_is_{feature}_supported", None)
     return bool(test and test())
 
 
