@@ -136,3 +136,17 @@ def test_a_compile_that_records_gradients_keeps_torchs_linear(
     with torch.no_grad():
         taken = torch.compile(layer, backend="eager", fullgraph=True)(x)
     assert within_one_rounding(taken, x, layer.weight, layer.bias)
+
+
+def test_bad_arguments_are_refused_and_change_nothing() -> None:
+    weight = torch.randn((8, 4)).to(torch.bfloat16)
+    for x in (torch.randn((32, 5)), torch.tensor(1.0), torch.randn((32, 8))):
+        with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and weight \[N, K\]"):
+            module.bf16_linear(x.to(torch.bfloat16), weight, None)
+    with pytest.raises(ValueError, match="weight"):
+        module.bf16_linear(torch.randn((32, 4)).to(torch.bfloat16), weight[0], None)
+    layer = torch.nn.Linear(4, 8).to(torch.bfloat16)
+    forward = layer.forward
+    with pytest.raises(TypeError, match="takes a torch module, got list"):
+        module.compute_bf16_linears_in_f32([layer])
+    assert layer.forward == forward and not hasattr(layer, "_atb_mem_bf16_linear")

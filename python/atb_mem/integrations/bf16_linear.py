@@ -54,6 +54,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.linear(x, weight, bias)`` for bfloat16 tensors, its products summed in float32."""
     import torch
 
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"bf16_linear needs x [..., K] and weight [N, K]; got x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows < MIN_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return torch.nn.functional.linear(x, weight, bias)
@@ -92,6 +95,9 @@ def compute_bf16_linears_in_f32(model: Any) -> int:
     another CPU, device or dtype)."""
     import torch
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compute_bf16_linears_in_f32 takes a torch module, got "
+                        f"{type(model).__name__}")
     if not lacks_bf16_instructions():
         return 0
     operator = _operator()
