@@ -75,6 +75,20 @@ def test_greedy_tokens_equal_hf_through_the_compiled_forward(architecture: str) 
     assert stats["blocks_used"] == 0
 
 
+def test_the_forward_compiles_without_a_graph_break() -> None:
+    """One graph per step: a break splits the forward into frames compiled apart, each
+    paying dynamo's call overhead, and a frame compiled apart around an operator reads its
+    output sizes from inductor's disk cache, which another process may have filled for another
+    model."""
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+    engine = engine_for(model_pair("qwen3")[0])
+    assert isinstance(engine.runner.forward, CompiledForward)
+    assert engine.runner.forward.failed is None
+    assert dict(counters["graph_break"]) == {}
+
+
 def test_two_models_of_one_class_each_get_their_own_weights() -> None:
     """Graphs are cached per class (one forward's code): a second model with other weights
     in the same process must not be served the first one's."""

@@ -20,10 +20,10 @@ made them.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from atb_mem.integrations.cpu_attention import torch_cpu_has
+from atb_mem.integrations.graph_operators import define_operator
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,6 @@ Zen 3 core pair: 16 rows 0.49 against 0.70 s; 8 rows 0.36 against 0.37 s, no gai
 _SLICE_ELEMENTS = 1 << 21
 """Weight elements converted at a time: 8 MiB in float32, within a core pair's L3."""
 
-_OPERATOR = "atb_mem::bf16_linear"
 _SCHEMA = "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 
 
@@ -73,20 +72,14 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@functools.cache
 def _operator() -> Any:
-    import torch
-
-    @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
-    def operator(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+    def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return bf16_linear(x, weight, bias)
 
-    @operator.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    return operator
+    return define_operator("bf16_linear", _SCHEMA, kernel, fake)
 
 
 def compute_bf16_linears_in_f32(model: Any) -> int:

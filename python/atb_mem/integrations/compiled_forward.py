@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from atb_mem.integrations.bf16_linear import compute_bf16_linears_in_f32
 from atb_mem.integrations.compiled_rotary import compute_rotary_once
+from atb_mem.integrations.graph_operators import define_operator
 from atb_mem.integrations.step_attention import attend_step
 
 if TYPE_CHECKING:
@@ -36,35 +37,26 @@ if TYPE_CHECKING:
 
 __all__ = ["CompiledForward", "attend_compiled", "paged_attention_op"]
 
-_OPERATOR = "atb_mem::paged_attention"
 _SCHEMA = ("(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, "
            "Tensor? sinks) -> Tensor")
-_registered: dict[str, Any] = {}
 
 
 def paged_attention_op() -> Any:
-    """``torch.ops.atb_mem.paged_attention``, registered on first use: ``(query [1, H, T, D],
+    """``torch.ops.atb_mem.paged_attention``, defined on first use: ``(query [1, H, T, D],
     key and value [1, kv_heads, T, D], layer index, scaling, sinks or None) -> [1, T, H, D]``,
-    the current step's attention for that layer (``paged_attention_forward``)."""
-    if "op" in _registered:
-        return _registered["op"]
-    import torch
+    the current step's attention for that layer (``paged_attention_forward``). It writes the
+    layer's K/V into the cache, which is no input of the graph: nothing to declare. Its output
+    feeds the next layer, so the graph keeps the layers in order."""
 
-    # It writes the layer's K/V into the cache, which is no input of the graph: nothing to
-    # declare. Its output feeds the next layer, so the graph keeps the layers in order.
-    @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
-    def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        layer_idx: int, scaling: float,
-                        sinks: torch.Tensor | None) -> torch.Tensor:
+    def kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               scaling: float, sinks: torch.Tensor | None) -> torch.Tensor:
         return attend_step(layer_idx, query, key, value, scaling, sinks)
 
-    @paged_attention.register_fake
-    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-          scaling: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    def fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+             scaling: float, sinks: torch.Tensor | None) -> torch.Tensor:
         return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
-    _registered["op"] = paged_attention
-    return paged_attention
+    return define_operator("paged_attention", _SCHEMA, kernel, fake)
 
 
 class CompiledForward:

@@ -15,16 +15,16 @@ multimodal one's sections, say) is left as it is.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any
+
+from atb_mem.integrations.graph_operators import define_operator
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["compute_rotary_once"]
 
-_OPERATOR = "atb_mem::rotary_cos_sin"
 _SCHEMA = "(Tensor x, Tensor position_ids, int module, str? variant) -> (Tensor, Tensor)"
 _forwards: list[tuple[weakref.WeakMethod[Any], dict[str | None, int]]] = []
 """Per module taken over, its own forward (weakly: a model let go goes) and, per variant it
@@ -32,26 +32,21 @@ computes (Gemma 3's one per kind of layer; else None), the size of its tables' l
 dimension."""
 
 
-@functools.cache
 def _operator() -> Any:
-    import torch
-
-    @torch.library.custom_op(_OPERATOR, mutates_args=(), schema=_SCHEMA)
-    def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, module: int,
-                       variant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def kernel(x: torch.Tensor, position_ids: torch.Tensor, module: int,
+               variant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         forward = _forwards[module][0]()
         if forward is None:
             raise RuntimeError("this rotary module no longer exists")
         cos, sin = forward(x, position_ids, *([] if variant is None else [variant]))
         return cos.contiguous(), sin.contiguous()
 
-    @rotary_cos_sin.register_fake
-    def _(x: torch.Tensor, position_ids: torch.Tensor, module: int,
-          variant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def fake(x: torch.Tensor, position_ids: torch.Tensor, module: int,
+             variant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (*position_ids.shape, _forwards[module][1][variant])
         return x.new_empty(shape), x.new_empty(shape)
 
-    return rotary_cos_sin
+    return define_operator("rotary_cos_sin", _SCHEMA, kernel, fake)
 
 
 def _table_sizes(module: Any, dtype: Any) -> dict[str | None, int] | None:

@@ -103,6 +103,8 @@ class CpuPagedStep:
     splits: dict[tuple[int, LayerAttention], _Split | None] = field(
         default_factory=dict, init=False)
     """Per group and kind of layer, which rows SDPA takes (None: the kernel takes all)."""
+    arguments: dict[LayerAttention, dict[str, Any]] = field(default_factory=dict, init=False)
+    """Per kind of layer, the kernel's arguments every such layer passes."""
 
     def attend(self, group: int, kind: LayerAttention, queries: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float | None,
@@ -113,7 +115,7 @@ class CpuPagedStep:
         the step's slots; returns ``[T, H, D]``."""
         import torch
 
-        if sinks is None and new_kv is not None:
+        if sinks is None and new_kv is not None and self.kernel.sdpa_min_tokens is not None:
             split = self._split(group, kind)
             if split is not None:
                 return self._attend_split(split, group, kind, queries,
@@ -121,21 +123,30 @@ class CpuPagedStep:
         queries = queries.contiguous()
         out = torch.empty_like(queries)
         scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
-        window = kind.window if kind.kind == "sliding_attention" and kind.window else None
-        chunk = kind.window if kind.kind == "chunked_attention" and kind.window else None
-        new: dict[str, Any] = {}
+        new_keys = new_values = slot_mapping = None
         if new_kv is not None:
-            new = {"new_keys": _bits(new_kv[0].contiguous()),
-                   "new_values": _bits(new_kv[1].contiguous()),
-                   "slot_mapping": self.slot_planes[group]}
+            new_keys, new_values = _bits(new_kv[0].contiguous()), _bits(new_kv[1].contiguous())
+            slot_mapping = self.slot_planes[group]
         _core.paged_attention(
             _bits(queries), _bits(key_cache), _bits(value_cache), _bits(out),
-            self.query_start_loc, self.seq_lens, self.table_planes[group],
-            block_size=self.kernel.block_size, scale=float(scale), dtype=self.kernel.dtype,
-            window=window, chunk=chunk,
+            self.query_start_loc, self.seq_lens, self.table_planes[group], scale=float(scale),
             sinks=None if sinks is None else sinks.detach().float().contiguous().numpy(),
-            threads=self.threads, kv_cache_dtype=self.kernel.kv_cache_dtype, **new)
+            new_keys=new_keys, new_values=new_values, slot_mapping=slot_mapping,
+            **self._layer_arguments(kind))
         return out
+
+    def _layer_arguments(self, kind: LayerAttention) -> dict[str, Any]:
+        """The kernel's arguments that are the same for every layer of ``kind`` (built once a
+        step: a layer's call is on a decode's critical path)."""
+        arguments = self.arguments.get(kind)
+        if arguments is None:
+            window = kind.window if kind.kind == "sliding_attention" and kind.window else None
+            chunk = kind.window if kind.kind == "chunked_attention" and kind.window else None
+            arguments = {"block_size": self.kernel.block_size, "dtype": self.kernel.dtype,
+                         "window": window, "chunk": chunk, "threads": self.threads,
+                         "kv_cache_dtype": self.kernel.kv_cache_dtype}
+            self.arguments[kind] = arguments
+        return arguments
 
     def _split(self, group: int, kind: LayerAttention) -> _Split | None:
         """Which rows SDPA attends for layers of ``kind`` in ``group``, built on first use."""
@@ -265,7 +276,9 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
     if tensor.dtype in (torch.bfloat16, torch.float16):
         tensor = tensor.view(torch.int16)
-    return tensor.detach().numpy()
+    # detach() only where autograd records: it costs as much as numpy() itself, per tensor
+    # and call (six a layer).
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
 @functools.cache

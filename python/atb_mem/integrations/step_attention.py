@@ -158,7 +158,8 @@ def attend_step(layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: t
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)    # [T, kv, D]
     # A quantized cache (uint8 rows) takes the model's dtype: the kernel quantizes.
     stored = key_cache.dtype if key_cache.dtype.is_floating_point else query.dtype
-    new_keys, new_values = new_keys.to(stored), new_values.to(stored)
+    if new_keys.dtype != stored:
+        new_keys, new_values = new_keys.to(stored), new_values.to(stored)
     kernel = step.kernel
     if kernel is not None and kernel.kernel.serves(kind, sinks):
         queries = query[0].transpose(0, 1)
