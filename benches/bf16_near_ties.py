@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
 
 from engine_vs_vllm import MODELS, build_model, workload  # noqa: E402
 
-from atb_mem.integrations.bf16_linear import lacks_bf16_instructions  # noqa: E402
+from atb_mem.integrations.cpu_linear import lacks_bf16_instructions  # noqa: E402
 from atb_mem.serving import Engine  # noqa: E402
 from tests.support.models import greedy, run_poisoned  # noqa: E402
 from tests.support.near_ties import assert_each_matches_hf_up_to_near_ties  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from atb_mem import _core
-from atb_mem.integrations.cpu_attention import _bits, share_torchs_threads
+from atb_mem.integrations.cpu_attention import numpy_bits, share_torchs_threads
 
 Calls = tuple[Callable[[], object], Callable[[], object], Callable[[], object] | None]
 
@@ -49,9 +49,10 @@ def case(rows: int, cached: int, new: int, heads: int, kv_heads: int, dim: int,
     threads = torch.get_num_threads()
 
     def kernel() -> object:
-        _core.paged_attention(_bits(queries), _bits(keys), _bits(values), _bits(out), starts,
-                              seq_lens, tables, block_size=block_size, scale=dim ** -0.5,
-                              dtype=dtype, threads=threads)
+        _core.paged_attention(numpy_bits(queries), numpy_bits(keys), numpy_bits(values),
+                              numpy_bits(out), starts, seq_lens, tables,
+                              block_size=block_size, scale=dim ** -0.5, dtype=dtype,
+                              threads=threads)
         return out
 
     positions = np.arange(length)

@@ -87,6 +87,16 @@ def paged_attention(query: npt.NDArray[Any], key_cache: npt.NDArray[Any],
     Every input is checked before anything is read or written; ``threads`` threads, the GIL
     released."""
 
+def linear(x: npt.NDArray[Any], weight: npt.NDArray[Any], out: npt.NDArray[Any], *,
+           dtype: str, bias: npt.NDArray[Any] | None = None, threads: int = 1) -> None:
+    """A linear layer's product over a few rows, into ``out``: ``out [rows, N] = x [rows, K]
+    · weight [N, K]ᵀ``, plus ``bias [N]`` when given (added to the float32 sum, rounded once);
+    all C-contiguous, float32 arrays for ``dtype="float32"``, int16 arrays of the bits for
+    ``"bfloat16"`` and ``"float16"``. The weight is read once, in place; sums are float32, in an
+    order that depends on the shapes only (any ``threads`` gives the same bits). Every size is
+    checked before anything is written; ``threads`` threads (``paged_attention``'s), the GIL
+    released."""
+
 def use_openmp(library: str | os.PathLike[str]) -> None:
     """Runs ``paged_attention``'s threads on the team of an OpenMP runtime (libgomp, LLVM's
     libomp or Intel's libiomp5) instead of a pool of their own: the runtime ``library`` is,

@@ -153,3 +153,38 @@ def test_an_engine_serves_while_a_function_is_compiled(a_compiles: bool) -> None
         compile_a_function_at_several_shapes(serving)
         ended = time.monotonic()
     serving.check(reference, began, ended)
+
+
+def test_an_engine_settles_inductors_one_symbolic_trace_before_it_serves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.fx's symbolic tracer patches ``nn.Module.__call__`` for the whole process while
+    it traces, and inductor traces its dummy function that way the first time any thread
+    lowers a graph: an eager engine stepping meanwhile failed its requests ("module is not
+    installed as a submodule"). Once an engine exists, another thread's compile traces
+    nothing that way; with the trace left to the compile (cache cleared), it does."""
+    torch = require_torch()
+    from torch._inductor.loop_body import InterpreterShim
+
+    traces: list[object] = []
+    trace = torch.fx.Tracer.trace
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The plain tracer's module calls refuse modules it does not trace (make_fx's
+        # tracers, which every compile runs, call them through).
+        if type(self) is torch.fx.Tracer:
+            traces.append(self)
+        return trace(self, *args, **kwargs)
+
+    def compile_a_new_function(scale: float) -> None:
+        compiled = torch.compile(lambda x: torch.nn.functional.softplus(x * scale).sum())
+        # Lowered here, not read back from an earlier run's cache on disk.
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            compiled(torch.ones(7, 3))
+
+    Engine(model_pair("llama")[0], num_blocks=64, block_size=4, enforce_eager=True)
+    monkeypatch.setattr(torch.fx.Tracer, "trace", counted)
+    compile_a_new_function(1.25)
+    assert traces == []
+    InterpreterShim._dummy_gm.cache_clear()  # as if no engine had settled it
+    compile_a_new_function(1.75)
+    assert traces != []

@@ -235,3 +235,26 @@ def test_a_one_token_step_projects_one_row_and_others_two_at_least() -> None:
     assert seen[0] == (6, 2), "a prefill with one sampled row: padded to two"
     assert seen[1:] == [(1, 1)] * 3, "single decodes: one row"
     assert compiled_graphs() == graphs
+
+
+def test_many_engines_of_one_class_each_run_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compile of one model class shares its forward's compiled entries, and dynamo runs
+    a frame eager, silently, past its recompile limit (8): each engine of a class used two,
+    and the fifth in a process ran eager. Each engine now keeps graphs of its own."""
+    from atb_mem.integrations import cpu_linear
+
+    calls: list[int] = []
+    product = cpu_linear.cpu_linear
+
+    def counted(x: Any, weight: Any, bias: Any) -> Any:
+        calls.append(1)
+        return product(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "cpu_linear", counted)
+    for seed in range(6):
+        model, reference = model_pair("llama", seed)
+        engine = engine_for(model)
+        calls.clear()
+        arrivals = {0: [("a", random_prompt(seed, 5), greedy(3))]}
+        assert_each_matches_hf(run_poisoned(engine, arrivals), reference, arrivals)
+        assert calls, f"engine {seed} ran eager"  # the linears' operator runs in graphs only

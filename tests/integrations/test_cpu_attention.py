@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from atb_mem import _core
-from atb_mem.integrations.cpu_attention import _bits, share_torchs_threads
+from atb_mem.integrations.cpu_attention import numpy_bits, share_torchs_threads
 from tests.support.devices import require_torch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 24
@@ -44,14 +44,14 @@ class Step:
 
     def args(self, **overrides: Any) -> dict[str, Any]:
         """The binding's arguments over numpy views of the step's own memory."""
-        return {"query": _bits(self.query), "key_cache": _bits(self.key_cache),
-                "value_cache": _bits(self.value_cache), "out": _bits(self.out),
+        return {"query": numpy_bits(self.query), "key_cache": numpy_bits(self.key_cache),
+                "value_cache": numpy_bits(self.value_cache), "out": numpy_bits(self.out),
                 "query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens,
                 "block_tables": self.block_tables, "block_size": BLOCK_SIZE, "scale": SCALE,
                 "dtype": self.dtype, **overrides}
 
     def snapshot(self) -> dict[str, bytes]:
-        return {name: _bits(getattr(self, name)).tobytes()
+        return {name: numpy_bits(getattr(self, name)).tobytes()
                 for name in ("out", "key_cache", "value_cache")}
 
     def changed_since(self, snapshot: dict[str, bytes]) -> list[str]:
@@ -155,10 +155,11 @@ def test_writes_the_new_rows_into_their_slots_first(dtype: str) -> None:
     written = torch.from_numpy(slot_mapping[slot_mapping >= 0]).long()
     expected[0][written] = new_keys[slot_mapping >= 0]
     expected[1][written] = new_values[slot_mapping >= 0]
-    _core.paged_attention(**step.args(new_keys=_bits(new_keys), new_values=_bits(new_values),
+    _core.paged_attention(**step.args(new_keys=numpy_bits(new_keys),
+                                      new_values=numpy_bits(new_values),
                                       slot_mapping=slot_mapping))
-    assert _bits(step.key_cache).tobytes() == _bits(expected[0]).tobytes()
-    assert _bits(step.value_cache).tobytes() == _bits(expected[1]).tobytes()
+    assert numpy_bits(step.key_cache).tobytes() == numpy_bits(expected[0]).tobytes()
+    assert numpy_bits(step.value_cache).tobytes() == numpy_bits(expected[1]).tobytes()
     assert_attends(step, reference(step))
 
 
@@ -211,6 +212,10 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("strided-query", change_args("query", transposed), "query must be C-contiguous"),
     ("strided-cache", change_args("key_cache", transposed), "key_cache must be C-contiguous"),
     ("strided-out", change_args("out", transposed), "out must be C-contiguous"),
+    # Fortran order is contiguous to numpy's slices, and was read as if it were C order.
+    ("fortran-query", change_args("query", np.asfortranarray), "query must be C-contiguous"),
+    ("fortran-cache", change_args("value_cache", np.asfortranarray),
+     "value_cache must be C-contiguous"),
     ("query-2-D", change_args("query", lambda a: a.reshape(TOKENS, -1)), "query must be 3-D"),
     ("out-shape", change_args("out", lambda a: a[:-1].copy()), "disagree on head_dim or shape"),
     ("block-out-of-range", with_table(2, 1, NUM_BLOCKS), r"block_tables\[1\] = 24 is not a"),

@@ -27,8 +27,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from atb_mem.integrations.bf16_linear import compute_bf16_linears_in_f32
 from atb_mem.integrations.compiled_rotary import compute_rotary_once
+from atb_mem.integrations.cpu_linear import compute_linears_on_cpu
 from atb_mem.integrations.graph_operators import define_operator
 from atb_mem.integrations.step_attention import attend_step
 
@@ -70,9 +70,12 @@ class CompiledForward:
 
         paged_attention_op()
         compute_rotary_once(model)
-        compute_bf16_linears_in_f32(model)
+        compute_linears_on_cpu(model)
         self.model = model
-        self.compiled: Any = torch.compile(model, dynamic=True)
+        # Graphs of its own: by default every compile of one model class shares the class's
+        # forward's entries and their recompile limit (8), and the fifth engine of a class in
+        # a process ran eager, silently, once its predecessors had used them up.
+        self.compiled: Any = torch.compile(model, dynamic=True, isolate_recompiles=True)
         self.failed: str | None = None
 
     def __call__(self, *, logits_to_keep: torch.Tensor, **inputs: Any) -> Any:

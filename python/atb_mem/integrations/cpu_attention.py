@@ -42,8 +42,8 @@ from atb_mem.kv.quantized_rows import dequantize_tensor_rows, quantize_host_rows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep", "share_torchs_threads",
-           "torch_cpu_has"]
+__all__ = ["SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep", "numpy_bits",
+           "share_torchs_threads", "torch_cpu_has"]
 
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -125,10 +125,11 @@ class CpuPagedStep:
         scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
         new_keys = new_values = slot_mapping = None
         if new_kv is not None:
-            new_keys, new_values = _bits(new_kv[0].contiguous()), _bits(new_kv[1].contiguous())
+            new_keys, new_values = (numpy_bits(part.contiguous()) for part in new_kv)
             slot_mapping = self.slot_planes[group]
         _core.paged_attention(
-            _bits(queries), _bits(key_cache), _bits(value_cache), _bits(out),
+            numpy_bits(queries), numpy_bits(key_cache), numpy_bits(value_cache),
+            numpy_bits(out),
             self.query_start_loc, self.seq_lens, self.table_planes[group], scale=float(scale),
             sinks=None if sinks is None else sinks.detach().float().contiguous().numpy(),
             new_keys=new_keys, new_values=new_values, slot_mapping=slot_mapping,
@@ -270,7 +271,7 @@ def torch_cpu_has(feature: str) -> bool:
     return bool(test and test())
 
 
-def _bits(tensor: torch.Tensor) -> np.ndarray:
+def numpy_bits(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor's memory: float32 as such, 16-bit types as int16."""
     import torch
 

@@ -25,6 +25,7 @@ from atb_mem.integrations.attention_backends import attention_kernel
 from atb_mem.integrations.attention_switch import AttentionSwitch
 from atb_mem.integrations.compiled_forward import CompiledForward, attend_compiled
 from atb_mem.integrations.cpu_attention import CpuPagedAttention
+from atb_mem.integrations.first_fx_trace import trace_inductors_dummy_once
 from atb_mem.integrations.forward_plan import warm_up_plans
 from atb_mem.integrations.hub_kernel_context import make_kernel_funcs_per_thread
 from atb_mem.integrations.layer_attention import (
@@ -135,6 +136,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         # Before any forward: other threads may compile while this engine serves.
         make_kernel_funcs_per_thread()
+        trace_inductors_dummy_once()
         self.device = torch.device(model.device)
         if torch.device(kv_cache.kv_cache.device) != self.device:
             raise ValueError(f"the KV cache is on {kv_cache.kv_cache.device}; the model on "

@@ -10,7 +10,8 @@
 //! - scheduling: continuous batching over the cache ([`ContinuousScheduler`], one
 //!   [`StepPlan`] per step) and whole-request batching ([`RequestBatcher`]).
 //!
-//! Beside them, [`content_digests`] names a model's weights by every byte, so that tiers
+//! Beside them, [`PagedAttention`] and [`Linear`] (a layer's product over a decode's few
+//! rows) compute a model's step on the CPU, and [`content_digests`] names a model's weights by every byte, so that tiers
 //! shared across engines never serve one model's K/V to another.
 //!
 //! The core manages indices, never bytes: whatever must move (copy-on-write, swaps) comes back
@@ -27,6 +28,7 @@ mod attention;
 mod content_digest;
 mod kv_cache;
 mod layout;
+mod linear;
 mod quant;
 mod sched;
 mod undo;
@@ -53,6 +55,7 @@ pub use kv_cache::{
     SEQUENCE_BYTES,
 };
 pub use layout::{KvDtype, KvLayout};
+pub use linear::Linear;
 pub use quant::{quantize_rows, Fp8E4m3Rows, Int8Rows, KvCacheDtype, RowFormat, FP8_E4M3_MAX};
 pub use sched::{
     BatcherConfig, BlockLoad, BlockTableWriter, ContinuousScheduler, LoadCounters, Poll,

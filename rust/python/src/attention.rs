@@ -201,6 +201,9 @@ fn attend<E: Element, T: numpy::Element, C: Element, U: numpy::Element>(
         head_dim,
         block_size: rows.block_size,
     };
+    if !rows.block_tables.is_c_contiguous() {
+        return Err(value_error("block_tables must be C-contiguous"));
+    }
     let width = rows.block_tables.shape()[1];
     let sinks = rows
         .sinks
@@ -276,6 +279,7 @@ fn readonly<'py, T: numpy::Element>(
     let typed = array
         .cast::<PyArrayDyn<T>>()
         .map_err(|_| wrong_type::<T>(name))?;
+    c_contiguous(typed, name)?;
     typed
         .try_readonly()
         .map_err(|_| value_error(format!("{name} is borrowed for writing elsewhere")))
@@ -288,11 +292,21 @@ fn writable<'py, T: numpy::Element>(
     let typed = array
         .cast::<PyArrayDyn<T>>()
         .map_err(|_| wrong_type::<T>(name))?;
+    c_contiguous(typed, name)?;
     typed.try_readwrite().map_err(|_| {
         value_error(format!(
             "{name} must be a writable array borrowed nowhere else"
         ))
     })
+}
+
+/// numpy's slices take Fortran order too: a transposed array would be read in the wrong order.
+fn c_contiguous<T: numpy::Element>(array: &Bound<'_, PyArrayDyn<T>>, name: &str) -> PyResult<()> {
+    if array.is_c_contiguous() {
+        Ok(())
+    } else {
+        Err(value_error(format!("{name} must be C-contiguous")))
+    }
 }
 
 fn wrong_type<T: numpy::Element>(name: &str) -> PyErr {

@@ -11,6 +11,7 @@ mod convert;
 mod errors;
 mod kv_cache;
 mod layout;
+mod linear;
 mod lock;
 mod quant;
 mod sched;
@@ -36,6 +37,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(content_digest::content_digests, module)?)?;
     module.add_function(wrap_pyfunction!(attention::paged_attention, module)?)?;
     module.add_function(wrap_pyfunction!(attention::use_openmp, module)?)?;
+    module.add_function(wrap_pyfunction!(linear::linear, module)?)?;
     module.add_function(wrap_pyfunction!(layout::kv_cache_groups, module)?)?;
     module.add_function(wrap_pyfunction!(quant::quantize_kv_rows, module)?)?;
     module.add_function(wrap_pyfunction!(quant::dequantize_kv_rows, module)?)?;
