@@ -15,7 +15,7 @@ use numpy::{
 };
 use pyo3::prelude::*;
 
-use crate::convert::Count;
+use crate::convert::{cast, cast_mut, Count};
 use crate::errors::{value_error, IntoPyResult};
 
 /// The step's rows and how they attend, as Python gave them.
@@ -327,20 +327,4 @@ fn contiguous<'a, T, E>(slice: &Result<&'a [T], E>, name: &str) -> PyResult<&'a 
 
 fn contiguous_mut<'a, T, E>(slice: Result<&'a mut [T], E>, name: &str) -> PyResult<&'a mut [T]> {
     slice.map_err(|_| value_error(format!("{name} must be C-contiguous")))
-}
-
-/// Numpy's storage type as the element type of the same bits (f32 as f32; int16 as bf16 or
-/// f16).
-fn cast<T, E>(slice: &[T]) -> &[E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: same size and alignment, and every bit pattern is a valid f32, bf16 or f16.
-    unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<E>(), slice.len()) }
-}
-
-fn cast_mut<T, E>(slice: &mut [T]) -> &mut [E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: as `cast`; the slice is borrowed mutably for the result's life.
-    unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<E>(), slice.len()) }
 }

@@ -5,7 +5,7 @@ use atb_mem_core::{bf16, f16, Element, Linear};
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::convert::Count;
+use crate::convert::{cast, cast_mut, Count};
 use crate::errors::{value_error, IntoPyResult};
 
 /// `out [rows, N] = x [rows, K] · weight [N, K]ᵀ` (see `_core.pyi`).
@@ -133,20 +133,4 @@ fn typed<'py, T: numpy::Element>(
 fn dims(shape: &[usize], name: &str) -> PyResult<[usize; 2]> {
     <[usize; 2]>::try_from(shape)
         .map_err(|_| value_error(format!("{name} must be 2-D, got shape {shape:?}")))
-}
-
-/// Numpy's storage type as the element type of the same bits (f32 as f32; int16 as bf16 or
-/// f16).
-fn cast<T, E>(slice: &[T]) -> &[E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: same size and alignment, and every bit pattern is a valid f32, bf16 or f16.
-    unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<E>(), slice.len()) }
-}
-
-fn cast_mut<T, E>(slice: &mut [T]) -> &mut [E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: as `cast`; the slice is borrowed mutably for the result's life.
-    unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<E>(), slice.len()) }
 }

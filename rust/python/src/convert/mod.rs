@@ -17,7 +17,7 @@ pub use args::{
     BlockPairs, CacheSalt, Count, Dtype, LayerTypes, Nanos, Positions, Prompt, SeqId, SeqIds,
     TokenIds,
 };
-pub use arrays::{figures_to_dict, narrow_slots, pairs_to_array, to_2d};
+pub use arrays::{cast, cast_mut, figures_to_dict, narrow_slots, pairs_to_array, to_2d};
 
 const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
 
