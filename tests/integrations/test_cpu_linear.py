@@ -1,9 +1,9 @@
-"""A compiled forward's linear layers on the CPU (``integrations/cpu_linear.py``): below
-``FEW_ROWS`` rows the core's product, float32 within float32 rounding of the exact product and
-bfloat16 within one rounding, the same bits on any thread count; bfloat16 of more rows summed in
-float32, within one rounding; float32 layers taken over on any CPU, bfloat16 ones only where the
-CPU lacks bfloat16 instructions, and only inside dynamo; a compiled Engine on Qwen3-0.6B's
-shapes that uses them gives HF's tokens up to near ties (a wrong slice fails)."""
+"""A compiled forward's bfloat16 linear layers (``integrations/cpu_linear.py``): below
+``FEW_ROWS`` rows the core's product (float32 within float32 rounding of the exact product,
+bfloat16 within one rounding, the same bits on any thread count), from ``FEW_ROWS`` rows summed
+in float32 through the BLAS, within one rounding; layers taken over only where the CPU lacks
+bfloat16 instructions, and only inside dynamo; a compiled Engine on Qwen3-0.6B's shapes that
+uses them gives HF's tokens up to near ties (a wrong slice fails)."""
 
 from __future__ import annotations
 
@@ -94,20 +94,20 @@ def test_other_dtypes_and_no_rows_are_torchs_own() -> None:
     assert module.cpu_linear(empty, weight.to(torch.bfloat16), None).shape == (0, 8)
 
 
-def test_float32_layers_are_taken_and_bfloat16_ones_only_where_it_lacks_instructions(
+def test_layers_are_taken_only_where_bfloat16_lacks_instructions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = model_pair("qwen3_shapes")[0]
     linears = sum(type(layer) is torch.nn.Linear for layer in model.modules())
+    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: True)
+    assert module.compute_linears_on_cpu(model) == 0  # float32: torch's products stay
+    model = model.to(torch.bfloat16)
     inputs = torch.randint(3, 100, (1, 20))
     with torch.inference_mode():
         before = model(inputs).logits
-        assert module.compute_linears_on_cpu(model) == linears > 0  # float32: on any CPU
+        assert module.compute_linears_on_cpu(model) == linears > 0
         assert module.compute_linears_on_cpu(model) == linears  # once per layer
         # Outside dynamo the model is transformers' own, bit for bit.
         assert torch.equal(model(inputs).logits, before)
-    monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: True)
-    assert module.compute_linears_on_cpu(model_pair("qwen3_shapes")[0].to(torch.bfloat16)) \
-        == linears
     monkeypatch.setattr(module, "lacks_bf16_instructions", lambda: False)
     assert module.compute_linears_on_cpu(model_pair("qwen3_shapes")[0].to(torch.bfloat16)) == 0
 

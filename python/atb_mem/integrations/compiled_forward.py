@@ -24,6 +24,7 @@ through Python hooks), a tensor-parallel rank, and CUDA (FlashInfer's path stays
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +75,11 @@ class CompiledForward:
         self.model = model
         # Graphs of its own: by default every compile of one model class shares the class's
         # forward's entries and their recompile limit (8), and the fifth engine of a class in
-        # a process ran eager, silently, once its predecessors had used them up.
-        self.compiled: Any = torch.compile(model, dynamic=True, isolate_recompiles=True)
+        # a process ran eager, silently, once its predecessors had used them up (an older
+        # torch has no isolation to ask for).
+        isolated = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+        self.compiled: Any = torch.compile(  # type: ignore[call-overload]
+            model, dynamic=True, **({"isolate_recompiles": True} if isolated else {}))
         self.failed: str | None = None
 
     def __call__(self, *, logits_to_keep: torch.Tensor, **inputs: Any) -> Any:

@@ -1,27 +1,24 @@
-"""A compiled forward's linear layers on the CPU: few rows through the core's product, and
-bfloat16 ones of many rows summed in float32 on CPUs without bfloat16 instructions.
+"""A compiled forward's bfloat16 linear layers on CPUs without bfloat16 instructions.
 
-Few rows (a decode step's): a BLAS's matrix product packs the weight into its own layout on
-every call, which pays off over many rows only. Below ``FEW_ROWS`` rows the core's
-``linear`` reads the weight once, in place and in its own dtype, and sums in float32 (Zen 3,
-two cores, the 57 float32 projections of an 8-layer toy model: 2 rows 1.7 against 4.2 ms with
-torch's product, 8 rows 3.2 against 4.9). Every element is within float32 rounding of the exact
-product, as torch's is; the additions' order differs from MKL's.
+Without AVX512-BF16 or AMX (AVX2 CPUs, AMD's Zen 3 among them), torch's bfloat16 matrix
+product converts and multiplies element by element inside oneDNN: ~20 GFLOP/s on two cores,
+whatever the rows, where float32's BLAS runs at ~150 (oneDNN refuses a bfloat16 matmul
+primitive there, so vLLM's CPU build falls back to the same ``F.linear``). So each such layer
+becomes one opaque operator (``atb_mem::linear``), which decides by the step's rows when it
+runs (no graph is compiled per size):
 
-Many rows in bfloat16, without AVX512-BF16 or AMX (AVX2 CPUs, AMD's Zen 3 among them): torch's
-bfloat16 matrix product converts and multiplies element by element inside oneDNN, ~20 GFLOP/s
-on two cores where float32's BLAS runs at ~150 (oneDNN refuses a bfloat16 matmul primitive
-there, so vLLM's CPU build falls back to the same ``F.linear``). The products are the same
-either way: a bfloat16 value is exactly a float32 one, and both accumulate in float32 and round
-the sum to bfloat16 once. So such a linear converts its weight to float32 (a slice of a few MiB
-at a time, converted while it stays in cache, so the model's memory does not grow), multiplies
-in float32 and rounds the result to bfloat16.
+- below ``FEW_ROWS`` rows (decode steps) the core's product (``_core.linear``) reads the
+  bfloat16 weight once, in place, and sums in float32, rounding once;
+- from ``FEW_ROWS`` rows the weight is converted to float32 a slice of a few MiB at a time
+  (converted while it stays in cache, so the model's memory does not grow), multiplied by
+  float32's BLAS and the result rounded to bfloat16.
 
-Only a compiled forward takes the layers over (``compute_linears_on_cpu``): float32 ones on
-any CPU, bfloat16 ones where the CPU lacks its instructions. Each becomes one opaque operator
-(``atb_mem::linear``), which decides by the step's rows when it runs, so no graph is compiled
-per size. A model called outside dynamo (the user's own ``generate``), or compiled where
-autograd records (training), runs its linears as transformers made them.
+The products are torch's either way: a bfloat16 value is exactly a float32 one, and both
+accumulate in float32 and round the sum to bfloat16 once; only the order of the additions
+differs. Float32 layers stay torch's: the operator's call costs more than the core's product
+saves over MKL's inside a compiled step (the toy's run, alternating: 9.0 s with them taken
+over, 8.1 s without). A model called outside dynamo (the user's own ``generate``), or compiled
+where autograd records (training), runs its linears as transformers made them.
 """
 
 from __future__ import annotations
@@ -38,9 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["FEW_ROWS", "compute_linears_on_cpu", "cpu_linear", "lacks_bf16_instructions"]
 
 FEW_ROWS = 16
-"""Rows below which the core's product runs, and from which a bfloat16 product is taken in
-float32 (Zen 3, two cores: the toy's float32 projections at 16 rows 3.7 against 5.2 ms; Qwen3-
-0.6B's 196 bfloat16 ones at 16 rows in float32 0.49 against 0.70 s)."""
+"""Rows below which the core's product runs, and from which the product is taken in float32
+through the BLAS (Qwen3-0.6B's 196 projections on a Zen 3 core pair, 16 rows: 0.49 against
+torch's 0.70 s)."""
 
 _SLICE_ELEMENTS = 1 << 21
 """Weight elements converted at a time: 8 MiB in float32, within a core pair's L3."""
@@ -63,7 +60,7 @@ def lacks_bf16_instructions() -> bool:
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: below ``FEW_ROWS`` rows of float32, bfloat16 or float16
     on the CPU the core's product; bfloat16 of more rows, on a CPU that lacks its
-    instructions, in float32; anything else torch's."""
+    instructions, in float32 through the BLAS; anything else torch's."""
     import torch
 
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
@@ -105,19 +102,20 @@ def _operator() -> Any:
 
 
 def compute_linears_on_cpu(model: Any) -> int:
-    """Puts ``model``'s ``nn.Linear`` layers on the CPU behind the operator where dynamo traces
-    them: float32 ones, and bfloat16 ones where the CPU lacks bfloat16 instructions; returns how
-    many layers it took."""
+    """Puts ``model``'s bfloat16 ``nn.Linear`` layers on the CPU behind the operator where
+    dynamo traces them, on a CPU that lacks bfloat16 instructions; returns how many layers it
+    took (none on another CPU, device or dtype)."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compute_linears_on_cpu takes a torch module, got "
                         f"{type(model).__name__}")
-    dtypes = {torch.float32} | ({torch.bfloat16} if lacks_bf16_instructions() else set())
+    if not lacks_bf16_instructions():
+        return 0
     operator = _operator()
     layers: list[Any] = [module for module in model.modules()
                          if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-                         and module.weight.dtype in dtypes]
+                         and module.weight.dtype == torch.bfloat16]
     for layer in layers:
         if not getattr(layer, "_atb_mem_linear", False):
             layer.forward = _forward(layer, operator)
