@@ -23,6 +23,7 @@ where autograd records (training), runs its linears as transformers made them.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from atb_mem import _core
@@ -48,8 +49,10 @@ _CORE_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16",
 """torch's dtypes the core's product takes, by name, and the core's names for them."""
 
 
+@functools.cache
 def lacks_bf16_instructions() -> bool:
-    """Whether this x86 CPU multiplies bfloat16 only by converting (no AVX512-BF16, no AMX)."""
+    """Whether this x86 CPU multiplies bfloat16 only by converting (no AVX512-BF16, no AMX);
+    asked once (a linear of many rows asks on every call)."""
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
