@@ -24,7 +24,8 @@ const LANES: usize = 8;
 
 /// `out` (`[rows, features_out]`) = `x` (`[rows, features_in]`) times `weight`
 /// (`[features_out, features_in]`) transposed, plus `bias` (`[features_out]`) when given, all
-/// row-major; the bias is added to the `f32` sum, which is rounded once.
+/// row-major; the bias is added to the `f32` sum, which is rounded once. `E` is `f32`, `bf16`
+/// or `f16`: elements, not a quantized cache's rows of codes and a scale.
 #[derive(Debug, Clone, Copy)]
 pub struct Linear<'a, E> {
     pub x: &'a [E],
