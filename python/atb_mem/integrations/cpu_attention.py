@@ -42,10 +42,12 @@ from atb_mem.kv.quantized_rows import dequantize_tensor_rows, quantize_host_rows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep", "numpy_bits",
-           "share_torchs_threads", "torch_cpu_has"]
+__all__ = ["CORE_DTYPES", "SDPA_MIN_TOKENS", "CpuPagedAttention", "CpuPagedStep",
+           "numpy_bits", "share_torchs_threads", "torch_cpu_has"]
 
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+CORE_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16",
+               "torch.float16": "float16"}
+"""torch's dtypes the core's kernels compute, by name, and the core's names for them."""
 
 SDPA_MIN_TOKENS = 16
 """The shortest all-new row given to torch's SDPA (where it is used at all, see above)."""
@@ -56,10 +58,11 @@ class CpuPagedAttention:
 
     def __init__(self, block_size: int, dtype: Any, kv_cache_dtype: KVCacheDtype = "auto"
                  ) -> None:
-        if str(dtype) not in _DTYPES:
-            raise ValueError(f"the CPU kernel computes {sorted(_DTYPES.values())}, not {dtype}")
+        if str(dtype) not in CORE_DTYPES:
+            raise ValueError(f"the CPU kernel computes {sorted(CORE_DTYPES.values())}, "
+                             f"not {dtype}")
         self.block_size = block_size
-        self.dtype = _DTYPES[str(dtype)]
+        self.dtype = CORE_DTYPES[str(dtype)]
         self.kv_cache_dtype = kv_cache_dtype
         """``"auto"`` (the caches hold ``dtype``) or a quantized cache's rows, read in place."""
         # Over a quantized cache SDPA reads what the rows read back as (dequantized), fresh

@@ -27,7 +27,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from atb_mem import _core
-from atb_mem.integrations.cpu_attention import numpy_bits, torch_cpu_has
+from atb_mem.integrations.cpu_attention import CORE_DTYPES, numpy_bits, torch_cpu_has
 from atb_mem.integrations.graph_operators import define_operator
 
 if TYPE_CHECKING:
@@ -44,9 +44,6 @@ _SLICE_ELEMENTS = 1 << 21
 """Weight elements converted at a time: 8 MiB in float32, within a core pair's L3."""
 
 _SCHEMA = "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
-_CORE_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16",
-                "torch.float16": "float16"}
-"""torch's dtypes the core's product takes, by name, and the core's names for them."""
 
 
 @functools.cache
@@ -72,7 +69,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     features = weight.shape[1]
     rows = x.numel() // features if features else 0
     same = x.dtype == weight.dtype and x.device.type == weight.device.type == "cpu"
-    core_dtype = _CORE_DTYPES.get(str(x.dtype))
+    core_dtype = CORE_DTYPES.get(str(x.dtype))
     if 0 < rows < FEW_ROWS and same and core_dtype is not None:
         out = x.new_empty((rows, weight.shape[0]))
         _core.linear(numpy_bits(x.reshape(rows, features).contiguous()),

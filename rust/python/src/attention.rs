@@ -9,13 +9,10 @@ use atb_mem_core::{
     bf16, f16, write_slots, AttentionShape, Element, Fp8E4m3Code, Int8Code, KvCacheDtype, NewKv,
     PagedAttention, StepRows, Visibility,
 };
-use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
-    PyReadwriteArrayDyn, PyUntypedArrayMethods,
-};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::convert::{cast, cast_mut, Count};
+use crate::convert::{cast, cast_mut, contiguous, contiguous_mut, readonly, writable, Count};
 use crate::errors::{value_error, IntoPyResult};
 
 /// The step's rows and how they attend, as Python gave them.
@@ -270,61 +267,4 @@ fn paged_call<'a, E, C>(
 fn dims(shape: &[usize], name: &str) -> PyResult<[usize; 3]> {
     <[usize; 3]>::try_from(shape)
         .map_err(|_| value_error(format!("{name} must be 3-D, got shape {shape:?}")))
-}
-
-fn readonly<'py, T: numpy::Element>(
-    array: &Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
-    let typed = array
-        .cast::<PyArrayDyn<T>>()
-        .map_err(|_| wrong_type::<T>(name))?;
-    c_contiguous(typed, name)?;
-    typed
-        .try_readonly()
-        .map_err(|_| value_error(format!("{name} is borrowed for writing elsewhere")))
-}
-
-fn writable<'py, T: numpy::Element>(
-    array: &Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
-    let typed = array
-        .cast::<PyArrayDyn<T>>()
-        .map_err(|_| wrong_type::<T>(name))?;
-    c_contiguous(typed, name)?;
-    typed.try_readwrite().map_err(|_| {
-        value_error(format!(
-            "{name} must be a writable array borrowed nowhere else"
-        ))
-    })
-}
-
-/// numpy's slices take Fortran order too: a transposed array would be read in the wrong order.
-fn c_contiguous<T: numpy::Element>(array: &Bound<'_, PyArrayDyn<T>>, name: &str) -> PyResult<()> {
-    if array.is_c_contiguous() {
-        Ok(())
-    } else {
-        Err(value_error(format!("{name} must be C-contiguous")))
-    }
-}
-
-fn wrong_type<T: numpy::Element>(name: &str) -> PyErr {
-    let wanted = match std::mem::size_of::<T>() {
-        4 => "float32",
-        1 => "uint8 (a quantized cache's rows)",
-        _ => "int16 (a 16-bit tensor's bits)",
-    };
-    value_error(format!("{name} must be a numpy {wanted} array"))
-}
-
-fn contiguous<'a, T, E>(slice: &Result<&'a [T], E>, name: &str) -> PyResult<&'a [T]> {
-    slice
-        .as_ref()
-        .map(|slice| *slice)
-        .map_err(|_| value_error(format!("{name} must be C-contiguous")))
-}
-
-fn contiguous_mut<'a, T, E>(slice: Result<&'a mut [T], E>, name: &str) -> PyResult<&'a mut [T]> {
-    slice.map_err(|_| value_error(format!("{name} must be C-contiguous")))
 }

@@ -2,10 +2,10 @@
 //! over numpy views of torch's tensors (16-bit ones as their int16 bits), the GIL released.
 
 use atb_mem_core::{bf16, f16, Element, Linear};
-use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 
-use crate::convert::{cast, cast_mut, Count};
+use crate::convert::{cast, cast_mut, contiguous, contiguous_mut, readonly, writable, Count};
 use crate::errors::{value_error, IntoPyResult};
 
 /// `out [rows, N] = x [rows, K] · weight [N, K]ᵀ` (see `_core.pyi`).
@@ -44,27 +44,9 @@ fn product<E: Element, T: numpy::Element>(
     bias: Option<&Bound<'_, PyAny>>,
     threads: usize,
 ) -> PyResult<()> {
-    let bias = bias.map(|bias| typed::<T>(bias, "bias")).transpose()?;
-    let bias = bias
-        .as_ref()
-        .map(|bias| bias.try_readonly())
-        .transpose()
-        .map_err(|_| value_error("bias is borrowed for writing elsewhere"))?;
-    let (x, weight, out) = (
-        typed::<T>(x, "x")?,
-        typed::<T>(weight, "weight")?,
-        typed::<T>(out, "out")?,
-    );
-    let (x, weight) = (
-        x.try_readonly()
-            .map_err(|_| value_error("x is borrowed for writing elsewhere"))?,
-        weight
-            .try_readonly()
-            .map_err(|_| value_error("weight is borrowed for writing elsewhere"))?,
-    );
-    let mut out = out
-        .try_readwrite()
-        .map_err(|_| value_error("out must be a writable array borrowed nowhere else"))?;
+    let (x, weight) = (readonly::<T>(x, "x")?, readonly::<T>(weight, "weight")?);
+    let bias = bias.map(|bias| readonly::<T>(bias, "bias")).transpose()?;
+    let mut out = writable::<T>(out, "out")?;
     let ([rows, inner], [features, weight_inner], [out_rows, out_features]) = (
         dims(x.shape(), "x")?,
         dims(weight.shape(), "weight")?,
@@ -78,20 +60,6 @@ fn product<E: Element, T: numpy::Element>(
             out.shape()
         )));
     }
-    // numpy's slices take Fortran order too: a transposed array would be read in the wrong
-    // order.
-    let contiguous = |name: &str| value_error(format!("{name} must be C-contiguous"));
-    for (array, name) in [(&x, "x"), (&weight, "weight")] {
-        if !array.is_c_contiguous() {
-            return Err(contiguous(name));
-        }
-    }
-    if !out.is_c_contiguous() {
-        return Err(contiguous("out"));
-    }
-    let x = cast::<T, E>(x.as_slice().map_err(|_| contiguous("x"))?);
-    let weight = cast::<T, E>(weight.as_slice().map_err(|_| contiguous("weight"))?);
-    let out = cast_mut::<T, E>(out.as_slice_mut().map_err(|_| contiguous("out"))?);
     let bias = match &bias {
         Some(bias) if bias.ndim() != 1 => {
             return Err(value_error(format!(
@@ -99,35 +67,19 @@ fn product<E: Element, T: numpy::Element>(
                 bias.shape()
             )))
         }
-        Some(bias) => Some(cast::<T, E>(
-            bias.as_slice().map_err(|_| contiguous("bias"))?,
-        )),
+        Some(bias) => Some(cast::<T, E>(contiguous(&bias.as_slice(), "bias")?)),
         None => None,
     };
     let call = Linear {
-        x,
-        weight,
+        x: cast::<T, E>(contiguous(&x.as_slice(), "x")?),
+        weight: cast::<T, E>(contiguous(&weight.as_slice(), "weight")?),
         bias,
         rows,
         features_in: inner,
         features_out: features,
     };
+    let out = cast_mut::<T, E>(contiguous_mut(out.as_slice_mut(), "out")?);
     py.detach(|| call.run(out, threads)).into_py_result()
-}
-
-fn typed<'py, T: numpy::Element>(
-    array: &Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<Bound<'py, PyArrayDyn<T>>> {
-    let wanted = if std::mem::size_of::<T>() == 4 {
-        "float32"
-    } else {
-        "int16 (a 16-bit tensor's bits)"
-    };
-    array
-        .cast::<PyArrayDyn<T>>()
-        .cloned()
-        .map_err(|_| value_error(format!("{name} must be a numpy {wanted} array")))
 }
 
 fn dims(shape: &[usize], name: &str) -> PyResult<[usize; 2]> {

@@ -54,19 +54,3 @@ pub fn pairs_to_array<'py>(
         .collect();
     to_2d(py, cells, rows, 2)
 }
-
-/// Numpy's storage type as the element type of the same bits (f32 as f32; int16 as bf16 or
-/// f16).
-pub fn cast<T, E>(slice: &[T]) -> &[E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: same size and alignment, and every bit pattern is a valid f32, bf16 or f16.
-    unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<E>(), slice.len()) }
-}
-
-pub fn cast_mut<T, E>(slice: &mut [T]) -> &mut [E] {
-    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<E>());
-    assert_eq!(std::mem::align_of::<T>(), std::mem::align_of::<E>());
-    // Safety: as `cast`; the slice is borrowed mutably for the result's life.
-    unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<E>(), slice.len()) }
-}

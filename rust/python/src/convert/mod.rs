@@ -12,12 +12,14 @@ use crate::errors::{type_error, value_error};
 
 mod args;
 mod arrays;
+mod tensor_views;
 
 pub use args::{
     BlockPairs, CacheSalt, Count, Dtype, LayerTypes, Nanos, Positions, Prompt, SeqId, SeqIds,
     TokenIds,
 };
-pub use arrays::{cast, cast_mut, figures_to_dict, narrow_slots, pairs_to_array, to_2d};
+pub use arrays::{figures_to_dict, narrow_slots, pairs_to_array, to_2d};
+pub use tensor_views::{cast, cast_mut, contiguous, contiguous_mut, readonly, writable};
 
 const SEQ_ID_RANGE: &str = "an int in [0, 2**63)";
 
